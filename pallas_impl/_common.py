@@ -1,0 +1,184 @@
+"""Constants, tile choices, backend choice and input checks shared by the Pallas kernels' wrappers.
+
+jax and numpy only: a JAX user installs and runs `pallas_impl` without torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+# Shared with triton_impl/_common.py (a test asserts they agree).
+MASK_BLOCK_T = 128  # query tokens per mask program (SPEC 3)
+SCAN = 32  # request boundaries compared per scan step (one warp)
+SCAN_UNROLL = 4  # scan steps whose loads are issued together
+MERGE_TILE_ELEMS = 8192  # BLOCK_T * BLOCK_H * BLOCK_D of one merge program
+ZERO_TILE_ELEMS = 16384  # elements of one output-zeroing store in the mask
+LSE_LAYOUTS = ("HT", "TH")
+FP8_E4M3_MAX = 448.0
+LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634
+IMPLEMENTATIONS = ("pallas", "jnp")
+
+OUTPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def mask_tiles(num_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """(block_h, block_ho, block_d): head tile of the LSE stores, head and dim tiles of output zeroing."""
+    block_h = min(next_pow2(num_heads), 16)
+    block_d = min(next_pow2(head_dim), 128)
+    block_ho = max(1, min(next_pow2(num_heads), ZERO_TILE_ELEMS // (MASK_BLOCK_T * block_d)))
+    return block_h, block_ho, block_d
+
+
+def merge_tiles(num_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """(block_t, block_h, block_d) of a merge program: the whole (padded) head, then heads, then tokens."""
+    block_d = next_pow2(head_dim)
+    block_h = min(next_pow2(num_heads), max(1, MERGE_TILE_ELEMS // block_d))
+    block_t = max(1, MERGE_TILE_ELEMS // (block_d * block_h))
+    return block_t, block_h, block_d
+
+
+def mask_grid(num_tokens: int, num_requests: int) -> tuple[int]:
+    # Worst case: each request may open a partial block -> T // block_t + R programs.
+    return (num_tokens // MASK_BLOCK_T + num_requests,)
+
+
+def merge_grid(num_tokens: int, num_heads: int, head_dim: int) -> tuple[int, int]:
+    block_t, block_h, _ = merge_tiles(num_heads, head_dim)
+    return (pl.cdiv(num_tokens, block_t), pl.cdiv(num_heads, block_h))
+
+
+def compiler_params(num_warps: int):
+    """Pins the Pallas Triton lowering (SPEC 6); see docs/design.md for the move to Mosaic GPU."""
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """None: interpret on CPU, compile on GPU."""
+    if interpret is None:
+        return jax.default_backend() == "cpu"
+    return bool(interpret)
+
+
+def resolve_implementation(implementation: str | None) -> str:
+    """None: the Pallas kernel on GPU, the jnp path elsewhere. An explicit choice never falls back."""
+    backend = jax.default_backend()
+    if implementation is None:
+        return "pallas" if backend == "gpu" else "jnp"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    if implementation == "pallas" and backend not in ("gpu", "cpu"):
+        raise NotImplementedError(
+            f"the Pallas kernels target GPUs (and the CPU interpreter); backend is {backend!r}: "
+            "use implementation='jnp'")
+    return implementation
+
+
+def has_empty_context(chunk_seq_lens) -> bool:
+    """Host guard for the mask: does any request have 0 KV tokens in this chunk?
+
+    Args:
+      chunk_seq_lens: host data (a sequence or a numpy array), as serving stacks keep it before the upload.
+
+    Raises:
+      ValueError: for a jax.Array, since reading it would synchronise the device (or fail under jit).
+    """
+    if isinstance(chunk_seq_lens, jax.Array):
+        raise ValueError("has_empty_context needs host data; got a jax.Array (reading it would synchronise "
+                         "the device, and fails under jit): pass the host copy")
+    return bool((np.asarray(chunk_seq_lens) == 0).any())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Input checks. The always-on tier reads shapes and dtypes only, so under jax.jit it runs at trace time.
+
+
+def check_lse_layout(lse_layout: str) -> None:
+    if lse_layout not in LSE_LAYOUTS:
+        raise ValueError(f"lse_layout must be one of {LSE_LAYOUTS}, got {lse_layout!r}")
+
+
+def check_lse_base(lse_base) -> bool:
+    """Returns True for base 2."""
+    if lse_base == 2:
+        return True
+    if lse_base == math.e:
+        return False
+    raise ValueError(f"lse_base must be math.e or 2, got {lse_base!r}")
+
+
+def check_array(name: str, x, *, ndim: int, dtypes) -> None:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got {name}.shape={tuple(x.shape)}")
+    if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in dtypes]:
+        names = ", ".join(jnp.dtype(d).name for d in dtypes)
+        raise TypeError(f"{name} must be {names}; got {name}.dtype={jnp.dtype(x.dtype).name}")
+
+
+def check_lse_shape(name: str, lse, lse_layout: str, num_heads: int, num_tokens: int) -> None:
+    want = (num_heads, num_tokens) if lse_layout == "HT" else (num_tokens, num_heads)
+    if tuple(lse.shape) != want:
+        raise ValueError(
+            f"{name} must be f32{list(want)} for lse_layout={lse_layout!r}; got {name}.shape={tuple(lse.shape)}")
+
+
+def check_offsets(query_start_loc, cu_seq_lens, *, cu_name="cu_seq_lens") -> int:
+    """Shape and dtype checks of the two offset arrays; returns R."""
+    check_array("query_start_loc", query_start_loc, ndim=1, dtypes=(jnp.int32,))
+    check_array(cu_name, cu_seq_lens, ndim=1, dtypes=(jnp.int32,))
+    if query_start_loc.shape[0] < 1:
+        raise ValueError("query_start_loc must have R+1 >= 1 entries, got an empty array")
+    if cu_seq_lens.shape != query_start_loc.shape:
+        raise ValueError(
+            f"query_start_loc and {cu_name} must both be i32[R+1]; got "
+            f"query_start_loc.shape={tuple(query_start_loc.shape)}, {cu_name}.shape={tuple(cu_seq_lens.shape)}")
+    return query_start_loc.shape[0] - 1
+
+
+def _concrete(name: str, x):
+    if isinstance(x, jax.core.Tracer):
+        raise ValueError(f"validate=True reads {name}'s values on the host and cannot run under jax.jit; "
+                         "validate outside jit, or pass validate=False")
+    return np.asarray(x)
+
+
+def check_offset_values(query_start_loc, cu_seq_lens, num_tokens: int, *, cu_name="cu_seq_lens") -> None:
+    """validate=True tier: reads the offsets on the host (a device sync; not under jit)."""
+    for name, x in (("query_start_loc", query_start_loc), (cu_name, cu_seq_lens)):
+        v = _concrete(name, x).astype(np.int64)
+        if v[0] != 0:
+            raise ValueError(f"{name}[0] must be 0, got {v[0]}")
+        bad = np.nonzero(v[1:] < v[:-1])[0]
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"{name} must be non-decreasing; {name}[{i}]={v[i]} > {name}[{i + 1}]={v[i + 1]}")
+    last = int(_concrete("query_start_loc", query_start_loc)[-1])
+    if last > num_tokens:
+        raise ValueError(f"query_start_loc[R]={last} is past the token count T={num_tokens}")
+
+
+def check_prefill_tokens(prefill_tokens_with_context, num_tokens: int, validate: bool):
+    """Returns prefill_tokens_with_context as an i32[1] array (traced values stay traced)."""
+    if prefill_tokens_with_context is None:
+        prefill_tokens_with_context = num_tokens
+    x = jnp.asarray(prefill_tokens_with_context)
+    if x.ndim != 0 or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"prefill_tokens_with_context must be an integer scalar; got {x.dtype}{list(x.shape)}")
+    if validate:
+        v = int(_concrete("prefill_tokens_with_context", prefill_tokens_with_context))
+        if not 0 <= v <= num_tokens:
+            raise ValueError(f"prefill_tokens_with_context={v} must be in [0, T={num_tokens}]")
+    return jnp.clip(x.astype(jnp.int32), 0, num_tokens).reshape(1)

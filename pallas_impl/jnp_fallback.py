@@ -1,0 +1,73 @@
+"""Plain-XLA (jnp) implementation of the mask and the merge, for backends without Pallas GPU (TPU, CPU).
+
+An implementation, tested against `parity.reference` like the kernels; not a second spec. Offsets and
+`prefill_tokens_with_context` stay traced. The token->request lookup is a `searchsorted`, which XLA handles
+well; the kernels avoid per-token metadata instead.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_impl import _common as c
+
+
+def _empty_tokens(query_start_loc, cu_seq_lens, num_tokens):
+    """bool[T]: tokens of requests whose chunk is empty; padding (t >= qsl[R]) is False."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    req = jnp.searchsorted(query_start_loc, t, side="right") - 1  # in [-1, R]
+    num_requests = query_start_loc.shape[0] - 1
+    safe = jnp.clip(req, 0, max(num_requests - 1, 0))
+    empty = cu_seq_lens[safe + 1] == cu_seq_lens[safe]
+    return (req >= 0) & (req < num_requests) & (t < query_start_loc[-1]) & empty
+
+
+@functools.partial(jax.jit, static_argnames=("lse_layout",))
+def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, lse_layout="HT"):
+    num_tokens = lse.shape[1] if lse_layout == "HT" else lse.shape[0]
+    empty = _empty_tokens(query_start_loc, cu_seq_lens, num_tokens)
+    lse = jnp.where(empty[None, :] if lse_layout == "HT" else empty[:, None], -jnp.inf, lse)
+    if output is None:
+        return lse
+    return lse, jnp.where(empty[:, None, None], jnp.zeros((), output.dtype), output)
+
+
+@functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2"))
+def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc,
+                      prefix_cu_seq_lens, prefill_tokens, *, return_lse, out_dtype, lse_layout, lse_base2):
+    num_tokens = prefix_output.shape[0]
+    p_raw = prefix_lse.T if lse_layout == "HT" else prefix_lse  # [T, H]
+    s_raw = suffix_lse.T if lse_layout == "HT" else suffix_lse
+    p, s = p_raw, s_raw
+    if lse_base2:
+        p, s = p * c.LN2, s * c.LN2
+    p = jnp.where((p == jnp.inf) | jnp.isnan(p), -jnp.inf, p)
+    s = jnp.where((s == jnp.inf) | jnp.isnan(s), -jnp.inf, s)
+    if query_start_loc is not None:
+        p = jnp.where(_empty_tokens(query_start_loc, prefix_cu_seq_lens, num_tokens)[:, None], -jnp.inf, p)
+    m = jnp.maximum(p, s)
+    both_empty = m == -jnp.inf
+    m = jnp.where(both_empty, 0.0, m)
+    pe, se = jnp.exp(p - m), jnp.exp(s - m)
+    z = pe + se
+    wp, ws = (pe / z)[..., None], (se / z)[..., None]
+    a = prefix_output.astype(jnp.float32)
+    b = suffix_output.astype(jnp.float32)
+    out = jnp.where(wp > 0, a * wp, 0.0) + jnp.where(ws > 0, b * ws, 0.0)
+    out = jnp.where(both_empty[..., None], 0.0, out)
+    copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill_tokens[0]
+    if output_scale is not None:
+        out = jnp.where(copy_t[:, None, None], b, out) / output_scale[0]
+        out = jnp.clip(out, -c.FP8_E4M3_MAX, c.FP8_E4M3_MAX).astype(out_dtype)
+    else:
+        out = jnp.where(copy_t[:, None, None], suffix_output, out.astype(out_dtype))
+    if not return_lse:
+        return out
+    lse = jnp.where(both_empty, -jnp.inf, jnp.log(z) + m)
+    if lse_base2:
+        lse = lse * c.LOG2E
+    lse = jnp.where(copy_t[:, None], s_raw, lse)
+    return out, (lse.T if lse_layout == "HT" else lse)

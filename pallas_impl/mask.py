@@ -1,0 +1,164 @@
+"""Empty-context LSE mask (SPEC 3): the Pallas GPU kernel and its functional, jit-friendly wrapper.
+
+The same algorithm as `triton_impl/mask.py`, statement by statement. Grid: one program per 128-token query
+block, worst case `T // 128 + R` programs; request r owns the programs from `qsl[r] // 128 + r` on. A program
+finds its request by counting, 32 request boundaries per step, the requests whose first program is at or
+before it (a compare-and-sum, no token->request map), then writes -inf over all heads of its tokens (and
+zeros over their output rows) if that request's chunk is empty. The LSE (and output) buffers are aliased to
+the results, so under `jax.jit(..., donate_argnames=("lse", "output"))` the update is in place.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_impl import _common as c
+from pallas_impl import jnp_fallback
+
+
+def _mask_empty_context_lse_kernel(
+    # inputs
+    qsl_ref,  # i32[R+1] query_start_loc
+    cu_ref,  # i32[R+1] cu_seq_lens of this context chunk
+    *refs,  # lse (and output) inputs, aliased to the outputs below; then lse (and output) outputs
+    num_requests: int, num_heads: int, head_dim: int, block_t: int, scan: int, scan_unroll: int,
+    block_h: int, block_ho: int, block_d: int, lse_layout: str, zero_output: bool,
+):
+    lse_ref = refs[len(refs) // 2]  # f32[H, T] or f32[T, H]
+    out_ref = refs[-1] if zero_output else None  # dtype[T, H, D]
+    pid = pl.program_id(0)
+
+    # Owning request = (number of requests whose first program is <= pid) - 1; request 0 starts at 0.
+    def scan_step(i, count):
+        for u in range(scan_unroll):
+            r = (i * scan_unroll + u) * scan + jnp.arange(scan, dtype=jnp.int32)
+            r_mask = r < num_requests
+            q_start = pltriton.load(qsl_ref.at[pl.ds((i * scan_unroll + u) * scan, scan)], mask=r_mask, other=0)
+            first_program = q_start // block_t + r
+            count += jnp.sum((r_mask & (first_program <= pid)).astype(jnp.int32))
+        return count
+
+    count = lax.fori_loop(0, pl.cdiv(num_requests, scan * scan_unroll), scan_step, jnp.int32(0))
+    req = count - 1
+
+    q_start = qsl_ref[req]
+    q_end = qsl_ref[req + 1]
+    is_empty = cu_ref[req + 1] == cu_ref[req]
+    t0 = (pid - req) * block_t  # = (q_start // block_t + block index within the request) * block_t
+    t = t0 + jnp.arange(block_t, dtype=jnp.int32)
+    t_mask = (t >= q_start) & (t < q_end)  # also empty for the spare programs of a request
+
+    @pl.when(is_empty)
+    def _():
+        # Tile starts come from loop indices: Pallas rejects a constant start whose tile overruns the array.
+        def fill_heads(j, carry):
+            h0 = j * block_h
+            h = h0 + jnp.arange(block_h, dtype=jnp.int32)
+            h_mask = h < num_heads
+            if lse_layout == "HT":  # whole-array refs: the layout is the index order
+                pltriton.store(lse_ref.at[pl.ds(h0, block_h), pl.ds(t0, block_t)],
+                               jnp.full((block_h, block_t), -jnp.inf, jnp.float32),
+                               mask=h_mask[:, None] & t_mask[None, :])
+            else:
+                pltriton.store(lse_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h)],
+                               jnp.full((block_t, block_h), -jnp.inf, jnp.float32),
+                               mask=t_mask[:, None] & h_mask[None, :])
+            return carry
+
+        lax.fori_loop(0, pl.cdiv(num_heads, block_h), fill_heads, 0)
+        if zero_output:
+            def zero_tile(j, carry):
+                h0 = (j // pl.cdiv(head_dim, block_d)) * block_ho
+                d0 = (j % pl.cdiv(head_dim, block_d)) * block_d
+                ho = h0 + jnp.arange(block_ho, dtype=jnp.int32)
+                d = d0 + jnp.arange(block_d, dtype=jnp.int32)
+                m = t_mask[:, None, None] & (ho < num_heads)[None, :, None] & (d < head_dim)[None, None, :]
+                pltriton.store(out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_ho), pl.ds(d0, block_d)],
+                               jnp.zeros((block_t, block_ho, block_d), out_ref.dtype), mask=m)
+                return carry
+
+            lax.fori_loop(0, pl.cdiv(num_heads, block_ho) * pl.cdiv(head_dim, block_d), zero_tile, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("lse_layout", "interpret"))
+def _mask_jit(lse, query_start_loc, cu_seq_lens, output, *, lse_layout, interpret):
+    num_requests = query_start_loc.shape[0] - 1
+    num_heads, num_tokens = lse.shape if lse_layout == "HT" else lse.shape[::-1]
+    zero_output = output is not None
+    head_dim = output.shape[2] if zero_output else 1
+    block_h, block_ho, block_d = c.mask_tiles(num_heads, head_dim)
+    kernel = functools.partial(
+        _mask_empty_context_lse_kernel, num_requests=num_requests, num_heads=num_heads, head_dim=head_dim,
+        block_t=c.MASK_BLOCK_T, scan=c.SCAN, scan_unroll=c.SCAN_UNROLL, block_h=block_h,
+        block_ho=block_ho, block_d=block_d, lse_layout=lse_layout, zero_output=zero_output)
+    buffers = (lse, output) if zero_output else (lse,)
+    results = pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in buffers],
+        grid=c.mask_grid(num_tokens, num_requests),
+        input_output_aliases={2 + i: i for i in range(len(buffers))},
+        interpret=interpret,
+        compiler_params=c.compiler_params(num_warps=4),
+        name="mask_empty_context_lse",
+    )(query_start_loc, cu_seq_lens, *buffers)
+    return tuple(results)
+
+
+def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, has_empty=None,
+                           lse_layout="HT", interpret=None, implementation=None, validate=False):
+    """Set the LSE of every query row of a request with an empty context chunk to -inf (SPEC 3).
+
+    Functional: returns new arrays. Donate the inputs for an in-place update:
+    ```
+    step = jax.jit(pallas_impl.mask_empty_context_lse, donate_argnames="lse")
+    lse = step(lse, query_start_loc, cu_seq_lens)  # the result reuses the donated buffer
+    ```
+
+    Args:
+      lse: f32[H, T] ([T, H] with lse_layout="TH"), natural log or base 2 (-inf is both).
+      query_start_loc: i32[R+1], 0-based, non-decreasing; tokens at or past qsl[R] are padding and untouched
+        (padded requests of zero length are normal input). Traced: new values never recompile.
+      cu_seq_lens: i32[R+1], this chunk's KV offsets; request r is empty iff cu[r+1] == cu[r].
+      output: optional fp32/fp16/bf16[T, H, D]; the empty rows are zeroed.
+      has_empty: host guard (a Python bool, never derived from device data). False returns the inputs
+        unchanged and launches nothing.
+      lse_layout: "HT" (vLLM, FA2) or "TH" (FlashInfer, SGLang, tpu-inference).
+      interpret: None interprets on CPU and compiles on GPU.
+      implementation: None (Pallas on GPU, jnp elsewhere), "pallas" or "jnp". An explicit choice never
+        falls back.
+      validate: also check the offsets' values on the host (not under jit).
+
+    Returns:
+      lse, or (lse, output) when output is given.
+
+    Raises:
+      TypeError: an array of the wrong dtype.
+      ValueError: wrong rank or shape, offsets of different lengths, an unknown layout; with validate=True,
+        offsets not starting at 0, decreasing, or past T.
+      NotImplementedError: implementation="pallas" on a backend without Pallas GPU.
+    """
+    c.check_lse_layout(lse_layout)
+    c.check_array("lse", lse, ndim=2, dtypes=(jnp.float32,))
+    num_requests = c.check_offsets(query_start_loc, cu_seq_lens)
+    num_heads, num_tokens = lse.shape if lse_layout == "HT" else lse.shape[::-1]
+    if output is not None:
+        c.check_array("output", output, ndim=3, dtypes=c.OUTPUT_DTYPES)
+        if tuple(output.shape[:2]) != (num_tokens, num_heads):
+            raise ValueError(f"output must be [T={num_tokens}, H={num_heads}, D]; got output.shape={tuple(output.shape)}")
+    if validate:
+        c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
+    impl = c.resolve_implementation(implementation)
+    if has_empty is False or num_requests == 0 or num_tokens == 0:
+        return lse if output is None else (lse, output)
+    if impl == "jnp":
+        return jnp_fallback.mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output,
+                                                   lse_layout=lse_layout)
+    results = _mask_jit(lse, query_start_loc, cu_seq_lens, output, lse_layout=lse_layout,
+                        interpret=c.resolve_interpret(interpret))
+    return results[0] if output is None else results

@@ -1,0 +1,243 @@
+"""Attention-state merge (SPEC 4): the Pallas GPU kernel and its functional, jit-friendly wrapper.
+
+The same algorithm as `triton_impl/merge.py`, statement by statement. Grid: `(cdiv(T, block_t),
+cdiv(H, block_h))`; a program merges a [block_t, block_h, block_d] tile (the whole padded head, then as many
+heads and tokens as fit in `MERGE_TILE_ELEMS`). The fused mask (SPEC 4.5) finds each token's request with the
+same 32-wide compare-and-sum as the mask kernel.
+
+Float math (SPEC 5), identical to the Triton kernel in operation order: f32 throughout, `jnp.exp`/`jnp.log`
+(libdevice `__nv_expf`/`__nv_logf` on GPU), no FMA contraction and no flush-to-zero (XLA's Triton pipeline
+does neither), division with `/`, cast only at the store.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_impl import _common as c
+from pallas_impl import jnp_fallback
+
+
+def _load_lse(ref, t0, h0, block_t, block_h, th_mask, lse_layout):
+    """f32[block_t, block_h] tile of an LSE of either layout (whole-array refs: layout = index order)."""
+    if lse_layout == "HT":
+        return pltriton.load(ref.at[pl.ds(h0, block_h), pl.ds(t0, block_t)], mask=th_mask.T, other=-jnp.inf).T
+    return pltriton.load(ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h)], mask=th_mask, other=-jnp.inf)
+
+
+def _store_lse(ref, t0, h0, block_t, block_h, value, th_mask, lse_layout):
+    if lse_layout == "HT":
+        pltriton.store(ref.at[pl.ds(h0, block_h), pl.ds(t0, block_t)], value.T, mask=th_mask.T)
+    else:
+        pltriton.store(ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h)], value, mask=th_mask)
+
+
+def _merge_attn_states_kernel(
+    # inputs
+    prefix_out_ref,  # dtype[T, H, D]
+    prefix_lse_ref,  # f32[H, T] or f32[T, H]
+    suffix_out_ref,  # dtype[T, H, D]
+    suffix_lse_ref,  # f32[H, T] or f32[T, H]
+    scale_ref,  # f32[1] output scale; unused unless fp8_out
+    qsl_ref,  # i32[R+1] query_start_loc; unused unless fused_mask
+    cu_ref,  # i32[R+1] the prefix chunk's cu_seq_lens; unused unless fused_mask
+    ptwc_ref,  # i32[1] prefill_tokens_with_context: tokens at or past it are suffix copies (SPEC 4.4)
+    # outputs
+    out_ref,  # out_dtype[T, H, D]
+    *out_lse_ref,  # f32 LSE of the merge, when output_lse
+    num_tokens: int, num_heads: int, head_dim: int, num_requests: int,
+    block_t: int, block_h: int, block_d: int, scan: int, scan_unroll: int,
+    lse_layout: str, lse_base2: bool, output_lse: bool, fused_mask: bool, fp8_out: bool,
+):
+    t0 = pl.program_id(0) * block_t
+    h0 = pl.program_id(1) * block_h
+    t = t0 + jnp.arange(block_t, dtype=jnp.int32)
+    h = h0 + jnp.arange(block_h, dtype=jnp.int32)
+    d = jnp.arange(block_d, dtype=jnp.int32)
+    t_mask = t < num_tokens
+    h_mask = h < num_heads
+    d_mask = d < head_dim
+    th_mask = t_mask[:, None] & h_mask[None, :]
+    thd_mask = th_mask[:, :, None] & d_mask[None, None, :]
+
+    # Issue every load first: the fused-mask scan below overlaps their latency.
+    p_raw = _load_lse(prefix_lse_ref, t0, h0, block_t, block_h, th_mask, lse_layout)
+    s_raw = _load_lse(suffix_lse_ref, t0, h0, block_t, block_h, th_mask, lse_layout)
+    a = pltriton.load(prefix_out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)],
+                      mask=thd_mask, other=0.0)
+    b = pltriton.load(suffix_out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)],
+                      mask=thd_mask, other=0.0)
+
+    p = p_raw
+    s = s_raw
+    if lse_base2:
+        p = p * c.LN2
+        s = s * c.LN2
+    # SPEC 4.1: +inf (FA2's empty row) and NaN read as -inf.
+    p = jnp.where((p == jnp.inf) | (p != p), -jnp.inf, p)
+    s = jnp.where((s == jnp.inf) | (s != s), -jnp.inf, s)
+    if fused_mask:  # SPEC 4.5: a token of a request whose prefix chunk is empty has p = -inf
+        def scan_step(i, hits):
+            for u in range(scan_unroll):
+                r0 = (i * scan_unroll + u) * scan
+                r = r0 + jnp.arange(scan, dtype=jnp.int32)
+                r_mask = r < num_requests
+                q_lo = pltriton.load(qsl_ref.at[pl.ds(r0, scan)], mask=r_mask, other=0)
+                q_hi = pltriton.load(qsl_ref.at[pl.ds(r0 + 1, scan)], mask=r_mask, other=0)
+                empty = r_mask & (pltriton.load(cu_ref.at[pl.ds(r0 + 1, scan)], mask=r_mask, other=0)
+                                  == pltriton.load(cu_ref.at[pl.ds(r0, scan)], mask=r_mask, other=0))
+                inside = (t[:, None] >= q_lo[None, :]) & (t[:, None] < q_hi[None, :]) & empty[None, :]
+                hits += jnp.sum(inside.astype(jnp.int32), axis=1)
+            return hits
+
+        hits = lax.fori_loop(0, pl.cdiv(num_requests, scan * scan_unroll), scan_step,
+                             jnp.zeros((block_t,), jnp.int32))
+        p = jnp.where(hits[:, None] > 0, -jnp.inf, p)
+
+    m = jnp.maximum(p, s)
+    both_empty = m == -jnp.inf  # SPEC 4.2
+    m = jnp.where(both_empty, 0.0, m)
+    pe = jnp.exp(p - m)
+    se = jnp.exp(s - m)
+    z = pe + se
+    wp = pe / z
+    ws = se / z
+    # SPEC 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
+    out = (jnp.where(wp[:, :, None] > 0.0, a.astype(jnp.float32) * wp[:, :, None], 0.0)
+           + jnp.where(ws[:, :, None] > 0.0, b.astype(jnp.float32) * ws[:, :, None], 0.0))
+    out = jnp.where(both_empty[:, :, None], 0.0, out)
+    copy_t = t >= ptwc_ref[0]  # SPEC 4.4
+    out_block = out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)]
+    if fp8_out:  # SPEC 4.6
+        out = jnp.where(copy_t[:, None, None], b.astype(jnp.float32), out)
+        out = out / scale_ref[0]
+        out = jnp.minimum(jnp.maximum(out, -c.FP8_E4M3_MAX), c.FP8_E4M3_MAX)
+        pltriton.store(out_block, out.astype(out_ref.dtype), mask=thd_mask)
+    else:
+        pltriton.store(out_block, jnp.where(copy_t[:, None, None], b, out.astype(out_ref.dtype)), mask=thd_mask)
+
+    if output_lse:
+        lse = jnp.log(z) + m
+        lse = jnp.where(both_empty, -jnp.inf, lse)
+        if lse_base2:
+            lse = lse * c.LOG2E
+        lse = jnp.where(copy_t[:, None], s_raw, lse)
+        _store_lse(out_lse_ref[0], t0, h0, block_t, block_h, lse, th_mask, lse_layout)
+
+
+_STATIC_ARGNAMES = ("return_lse", "out_dtype", "lse_layout", "lse_base2", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC_ARGNAMES)
+def _merge_jit(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc,
+               prefix_cu_seq_lens, prefill_tokens, *, return_lse, out_dtype, lse_layout, lse_base2, interpret):
+    num_tokens, num_heads, head_dim = prefix_output.shape
+    if num_tokens == 0 or num_heads == 0:
+        empty_out = jnp.zeros(prefix_output.shape, out_dtype)
+        return (empty_out, jnp.zeros(prefix_lse.shape, jnp.float32)) if return_lse else empty_out
+    fused = query_start_loc is not None
+    fp8 = output_scale is not None
+    dummy_i32 = jnp.zeros((1,), jnp.int32)
+    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim)
+    kernel = functools.partial(
+        _merge_attn_states_kernel, num_tokens=num_tokens, num_heads=num_heads, head_dim=head_dim,
+        num_requests=query_start_loc.shape[0] - 1 if fused else 0,
+        block_t=block_t, block_h=block_h, block_d=block_d, scan=c.SCAN, scan_unroll=c.SCAN_UNROLL,
+        lse_layout=lse_layout, lse_base2=lse_base2, output_lse=return_lse, fused_mask=fused, fp8_out=fp8)
+    out_shape = [jax.ShapeDtypeStruct(prefix_output.shape, out_dtype)]
+    if return_lse:
+        out_shape.append(jax.ShapeDtypeStruct(prefix_lse.shape, jnp.float32))
+    results = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=c.merge_grid(num_tokens, num_heads, head_dim),
+        interpret=interpret,
+        compiler_params=c.compiler_params(num_warps=8),
+        name="merge_attn_states",
+    )(prefix_output, prefix_lse, suffix_output, suffix_lse,
+      output_scale if fp8 else jnp.ones((1,), jnp.float32),
+      query_start_loc if fused else dummy_i32, prefix_cu_seq_lens if fused else dummy_i32, prefill_tokens)
+    return tuple(results) if return_lse else results[0]
+
+
+def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
+                      prefill_tokens_with_context=None, query_start_loc=None, prefix_cu_seq_lens=None,
+                      return_lse=True, out_dtype=None, output_scale=None, lse_layout="HT", lse_base=math.e,
+                      interpret=None, implementation=None, validate=False):
+    """Merge two attention partials by their LSEs (SPEC 4). Functional and jit-friendly.
+
+    Args:
+      prefix_output, suffix_output: dtype[T, H, D], fp32/fp16/bf16, one dtype. (JAX arrays have no strides:
+        slice a V-padded buffer before the call.)
+      prefix_lse, suffix_lse: f32[H, T] ([T, H] with lse_layout="TH"), natural log unless lse_base=2.
+        +inf and NaN mean an empty partial.
+      prefill_tokens_with_context: None (= T) or an integer scalar, traced or not. Tokens at or past it copy
+        the suffix row and LSE bits. Changing it never recompiles.
+      query_start_loc, prefix_cu_seq_lens: i32[R+1] both or neither: the fused mask (SPEC 4.5). Traced.
+      return_lse: also return the merged LSE (same layout and base).
+      out_dtype: None (the inputs' dtype) or float8_e4m3fn, which needs output_scale.
+      output_scale: f32 scalar or f32[1], for (and only for) an fp8 output (SPEC 4.6).
+      lse_layout: "HT" or "TH", for all LSEs.
+      lse_base: math.e or 2, for all LSEs.
+      interpret: None interprets on CPU and compiles on GPU.
+      implementation: None (Pallas on GPU, jnp elsewhere), "pallas" or "jnp"; an explicit choice never
+        falls back.
+      validate: also check offset values and prefill_tokens_with_context on the host (not under jit).
+
+    Returns:
+      (out dtype[T, H, D], lse f32) if return_lse else out.
+
+    Raises:
+      TypeError: an array of the wrong dtype.
+      ValueError: wrong ranks or shapes, mismatched offsets, bad options.
+      NotImplementedError: implementation="pallas" on a backend without Pallas GPU.
+    """
+    c.check_lse_layout(lse_layout)
+    lse_base2 = c.check_lse_base(lse_base)
+    c.check_array("prefix_output", prefix_output, ndim=3, dtypes=c.OUTPUT_DTYPES)
+    c.check_array("suffix_output", suffix_output, ndim=3, dtypes=(prefix_output.dtype,))
+    if suffix_output.shape != prefix_output.shape:
+        raise ValueError(f"suffix_output must match prefix_output [T, H, D]; got suffix_output.shape="
+                         f"{tuple(suffix_output.shape)}, prefix_output.shape={tuple(prefix_output.shape)}")
+    num_tokens, num_heads, _ = prefix_output.shape
+    for name, x in (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse)):
+        c.check_array(name, x, ndim=2, dtypes=(jnp.float32,))
+        c.check_lse_shape(name, x, lse_layout, num_heads, num_tokens)
+    out_dtype = jnp.dtype(prefix_output.dtype if out_dtype is None else out_dtype)
+    if out_dtype not in (jnp.dtype(prefix_output.dtype), c.FP8):
+        raise TypeError(f"out_dtype must be {jnp.dtype(prefix_output.dtype).name} (the inputs' dtype) or "
+                        f"float8_e4m3fn; got {out_dtype.name}")
+    fp8 = out_dtype == c.FP8
+    if fp8 != (output_scale is not None):
+        raise ValueError("output_scale is required for a float8_e4m3fn output and only for it; got "
+                         f"out_dtype={out_dtype.name}, output_scale={'given' if output_scale is not None else None}")
+    if fp8:
+        output_scale = jnp.asarray(output_scale)
+        if output_scale.dtype != jnp.float32 or output_scale.size != 1:
+            raise TypeError(f"output_scale must be an f32 scalar or f32[1]; got "
+                            f"{jnp.dtype(output_scale.dtype).name}{list(output_scale.shape)}")
+        output_scale = output_scale.reshape(1)
+    if (query_start_loc is None) != (prefix_cu_seq_lens is None):
+        raise ValueError("query_start_loc and prefix_cu_seq_lens go together (the fused mask); got only "
+                         + ("query_start_loc" if query_start_loc is not None else "prefix_cu_seq_lens"))
+    if query_start_loc is not None:
+        c.check_offsets(query_start_loc, prefix_cu_seq_lens, cu_name="prefix_cu_seq_lens")
+        if validate:
+            c.check_offset_values(query_start_loc, prefix_cu_seq_lens, num_tokens, cu_name="prefix_cu_seq_lens")
+    prefill_tokens = c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
+    impl = c.resolve_implementation(implementation)
+    if impl == "jnp":
+        return jnp_fallback.merge_attn_states(
+            prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc,
+            prefix_cu_seq_lens, prefill_tokens, return_lse=return_lse, out_dtype=out_dtype,
+            lse_layout=lse_layout, lse_base2=lse_base2)
+    return _merge_jit(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc,
+                      prefix_cu_seq_lens, prefill_tokens, return_lse=return_lse, out_dtype=out_dtype,
+                      lse_layout=lse_layout, lse_base2=lse_base2, interpret=c.resolve_interpret(interpret))

@@ -1,0 +1,164 @@
+"""Constants, tile choices and input checks shared by the Triton kernels' host wrappers."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+# Shared with pallas_impl/_common.py (a test asserts they agree).
+MASK_BLOCK_T = 128  # query tokens per mask program (SPEC 3)
+SCAN = 32  # request boundaries compared per scan step (one warp)
+SCAN_UNROLL = 4  # scan steps whose loads are issued together
+MERGE_TILE_ELEMS = 8192  # BLOCK_T * BLOCK_H * BLOCK_D of one merge program
+ZERO_TILE_ELEMS = 16384  # elements of one output-zeroing store in the mask
+LSE_LAYOUTS = ("HT", "TH")
+FP8_E4M3_MAX = 448.0
+LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634
+
+# Launch options that make the float math reproducible by the Pallas port (SPEC 5).
+PARITY_LAUNCH = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
+OUTPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its interpreter (read at kernel import, as Triton does)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def mask_tiles(num_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_HO, BLOCK_D): head tile of the LSE stores, head and dim tiles of output zeroing."""
+    block_h = min(next_pow2(num_heads), 16)
+    block_d = min(next_pow2(head_dim), 128)
+    block_ho = max(1, min(next_pow2(num_heads), ZERO_TILE_ELEMS // (MASK_BLOCK_T * block_d)))
+    return block_h, block_ho, block_d
+
+
+def merge_tiles(num_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_H, BLOCK_D) of a merge program: the whole (padded) head, then heads, then tokens."""
+    block_d = next_pow2(head_dim)
+    block_h = min(next_pow2(num_heads), max(1, MERGE_TILE_ELEMS // block_d))
+    block_t = max(1, MERGE_TILE_ELEMS // (block_d * block_h))
+    return block_t, block_h, block_d
+
+
+def mask_grid(num_tokens: int, num_requests: int) -> tuple[int]:
+    # Worst case: each request may open a partial block -> T // BLOCK_T + R programs.
+    return (num_tokens // MASK_BLOCK_T + num_requests,)
+
+
+def merge_grid(num_tokens: int, num_heads: int, head_dim: int) -> tuple[int, int]:
+    block_t, block_h, _ = merge_tiles(num_heads, head_dim)
+    return (math.ceil(num_tokens / block_t), math.ceil(num_heads / block_h))
+
+
+def has_empty_context(chunk_seq_lens) -> bool:
+    """Host guard for the mask: does any request have 0 KV tokens in this chunk?
+
+    Args:
+      chunk_seq_lens: the chunk's per-request KV lengths as host data (a sequence, a numpy array or a CPU
+        tensor), as vLLM keeps them before the copy to the GPU.
+
+    Raises:
+      ValueError: for a device tensor, since reading it would synchronise the stream.
+    """
+    if isinstance(chunk_seq_lens, torch.Tensor):
+        if chunk_seq_lens.device.type != "cpu":
+            raise ValueError(
+                f"has_empty_context needs host data; got a tensor on {chunk_seq_lens.device} "
+                "(reading it would synchronise the device): pass the CPU copy")
+        return bool((chunk_seq_lens == 0).any())
+    return any(int(x) == 0 for x in chunk_seq_lens)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Input checks. The always-on tier reads metadata only; `check_offset_values` reads offsets (a host sync).
+
+
+def check_lse_layout(lse_layout: str) -> None:
+    if lse_layout not in LSE_LAYOUTS:
+        raise ValueError(f"lse_layout must be one of {LSE_LAYOUTS}, got {lse_layout!r}")
+
+
+def check_lse_base(lse_base) -> bool:
+    """Returns True for base 2."""
+    if lse_base == 2:
+        return True
+    if lse_base == math.e:
+        return False
+    raise ValueError(f"lse_base must be math.e or 2, got {lse_base!r}")
+
+
+def check_tensor(name: str, x, *, ndim: int, dtypes: Sequence[torch.dtype], device=None) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got {name}.shape={tuple(x.shape)}")
+    if x.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must be {names}; got {name}.dtype={x.dtype}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name} is on {x.device}, expected {device} (all tensors on one device)")
+
+
+def lse_ht_strides(name: str, lse: torch.Tensor, lse_layout: str, num_heads: int, num_tokens: int):
+    """(stride_h, stride_t) of an LSE given in `lse_layout`, after checking its shape."""
+    want = (num_heads, num_tokens) if lse_layout == "HT" else (num_tokens, num_heads)
+    if tuple(lse.shape) != want:
+        raise ValueError(
+            f"{name} must be f32{list(want)} for lse_layout={lse_layout!r}; got {name}.shape={tuple(lse.shape)}")
+    s0, s1 = lse.stride()
+    return (s0, s1) if lse_layout == "HT" else (s1, s0)
+
+
+def check_offsets(query_start_loc, cu_seq_lens, device, *, cu_name="cu_seq_lens") -> int:
+    """Metadata checks of the two offset arrays; returns R."""
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=device)
+    check_tensor(cu_name, cu_seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
+    if query_start_loc.shape[0] < 1:
+        raise ValueError("query_start_loc must have R+1 >= 1 entries, got an empty tensor")
+    if cu_seq_lens.shape != query_start_loc.shape:
+        raise ValueError(
+            f"query_start_loc and {cu_name} must both be i32[R+1]; got "
+            f"query_start_loc.shape={tuple(query_start_loc.shape)}, {cu_name}.shape={tuple(cu_seq_lens.shape)}")
+    return query_start_loc.shape[0] - 1
+
+
+def check_offset_values(query_start_loc, cu_seq_lens, num_tokens: int, *, cu_name="cu_seq_lens") -> None:
+    """validate=True tier: reads the offsets on the host (a device sync)."""
+    for name, x in (("query_start_loc", query_start_loc), (cu_name, cu_seq_lens)):
+        v = x.detach().cpu()
+        if int(v[0]) != 0:
+            raise ValueError(f"{name}[0] must be 0, got {int(v[0])}")
+        if bool((v[1:] < v[:-1]).any()):
+            i = int(torch.nonzero(v[1:] < v[:-1])[0, 0])
+            raise ValueError(f"{name} must be non-decreasing; {name}[{i}]={int(v[i])} > {name}[{i + 1}]={int(v[i + 1])}")
+    last = int(query_start_loc[-1])
+    if last > num_tokens:
+        raise ValueError(f"query_start_loc[R]={last} is past the token count T={num_tokens}")
+
+
+def r_interpret(num_requests: int) -> int:
+    """R as a compile-time value under the interpreter only, 0 when compiling.
+
+    Triton's interpreter cannot loop to a runtime bound with numpy >= 2.4 (SPEC 6); it compiles nothing,
+    so a constant there costs no recompilation. Compiled kernels always loop to the runtime `num_requests`.
+    """
+    return num_requests if interpreting() else 0
+
+
+@triton.jit
+def _scan_bound(num_requests, R_INTERPRET: tl.constexpr):
+    if R_INTERPRET > 0:
+        return R_INTERPRET
+    else:
+        return num_requests

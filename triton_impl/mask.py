@@ -1,0 +1,121 @@
+"""Empty-context LSE mask (SPEC 3), in place: the Triton kernel and its host wrapper.
+
+Grid: one program per 128-token query block, worst case `T // 128 + R` programs; request r owns the
+programs from `qsl[r] // 128 + r` on. A program finds its request by counting, 32 request boundaries per
+step, the requests whose first program is at or before it (a compare-and-sum, no token->request map),
+then writes -inf over all heads of its tokens (and zeros over their output rows) if that request's chunk
+is empty. `pallas_impl/mask.py` is the same algorithm, statement by statement.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_impl import _common as c
+from triton_impl._common import _scan_bound
+
+
+@triton.jit(do_not_specialize=["num_requests"])
+def _mask_empty_context_lse_kernel(
+    lse_ptr,  # f32[H, T] via (stride_lse_h, stride_lse_t); written in place
+    out_ptr,  # dtype[T, H, D] via (stride_out_t, stride_out_h, stride_out_d); zeroed rows if ZERO_OUTPUT
+    qsl_ptr,  # i32[R+1] query_start_loc
+    cu_ptr,  # i32[R+1] cu_seq_lens of this context chunk
+    stride_lse_h, stride_lse_t,
+    stride_out_t, stride_out_h, stride_out_d,
+    num_requests,  # R: a runtime value, never specialised
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_T: tl.constexpr, SCAN: tl.constexpr, SCAN_UNROLL: tl.constexpr, R_INTERPRET: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HO: tl.constexpr, BLOCK_D: tl.constexpr,
+    ZERO_OUTPUT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    # Owning request = (number of requests whose first program is <= pid) - 1; request 0 starts at 0.
+    count = tl.zeros((), dtype=tl.int32)
+    for r0 in range(0, _scan_bound(num_requests, R_INTERPRET), SCAN * SCAN_UNROLL):
+        for u in tl.static_range(SCAN_UNROLL):
+            r = r0 + u * SCAN + tl.arange(0, SCAN)
+            r_mask = r < num_requests
+            q_start = tl.load(qsl_ptr + r, mask=r_mask, other=0)
+            first_program = q_start // BLOCK_T + r
+            count += tl.sum((r_mask & (first_program <= pid)).to(tl.int32), axis=0)
+    req = count - 1
+
+    q_start = tl.load(qsl_ptr + req)
+    q_end = tl.load(qsl_ptr + req + 1)
+    is_empty = tl.load(cu_ptr + req + 1) == tl.load(cu_ptr + req)
+    t0 = (pid - req) * BLOCK_T  # = (q_start // BLOCK_T + block index within the request) * BLOCK_T
+    t = t0 + tl.arange(0, BLOCK_T)
+    t_mask = (t >= q_start) & (t < q_end)  # also empty for the spare programs of a request
+    t64 = t.to(tl.int64)
+    if is_empty:
+        for h0 in range(0, NUM_HEADS, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            h_mask = h < NUM_HEADS
+            ptrs = lse_ptr + h[:, None].to(tl.int64) * stride_lse_h + t64[None, :] * stride_lse_t
+            tl.store(ptrs, tl.full((BLOCK_H, BLOCK_T), float("-inf"), tl.float32),
+                     mask=h_mask[:, None] & t_mask[None, :])
+        if ZERO_OUTPUT:
+            for j in range(0, tl.cdiv(NUM_HEADS, BLOCK_HO) * tl.cdiv(HEAD_DIM, BLOCK_D)):
+                h0 = (j // tl.cdiv(HEAD_DIM, BLOCK_D)) * BLOCK_HO
+                d0 = (j % tl.cdiv(HEAD_DIM, BLOCK_D)) * BLOCK_D
+                ho = h0 + tl.arange(0, BLOCK_HO)
+                d = d0 + tl.arange(0, BLOCK_D)
+                m = t_mask[:, None, None] & (ho < NUM_HEADS)[None, :, None] & (d < HEAD_DIM)[None, None, :]
+                ptrs = (out_ptr + t64[:, None, None] * stride_out_t
+                        + ho[None, :, None].to(tl.int64) * stride_out_h
+                        + d[None, None, :].to(tl.int64) * stride_out_d)
+                tl.store(ptrs, tl.zeros((BLOCK_T, BLOCK_HO, BLOCK_D), out_ptr.dtype.element_ty), mask=m)
+
+
+def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, has_empty=None,
+                           lse_layout="HT", validate=False) -> None:
+    """Set the LSE of every query row of a request with an empty context chunk to -inf (SPEC 3).
+
+    Args:
+      lse: f32[H, T] ([T, H] with lse_layout="TH"), any strides, natural log or base 2 (the mask writes
+        -inf, which is both). Written in place.
+      query_start_loc: i32[R+1], 0-based, non-decreasing; tokens at or past qsl[R] are padding and untouched.
+      cu_seq_lens: i32[R+1], this chunk's KV offsets; request r is empty iff cu[r+1] == cu[r].
+      output: optional fp32/fp16/bf16[T, H, D], any strides; the empty rows are zeroed in place.
+      has_empty: host guard. False launches nothing; None or True launch. Never derived from device data
+        (see `has_empty_context`).
+      lse_layout: "HT" (vLLM, FA2) or "TH" (FlashInfer, SGLang).
+      validate: also check the offsets' values (reads them on the host: a device sync).
+
+    Raises:
+      TypeError: a tensor of the wrong dtype.
+      ValueError: wrong rank or shape, tensors on different devices, offsets of different lengths, an
+        unknown layout; with validate=True, offsets not starting at 0, decreasing, or past T.
+    """
+    c.check_lse_layout(lse_layout)
+    c.check_tensor("lse", lse, ndim=2, dtypes=(torch.float32,))
+    device = lse.device
+    num_requests = c.check_offsets(query_start_loc, cu_seq_lens, device)
+    num_heads, num_tokens = lse.shape if lse_layout == "HT" else lse.shape[::-1]
+    stride_lse_h, stride_lse_t = c.lse_ht_strides("lse", lse, lse_layout, num_heads, num_tokens)
+    if output is not None:
+        c.check_tensor("output", output, ndim=3, dtypes=c.OUTPUT_DTYPES, device=device)
+        if tuple(output.shape[:2]) != (num_tokens, num_heads):
+            raise ValueError(f"output must be [T={num_tokens}, H={num_heads}, D]; got output.shape={tuple(output.shape)}")
+    if validate:
+        c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
+    if has_empty is False or num_requests == 0 or num_tokens == 0:
+        return
+
+    head_dim = output.shape[2] if output is not None else 1
+    block_h, block_ho, block_d = c.mask_tiles(num_heads, head_dim)
+    out = output if output is not None else lse  # a placeholder pointer when not zeroing
+    out_strides = output.stride() if output is not None else (0, 0, 0)
+    _mask_empty_context_lse_kernel[c.mask_grid(num_tokens, num_requests)](
+        lse, out, query_start_loc, cu_seq_lens,
+        stride_lse_h, stride_lse_t, *out_strides,
+        num_requests,
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+        BLOCK_T=c.MASK_BLOCK_T, SCAN=c.SCAN, SCAN_UNROLL=c.SCAN_UNROLL, R_INTERPRET=c.r_interpret(num_requests),
+        BLOCK_H=block_h, BLOCK_HO=block_ho, BLOCK_D=block_d,
+        ZERO_OUTPUT=output is not None,
+        num_warps=4,
+    )

@@ -1,0 +1,232 @@
+"""Attention-state merge (SPEC 4), in place: the Triton kernel and its vLLM-compatible host wrapper.
+
+Grid: `(cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))`; a program merges a [BLOCK_T, BLOCK_H, BLOCK_D] tile (the whole
+padded head, then as many heads and tokens as fit in `MERGE_TILE_ELEMS`). The fused mask (SPEC 4.5) finds
+each token's request with the same 32-wide compare-and-sum as the mask kernel.
+
+Float math (SPEC 5), identical to `pallas_impl/merge.py` in operation order: f32 throughout, exp and log from
+libdevice (plain `tl.exp`/`tl.log` under the interpreter), launched with `enable_fp_fusion=False` and
+`enable_reflect_ftz=False`, division with `/`, cast only at the store.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_impl import _common as c
+from triton_impl._common import _scan_bound
+
+if not c.interpreting():
+    from triton.language.extra.cuda import libdevice
+
+
+@triton.jit
+def _exp(x, USE_LIBDEVICE: tl.constexpr):
+    if USE_LIBDEVICE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _log(x, USE_LIBDEVICE: tl.constexpr):
+    if USE_LIBDEVICE:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "prefill_tokens_with_context", "num_requests"])
+def _merge_attn_states_kernel(
+    out_ptr,  # dtype[T, H, D] (or fp8) via (stride_out_t, stride_out_h, stride_out_d)
+    out_lse_ptr,  # f32[H, T] via (stride_olse_h, stride_olse_t); unused unless OUTPUT_LSE
+    prefix_ptr,  # dtype[T, H, D] via (stride_p_t, stride_p_h, stride_p_d)
+    prefix_lse_ptr,  # f32[H, T] via (stride_plse_h, stride_plse_t)
+    suffix_ptr,  # dtype[T, H, D] via (stride_s_t, stride_s_h, stride_s_d)
+    suffix_lse_ptr,  # f32[H, T] via (stride_slse_h, stride_slse_t)
+    scale_ptr,  # f32[1] output scale; unused unless FP8_OUT
+    qsl_ptr,  # i32[R+1] query_start_loc; unused unless FUSED_MASK
+    cu_ptr,  # i32[R+1] the prefix chunk's cu_seq_lens; unused unless FUSED_MASK
+    stride_out_t, stride_out_h, stride_out_d,
+    stride_p_t, stride_p_h, stride_p_d,
+    stride_s_t, stride_s_h, stride_s_d,
+    stride_olse_h, stride_olse_t,
+    stride_plse_h, stride_plse_t,
+    stride_slse_h, stride_slse_t,
+    num_tokens,  # T
+    prefill_tokens_with_context,  # tokens at or past it are suffix copies (SPEC 4.4); runtime value
+    num_requests,  # R; runtime value
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    SCAN: tl.constexpr, SCAN_UNROLL: tl.constexpr, R_INTERPRET: tl.constexpr,
+    LSE_BASE2: tl.constexpr, OUTPUT_LSE: tl.constexpr, FUSED_MASK: tl.constexpr, FP8_OUT: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    t_mask = t < num_tokens
+    h_mask = h < NUM_HEADS
+    d_mask = d < HEAD_DIM
+    th_mask = t_mask[:, None] & h_mask[None, :]
+    thd_mask = th_mask[:, :, None] & d_mask[None, None, :]
+    t64 = t.to(tl.int64)[:, None]
+    h64 = h.to(tl.int64)[None, :]
+    d64 = d.to(tl.int64)[None, None, :]
+
+    # Issue every load first: the fused-mask scan below overlaps their latency.
+    p_raw = tl.load(prefix_lse_ptr + h64 * stride_plse_h + t64 * stride_plse_t, mask=th_mask, other=float("-inf"))
+    s_raw = tl.load(suffix_lse_ptr + h64 * stride_slse_h + t64 * stride_slse_t, mask=th_mask, other=float("-inf"))
+    a = tl.load(prefix_ptr + t64[:, :, None] * stride_p_t + h64[:, :, None] * stride_p_h + d64 * stride_p_d,
+                mask=thd_mask, other=0.0)
+    b = tl.load(suffix_ptr + t64[:, :, None] * stride_s_t + h64[:, :, None] * stride_s_h + d64 * stride_s_d,
+                mask=thd_mask, other=0.0)
+
+    p = p_raw
+    s = s_raw
+    if LSE_BASE2:
+        p = p * 0.6931471805599453
+        s = s * 0.6931471805599453
+    # SPEC 4.1: +inf (FA2's empty row) and NaN read as -inf.
+    p = tl.where((p == float("inf")) | (p != p), float("-inf"), p)
+    s = tl.where((s == float("inf")) | (s != s), float("-inf"), s)
+    if FUSED_MASK:  # SPEC 4.5: a token of a request whose prefix chunk is empty has p = -inf
+        hits = tl.zeros((BLOCK_T,), dtype=tl.int32)
+        for r0 in range(0, _scan_bound(num_requests, R_INTERPRET), SCAN * SCAN_UNROLL):
+            for u in tl.static_range(SCAN_UNROLL):
+                r = r0 + u * SCAN + tl.arange(0, SCAN)
+                r_mask = r < num_requests
+                q_lo = tl.load(qsl_ptr + r, mask=r_mask, other=0)
+                q_hi = tl.load(qsl_ptr + r + 1, mask=r_mask, other=0)
+                empty = r_mask & (tl.load(cu_ptr + r + 1, mask=r_mask, other=0)
+                                  == tl.load(cu_ptr + r, mask=r_mask, other=0))
+                inside = (t[:, None] >= q_lo[None, :]) & (t[:, None] < q_hi[None, :]) & empty[None, :]
+                hits += tl.sum(inside.to(tl.int32), axis=1)
+        p = tl.where(hits[:, None] > 0, float("-inf"), p)
+
+    m = tl.maximum(p, s)
+    both_empty = m == float("-inf")  # SPEC 4.2
+    m = tl.where(both_empty, 0.0, m)
+    pe = _exp(p - m, USE_LIBDEVICE)
+    se = _exp(s - m, USE_LIBDEVICE)
+    z = pe + se
+    wp = pe / z
+    ws = se / z
+    # SPEC 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
+    out = (tl.where(wp[:, :, None] > 0.0, a.to(tl.float32) * wp[:, :, None], 0.0)
+           + tl.where(ws[:, :, None] > 0.0, b.to(tl.float32) * ws[:, :, None], 0.0))
+    out = tl.where(both_empty[:, :, None], 0.0, out)
+    copy_t = t >= prefill_tokens_with_context  # SPEC 4.4
+    out_ptrs = out_ptr + t64[:, :, None] * stride_out_t + h64[:, :, None] * stride_out_h + d64 * stride_out_d
+    if FP8_OUT:  # SPEC 4.6
+        out = tl.where(copy_t[:, None, None], b.to(tl.float32), out)
+        out = out / tl.load(scale_ptr)
+        out = tl.minimum(tl.maximum(out, -448.0), 448.0)
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=thd_mask)
+    else:
+        tl.store(out_ptrs, tl.where(copy_t[:, None, None], b, out.to(out_ptr.dtype.element_ty)), mask=thd_mask)
+
+    if OUTPUT_LSE:
+        lse = _log(z, USE_LIBDEVICE) + m
+        lse = tl.where(both_empty, float("-inf"), lse)
+        if LSE_BASE2:
+            lse = lse * 1.4426950408889634
+        lse = tl.where(copy_t[:, None], s_raw, lse)
+        tl.store(out_lse_ptr + h64 * stride_olse_h + t64 * stride_olse_t, lse, mask=th_mask)
+
+
+def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None,
+                      prefill_tokens_with_context=None, output_scale=None, *, query_start_loc=None,
+                      prefix_cu_seq_lens=None, lse_layout="HT", lse_base=math.e, validate=False) -> None:
+    """Merge two attention partials by their LSEs (SPEC 4), vLLM's positional signature, in place.
+
+    Args:
+      output: dtype[T, H, D] (or float8_e4m3fn with output_scale), any strides. Written in place.
+      prefix_output, suffix_output: dtype[T, H, D], fp32/fp16/bf16, each with its own strides (a V-padded
+        [T, H, 192] buffer sliced to [..., :128] works).
+      prefix_lse, suffix_lse: f32[H, T] ([T, H] with lse_layout="TH"), any strides; natural log unless
+        lse_base=2. +inf and NaN mean an empty partial.
+      output_lse: optional f32 LSE of the merge, same layout and base. Written in place.
+      prefill_tokens_with_context: int or None (= T). Tokens at or past it copy the suffix row and LSE
+        bits. A runtime value: changing it never recompiles.
+      output_scale: f32[1] tensor, required for (and only for) an fp8 output.
+      query_start_loc, prefix_cu_seq_lens: i32[R+1] both or neither: the fused mask (SPEC 4.5), treating
+        the prefix of every request whose prefix chunk is empty as empty.
+      lse_layout: "HT" or "TH", for all three LSEs.
+      lse_base: math.e or 2, for all three LSEs.
+      validate: also check offset values and prefill_tokens_with_context (reads offsets: a device sync).
+
+    Raises:
+      TypeError: a tensor of the wrong dtype.
+      ValueError: wrong ranks or shapes, different devices, mismatched offsets, bad options.
+    """
+    c.check_lse_layout(lse_layout)
+    base2 = c.check_lse_base(lse_base)
+    c.check_tensor("prefix_output", prefix_output, ndim=3, dtypes=c.OUTPUT_DTYPES)
+    device = prefix_output.device
+    num_tokens, num_heads, head_dim = prefix_output.shape
+    c.check_tensor("suffix_output", suffix_output, ndim=3, dtypes=(prefix_output.dtype,), device=device)
+    c.check_tensor("output", output, ndim=3, dtypes=c.OUTPUT_DTYPES + (torch.float8_e4m3fn,), device=device)
+    for name, x in (("suffix_output", suffix_output), ("output", output)):
+        if x.shape != prefix_output.shape:
+            raise ValueError(f"{name} must match prefix_output [T, H, D]; got {name}.shape={tuple(x.shape)}, "
+                             f"prefix_output.shape={tuple(prefix_output.shape)}")
+    fp8 = output.dtype == torch.float8_e4m3fn
+    if output.dtype not in (prefix_output.dtype, torch.float8_e4m3fn):
+        raise TypeError(f"output must be {prefix_output.dtype} (the inputs' dtype) or float8_e4m3fn; "
+                        f"got output.dtype={output.dtype}")
+    if fp8 != (output_scale is not None):
+        raise ValueError("output_scale is required for a float8_e4m3fn output and only for it; got "
+                         f"output.dtype={output.dtype}, output_scale={'given' if output_scale is not None else None}")
+    if fp8:
+        c.check_tensor("output_scale", output_scale, ndim=1, dtypes=(torch.float32,), device=device)
+        if output_scale.numel() != 1:
+            raise ValueError(f"output_scale must be f32[1]; got output_scale.shape={tuple(output_scale.shape)}")
+    lse_strides = []
+    for name, x in (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse), ("output_lse", output_lse)):
+        if x is None:
+            continue
+        c.check_tensor(name, x, ndim=2, dtypes=(torch.float32,), device=device)
+        lse_strides += c.lse_ht_strides(name, x, lse_layout, num_heads, num_tokens)
+    if output_lse is None:
+        lse_strides = [0, 0] + lse_strides
+    if (query_start_loc is None) != (prefix_cu_seq_lens is None):
+        raise ValueError("query_start_loc and prefix_cu_seq_lens go together (the fused mask); got only "
+                         + ("query_start_loc" if query_start_loc is not None else "prefix_cu_seq_lens"))
+    fused = query_start_loc is not None
+    num_requests = 0
+    if fused:
+        num_requests = c.check_offsets(query_start_loc, prefix_cu_seq_lens, device, cu_name="prefix_cu_seq_lens")
+    if prefill_tokens_with_context is None:
+        prefill_tokens_with_context = num_tokens
+    elif isinstance(prefill_tokens_with_context, torch.Tensor) or not isinstance(prefill_tokens_with_context, int):
+        raise TypeError("prefill_tokens_with_context must be a host int (a device value would need a sync); "
+                        f"got {type(prefill_tokens_with_context).__name__}")
+    if validate:
+        if not 0 <= prefill_tokens_with_context <= num_tokens:
+            raise ValueError(f"prefill_tokens_with_context={prefill_tokens_with_context} must be in [0, T={num_tokens}]")
+        if fused:
+            c.check_offset_values(query_start_loc, prefix_cu_seq_lens, num_tokens, cu_name="prefix_cu_seq_lens")
+    if num_tokens == 0 or num_heads == 0:
+        return
+
+    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim)
+    placeholder = prefix_lse
+    _merge_attn_states_kernel[c.merge_grid(num_tokens, num_heads, head_dim)](
+        output, output_lse if output_lse is not None else placeholder,
+        prefix_output, prefix_lse, suffix_output, suffix_lse,
+        output_scale if fp8 else placeholder,
+        query_start_loc if fused else placeholder, prefix_cu_seq_lens if fused else placeholder,
+        *output.stride(), *prefix_output.stride(), *suffix_output.stride(), *lse_strides,
+        num_tokens, max(0, min(prefill_tokens_with_context, num_tokens)), num_requests,
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
+        SCAN=c.SCAN, SCAN_UNROLL=c.SCAN_UNROLL, R_INTERPRET=c.r_interpret(num_requests),
+        LSE_BASE2=base2, OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused, FP8_OUT=fp8,
+        USE_LIBDEVICE=not c.interpreting(),
+        num_warps=8, **c.PARITY_LAUNCH,
+    )
