@@ -16,7 +16,7 @@ from jax.experimental.pallas import triton as pltriton
 # Shared with triton_impl/_common.py (a test asserts they agree).
 MASK_BLOCK_T = 128  # query tokens per mask program (SPEC 3)
 SCAN = 32  # request boundaries compared per scan step (one warp)
-SCAN_UNROLL = 4  # scan steps whose loads are issued together
+MERGE_BLOCK_T = 8  # tokens per merge program (at least): 32-byte LSE segments along T
 MERGE_TILE_ELEMS = 8192  # BLOCK_T * BLOCK_H * BLOCK_D of one merge program
 ZERO_TILE_ELEMS = 16384  # elements of one output-zeroing store in the mask
 LSE_LAYOUTS = ("HT", "TH")
@@ -42,11 +42,31 @@ def mask_tiles(num_heads: int, head_dim: int) -> tuple[int, int, int]:
 
 
 def merge_tiles(num_heads: int, head_dim: int) -> tuple[int, int, int]:
-    """(block_t, block_h, block_d) of a merge program: the whole (padded) head, then heads, then tokens."""
+    """(block_t, block_h, block_d) of a merge program: the whole (padded) head, at least MERGE_BLOCK_T
+    tokens (whole LSE sectors in either layout), then heads, then more tokens, MERGE_TILE_ELEMS in all."""
     block_d = next_pow2(head_dim)
-    block_h = min(next_pow2(num_heads), max(1, MERGE_TILE_ELEMS // block_d))
-    block_t = max(1, MERGE_TILE_ELEMS // (block_d * block_h))
+    rest = max(1, MERGE_TILE_ELEMS // block_d)
+    block_h = min(next_pow2(num_heads), max(1, rest // MERGE_BLOCK_T))
+    block_t = max(1, rest // block_h)
     return block_t, block_h, block_d
+
+
+def count_keys_le(qsl_ref, x, num_keys: int, *, key_div: int, key_step: int):
+    """i32[N]: for each x, how many of key(r) = qsl[r] // key_div + r * key_step, r < num_keys, are <= x.
+
+    Keys are non-decreasing in r. Two levels of 32-wide compare-and-sum: the first key of every 32-key chunk
+    (one step covers 1024 keys), then the 32 keys of the chunk holding the last key <= x.
+    """
+    def coarse_step(i, coarse):
+        r = i * SCAN * SCAN + jnp.arange(SCAN, dtype=jnp.int32) * SCAN
+        key = qsl_ref[jnp.minimum(r, num_keys - 1)] // key_div + r * key_step
+        return coarse + jnp.sum(((r < num_keys)[None, :] & (key[None, :] <= x[:, None])).astype(jnp.int32), axis=1)
+
+    coarse = jax.lax.fori_loop(0, pl.cdiv(num_keys, SCAN * SCAN), coarse_step, jnp.zeros_like(x))
+    base = (coarse - 1) * SCAN  # key(0) <= x always: coarse >= 1
+    r = base[:, None] + jnp.arange(SCAN, dtype=jnp.int32)[None, :]
+    key = qsl_ref[jnp.minimum(r, num_keys - 1)] // key_div + r * key_step
+    return base + jnp.sum(((r < num_keys) & (key <= x[:, None])).astype(jnp.int32), axis=1)
 
 
 def mask_grid(num_tokens: int, num_requests: int) -> tuple[int]:
@@ -170,15 +190,23 @@ def check_offset_values(query_start_loc, cu_seq_lens, num_tokens: int, *, cu_nam
         raise ValueError(f"query_start_loc[R]={last} is past the token count T={num_tokens}")
 
 
-def check_prefill_tokens(prefill_tokens_with_context, num_tokens: int, validate: bool):
-    """Returns prefill_tokens_with_context as an i32[1] array (traced values stay traced)."""
-    if prefill_tokens_with_context is None:
-        prefill_tokens_with_context = num_tokens
-    x = jnp.asarray(prefill_tokens_with_context)
-    if x.ndim != 0 or not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"prefill_tokens_with_context must be an integer scalar; got {x.dtype}{list(x.shape)}")
+def check_prefill_tokens(prefill_tokens_with_context, num_tokens: int, validate: bool) -> None:
+    """None, a Python int or an integer scalar array (traced or not); no device work here."""
+    x = prefill_tokens_with_context
+    if x is None:
+        return
+    if not isinstance(x, int) and not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.integer)
+                                       and getattr(x, "ndim", None) == 0):
+        raise TypeError(f"prefill_tokens_with_context must be an integer scalar; got {x!r}")
     if validate:
-        v = int(_concrete("prefill_tokens_with_context", prefill_tokens_with_context))
+        v = int(_concrete("prefill_tokens_with_context", x))
         if not 0 <= v <= num_tokens:
             raise ValueError(f"prefill_tokens_with_context={v} must be in [0, T={num_tokens}]")
-    return jnp.clip(x.astype(jnp.int32), 0, num_tokens).reshape(1)
+
+
+def prefill_tokens_array(prefill_tokens_with_context, num_tokens: int):
+    """i32[1] for the kernels (inside jit): None means T; values are clamped to [0, T]."""
+    if prefill_tokens_with_context is None:
+        return jnp.full((1,), num_tokens, jnp.int32)
+    x = jnp.asarray(prefill_tokens_with_context).astype(jnp.int32)
+    return jnp.clip(x, 0, num_tokens).reshape(1)

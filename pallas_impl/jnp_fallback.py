@@ -37,8 +37,10 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ls
 
 @functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2"))
 def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc,
-                      prefix_cu_seq_lens, prefill_tokens, *, return_lse, out_dtype, lse_layout, lse_base2):
+                      prefix_cu_seq_lens, prefill_tokens_with_context, *, return_lse, out_dtype, lse_layout,
+                      lse_base2):
     num_tokens = prefix_output.shape[0]
+    prefill_tokens = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     p_raw = prefix_lse.T if lse_layout == "HT" else prefix_lse  # [T, H]
     s_raw = suffix_lse.T if lse_layout == "HT" else suffix_lse
     p, s = p_raw, s_raw
@@ -60,8 +62,9 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, outp
     out = jnp.where(both_empty[..., None], 0.0, out)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill_tokens[0]
     if output_scale is not None:
-        out = jnp.where(copy_t[:, None, None], b, out) / output_scale[0]
-        out = jnp.clip(out, -c.FP8_E4M3_MAX, c.FP8_E4M3_MAX).astype(out_dtype)
+        out = jnp.where(copy_t[:, None, None], b, out) / output_scale.reshape(-1)[0]
+        out = jnp.where(out < -c.FP8_E4M3_MAX, -c.FP8_E4M3_MAX, out)
+        out = jnp.where(out > c.FP8_E4M3_MAX, c.FP8_E4M3_MAX, out).astype(out_dtype)
     else:
         out = jnp.where(copy_t[:, None, None], suffix_output, out.astype(out_dtype))
     if not return_lse:

@@ -4,7 +4,8 @@ The same algorithm as `triton_impl/mask.py`, statement by statement. Grid: one p
 block, worst case `T // 128 + R` programs; request r owns the programs from `qsl[r] // 128 + r` on. A program
 finds its request by counting, 32 request boundaries per step, the requests whose first program is at or
 before it (a compare-and-sum, no token->request map), then writes -inf over all heads of its tokens (and
-zeros over their output rows) if that request's chunk is empty. The LSE (and output) buffers are aliased to
+zeros over their output rows) if that request's chunk is empty. The count is two-level
+(`_common.count_keys_le`): chunk starts, then one chunk of 32. The LSE (and output) buffers are aliased to
 the results, so under `jax.jit(..., donate_argnames=("lse", "output"))` the update is in place.
 """
 
@@ -27,7 +28,7 @@ def _mask_empty_context_lse_kernel(
     qsl_ref,  # i32[R+1] query_start_loc
     cu_ref,  # i32[R+1] cu_seq_lens of this context chunk
     *refs,  # lse (and output) inputs, aliased to the outputs below; then lse (and output) outputs
-    num_requests: int, num_heads: int, head_dim: int, block_t: int, scan: int, scan_unroll: int,
+    num_requests: int, num_heads: int, head_dim: int, block_t: int,
     block_h: int, block_ho: int, block_d: int, lse_layout: str, zero_output: bool,
 ):
     lse_ref = refs[len(refs) // 2]  # f32[H, T] or f32[T, H]
@@ -35,17 +36,9 @@ def _mask_empty_context_lse_kernel(
     pid = pl.program_id(0)
 
     # Owning request = (number of requests whose first program is <= pid) - 1; request 0 starts at 0.
-    def scan_step(i, count):
-        for u in range(scan_unroll):
-            r = (i * scan_unroll + u) * scan + jnp.arange(scan, dtype=jnp.int32)
-            r_mask = r < num_requests
-            q_start = pltriton.load(qsl_ref.at[pl.ds((i * scan_unroll + u) * scan, scan)], mask=r_mask, other=0)
-            first_program = q_start // block_t + r
-            count += jnp.sum((r_mask & (first_program <= pid)).astype(jnp.int32))
-        return count
-
-    count = lax.fori_loop(0, pl.cdiv(num_requests, scan * scan_unroll), scan_step, jnp.int32(0))
-    req = count - 1
+    first_programs_le = c.count_keys_le(qsl_ref, pid + jnp.zeros((1,), jnp.int32), num_requests,
+                                        key_div=block_t, key_step=1)
+    req = jnp.sum(first_programs_le, axis=0) - 1
 
     q_start = qsl_ref[req]
     q_end = qsl_ref[req + 1]
@@ -73,17 +66,22 @@ def _mask_empty_context_lse_kernel(
 
         lax.fori_loop(0, pl.cdiv(num_heads, block_h), fill_heads, 0)
         if zero_output:
-            def zero_tile(j, carry):
-                h0 = (j // pl.cdiv(head_dim, block_d)) * block_ho
-                d0 = (j % pl.cdiv(head_dim, block_d)) * block_d
+            def zero_heads(i, carry):
+                h0 = i * block_ho
                 ho = h0 + jnp.arange(block_ho, dtype=jnp.int32)
-                d = d0 + jnp.arange(block_d, dtype=jnp.int32)
-                m = t_mask[:, None, None] & (ho < num_heads)[None, :, None] & (d < head_dim)[None, None, :]
-                pltriton.store(out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_ho), pl.ds(d0, block_d)],
-                               jnp.zeros((block_t, block_ho, block_d), out_ref.dtype), mask=m)
-                return carry
+                ho_mask = ho < num_heads
 
-            lax.fori_loop(0, pl.cdiv(num_heads, block_ho) * pl.cdiv(head_dim, block_d), zero_tile, 0)
+                def zero_dims(j, carry):
+                    d0 = j * block_d
+                    d = d0 + jnp.arange(block_d, dtype=jnp.int32)
+                    m = t_mask[:, None, None] & ho_mask[None, :, None] & (d < head_dim)[None, None, :]
+                    pltriton.store(out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_ho), pl.ds(d0, block_d)],
+                                   jnp.zeros((block_t, block_ho, block_d), out_ref.dtype), mask=m)
+                    return carry
+
+                return lax.fori_loop(0, pl.cdiv(head_dim, block_d), zero_dims, carry)
+
+            lax.fori_loop(0, pl.cdiv(num_heads, block_ho), zero_heads, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("lse_layout", "interpret"))
@@ -95,7 +93,7 @@ def _mask_jit(lse, query_start_loc, cu_seq_lens, output, *, lse_layout, interpre
     block_h, block_ho, block_d = c.mask_tiles(num_heads, head_dim)
     kernel = functools.partial(
         _mask_empty_context_lse_kernel, num_requests=num_requests, num_heads=num_heads, head_dim=head_dim,
-        block_t=c.MASK_BLOCK_T, scan=c.SCAN, scan_unroll=c.SCAN_UNROLL, block_h=block_h,
+        block_t=c.MASK_BLOCK_T, block_h=block_h,
         block_ho=block_ho, block_d=block_d, lse_layout=lse_layout, zero_output=zero_output)
     buffers = (lse, output) if zero_output else (lse,)
     results = pl.pallas_call(

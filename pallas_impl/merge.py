@@ -3,7 +3,7 @@
 The same algorithm as `triton_impl/merge.py`, statement by statement. Grid: `(cdiv(T, block_t),
 cdiv(H, block_h))`; a program merges a [block_t, block_h, block_d] tile (the whole padded head, then as many
 heads and tokens as fit in `MERGE_TILE_ELEMS`). The fused mask (SPEC 4.5) finds each token's request with the
-same 32-wide compare-and-sum as the mask kernel.
+same two-level 32-wide compare-and-sum as the mask kernel.
 
 Float math (SPEC 5), identical to the Triton kernel in operation order: f32 throughout, `jnp.exp`/`jnp.log`
 (libdevice `__nv_expf`/`__nv_logf` on GPU), no FMA contraction and no flush-to-zero (XLA's Triton pipeline
@@ -53,7 +53,7 @@ def _merge_attn_states_kernel(
     out_ref,  # out_dtype[T, H, D]
     *out_lse_ref,  # f32 LSE of the merge, when output_lse
     num_tokens: int, num_heads: int, head_dim: int, num_requests: int,
-    block_t: int, block_h: int, block_d: int, scan: int, scan_unroll: int,
+    block_t: int, block_h: int, block_d: int,
     lse_layout: str, lse_base2: bool, output_lse: bool, fused_mask: bool, fp8_out: bool,
 ):
     t0 = pl.program_id(0) * block_t
@@ -84,22 +84,11 @@ def _merge_attn_states_kernel(
     p = jnp.where((p == jnp.inf) | (p != p), -jnp.inf, p)
     s = jnp.where((s == jnp.inf) | (s != s), -jnp.inf, s)
     if fused_mask:  # SPEC 4.5: a token of a request whose prefix chunk is empty has p = -inf
-        def scan_step(i, hits):
-            for u in range(scan_unroll):
-                r0 = (i * scan_unroll + u) * scan
-                r = r0 + jnp.arange(scan, dtype=jnp.int32)
-                r_mask = r < num_requests
-                q_lo = pltriton.load(qsl_ref.at[pl.ds(r0, scan)], mask=r_mask, other=0)
-                q_hi = pltriton.load(qsl_ref.at[pl.ds(r0 + 1, scan)], mask=r_mask, other=0)
-                empty = r_mask & (pltriton.load(cu_ref.at[pl.ds(r0 + 1, scan)], mask=r_mask, other=0)
-                                  == pltriton.load(cu_ref.at[pl.ds(r0, scan)], mask=r_mask, other=0))
-                inside = (t[:, None] >= q_lo[None, :]) & (t[:, None] < q_hi[None, :]) & empty[None, :]
-                hits += jnp.sum(inside.astype(jnp.int32), axis=1)
-            return hits
-
-        hits = lax.fori_loop(0, pl.cdiv(num_requests, scan * scan_unroll), scan_step,
-                             jnp.zeros((block_t,), jnp.int32))
-        p = jnp.where(hits[:, None] > 0, -jnp.inf, p)
+        req = c.count_keys_le(qsl_ref, t, num_requests + 1, key_div=1, key_step=0) - 1  # R: padding
+        in_req = t_mask & (req < num_requests)
+        req = jnp.minimum(req, num_requests - 1)
+        empty_t = in_req & (cu_ref[req + 1] == cu_ref[req])
+        p = jnp.where(empty_t[:, None], -jnp.inf, p)
 
     m = jnp.maximum(p, s)
     both_empty = m == -jnp.inf  # SPEC 4.2
@@ -118,7 +107,8 @@ def _merge_attn_states_kernel(
     if fp8_out:  # SPEC 4.6
         out = jnp.where(copy_t[:, None, None], b.astype(jnp.float32), out)
         out = out / scale_ref[0]
-        out = jnp.minimum(jnp.maximum(out, -c.FP8_E4M3_MAX), c.FP8_E4M3_MAX)
+        out = jnp.where(out < -c.FP8_E4M3_MAX, -c.FP8_E4M3_MAX, out)  # comparisons, not min/max: NaN stays NaN
+        out = jnp.where(out > c.FP8_E4M3_MAX, c.FP8_E4M3_MAX, out)
         pltriton.store(out_block, out.astype(out_ref.dtype), mask=thd_mask)
     else:
         pltriton.store(out_block, jnp.where(copy_t[:, None, None], b, out.astype(out_ref.dtype)), mask=thd_mask)
@@ -137,19 +127,21 @@ _STATIC_ARGNAMES = ("return_lse", "out_dtype", "lse_layout", "lse_base2", "inter
 
 @functools.partial(jax.jit, static_argnames=_STATIC_ARGNAMES)
 def _merge_jit(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc,
-               prefix_cu_seq_lens, prefill_tokens, *, return_lse, out_dtype, lse_layout, lse_base2, interpret):
+               prefix_cu_seq_lens, prefill_tokens_with_context, *, return_lse, out_dtype, lse_layout, lse_base2,
+               interpret):
     num_tokens, num_heads, head_dim = prefix_output.shape
+    prefill_tokens = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     if num_tokens == 0 or num_heads == 0:
         empty_out = jnp.zeros(prefix_output.shape, out_dtype)
         return (empty_out, jnp.zeros(prefix_lse.shape, jnp.float32)) if return_lse else empty_out
-    fused = query_start_loc is not None
+    fused = query_start_loc is not None and query_start_loc.shape[0] > 1  # R = 0: nothing to mask
     fp8 = output_scale is not None
     dummy_i32 = jnp.zeros((1,), jnp.int32)
     block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim)
     kernel = functools.partial(
         _merge_attn_states_kernel, num_tokens=num_tokens, num_heads=num_heads, head_dim=head_dim,
         num_requests=query_start_loc.shape[0] - 1 if fused else 0,
-        block_t=block_t, block_h=block_h, block_d=block_d, scan=c.SCAN, scan_unroll=c.SCAN_UNROLL,
+        block_t=block_t, block_h=block_h, block_d=block_d,
         lse_layout=lse_layout, lse_base2=lse_base2, output_lse=return_lse, fused_mask=fused, fp8_out=fp8)
     out_shape = [jax.ShapeDtypeStruct(prefix_output.shape, out_dtype)]
     if return_lse:
@@ -162,7 +154,7 @@ def _merge_jit(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scal
         compiler_params=c.compiler_params(num_warps=8),
         name="merge_attn_states",
     )(prefix_output, prefix_lse, suffix_output, suffix_lse,
-      output_scale if fp8 else jnp.ones((1,), jnp.float32),
+      output_scale.reshape(1) if fp8 else jnp.ones((1,), jnp.float32),
       query_start_loc if fused else dummy_i32, prefix_cu_seq_lens if fused else dummy_i32, prefill_tokens)
     return tuple(results) if return_lse else results[0]
 
@@ -218,12 +210,8 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
     if fp8 != (output_scale is not None):
         raise ValueError("output_scale is required for a float8_e4m3fn output and only for it; got "
                          f"out_dtype={out_dtype.name}, output_scale={'given' if output_scale is not None else None}")
-    if fp8:
-        output_scale = jnp.asarray(output_scale)
-        if output_scale.dtype != jnp.float32 or output_scale.size != 1:
-            raise TypeError(f"output_scale must be an f32 scalar or f32[1]; got "
-                            f"{jnp.dtype(output_scale.dtype).name}{list(output_scale.shape)}")
-        output_scale = output_scale.reshape(1)
+    if fp8 and (getattr(output_scale, "dtype", None) != jnp.float32 or getattr(output_scale, "size", 0) != 1):
+        raise TypeError(f"output_scale must be an f32 scalar or f32[1] array; got {output_scale!r}")
     if (query_start_loc is None) != (prefix_cu_seq_lens is None):
         raise ValueError("query_start_loc and prefix_cu_seq_lens go together (the fused mask); got only "
                          + ("query_start_loc" if query_start_loc is not None else "prefix_cu_seq_lens"))
@@ -231,13 +219,13 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
         c.check_offsets(query_start_loc, prefix_cu_seq_lens, cu_name="prefix_cu_seq_lens")
         if validate:
             c.check_offset_values(query_start_loc, prefix_cu_seq_lens, num_tokens, cu_name="prefix_cu_seq_lens")
-    prefill_tokens = c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
+    c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
     impl = c.resolve_implementation(implementation)
     if impl == "jnp":
         return jnp_fallback.merge_attn_states(
             prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc,
-            prefix_cu_seq_lens, prefill_tokens, return_lse=return_lse, out_dtype=out_dtype,
+            prefix_cu_seq_lens, prefill_tokens_with_context, return_lse=return_lse, out_dtype=out_dtype,
             lse_layout=lse_layout, lse_base2=lse_base2)
     return _merge_jit(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc,
-                      prefix_cu_seq_lens, prefill_tokens, return_lse=return_lse, out_dtype=out_dtype,
+                      prefix_cu_seq_lens, prefill_tokens_with_context, return_lse=return_lse, out_dtype=out_dtype,
                       lse_layout=lse_layout, lse_base2=lse_base2, interpret=c.resolve_interpret(interpret))

@@ -13,7 +13,7 @@ import triton.language as tl
 # Shared with pallas_impl/_common.py (a test asserts they agree).
 MASK_BLOCK_T = 128  # query tokens per mask program (SPEC 3)
 SCAN = 32  # request boundaries compared per scan step (one warp)
-SCAN_UNROLL = 4  # scan steps whose loads are issued together
+MERGE_BLOCK_T = 8  # tokens per merge program (at least): 32-byte LSE segments along T
 MERGE_TILE_ELEMS = 8192  # BLOCK_T * BLOCK_H * BLOCK_D of one merge program
 ZERO_TILE_ELEMS = 16384  # elements of one output-zeroing store in the mask
 LSE_LAYOUTS = ("HT", "TH")
@@ -44,10 +44,12 @@ def mask_tiles(num_heads: int, head_dim: int) -> tuple[int, int, int]:
 
 
 def merge_tiles(num_heads: int, head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_H, BLOCK_D) of a merge program: the whole (padded) head, then heads, then tokens."""
+    """(BLOCK_T, BLOCK_H, BLOCK_D) of a merge program: the whole (padded) head, at least MERGE_BLOCK_T
+    tokens (whole LSE sectors in either layout), then heads, then more tokens, MERGE_TILE_ELEMS in all."""
     block_d = next_pow2(head_dim)
-    block_h = min(next_pow2(num_heads), max(1, MERGE_TILE_ELEMS // block_d))
-    block_t = max(1, MERGE_TILE_ELEMS // (block_d * block_h))
+    rest = max(1, MERGE_TILE_ELEMS // block_d)
+    block_h = min(next_pow2(num_heads), max(1, rest // MERGE_BLOCK_T))
+    block_t = max(1, rest // block_h)
     return block_t, block_h, block_d
 
 
@@ -147,18 +149,56 @@ def check_offset_values(query_start_loc, cu_seq_lens, num_tokens: int, *, cu_nam
         raise ValueError(f"query_start_loc[R]={last} is past the token count T={num_tokens}")
 
 
-def r_interpret(num_requests: int) -> int:
-    """R as a compile-time value under the interpreter only, 0 when compiling.
+def n_interpret(num_keys: int) -> int:
+    """The scan length as a compile-time value under the interpreter only, 0 when compiling.
 
     Triton's interpreter cannot loop to a runtime bound with numpy >= 2.4 (SPEC 6); it compiles nothing,
-    so a constant there costs no recompilation. Compiled kernels always loop to the runtime `num_requests`.
+    so a constant there costs no recompilation. Compiled kernels always loop to the runtime value.
     """
-    return num_requests if interpreting() else 0
+    return num_keys if interpreting() else 0
 
 
 @triton.jit
-def _scan_bound(num_requests, R_INTERPRET: tl.constexpr):
-    if R_INTERPRET > 0:
-        return R_INTERPRET
+def _scan_bound(num_keys, N_INTERPRET: tl.constexpr):
+    if N_INTERPRET > 0:
+        return N_INTERPRET
     else:
-        return num_requests
+        return num_keys
+
+
+@triton.jit
+def _count_keys_le(qsl_ptr, x, num_keys, KEY_DIV: tl.constexpr, KEY_STEP: tl.constexpr,
+                   SCAN: tl.constexpr, N_INTERPRET: tl.constexpr):
+    """i32[N]: for each x, how many of key(r) = qsl[r] // KEY_DIV + r * KEY_STEP, r < num_keys, are <= x.
+
+    Keys are non-decreasing in r. Two levels of 32-wide compare-and-sum: the first key of every 32-key chunk
+    (one step covers 1024 keys), then the 32 keys of the chunk holding the last key <= x.
+    """
+    coarse = tl.zeros_like(x)
+    for r0 in range(0, _scan_bound(num_keys, N_INTERPRET), SCAN * SCAN):
+        r = r0 + tl.arange(0, SCAN) * SCAN
+        key = tl.load(qsl_ptr + tl.minimum(r, num_keys - 1)) // KEY_DIV + r * KEY_STEP
+        coarse += tl.sum(((r < num_keys)[None, :] & (key[None, :] <= x[:, None])).to(tl.int32), axis=1)
+    base = (coarse - 1) * SCAN  # key(0) <= x always: coarse >= 1
+    r = base[:, None] + tl.arange(0, SCAN)[None, :]
+    key = tl.load(qsl_ptr + tl.minimum(r, num_keys - 1)) // KEY_DIV + r * KEY_STEP
+    return base + tl.sum(((r < num_keys) & (key <= x[:, None])).to(tl.int32), axis=1)
+
+
+@triton.jit
+def _cast_rne(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """f32 -> dtype with round-to-nearest-even, as the GPU's cvt does.
+
+    Triton's interpreter truncates f32 -> bf16 and loses the carry when rounding to fp8; under it the value
+    is first rounded to dtype's precision with exact f32 arithmetic (power-of-two scaling and the 1.5 * 2^23
+    trick), so the final cast is exact. Magnitudes below 2^-100 are left to the interpreter.
+    """
+    if INTERPRET:
+        if (dtype == tl.bfloat16) or (dtype == tl.float8e4nv):
+            MANT: tl.constexpr = 7 if dtype == tl.bfloat16 else 3
+            EMIN: tl.constexpr = -126 if dtype == tl.bfloat16 else -6
+            e = ((x.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
+            q = ((tl.maximum(e, EMIN) - MANT + 127) << 23).to(tl.float32, bitcast=True)
+            r = ((x / q + 12582912.0) - 12582912.0) * q
+            x = tl.where((tl.abs(x) >= 7.888609052210118e-31) & (tl.abs(x) < float("inf")), r, x)
+    return x.to(dtype)

@@ -4,7 +4,7 @@ Grid: one program per 128-token query block, worst case `T // 128 + R` programs;
 programs from `qsl[r] // 128 + r` on. A program finds its request by counting, 32 request boundaries per
 step, the requests whose first program is at or before it (a compare-and-sum, no token->request map),
 then writes -inf over all heads of its tokens (and zeros over their output rows) if that request's chunk
-is empty. `pallas_impl/mask.py` is the same algorithm, statement by statement.
+is empty. The count is two-level (`_common._count_keys_le`): chunk starts, then one chunk of 32. `pallas_impl/mask.py` is the same algorithm, statement by statement.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from triton_impl import _common as c
-from triton_impl._common import _scan_bound
+from triton_impl._common import _count_keys_le
 
 
 @triton.jit(do_not_specialize=["num_requests"])
@@ -27,21 +27,15 @@ def _mask_empty_context_lse_kernel(
     stride_out_t, stride_out_h, stride_out_d,
     num_requests,  # R: a runtime value, never specialised
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_T: tl.constexpr, SCAN: tl.constexpr, SCAN_UNROLL: tl.constexpr, R_INTERPRET: tl.constexpr,
+    BLOCK_T: tl.constexpr, SCAN: tl.constexpr, N_INTERPRET: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HO: tl.constexpr, BLOCK_D: tl.constexpr,
     ZERO_OUTPUT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     # Owning request = (number of requests whose first program is <= pid) - 1; request 0 starts at 0.
-    count = tl.zeros((), dtype=tl.int32)
-    for r0 in range(0, _scan_bound(num_requests, R_INTERPRET), SCAN * SCAN_UNROLL):
-        for u in tl.static_range(SCAN_UNROLL):
-            r = r0 + u * SCAN + tl.arange(0, SCAN)
-            r_mask = r < num_requests
-            q_start = tl.load(qsl_ptr + r, mask=r_mask, other=0)
-            first_program = q_start // BLOCK_T + r
-            count += tl.sum((r_mask & (first_program <= pid)).to(tl.int32), axis=0)
-    req = count - 1
+    first_programs_le = _count_keys_le(qsl_ptr, pid + tl.zeros((1,), tl.int32), num_requests,
+                                       BLOCK_T, 1, SCAN, N_INTERPRET)
+    req = tl.sum(first_programs_le, axis=0) - 1
 
     q_start = tl.load(qsl_ptr + req)
     q_end = tl.load(qsl_ptr + req + 1)
@@ -54,20 +48,20 @@ def _mask_empty_context_lse_kernel(
         for h0 in range(0, NUM_HEADS, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)
             h_mask = h < NUM_HEADS
-            ptrs = lse_ptr + h[:, None].to(tl.int64) * stride_lse_h + t64[None, :] * stride_lse_t
-            tl.store(ptrs, tl.full((BLOCK_H, BLOCK_T), float("-inf"), tl.float32),
+            lse_ptrs = lse_ptr + h[:, None].to(tl.int64) * stride_lse_h + t64[None, :] * stride_lse_t
+            tl.store(lse_ptrs, tl.full((BLOCK_H, BLOCK_T), float("-inf"), tl.float32),
                      mask=h_mask[:, None] & t_mask[None, :])
         if ZERO_OUTPUT:
-            for j in range(0, tl.cdiv(NUM_HEADS, BLOCK_HO) * tl.cdiv(HEAD_DIM, BLOCK_D)):
-                h0 = (j // tl.cdiv(HEAD_DIM, BLOCK_D)) * BLOCK_HO
-                d0 = (j % tl.cdiv(HEAD_DIM, BLOCK_D)) * BLOCK_D
+            for h0 in range(0, NUM_HEADS, BLOCK_HO):
                 ho = h0 + tl.arange(0, BLOCK_HO)
-                d = d0 + tl.arange(0, BLOCK_D)
-                m = t_mask[:, None, None] & (ho < NUM_HEADS)[None, :, None] & (d < HEAD_DIM)[None, None, :]
-                ptrs = (out_ptr + t64[:, None, None] * stride_out_t
-                        + ho[None, :, None].to(tl.int64) * stride_out_h
-                        + d[None, None, :].to(tl.int64) * stride_out_d)
-                tl.store(ptrs, tl.zeros((BLOCK_T, BLOCK_HO, BLOCK_D), out_ptr.dtype.element_ty), mask=m)
+                ho_mask = ho < NUM_HEADS
+                for d0 in range(0, HEAD_DIM, BLOCK_D):
+                    d = d0 + tl.arange(0, BLOCK_D)
+                    m = t_mask[:, None, None] & ho_mask[None, :, None] & (d < HEAD_DIM)[None, None, :]
+                    out_ptrs = (out_ptr + t64[:, None, None] * stride_out_t
+                                + ho[None, :, None].to(tl.int64) * stride_out_h
+                                + d[None, None, :].to(tl.int64) * stride_out_d)
+                    tl.store(out_ptrs, tl.zeros((BLOCK_T, BLOCK_HO, BLOCK_D), out_ptr.dtype.element_ty), mask=m)
 
 
 def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, has_empty=None,
@@ -114,7 +108,7 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
         stride_lse_h, stride_lse_t, *out_strides,
         num_requests,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        BLOCK_T=c.MASK_BLOCK_T, SCAN=c.SCAN, SCAN_UNROLL=c.SCAN_UNROLL, R_INTERPRET=c.r_interpret(num_requests),
+        BLOCK_T=c.MASK_BLOCK_T, SCAN=c.SCAN, N_INTERPRET=c.n_interpret(num_requests),
         BLOCK_H=block_h, BLOCK_HO=block_ho, BLOCK_D=block_d,
         ZERO_OUTPUT=output is not None,
         num_warps=4,

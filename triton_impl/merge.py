@@ -2,10 +2,10 @@
 
 Grid: `(cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))`; a program merges a [BLOCK_T, BLOCK_H, BLOCK_D] tile (the whole
 padded head, then as many heads and tokens as fit in `MERGE_TILE_ELEMS`). The fused mask (SPEC 4.5) finds
-each token's request with the same 32-wide compare-and-sum as the mask kernel.
+each token's request with the same two-level 32-wide compare-and-sum as the mask kernel.
 
 Float math (SPEC 5), identical to `pallas_impl/merge.py` in operation order: f32 throughout, exp and log from
-libdevice (plain `tl.exp`/`tl.log` under the interpreter), launched with `enable_fp_fusion=False` and
+libdevice (plain `tl.exp`/`tl.log` under the interpreter, which also gets an exact RNE cast), launched with `enable_fp_fusion=False` and
 `enable_reflect_ftz=False`, division with `/`, cast only at the store.
 """
 
@@ -18,26 +18,26 @@ import triton
 import triton.language as tl
 
 from triton_impl import _common as c
-from triton_impl._common import _scan_bound
+from triton_impl._common import _cast_rne, _count_keys_le
 
 if not c.interpreting():
     from triton.language.extra.cuda import libdevice
 
 
 @triton.jit
-def _exp(x, USE_LIBDEVICE: tl.constexpr):
-    if USE_LIBDEVICE:
-        return libdevice.exp(x)
-    else:
+def _exp(x, INTERPRET: tl.constexpr):
+    if INTERPRET:  # libdevice does not run in the interpreter
         return tl.exp(x)
+    else:
+        return libdevice.exp(x)
 
 
 @triton.jit
-def _log(x, USE_LIBDEVICE: tl.constexpr):
-    if USE_LIBDEVICE:
-        return libdevice.log(x)
-    else:
+def _log(x, INTERPRET: tl.constexpr):
+    if INTERPRET:
         return tl.log(x)
+    else:
+        return libdevice.log(x)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "prefill_tokens_with_context", "num_requests"])
@@ -62,9 +62,9 @@ def _merge_attn_states_kernel(
     num_requests,  # R; runtime value
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    SCAN: tl.constexpr, SCAN_UNROLL: tl.constexpr, R_INTERPRET: tl.constexpr,
+    SCAN: tl.constexpr, N_INTERPRET: tl.constexpr,
     LSE_BASE2: tl.constexpr, OUTPUT_LSE: tl.constexpr, FUSED_MASK: tl.constexpr, FP8_OUT: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -95,24 +95,17 @@ def _merge_attn_states_kernel(
     p = tl.where((p == float("inf")) | (p != p), float("-inf"), p)
     s = tl.where((s == float("inf")) | (s != s), float("-inf"), s)
     if FUSED_MASK:  # SPEC 4.5: a token of a request whose prefix chunk is empty has p = -inf
-        hits = tl.zeros((BLOCK_T,), dtype=tl.int32)
-        for r0 in range(0, _scan_bound(num_requests, R_INTERPRET), SCAN * SCAN_UNROLL):
-            for u in tl.static_range(SCAN_UNROLL):
-                r = r0 + u * SCAN + tl.arange(0, SCAN)
-                r_mask = r < num_requests
-                q_lo = tl.load(qsl_ptr + r, mask=r_mask, other=0)
-                q_hi = tl.load(qsl_ptr + r + 1, mask=r_mask, other=0)
-                empty = r_mask & (tl.load(cu_ptr + r + 1, mask=r_mask, other=0)
-                                  == tl.load(cu_ptr + r, mask=r_mask, other=0))
-                inside = (t[:, None] >= q_lo[None, :]) & (t[:, None] < q_hi[None, :]) & empty[None, :]
-                hits += tl.sum(inside.to(tl.int32), axis=1)
-        p = tl.where(hits[:, None] > 0, float("-inf"), p)
+        req = _count_keys_le(qsl_ptr, t, num_requests + 1, 1, 0, SCAN, N_INTERPRET) - 1  # R: padding
+        in_req = t_mask & (req < num_requests)
+        req = tl.minimum(req, num_requests - 1)
+        empty_t = in_req & (tl.load(cu_ptr + req + 1) == tl.load(cu_ptr + req))
+        p = tl.where(empty_t[:, None], float("-inf"), p)
 
     m = tl.maximum(p, s)
     both_empty = m == float("-inf")  # SPEC 4.2
     m = tl.where(both_empty, 0.0, m)
-    pe = _exp(p - m, USE_LIBDEVICE)
-    se = _exp(s - m, USE_LIBDEVICE)
+    pe = _exp(p - m, INTERPRET)
+    se = _exp(s - m, INTERPRET)
     z = pe + se
     wp = pe / z
     ws = se / z
@@ -125,13 +118,15 @@ def _merge_attn_states_kernel(
     if FP8_OUT:  # SPEC 4.6
         out = tl.where(copy_t[:, None, None], b.to(tl.float32), out)
         out = out / tl.load(scale_ptr)
-        out = tl.minimum(tl.maximum(out, -448.0), 448.0)
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=thd_mask)
+        out = tl.where(out < -448.0, -448.0, out)  # comparisons, not min/max: NaN stays NaN
+        out = tl.where(out > 448.0, 448.0, out)
+        tl.store(out_ptrs, _cast_rne(out, out_ptr.dtype.element_ty, INTERPRET), mask=thd_mask)
     else:
-        tl.store(out_ptrs, tl.where(copy_t[:, None, None], b, out.to(out_ptr.dtype.element_ty)), mask=thd_mask)
+        tl.store(out_ptrs, tl.where(copy_t[:, None, None], b, _cast_rne(out, out_ptr.dtype.element_ty, INTERPRET)),
+                 mask=thd_mask)
 
     if OUTPUT_LSE:
-        lse = _log(z, USE_LIBDEVICE) + m
+        lse = _log(z, INTERPRET) + m
         lse = tl.where(both_empty, float("-inf"), lse)
         if LSE_BASE2:
             lse = lse * 1.4426950408889634
@@ -201,6 +196,7 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
     num_requests = 0
     if fused:
         num_requests = c.check_offsets(query_start_loc, prefix_cu_seq_lens, device, cu_name="prefix_cu_seq_lens")
+        fused = num_requests > 0  # no request, nothing to mask
     if prefill_tokens_with_context is None:
         prefill_tokens_with_context = num_tokens
     elif isinstance(prefill_tokens_with_context, torch.Tensor) or not isinstance(prefill_tokens_with_context, int):
@@ -225,8 +221,8 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
         num_tokens, max(0, min(prefill_tokens_with_context, num_tokens)), num_requests,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
-        SCAN=c.SCAN, SCAN_UNROLL=c.SCAN_UNROLL, R_INTERPRET=c.r_interpret(num_requests),
+        SCAN=c.SCAN, N_INTERPRET=c.n_interpret(num_requests + 1),
         LSE_BASE2=base2, OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused, FP8_OUT=fp8,
-        USE_LIBDEVICE=not c.interpreting(),
+        INTERPRET=c.interpreting(),
         num_warps=8, **c.PARITY_LAUNCH,
     )
