@@ -1,0 +1,290 @@
+"""Tests of the chunked-context prefill demo: planner, backend-like attention, reference, paths, run_demo."""
+
+import numpy as np
+import pytest
+
+from parity import chunked_prefill as cp
+from parity import demo
+from parity import reference
+
+# A tiny batch for the per-behaviour path tests: budget 24 // 3 = 8 (pages of 4), cdiv(20, 8) = 3 chunks;
+# request 1 (3 tokens) runs out after chunk 0, request 2 (9) after chunk 1, request 3 has no context.
+TINY = dict(context_lens=[20, 3, 9, 0], query_lens=[3, 2, 4, 2], num_heads=2, qk_dim=32, v_dim=16,
+            workspace_rows=24, block_size=4)
+
+
+def tiny_batch(seed=0):
+    kw = dict(TINY)
+    return cp.make_batch(kw.pop("context_lens"), kw.pop("query_lens"), seed=seed, **kw)
+
+
+# --------------------------------------------------------------------------------------------------
+# Planner
+# --------------------------------------------------------------------------------------------------
+
+# Each expectation worked out by hand from the rule: budget = (W // n_with_context) rounded down to
+# the page, num_chunks = cdiv(max ctx, budget), chunk i covers [i*budget, (i+1)*budget).
+PLAN_CASES = [
+    # n = 2 -> 16 // 2 = 8 -> 8; cdiv(10, 8) = 2; request 1: 3 then 0; request 2: 8 then 2.
+    dict(ctx=[0, 3, 10], W=16, block=2, budget=8, lens=[[0, 3, 8], [0, 0, 2]],
+         cu=[[0, 0, 3, 11], [0, 0, 0, 2]], empty=[True, True]),
+    # pages of 3: 8 -> 6; cdiv(10, 6) = 2; request 2: 6 then 4.
+    dict(ctx=[0, 3, 10], W=16, block=3, budget=6, lens=[[0, 3, 6], [0, 0, 4]],
+         cu=[[0, 0, 3, 9], [0, 0, 0, 4]], empty=[True, True]),
+    # n = 2 -> 5 -> 4; cdiv(9, 4) = 3; chunk 0 has no empty row, so its guard is False.
+    dict(ctx=[4, 9], W=10, block=4, budget=4, lens=[[4, 4], [0, 4], [0, 1]],
+         cu=[[0, 4, 8], [0, 0, 4], [0, 0, 1]], empty=[False, True, True]),
+    # Exactly one chunk, nothing empty.
+    dict(ctx=[8, 8], W=16, block=8, budget=8, lens=[[8, 8]], cu=[[0, 8, 16]], empty=[False]),
+    # The demo's default batch: n = 4 -> 32; cdiv(90, 32) = 3; 90 = 32 + 32 + 26, 40 = 32 + 8.
+    dict(ctx=[90, 5, 40, 17, 0, 0], W=128, block=16, budget=32,
+         lens=[[32, 5, 32, 17, 0, 0], [32, 0, 8, 0, 0, 0], [26, 0, 0, 0, 0, 0]],
+         cu=[[0, 32, 37, 69, 86, 86, 86], [0, 32, 32, 40, 40, 40, 40], [0, 26, 26, 26, 26, 26, 26]],
+         empty=[True, True, True]),
+]
+
+
+@pytest.mark.parametrize("c", PLAN_CASES, ids=lambda c: f"ctx{c['ctx']}-W{c['W']}-b{c['block']}")
+def test_plan_chunks_hand_computed(c):
+    plan = cp.plan_chunks(c["ctx"], c["W"], c["block"])
+    assert plan.budget == c["budget"]
+    assert plan.num_chunks == len(c["lens"])
+    assert plan.chunk_seq_lens.dtype == np.int32 and plan.cu_seq_lens.dtype == np.int32
+    np.testing.assert_array_equal(plan.chunk_seq_lens, np.array(c["lens"]))
+    np.testing.assert_array_equal(plan.cu_seq_lens, np.array(c["cu"]))
+    assert plan.has_empty == c["empty"]
+    assert all(type(x) is bool for x in plan.has_empty)  # host bools, usable as a launch guard
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_plan_chunks_covers_every_context_once(seed):
+    rng = np.random.default_rng(seed)
+    ctx = rng.integers(0, 300, size=int(rng.integers(1, 40)))
+    ctx[0] = max(ctx[0], 1)
+    block = int(rng.choice([1, 4, 16]))
+    n_ctx = int((ctx > 0).sum())
+    workspace = n_ctx * block * int(rng.integers(1, 6)) + int(rng.integers(0, block))
+    plan = cp.plan_chunks(ctx.tolist(), workspace, block)
+    assert plan.budget % block == 0 and 0 < plan.budget * n_ctx <= workspace
+    np.testing.assert_array_equal(plan.chunk_seq_lens.sum(axis=0), ctx)  # every position exactly once
+    assert (plan.chunk_seq_lens <= plan.budget).all()
+    assert plan.cu_seq_lens[:, -1].max() <= workspace  # a chunk fits the workspace
+    for i in range(plan.num_chunks):
+        idx = cp.chunk_gather_index(plan, i, np.concatenate([[0], np.cumsum(ctx)]))
+        assert idx.size == plan.cu_seq_lens[i, -1]
+
+
+def test_plan_chunks_without_context():
+    plan = cp.plan_chunks([0, 0, 0], 64, 16)
+    assert (plan.budget, plan.num_chunks, plan.has_empty) == (0, 0, [])
+    assert plan.chunk_seq_lens.shape == (0, 3) and plan.cu_seq_lens.shape == (0, 4)
+
+
+@pytest.mark.parametrize("ctx, workspace, block, exc", [
+    ([1, 1, 1], 5, 2, ValueError),  # 5 // 3 = 1 row each: less than one page of 2
+    ([3, -1], 16, 2, ValueError),
+    ([3, 1], 16, 0, ValueError),
+    ([3, 1], 0, 2, ValueError),
+    ([1.5, 2.0], 16, 2, TypeError),
+])
+def test_plan_chunks_rejects(ctx, workspace, block, exc):
+    with pytest.raises(exc):
+        cp.plan_chunks(ctx, workspace, block)
+
+
+@pytest.mark.parametrize("ctx, qsl, want", [
+    ([5, 3, 0, 0], [0, 2, 5, 6, 9], 5),  # the two requests with context own tokens [0, 5)
+    ([2, 2], [0, 1, 3], 3),  # all have context: nothing passes through
+    ([0, 0], [0, 1, 3], 0),  # none has context: everything passes through
+    ([0, 5], [0, 1, 3], None),  # a request without context comes first: no such count
+    ([4, 0, 7], [0, 1, 2, 3], None),
+])
+def test_prefill_tokens_with_context(ctx, qsl, want):
+    assert cp.prefill_tokens_with_context(ctx, np.array(qsl, np.int32)) == want
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention stand-ins and the float64 reference
+# --------------------------------------------------------------------------------------------------
+
+def _np_attention(q, k, v, qsl, cu, causal, scale):
+    """float64 varlen attention on the non-empty requests: {token: (out[H, Dv], lse[H])}."""
+    res = {}
+    for r in range(len(qsl) - 1):
+        if cu[r + 1] == cu[r]:
+            continue
+        s = np.einsum("qhd,khd->hqk", q[qsl[r]:qsl[r + 1]].astype(np.float64),
+                      k[cu[r]:cu[r + 1]].astype(np.float64)) * scale
+        if causal:
+            s = np.where(np.triu(np.ones(s.shape[1:], bool), 1), -np.inf, s)
+        m = s.max(-1, keepdims=True)
+        lse = np.log(np.exp(s - m).sum(-1)) + m[..., 0]
+        out = np.einsum("hqk,khd->qhd", np.exp(s - lse[..., None]), v[cu[r]:cu[r + 1]].astype(np.float64))
+        for j in range(out.shape[0]):
+            res[qsl[r] + j] = (out[j], lse[:, j])
+    return res
+
+
+def _to_numpy(x):
+    return x.cpu().numpy() if hasattr(x, "cpu") else np.asarray(x)
+
+
+def _attention(framework):
+    if framework == "torch":
+        import torch
+
+        def run(q, k, v, *a, **kw):
+            return cp.attention_torch(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), *a, **kw)
+    else:
+        import jax.numpy as jnp
+
+        def run(q, k, v, *a, **kw):
+            return cp.attention_jax(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), *a, **kw)
+    return run
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+@pytest.mark.parametrize("behavior", list(cp.EMPTY_BEHAVIORS))
+def test_attention_rows(framework, behavior):
+    rng = np.random.default_rng(3)
+    H, D, Dv = 3, 16, 8
+    qsl = np.array([0, 3, 5, 5, 9], np.int32)  # request 2 has no query tokens
+    cu = np.array([0, 4, 4, 6, 13], np.int32)  # request 1 has no KV tokens
+    q = rng.standard_normal((10, H, D), dtype=np.float32)  # token 9 is padding
+    k = rng.standard_normal((13, H, D), dtype=np.float32)
+    v = rng.standard_normal((13, H, Dv), dtype=np.float32)
+    out, lse = _attention(framework)(q, k, v, qsl, cu, causal=False, empty_behavior=behavior, scale=0.3)
+    out, lse = _to_numpy(out), _to_numpy(lse)
+    assert out.shape == (10, H, Dv) and lse.shape == (H, 10)
+    beh = cp.EMPTY_BEHAVIORS[behavior]
+    np.testing.assert_array_equal(lse[:, 3:5], np.full((H, 2), beh.lse, np.float32))
+    np.testing.assert_array_equal(out[3:5], np.full((2, H, Dv), beh.output, np.float32))
+    assert np.isnan(out[9]).all() and np.isnan(lse[:, 9]).all()  # padding stays poisoned
+    want = _np_attention(q, k, v, qsl, cu, False, 0.3)
+    assert sorted(want) == [0, 1, 2, 5, 6, 7, 8]
+    for t, (o, l) in want.items():
+        np.testing.assert_allclose(out[t], o, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(lse[:, t], l, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_attention_causal(framework):
+    rng = np.random.default_rng(4)
+    qsl = np.array([0, 1, 5], np.int32)
+    q, k = (rng.standard_normal((5, 2, 8), dtype=np.float32) for _ in range(2))
+    v = rng.standard_normal((5, 2, 4), dtype=np.float32)
+    out, lse = _attention(framework)(q, k, v, qsl, qsl, causal=True, scale=0.5)
+    out, lse = _to_numpy(out), _to_numpy(lse)
+    np.testing.assert_allclose(out[[0, 1]], v[[0, 1]], atol=1e-6)  # a first token sees only itself
+    want = _np_attention(q, k, v, qsl, qsl, True, 0.5)
+    for t, (o, l) in want.items():
+        np.testing.assert_allclose(out[t], o, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(lse[:, t], l, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError):  # causal needs as many KV as query tokens per request
+        _attention(framework)(q, k[:4], v[:4], qsl, np.array([0, 1, 4], np.int32), causal=True)
+
+
+def test_reference_prefill_first_token_without_context():
+    batch = tiny_batch()
+    out = cp.reference_prefill(batch)
+    t = int(batch.query_start_loc[3])  # request 3: no context, its first token sees only itself
+    np.testing.assert_allclose(out[t], batch.new_v[t], rtol=0, atol=1e-12)
+
+
+def test_float64_chunked_pipeline_matches_reference():
+    """The chunk plan, masked and merged by `parity.reference`, reproduces monolithic attention."""
+    import torch
+
+    batch = tiny_batch(seed=1)
+    plan = batch.plan()
+    q = torch.from_numpy(batch.q)
+    qsl = batch.query_start_loc
+    state = None
+    for i in range(plan.num_chunks):
+        idx = cp.chunk_gather_index(plan, i, batch.context_start_loc)
+        out, lse = cp.attention_torch(q, torch.from_numpy(batch.ctx_k[idx]), torch.from_numpy(batch.ctx_v[idx]),
+                                      qsl, plan.cu_seq_lens[i], causal=False, empty_behavior="finite_nan")
+        lse, out = reference.mask_empty_context_lse(lse.numpy(), qsl, plan.cu_seq_lens[i], out.numpy())
+        state = (out, lse) if state is None else reference.merge_attn_states(*state, out, lse)
+    new_out, new_lse = cp.attention_torch(q, torch.from_numpy(batch.new_k), torch.from_numpy(batch.new_v),
+                                          qsl, qsl, causal=True)
+    got, _ = reference.merge_attn_states(*state, new_out.numpy(), new_lse.numpy(),
+                                         prefill_tokens_with_context=batch.prefill_tokens_with_context())
+    np.testing.assert_allclose(got, cp.reference_prefill(batch), rtol=0, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# The three paths with the kernels, per framework and empty-row behaviour
+# --------------------------------------------------------------------------------------------------
+
+def _requests_hit_by_the_bug(batch):
+    """Requests with context whose context is empty in some chunk: the ones an unmasked merge spoils."""
+    plan = batch.plan()
+    ctx = np.array(batch.context_lens)
+    return [r for r in range(batch.num_requests) if ctx[r] > 0 and (plan.chunk_seq_lens[:, r] == 0).any()]
+
+
+@pytest.fixture(scope="module")
+def demo_run():
+    """run_demo once for the module: the Pallas interpreter compiles per shape, so every path test and
+    the ok-flag test share one run (both frameworks, every behaviour, every path)."""
+    return demo.run_demo(framework="both")
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+@pytest.mark.parametrize("behavior", list(cp.EMPTY_BEHAVIORS))
+def test_paths(demo_run, framework, behavior):
+    batch = demo.demo_batch()
+    rows, _ = demo_run
+    by_path = {r["path"]: r for r in rows if r["framework"] == framework and r["empty_behavior"] == behavior}
+    assert sorted(by_path) == sorted(demo.PATHS)
+    for path, r in by_path.items():
+        assert r["rows_total"] == batch.num_tokens
+        assert r["passthrough_exact"] is True, path  # requests 4 and 5 (no context) are bit copies
+        if path == "no_mask" and behavior == "finite_nan":
+            hit = _requests_hit_by_the_bug(batch)
+            assert hit == [1, 2, 3]
+            assert r["requests_corrupted"] == hit and r["any_nan"]
+            assert r["rows_corrupted"] == sum(batch.query_lens[i] for i in hit)
+            assert r["ok"] and r["expected"] == "corrupted"
+        else:  # fixed paths always; unfixed too when the merge reads the sentinel as empty (SPEC 4.1)
+            assert r["rows_corrupted"] == 0 and not r["any_nan"], (path, r)
+            assert r["max_abs_err"] <= demo.TOLERANCE
+            assert r["ok"]
+
+
+def test_run_demo_default_is_ok(demo_run):
+    rows, ok = demo_run
+    assert ok
+    assert len(rows) == len(demo.FRAMEWORKS) * len(cp.EMPTY_BEHAVIORS) * len(demo.PATHS)
+    plan = demo.demo_batch().plan()
+    assert plan.num_chunks >= 3 and all(plan.has_empty[1:])
+    table = demo.format_demo_table(rows)
+    assert len(table.splitlines()) == len(rows) + 4  # caption, header, rule, rows, footnote
+    assert "FAIL" not in table and "corrupted" in table
+
+
+def test_demo_needs_the_corrupting_behaviour():
+    rows, ok = demo.run_batch(tiny_batch(), framework="torch", behaviors=["fa3"])
+    assert all(r["ok"] for r in rows) and not ok  # clean, but the bug was not shown
+
+
+def test_run_demo_rejects():
+    with pytest.raises(ValueError):
+        demo.run_demo(framework="tf")
+    with pytest.raises(ValueError):
+        demo.run_demo(size="huge")
+    with pytest.raises(ValueError):
+        demo.run_batch(tiny_batch(), framework="torch", behaviors=["fa4"])
+
+
+def test_large_config():
+    cfg = demo.demo_config("large")
+    ctx = np.array(cfg["context_lens"])
+    plan = cp.plan_chunks(ctx, cfg["workspace_rows"], cfg["block_size"])
+    k = int((ctx > 0).sum())
+    assert len(ctx) == 64 and sum(cfg["query_lens"]) > 1000
+    assert (ctx[:k] > 0).all() and (ctx[k:] == 0).all() and k < 64  # requests with context first
+    assert plan.num_chunks >= 3 and all(plan.has_empty)
+    qsl = np.concatenate([[0], np.cumsum(cfg["query_lens"])])
+    assert cp.prefill_tokens_with_context(ctx, qsl) == qsl[k]
