@@ -1,0 +1,1016 @@
+"""Benchmarks: `python -m parity bench` (STYLE 5). One GPU, one run, both frameworks.
+
+What is measured, in this order:
+
+1. **Ceilings** of the same run: two-read-one-write `torch.add(a, b, out=c)` and write-only `c.fill_(1)` on
+   2 GiB bf16 tensors (bytes = reads + writes), timed by CUDA-graph replay.
+2. **Mask** on the SPEC 7 seed workloads (`parity.cases`, tag "seed"), public API with `has_empty=True`,
+   variants `lse` (LSE only, as upstream) and `lse+out` (the output rows are zeroed too).
+   Bytes = masked tokens * H * 4 (+ masked tokens * H * D * out bytes for `lse+out`); compared with the
+   write-only ceiling and with upstream's published H200 numbers (SPEC 7, `UPSTREAM`).
+3. **Merge** over T x H x D x dtype x variant (`merge_points`): `plain` (no output LSE), `lse` (output LSE),
+   `fused` (fused mask, SPEC 4.5, plus output LSE; 128-token requests, every even one empty in the prefix).
+   Bytes = 2*T*H*D*in + T*H*D*out + 2*T*H*4 (+ T*H*4 with an output LSE); offsets are not counted.
+   Compared with the two-read-one-write ceiling and upstream's 1.18 TB/s.
+
+Two labelled numbers per point (each record carries its `method`):
+
+- `gpu_time`: Triton via `triton.testing.do_bench_cudagraph` (graph replay on a side stream; quantiles over its
+  replays, each the mean of the calls in the graph). JAX via `jax.profiler` kernel time (CUPTI; the sum of
+  the kernels of one call, quantiles over calls); if the trace holds no GPU kernels, back-to-back dispatches
+  of the jitted call with one sync at the end, divided by N (labelled; an upper bound when the kernel is
+  shorter than a dispatch). Never a jitted `fori_loop` chain (SPEC 6: XLA copies the loop-carried buffers).
+- `latency`: wall clock over N back-to-back calls of the public API with one sync at the end, divided by N;
+  quantiles over trials. The JAX mask is the documented in-place form, `jax.jit(..., donate_argnums=0)`,
+  chained (output fed back as input; the mask is idempotent).
+
+Inputs are rotated over enough copies that one pass exceeds 3x the L2 (`L2_BYTES`) for the merge; the mask's
+working set is L2-resident on every seed workload (as in upstream's graph-replay numbers) and its records
+say so in `note`. `--smoke` checks the plumbing with tiny shapes (interpreters on CPU): no claims.
+
+Output: a table on stdout, progress on stderr, `--json FILE` (schema below, rewritten after every point so a
+killed run keeps what it measured), `--plot FILE` (PNG drawn from the JSON only, `plot_from_json`).
+
+JSON: {"schema": 1, "mode", "env": {...}, "reference": UPSTREAM, "ceilings": {...}, "records": [{op, impl,
+workload, T, H, D, dtype, variant, metric, unit, method, p20, p50, p80, bytes, tbps, frac_ceiling, n, note,
+...}], "skipped": [...], "errors": [...]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import gc
+import glob
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+import numpy as np
+
+from parity import cases
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU (SPEC 6)
+
+SCHEMA = 1
+QUANTILES = (0.2, 0.5, 0.8)
+L2_BYTES = 60e6  # H200 L2 rounded up: a working set below ~3x this is partly served from cache
+MEMORY_CAP_BYTES = 60e9  # merge points needing more (inputs + output + LSEs) are skipped
+CEILING_ELEMS = 1 << 30  # 2 GiB of bf16 per tensor
+MAX_ROTATION = 16
+
+# SPEC 7: upstream's kernels measured on an H200 (and the B300 mask numbers), for comparison only.
+UPSTREAM = {
+    "source": "SPEC section 7 (upstream vLLM kernels, H200)",
+    "mask_gpu_time_us": {"2k_balanced": 2.0, "32k_balanced": 4.2, "131k_skewed": 9.8},
+    "mask_latency_us": {"2k_balanced": 5.6, "32k_balanced": 8.2, "131k_skewed": 14.9},
+    "mask_latency_b300_us": {"2k_balanced": 12.51, "32k_balanced": 12.57, "131k_skewed": 13.18},
+    "merge_tbps": 1.18,
+    "merge_note": "T=32K..131K, H=64/128, D=128, bf16; one (token, head) per program",
+    "add_2r1w_tbps": 4.41,
+    "fill_w_tbps": 3.40,
+}
+
+FORMULAS = {
+    "merge": "bytes = 2*T*H*D*in_bytes + T*H*D*out_bytes + 2*T*H*4 (+ T*H*4 with an output LSE)",
+    "mask": "bytes = masked_tokens*H*4 (+ masked_tokens*H*D*out_bytes with variant lse+out)",
+    "ceiling": "add: 3 * 2 GiB (two reads, one write); fill: 2 GiB (one write)",
+    "tbps": "bytes / p50 time / 1e12; frac_ceiling = tbps / ceiling tbps of this run (gpu_time)",
+}
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+MERGE_VARIANTS = ("plain", "lse", "fused")
+MASK_VARIANTS = ("lse", "lse+out")
+FUSED_REQUEST_LEN = 128
+
+# Grids per mode: (T values, H values, D values, dtypes, merge variants, mask variants).
+_GRIDS = {
+    "full": ((2048, 32768, 131072), (16, 64, 128), (128, 512), ("bfloat16", "float32"), MERGE_VARIANTS,
+             MASK_VARIANTS),
+    "quick": ((2048, 32768, 131072), (64,), (128,), ("bfloat16",), MERGE_VARIANTS, MASK_VARIANTS),
+    "smoke": ((256,), (2,), (64,), ("bfloat16",), MERGE_VARIANTS, ("lse",)),
+}
+SMOKE_MASK_CASES = ("upstream_vector",)  # tiny "ci" workload: the seed ones are too big for interpreters
+
+
+# --------------------------------------------------------------------------------------------------------
+# Workloads and byte formulas
+
+
+@dataclasses.dataclass(frozen=True)
+class MergePoint:
+    """One merge benchmark point (SPEC 4): outputs dtype[T, H, D], LSEs f32[H, T]."""
+
+    T: int
+    H: int
+    D: int
+    dtype: str
+    variant: str  # "plain" | "lse" | "fused"
+
+    @property
+    def elems(self) -> int:
+        return self.T * self.H * self.D
+
+    @property
+    def output_lse(self) -> bool:
+        return self.variant != "plain"
+
+    @property
+    def bytes(self) -> int:
+        """Effective bytes of one call (`FORMULAS["merge"]`); the output dtype is the input dtype."""
+        in_b = _ITEMSIZE[self.dtype]
+        lse = 2 * self.T * self.H * 4 + (self.T * self.H * 4 if self.output_lse else 0)
+        return 2 * self.elems * in_b + self.elems * in_b + lse
+
+    @property
+    def memory(self) -> int:
+        """Device bytes of one input/output set (both frameworks' outputs are not alive together)."""
+        return 3 * self.elems * _ITEMSIZE[self.dtype] + 3 * self.T * self.H * 4
+
+    @property
+    def workload(self) -> str:
+        return f"T={self.T} H={self.H} D={self.D}"
+
+    @property
+    def label(self) -> str:
+        return f"merge {self.workload} {self.dtype} {self.variant}"
+
+    def fused_case(self) -> cases.Case:
+        """The fused variant's batch: 128-token requests, every even-indexed one empty in the prefix."""
+        n = self.T // FUSED_REQUEST_LEN
+        return cases.Case(f"fused_T{self.T}", (FUSED_REQUEST_LEN,) * n, tuple(range(0, n, 2)),
+                          num_heads=self.H, head_dim=self.D, dtype=self.dtype)
+
+
+def merge_points(mode: str) -> list[MergePoint]:
+    """The merge grid of `mode` ("full", "quick", "smoke"), smallest working sets first."""
+    t_vals, h_vals, d_vals, dtypes, variants, _ = _GRIDS[mode]
+    pts = [MergePoint(t, h, d, dt, v) for dt in dtypes for d in d_vals for h in h_vals for t in t_vals
+           for v in variants]
+    return sorted(pts, key=lambda p: (p.dtype != "bfloat16", p.elems, p.D, MERGE_VARIANTS.index(p.variant)))
+
+
+def mask_cases(mode: str) -> list[cases.Case]:
+    if mode == "smoke":
+        return [cases.by_name(n) for n in SMOKE_MASK_CASES]
+    return cases.select("seed")
+
+
+def masked_tokens(case: cases.Case) -> int:
+    """Query tokens of the requests whose context chunk is empty (decided from the offsets, SPEC 3)."""
+    qsl, cu = cases.offsets(case)
+    lens, empty = np.diff(qsl), np.diff(cu) == 0
+    return int(lens[empty].sum())
+
+
+def mask_bytes(case: cases.Case, variant: str) -> int:
+    """Bytes written by one mask call (`FORMULAS["mask"]`)."""
+    n = masked_tokens(case)
+    b = n * case.num_heads * 4
+    if variant == "lse+out":
+        b += n * case.num_heads * case.head_dim * _ITEMSIZE[case.dtype]
+    return b
+
+
+def _rotation(bytes_per_call: int, memory_per_set: int, on_gpu: bool) -> int:
+    """Input/output sets to cycle through so one pass over them exceeds 3x L2 (1 when already large)."""
+    if not on_gpu or bytes_per_call >= 3 * L2_BYTES:
+        return 1
+    k = math.ceil(3 * L2_BYTES / max(bytes_per_call, 1))
+    return max(1, min(k, MAX_ROTATION, int(MEMORY_CAP_BYTES // max(memory_per_set, 1))))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Timers. Each returns (p20, p50, p80) in microseconds, the method string, and the call count.
+
+
+def _quantiles(samples) -> tuple[float, float, float]:
+    a = np.asarray(samples, dtype=np.float64)
+    return tuple(float(np.percentile(a, q * 100.0)) for q in QUANTILES)
+
+
+def time_cudagraph(fn, rep_ms: float):
+    """GPU time of `fn` (torch/Triton launches only) by CUDA-graph replay."""
+    import triton.testing
+
+    ms = triton.testing.do_bench_cudagraph(fn, rep=rep_ms, quantiles=list(QUANTILES))
+    q = tuple(float(x) * 1e3 for x in ms)
+    return q, "triton.testing.do_bench_cudagraph: graph replay, quantiles over 10 replays (each the mean " \
+              "of the calls captured in the graph)", None
+
+
+def time_wall(call, sync, n: int, trials: int, what: str = "public API"):
+    """Per-call wall clock: `n` back-to-back calls, one sync at the end, divided by `n`; quantiles over trials."""
+    call()
+    sync()
+    samples = []
+    for _ in range(trials):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call()
+        sync()
+        samples.append((time.perf_counter() - t0) / n * 1e6)
+    return _quantiles(samples), f"wall clock over {n} back-to-back calls of the {what}, one sync at the " \
+                                f"end, /{n}; quantiles over {trials} trials", n
+
+
+_DERIVED_LINES = ("XLA Modules", "XLA Ops", "Steps", "Launch Stats", "Source code", "Framework",
+                  "XLA TraceMe", "TensorFlow")
+
+
+def gpu_kernel_events(profile) -> list[tuple[float, float, str]]:
+    """(start_ns, duration_ns, name) of the device activity in a `jax.profiler.ProfileData`.
+
+    Uses the first "/device:GPU" plane that has events, and its per-stream lines ("Stream #..."); if a plane
+    has no such lines, every line except derived summaries (`_DERIVED_LINES`), which would double count.
+    """
+    for plane in profile.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        lines = list(plane.lines)
+        chosen = [ln for ln in lines if ln.name.startswith("Stream")]
+        if not chosen:
+            chosen = [ln for ln in lines if not ln.name.startswith(_DERIVED_LINES)]
+        events = [(float(e.start_ns), float(e.duration_ns), e.name) for ln in chosen for e in ln.events]
+        if events:
+            return sorted(events)
+    return []
+
+
+def per_call_us(events, n: int):
+    """Split sorted device events of `n` identical calls into per-call kernel-time sums (microseconds).
+
+    Returns (quantiles, note) or None without events. When the event count is a multiple of `n`, each call
+    is the sum of k = count / n consecutive events; otherwise every quantile is the mean per call.
+    """
+    if not events or n <= 0:
+        return None
+    if len(events) % n == 0:
+        k = len(events) // n
+        per = [sum(d for _, d, _ in events[i * k:(i + 1) * k]) / 1e3 for i in range(n)]
+        return _quantiles(per), f"{k} kernel(s) per call"
+    mean = sum(d for _, d, _ in events) / 1e3 / n
+    return (mean, mean, mean), f"{len(events)} events for {n} calls: mean only"
+
+
+def time_jax_profiler(call, sync, n: int):
+    """JAX GPU time from the profiler's kernel durations over `n` back-to-back calls; None without GPU events."""
+    import jax
+
+    call()
+    sync()
+    log_dir = tempfile.mkdtemp(prefix="parity_bench_trace_")
+    try:
+        try:
+            opts = jax.profiler.ProfileOptions()
+            opts.python_tracer_level = 0
+            jax.profiler.start_trace(log_dir, profiler_options=opts)
+        except TypeError:  # an older jax without profiler_options
+            jax.profiler.start_trace(log_dir)
+        try:
+            for _ in range(n):
+                call()
+            sync()
+        finally:
+            jax.profiler.stop_trace()
+        files = sorted(glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True))
+        if not files:
+            return None
+        got = per_call_us(gpu_kernel_events(jax.profiler.ProfileData.from_file(files[-1])), n)
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    if got is None:
+        return None
+    q, note = got
+    return q, f"jax.profiler kernel time (CUPTI) over {n} back-to-back calls, {note}; quantiles over calls", n
+
+
+def time_jax_gpu(call, sync, n: int, trials: int, use_profiler: bool):
+    """JAX GPU time: profiler kernel time, else a labelled dispatch loop."""
+    call()  # compile and warm up outside the profiler: a kernel error is the kernel's, not the profiler's
+    sync()
+    if use_profiler:
+        try:
+            got = time_jax_profiler(call, sync, n)
+        except Exception as e:  # noqa: BLE001 - the profiler is optional; fall back, labelled
+            _log(f"  jax profiler unavailable ({type(e).__name__}: {e}); using the dispatch loop")
+            got = None
+        if got is not None:
+            return got
+    q, _, n = time_wall(call, sync, n, trials, what="jitted call")
+    return q, f"jax dispatch loop: wall clock over {n} back-to-back jitted calls, one sync, /{n} (upper " \
+              f"bound when the kernel is shorter than a dispatch); quantiles over {trials} trials", n
+
+
+# --------------------------------------------------------------------------------------------------------
+# Environment, records, JSON
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _run_text(cmd: list[str], cwd: str | None = None) -> str | None:
+    try:
+        out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=20, check=True)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def collect_env(argv: list[str] | None, device: str) -> dict:
+    """GPU, driver, CUDA, library versions, git commit, UTC time and command line."""
+    import importlib.metadata as md
+
+    env: dict = {"device": device, "python": sys.version.split()[0]}
+    for pkg in ("torch", "triton", "jax", "jaxlib", "numpy"):
+        try:
+            env[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            env[pkg] = None
+    env["gpu"] = env["driver"] = env["cuda"] = None
+    try:
+        import torch
+
+        env["cuda"] = torch.version.cuda
+        if device == "cuda":
+            env["gpu"] = torch.cuda.get_device_name(0)
+            env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+    except ImportError:
+        pass
+    smi = _run_text(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
+    if smi:
+        name, _, driver = smi.splitlines()[0].partition(",")
+        env["driver"] = driver.strip() or None
+        env["gpu"] = env["gpu"] or name.strip()
+    try:
+        import jax
+
+        env["jax_backend"] = jax.default_backend()
+        env["jax_devices"] = [str(d) for d in jax.devices()]
+    except Exception as e:  # noqa: BLE001 - informational only
+        env["jax_backend"] = f"unavailable: {e}"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["git_commit"] = (_run_text(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=repo)
+                         or os.environ.get("GIT_COMMIT"))
+    env["utc_time"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    if argv is not None and argv[:1] == ["bench"]:
+        env["command"] = "python -m parity " + shlex.join(argv)
+    else:
+        env["command"] = shlex.join(sys.argv) + (f" (bench args: {shlex.join(argv)})" if argv else "")
+    env["l2_bytes_assumed"] = L2_BYTES
+    return env
+
+
+def _record(op, impl, workload, T, H, D, dtype, variant, metric, timing, nbytes, ceiling_tbps, note=None):
+    q, method, n = timing
+    p50 = q[1]
+    tbps = nbytes / (p50 * 1e-6) / 1e12 if p50 > 0 else None
+    frac = tbps / ceiling_tbps if (tbps is not None and ceiling_tbps) else None
+    return {"op": op, "impl": impl, "workload": workload, "T": T, "H": H, "D": D, "dtype": dtype,
+            "variant": variant, "metric": metric, "unit": "us", "method": method,
+            "p20": q[0], "p50": q[1], "p80": q[2], "bytes": int(nbytes), "tbps": tbps, "frac_ceiling": frac,
+            "n": n, "note": note}
+
+
+def _write_json(doc: dict, path: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The runner
+
+
+class _Budget(Exception):
+    pass
+
+
+class _Runner:
+    def __init__(self, args, mode: str, device: str):
+        self.args, self.mode, self.device = args, mode, device
+        self.on_gpu = device == "cuda"
+        self.t_start = time.monotonic()
+        self.budget_s = getattr(args, "budget_s", None)
+        self.impls = {"both": ("triton", "pallas"), "triton": ("triton",), "pallas": ("pallas",)}[
+            getattr(args, "impl", "both") or "both"]
+        self.quiet = bool(getattr(args, "quiet", False))
+        self.name_filter = getattr(args, "name_filter", None)
+        self.use_profiler = self.on_gpu and getattr(args, "jax_timer", "profiler") == "profiler"
+        self.doc = {"schema": SCHEMA, "mode": mode, "env": {}, "reference": UPSTREAM, "formulas": FORMULAS,
+                    "ceilings": {}, "records": [], "skipped": [], "errors": []}
+        self._modules: dict = {}
+        # Reps: do_bench_cudagraph's `rep` (ms), the target wall time of one latency trial, trial count.
+        self.rep_ms, self.target_s, self.trials = {"full": (20, 0.02, 5), "quick": (20, 0.02, 5),
+                                                   "smoke": (2, 0.0, 1)}[mode]
+
+    # -- helpers
+    def progress(self, msg: str) -> None:
+        if not self.quiet:
+            _log(msg)
+
+    def check_budget(self) -> None:
+        if self.budget_s is not None and time.monotonic() - self.t_start > self.budget_s:
+            raise _Budget()
+
+    def module(self, impl: str):
+        """triton_impl / pallas_impl, imported once; an import error is raised at each use."""
+        if impl not in self._modules:
+            try:
+                if impl == "triton":
+                    import triton_impl as m
+                else:
+                    import pallas_impl as m
+                self._modules[impl] = m
+            except Exception as e:  # noqa: BLE001 - reported per point
+                self._modules[impl] = e
+        m = self._modules[impl]
+        if isinstance(m, Exception):
+            raise RuntimeError(f"cannot import {impl}_impl: {type(m).__name__}: {m}") from m
+        return m
+
+    def sync(self) -> None:
+        if self.on_gpu:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def n_calls(self, est_us: float, lo: int = 3, hi: int = 200) -> int:
+        if self.mode == "smoke":
+            return 1
+        return int(min(hi, max(lo, math.ceil(self.target_s * 1e6 / max(est_us, 1.0)))))
+
+    def save(self) -> None:
+        path = getattr(self.args, "json", None)
+        if path:
+            _write_json(self.doc, path)
+
+    def add(self, rec: dict) -> None:
+        self.doc["records"].append(rec)
+
+    def error(self, label: str, impl: str, e: BaseException) -> None:
+        msg = f"{type(e).__name__}: {e}"
+        self.doc["errors"].append({"point": label, "impl": impl, "error": msg[:2000]})
+        lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
+        short = lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"
+        self.progress(f"  {impl}: error: {short[:400]}")
+
+    def cleanup(self) -> None:
+        gc.collect()
+        if self.on_gpu:
+            import torch
+
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def triton_gpu_time(self, fn):
+        if self.on_gpu:
+            return time_cudagraph(fn, self.rep_ms)
+        q, method, n = time_wall(fn, self.sync, 1, self.trials)
+        return q, "smoke (CPU interpreter): " + method + " - no claim", n
+
+    def jax_gpu_time(self, call, sync, est_us: float):
+        if self.on_gpu:
+            return time_jax_gpu(call, sync, self.n_calls(est_us, lo=5, hi=100), self.trials, self.use_profiler)
+        q, method, n = time_wall(call, sync, 1, self.trials, what="jitted call")
+        return q, "smoke (CPU interpret mode): " + method + " - no claim", n
+
+    def latency(self, call, sync, est_us: float):
+        q, method, n = time_wall(call, sync, self.n_calls(est_us), self.trials)
+        return q, ("smoke: " + method + " - no claim") if not self.on_gpu else method, n
+
+    # -- 1. ceilings
+    def ceilings(self) -> None:
+        import torch
+
+        n = CEILING_ELEMS if self.on_gpu and self.mode != "smoke" else 1 << 16
+        self.progress(f"ceilings: torch.add(a, b, out=c) and c.fill_(1) on {n * 2 / 2**30:.3g} GiB bf16 tensors")
+        a = torch.ones(n, dtype=torch.bfloat16, device=self.device)
+        b = torch.ones(n, dtype=torch.bfloat16, device=self.device)
+        c = torch.empty(n, dtype=torch.bfloat16, device=self.device)
+        self.sync()
+        specs = (("add_2r1w", "torch.add(a, b, out=c)", lambda: torch.add(a, b, out=c), 3 * 2 * n),
+                 ("fill_w", "c.fill_(1)", lambda: c.fill_(1.0), 2 * n))
+        for key, variant, fn, nbytes in specs:
+            t = self.triton_gpu_time(fn)
+            rec = _record("ceiling", "torch", key, None, None, None, "bfloat16", variant, "gpu_time", t,
+                          nbytes, None)
+            self.doc["ceilings"][key] = rec["tbps"]
+            self.add(rec)
+            self.progress(f"  {key}: {rec['p50']:.1f} us, {rec['tbps']:.3f} TB/s")
+        del a, b, c
+        self.cleanup()
+        self.save()
+
+    # -- 2. mask
+    def mask(self, case: cases.Case, variant: str, idx: str) -> None:
+        import torch
+
+        label = f"mask {case.name} {variant}"
+        T, H, D = case.num_tokens, case.num_heads, case.head_dim
+        nbytes = mask_bytes(case, variant)
+        ceiling = self.doc["ceilings"].get("fill_w")
+        with_out = variant == "lse+out"
+        dtype = case.dtype if with_out else "float32"
+        work = T * H * 4 + (T * H * D * _ITEMSIZE[case.dtype] if with_out else 0)
+        note = f"L2-resident working set ({work / 1e6:.1f} MB <= 3x L2)" if work < 3 * L2_BYTES else None
+        qsl_np, cu_np = cases.offsets(case)
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        lse = torch.randn(H, T, generator=gen, device=self.device, dtype=torch.float32).mul_(3.0).add_(4.0)
+        out = torch.randn(T, H, D, generator=gen, device=self.device, dtype=getattr(torch, case.dtype)) \
+            if with_out else None
+        qsl = torch.from_numpy(qsl_np).to(self.device)
+        cu = torch.from_numpy(cu_np).to(self.device)
+        self.sync()
+        results = {}
+        est = 10.0
+        if "triton" in self.impls:
+            try:
+                m = self.module("triton")
+                args_ = (lse, qsl, cu) + ((out,) if with_out else ())
+
+                def call():
+                    m.mask_empty_context_lse(*args_, has_empty=True)
+
+                g = self.triton_gpu_time(call)
+                est = g[0][1]
+                lat = self.latency(call, self.sync, est)
+                for metric, t in (("gpu_time", g), ("latency", lat)):
+                    rec = _record("mask", "triton", case.name, T, H, D if with_out else None, dtype, variant,
+                                  metric, t, nbytes, ceiling, note)
+                    self._upstream(rec)
+                    self.add(rec)
+                results["triton"] = (g, lat)
+            except Exception as e:  # noqa: BLE001
+                self.error(label, "triton", e)
+        if "pallas" in self.impls:
+            try:
+                results["pallas"] = self._mask_pallas(case, variant, lse, out, qsl_np, cu_np, nbytes, ceiling,
+                                                      note, dtype, est)
+            except Exception as e:  # noqa: BLE001
+                self.error(label, "pallas", e)
+        self._ratio_and_progress(idx, label, results, nbytes)
+        del lse, out, qsl, cu
+        self.cleanup()
+        self.save()
+
+    def _mask_pallas(self, case, variant, lse_t, out_t, qsl_np, cu_np, nbytes, ceiling, note, dtype, est):
+        import jax
+        import jax.numpy as jnp
+
+        from parity import bridge
+
+        m = self.module("pallas")
+        with_out = out_t is not None
+        jdev = bridge.jax_device_for(lse_t.device)
+        # JAX-owned copies: a donated buffer must not be one torch still owns.
+        state = [jnp.copy(bridge.torch_to_jax(lse_t))]
+        if with_out:
+            state.append(jnp.copy(bridge.torch_to_jax(out_t)))
+        qsl = jax.device_put(qsl_np, jdev)
+        cu = jax.device_put(cu_np, jdev)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # donation is a no-op on some CPU builds
+            if with_out:
+                step = jax.jit(functools.partial(m.mask_empty_context_lse, has_empty=True), donate_argnums=(0, 3))
+
+                def call():
+                    state[0], state[1] = step(state[0], qsl, cu, state[1])
+            else:
+                step = jax.jit(functools.partial(m.mask_empty_context_lse, has_empty=True), donate_argnums=(0,))
+
+                def call():
+                    state[0] = step(state[0], qsl, cu)
+
+            def sync():
+                jax.block_until_ready(state)
+
+            g = self.jax_gpu_time(call, sync, est)
+            lat = self.latency(call, sync, est)
+        what = "jax.jit(mask_empty_context_lse, donate) chained"
+        lat = (lat[0], lat[1].replace("public API", what), lat[2])
+        T, H, D = case.num_tokens, case.num_heads, case.head_dim
+        for metric, t in (("gpu_time", g), ("latency", lat)):
+            rec = _record("mask", "pallas", case.name, T, H, D if with_out else None, dtype, variant, metric, t,
+                          nbytes, ceiling, note)
+            self._upstream(rec)
+            self.add(rec)
+        del state
+        return g, lat
+
+    @staticmethod
+    def _upstream(rec: dict) -> None:
+        if rec["op"] == "mask" and rec["variant"] == "lse":
+            key = "mask_gpu_time_us" if rec["metric"] == "gpu_time" else "mask_latency_us"
+            rec["upstream_us"] = UPSTREAM[key].get(rec["workload"])
+
+    def _ratio_and_progress(self, idx: str, label: str, results: dict, nbytes: int) -> None:
+        recs = [r for r in self.doc["records"][-4:] if r["impl"] == "pallas"]
+        if "triton" in results and "pallas" in results:
+            for r, metric in zip(recs, ("gpu_time", "latency")):
+                tri = results["triton"][0 if metric == "gpu_time" else 1][0][1]
+                r["pallas_over_triton"] = r["p50"] / tri if tri > 0 else None
+        parts = []
+        for impl in ("triton", "pallas"):
+            if impl in results:
+                g, lat = results[impl]
+                tb = nbytes / (g[0][1] * 1e-6) / 1e12 if g[0][1] > 0 else float("nan")
+                parts.append(f"{impl} {g[0][1]:.1f} us ({tb:.2f} TB/s), latency {lat[0][1]:.1f} us")
+        self.progress(f"[{idx}] {label}: " + ("; ".join(parts) if parts else "no result"))
+
+    # -- 3. merge
+    def merge(self, pt: MergePoint, idx: str) -> None:
+        import torch
+
+        tdt = getattr(torch, pt.dtype)
+        ceiling = self.doc["ceilings"].get("add_2r1w")
+        k = _rotation(pt.bytes, pt.memory, self.on_gpu)
+        note = None if pt.bytes * k >= 3 * L2_BYTES else \
+            f"L2 caveat: {k} set(s) x {pt.bytes / 1e6:.1f} MB < 3x L2"
+        if k > 1:
+            note = (note + "; " if note else "") + f"inputs rotated over {k} sets"
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        sets = []
+        for _ in range(k):
+            s = {"a": torch.randn(pt.T, pt.H, pt.D, generator=gen, device=self.device, dtype=tdt),
+                 "b": torch.randn(pt.T, pt.H, pt.D, generator=gen, device=self.device, dtype=tdt),
+                 "pl": torch.randn(pt.H, pt.T, generator=gen, device=self.device).mul_(3.0).add_(4.0),
+                 "sl": torch.randn(pt.H, pt.T, generator=gen, device=self.device).mul_(3.0).add_(4.0)}
+            sets.append(s)
+        offs = None
+        if pt.variant == "fused":
+            qsl_np, cu_np = cases.offsets(pt.fused_case())
+            offs = (qsl_np, cu_np, torch.from_numpy(qsl_np).to(self.device), torch.from_numpy(cu_np).to(self.device))
+        self.sync()
+        results = {}
+        est = pt.bytes / 3e12 * 1e6
+        if "triton" in self.impls:
+            try:
+                results["triton"] = self._merge_triton(pt, sets, offs, tdt, nbytes=pt.bytes, ceiling=ceiling,
+                                                       note=note)
+                est = results["triton"][0][0][1]
+            except Exception as e:  # noqa: BLE001
+                self.error(pt.label, "triton", e)
+            for s in sets:
+                s.pop("out", None)
+                s.pop("olse", None)
+            self.cleanup()
+        if "pallas" in self.impls:
+            try:
+                results["pallas"] = self._merge_pallas(pt, sets, offs, ceiling=ceiling, note=note, est=est)
+            except Exception as e:  # noqa: BLE001
+                self.error(pt.label, "pallas", e)
+        self._ratio_and_progress(idx, pt.label, results, pt.bytes)
+        del sets, offs
+        self.cleanup()
+        self.save()
+
+    def _merge_triton(self, pt, sets, offs, tdt, *, nbytes, ceiling, note):
+        import torch
+
+        m = self.module("triton")
+        for s in sets:
+            s["out"] = torch.empty_like(s["a"])
+            s["olse"] = torch.empty(pt.H, pt.T, device=self.device) if pt.output_lse else None
+        kw = {} if offs is None else {"query_start_loc": offs[2], "prefix_cu_seq_lens": offs[3]}
+        counter = [0]
+
+        def call():
+            s = sets[counter[0] % len(sets)]
+            counter[0] += 1
+            m.merge_attn_states(s["out"], s["a"], s["pl"], s["b"], s["sl"], s["olse"], **kw)
+
+        g = self.triton_gpu_time(call)
+        lat = self.latency(call, self.sync, g[0][1])
+        for metric, t in (("gpu_time", g), ("latency", lat)):
+            self.add(_record("merge", "triton", pt.workload, pt.T, pt.H, pt.D, pt.dtype, pt.variant, metric, t,
+                             nbytes, ceiling, note))
+        return g, lat
+
+    def _merge_pallas(self, pt, sets, offs, *, ceiling, note, est):
+        import jax
+
+        from parity import bridge
+
+        m = self.module("pallas")
+        jsets = [tuple(bridge.torch_to_jax(s[key]) for key in ("a", "pl", "b", "sl")) for s in sets]
+        kw = {"return_lse": pt.output_lse}
+        if offs is not None:
+            jdev = bridge.jax_device_for(sets[0]["a"].device)
+            kw.update(query_start_loc=jax.device_put(offs[0], jdev), prefix_cu_seq_lens=jax.device_put(offs[1], jdev))
+        static = {"return_lse": pt.output_lse}
+        traced = {k: v for k, v in kw.items() if k not in static}
+        jitted = jax.jit(functools.partial(m.merge_attn_states, **static))
+        counter, last = [0], [None]
+
+        def call_jit():
+            last[0] = jitted(*jsets[counter[0] % len(jsets)], **traced)
+            counter[0] += 1
+
+        def call_api():
+            last[0] = m.merge_attn_states(*jsets[counter[0] % len(jsets)], **kw)
+            counter[0] += 1
+
+        def sync():
+            jax.block_until_ready(last[0])
+
+        g = self.jax_gpu_time(call_jit, sync, est)
+        last[0] = None
+        lat = self.latency(call_api, sync, est)
+        last[0] = None
+        for metric, t in (("gpu_time", g), ("latency", lat)):
+            self.add(_record("merge", "pallas", pt.workload, pt.T, pt.H, pt.D, pt.dtype, pt.variant, metric, t,
+                             pt.bytes, ceiling, note))
+        del jsets, kw, traced
+        return g, lat
+
+    # -- driver
+    def run(self) -> None:
+        only = getattr(self.args, "only", None)
+        t_vals = getattr(self.args, "tokens", None)
+        work = []
+        if only in (None, "mask"):
+            mask_variants = _GRIDS[self.mode][5]
+            work += [("mask", (c, v), f"mask {c.name} {v}") for c in mask_cases(self.mode) for v in mask_variants]
+        if only in (None, "merge"):
+            for p in merge_points(self.mode):
+                if t_vals and p.T not in t_vals:
+                    continue
+                work.append(("merge", p, p.label))
+        if self.name_filter:
+            work = [w for w in work if self.name_filter in w[2]]
+        self.progress(f"bench mode={self.mode} device={self.device} impls={','.join(self.impls)}: "
+                      f"{len(work)} points" + (f", budget {self.budget_s:.0f} s" if self.budget_s else ""))
+        try:
+            self.ceilings()
+        except Exception as e:  # noqa: BLE001 - fractions become null; the points still run
+            self.error("ceilings", "torch", e)
+            self.cleanup()
+        for i, (kind, item, label) in enumerate(work, 1):
+            idx = f"{i}/{len(work)}"
+            try:
+                self.check_budget()
+            except _Budget:
+                rest = [w[2] for w in work[i - 1:]]
+                self.doc["skipped"] += [{"point": r, "reason": "time budget"} for r in rest]
+                self.progress(f"[{idx}] time budget of {self.budget_s:.0f} s spent: skipping {len(rest)} points")
+                self.save()
+                break
+            if kind == "merge" and item.memory > MEMORY_CAP_BYTES:
+                self.doc["skipped"].append({"point": label, "reason": f"needs {item.memory / 1e9:.1f} GB > "
+                                                                       f"{MEMORY_CAP_BYTES / 1e9:.0f} GB"})
+                self.progress(f"[{idx}] {label}: skipped (needs {item.memory / 1e9:.1f} GB)")
+                continue
+            try:
+                if kind == "mask":
+                    self.mask(item[0], item[1], idx)
+                else:
+                    self.merge(item, idx)
+            except Exception as e:  # noqa: BLE001 - setup failure (e.g. out of memory): next point
+                self.error(label, "setup", e)
+                self.cleanup()
+        self.doc["elapsed_s"] = round(time.monotonic() - self.t_start, 1)
+        self.save()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Table and plot (both from the JSON document)
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
+def format_table(doc: dict) -> str:
+    """The stdout table: one row per record, numbers right-aligned, caption with device and formulas."""
+    env = doc.get("env", {})
+    cols = ("op", "impl", "workload", "dtype", "variant", "metric", "p20 us", "p50 us", "p80 us", "TB/s",
+            "%ceil", "P/T", "upstr us")
+    num = {"p20 us", "p50 us", "p80 us", "TB/s", "%ceil", "P/T", "upstr us"}
+    rows = []
+    for r in doc.get("records", []):
+        rows.append((r["op"], r["impl"], r["workload"], _SHORT.get(r["dtype"], r["dtype"] or "-"), r["variant"],
+                     r["metric"], _fmt(r["p20"], ".2f"), _fmt(r["p50"], ".2f"), _fmt(r["p80"], ".2f"),
+                     _fmt(r["tbps"], ".3f"), _fmt(None if r["frac_ceiling"] is None else 100 * r["frac_ceiling"],
+                                                  ".1f"),
+                     _fmt(r.get("pallas_over_triton"), ".3f"), _fmt(r.get("upstream_us"), ".1f")))
+    widths = [max([len(c)] + [len(row[i]) for row in rows]) for i, c in enumerate(cols)]
+
+    def line(vals):
+        return "  ".join(v.rjust(w) if c in num else v.ljust(w) for v, w, c in zip(vals, widths, cols)).rstrip()
+
+    ceil = doc.get("ceilings", {})
+    out = [f"# parity bench ({doc.get('mode')}): {env.get('gpu')} driver {env.get('driver')} CUDA {env.get('cuda')}"
+           f"; torch {env.get('torch')} triton {env.get('triton')} jax {env.get('jax')}"
+           f"; commit {env.get('git_commit')}; {env.get('utc_time')}",
+           f"# command: {env.get('command')}",
+           f"# ceilings (this run, gpu_time p50): two-read-one-write {_fmt(ceil.get('add_2r1w'), '.3f')} TB/s, "
+           f"write-only {_fmt(ceil.get('fill_w'), '.3f')} TB/s (SPEC 7 H200: {UPSTREAM['add_2r1w_tbps']} / "
+           f"{UPSTREAM['fill_w_tbps']})",
+           f"# upstream (SPEC 7, H200): merge {UPSTREAM['merge_tbps']} TB/s; mask gpu_time "
+           + " / ".join(f"{v}" for v in UPSTREAM["mask_gpu_time_us"].values()) + " us, latency "
+           + " / ".join(f"{v}" for v in UPSTREAM["mask_latency_us"].values()) + " us (2k / 32k / 131k)",
+           f"# {FORMULAS['merge']}; %ceil vs two-read-one-write",
+           f"# {FORMULAS['mask']}; %ceil vs write-only",
+           "# TB/s from p50; P/T = pallas p50 / triton p50 of the same point and metric; methods in the JSON",
+           "# gpu_time methods differ: Triton = CUDA-graph replay (includes the gap between graph nodes, ~1 us, "
+           "visible on us-scale kernels); JAX = profiler kernel duration",
+           line(cols), line(tuple("-" * w for w in widths))]
+    out += [line(r) for r in rows]
+    if doc.get("skipped"):
+        out.append(f"# skipped {len(doc['skipped'])}: " + "; ".join(
+            f"{s['point']} ({s['reason']})" for s in doc["skipped"][:6]) + (" ..." if len(doc["skipped"]) > 6 else ""))
+    if doc.get("errors"):
+        out.append(f"# errors {len(doc['errors'])}: " + "; ".join(
+            f"{e['point']} [{e['impl']}]" for e in doc["errors"][:6]))
+    return "\n".join(out)
+
+
+def plot_from_json(json_path: str, png_path: str) -> None:
+    """Draw the benchmark PNG from a `--json` file only: merge TB/s per point with the ceiling, and mask time
+    per seed workload next to upstream's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(json_path) as f:
+        doc = json.load(f)
+    recs = doc.get("records", [])
+    env = doc.get("env", {})
+    merge = [r for r in recs if r["op"] == "merge" and r["metric"] == "gpu_time"]
+    mask = [r for r in recs if r["op"] == "mask" and r["variant"] == "lse"]
+    dtypes = [d for d in ("bfloat16", "float16", "float32") if any(r["dtype"] == d for r in merge)]
+    variants = [v for v in MERGE_VARIANTS if any(r["variant"] == v for r in merge)]
+    shapes = sorted({(r["T"], r["H"], r["D"]) for r in merge})
+    ncols = max(1, len(variants))
+    nrows = len(dtypes) + 1
+    fig = plt.figure(figsize=(max(11.0, 0.42 * len(shapes) * ncols + 2.0), 3.9 * nrows))
+    grid = fig.add_gridspec(nrows, ncols)
+    colors = {"triton": "tab:blue", "pallas": "tab:orange", "upstream": "tab:gray"}
+    ceil = doc.get("ceilings", {}).get("add_2r1w")
+
+    def short_t(t):
+        return f"{t // 1024}K" if t % 1024 == 0 else str(t)
+
+    for i, dt in enumerate(dtypes):
+        for j, var in enumerate(variants):
+            ax = fig.add_subplot(grid[i, j])
+            for impl, marker in (("triton", "o"), ("pallas", "s")):
+                sel = [r for r in merge if r["impl"] == impl and r["dtype"] == dt and r["variant"] == var]
+                ax.plot([shapes.index((r["T"], r["H"], r["D"])) for r in sel], [r["tbps"] or 0.0 for r in sel],
+                        marker, color=colors[impl], label=impl, markersize=5, alpha=0.85)
+            if ceil:
+                ax.axhline(ceil, color="k", ls="--", lw=1, label=f"2R1W ceiling {ceil:.2f}")
+            ax.axhline(UPSTREAM["merge_tbps"], color=colors["upstream"], ls=":", lw=1.5,
+                       label=f"upstream {UPSTREAM['merge_tbps']}")
+            ax.set_ylim(0, max(ceil or 0.0, UPSTREAM["merge_tbps"], *[r["tbps"] or 0.0 for r in merge]) * 1.1)
+            ax.set_xticks(range(len(shapes)))
+            ax.set_xticklabels([f"{short_t(t)}/{h}/{d}" for t, h, d in shapes], rotation=90, fontsize=7)
+            ax.set_title(f"merge {_SHORT.get(dt, dt)} {var}: TB/s (gpu_time p50)", fontsize=9)
+            ax.grid(axis="y", alpha=0.3)
+            if j == 0:
+                ax.set_ylabel("effective TB/s (T/H/D)")
+            if i == 0 and j == ncols - 1:
+                ax.legend(fontsize=7, loc="lower right")
+
+    ax2 = fig.add_subplot(grid[nrows - 1, :])
+    workloads = []
+    for r in mask:
+        if r["workload"] not in workloads:
+            workloads.append(r["workload"])
+    bars = [("triton", "gpu_time"), ("pallas", "gpu_time"), ("upstream", "gpu_time"),
+            ("triton", "latency"), ("pallas", "latency"), ("upstream", "latency")]
+    width = 0.8 / len(bars)
+    for j, (impl, metric) in enumerate(bars):
+        ys = []
+        for w in workloads:
+            if impl == "upstream":
+                key = "mask_gpu_time_us" if metric == "gpu_time" else "mask_latency_us"
+                ys.append(UPSTREAM[key].get(w, np.nan))
+            else:
+                v = [r["p50"] for r in mask if r["workload"] == w and r["impl"] == impl and r["metric"] == metric]
+                ys.append(v[0] if v else np.nan)
+        ax2.bar(np.arange(len(workloads)) + (j - (len(bars) - 1) / 2) * width, ys, width, color=colors[impl],
+                hatch="//" if metric == "latency" else None, edgecolor="white" if metric == "latency" else None,
+                label=f"{impl} {metric}")
+    ax2.set_xticks(range(len(workloads)))
+    ax2.set_xticklabels(workloads, fontsize=8)
+    ax2.set_yscale("log")
+    ax2.set_ylabel("us per call (p50)")
+    ax2.set_title("mask (LSE only): GPU time (solid) and latency with launch (hatched); upstream from SPEC 7",
+                  fontsize=9)
+    ax2.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{env.get('gpu')} | torch {env.get('torch')} triton {env.get('triton')} jax {env.get('jax')} | "
+                 f"commit {str(env.get('git_commit'))[:12]} | {env.get('utc_time')} | mode {doc.get('mode')}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `python -m parity bench` (added to the `bench` subparser by parity/cli.py)."""
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help="subset: merge T in {2K, 32K, 131K}, H=64, D=128, bf16 (all variants); mask as full")
+    size.add_argument("--smoke", action="store_true",
+                      help="tiny shapes, 1-2 reps, runs on CPU (interpreters): checks the plumbing, no claims")
+    parser.add_argument("--json", metavar="FILE", default=None,
+                        help="write the records to FILE (rewritten after every point)")
+    parser.add_argument("--plot", metavar="FILE", default=None, help="draw a PNG from the JSON to FILE")
+    parser.add_argument("--replot", metavar="JSON", default=None,
+                        help="measure nothing: print the table of an existing JSON (and --plot it)")
+    parser.add_argument("--impl", choices=("both", "triton", "pallas"), default="both")
+    parser.add_argument("--only", choices=("mask", "merge"), default=None, help="one op only (ceilings always run)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=None, metavar="T",
+                        help="merge points with these T only")
+    parser.add_argument("-k", dest="name_filter", metavar="SUBSTR", default=None,
+                        help="only points whose label contains SUBSTR (e.g. 'merge T=32768', 'bfloat16 fused')")
+    parser.add_argument("--budget-s", type=float, default=None, metavar="S",
+                        help="stop starting new points after S seconds (the JSON and plot are still written)")
+    parser.add_argument("--jax-timer", choices=("profiler", "dispatch"), default="profiler",
+                        help="JAX gpu_time: profiler kernel time (default) or the labelled dispatch loop")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def run_bench(args) -> int:
+    """Run the benchmark described by parsed `args`; returns the exit status (0 ok, 1 errors, 2 usage)."""
+    argv = getattr(args, "argv", None)
+    replot = getattr(args, "replot", None)
+    if replot:
+        with open(replot) as f:
+            doc = json.load(f)
+        print(format_table(doc))
+        if getattr(args, "plot", None):
+            plot_from_json(replot, args.plot)
+        return 0
+    mode = "smoke" if getattr(args, "smoke", False) else "quick" if getattr(args, "quick", False) else "full"
+    try:
+        import torch
+    except ImportError as e:
+        _log(f"error: bench needs torch: {e}")
+        return 2
+    has_cuda = torch.cuda.is_available()
+    if mode != "smoke" and not has_cuda:
+        _log("error: `bench` measures on a CUDA GPU and none is visible; use --smoke to check the plumbing")
+        return 2
+    if not has_cuda:
+        if "triton_impl" not in sys.modules:
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+    device = "cuda" if has_cuda else "cpu"
+    runner = _Runner(args, mode, device)
+    runner.doc["env"] = collect_env(argv, device)
+    runner.save()
+    try:
+        runner.run()
+    finally:
+        runner.save()
+    doc = runner.doc
+    print(format_table(doc), flush=True)
+    if getattr(args, "plot", None):
+        path = getattr(args, "json", None)
+        tmp = None
+        if not path:
+            fd, tmp = tempfile.mkstemp(suffix=".json")
+            os.close(fd)
+            _write_json(doc, tmp)
+            path = tmp
+        try:
+            plot_from_json(path, args.plot)
+            runner.progress(f"plot written to {args.plot}")
+        finally:
+            if tmp:
+                os.unlink(tmp)
+    return 1 if doc["errors"] else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m parity.bench ...` (same options as `python -m parity bench`)."""
+    parser = argparse.ArgumentParser(prog="python -m parity.bench", description=__doc__.splitlines()[0])
+    add_bench_arguments(parser)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    args.argv = ["bench", *argv]  # recorded as the equivalent `python -m parity bench ...`
+    return run_bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# One GPU run of everything: versions, the test suite, the full parity check, the demo and the benchmark.
+#
+#   OUT=/some/dir BENCH_ARGS="--quick" bash scripts/gpu_check.sh      # from the repository root
+#
+# Writes at most 8 files to $OUT (default ./out): env.txt pytest.log check.log check_full.json demo.log
+# bench.log bench.json bench.png. A failing step does not stop the next one. Each step runs under `timeout`,
+# sized from what is left of DEADLINE_S (default 560 s), so the whole script ends in under 9.5 minutes.
+# BENCH_ARGS (default "--quick") goes to `python -m parity bench`; use "" for the full grid.
+# Exit status: 0 when every step exited 0, else 1 (124 in the summary means that step timed out).
+
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+
+OUT=${OUT:-out}
+PY=${PYTHON:-python3}
+BENCH_ARGS=${BENCH_ARGS---quick}
+DEADLINE_S=${DEADLINE_S:-560}
+mkdir -p "$OUT"
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONUNBUFFERED=1
+if [ -z "${GIT_COMMIT:-}" ] && command -v git >/dev/null 2>&1; then
+    GIT_COMMIT=$(git rev-parse --verify -q HEAD 2>/dev/null || true)
+    export GIT_COMMIT
+fi
+
+START=$(date +%s)
+SUMMARY=""
+FAILED=0
+
+remaining() { echo $(( DEADLINE_S - ($(date +%s) - START) )); }
+
+# step NAME CAP_S RESERVE_S LOG CMD...: run CMD under timeout min(CAP_S, time left - RESERVE_S), tee'd to LOG.
+# RESERVE_S is the time kept for the steps after this one.
+step() {
+    local name=$1 cap=$2 reserve=$3 log=$4
+    shift 4
+    local t=$(( $(remaining) - reserve ))
+    [ "$t" -gt "$cap" ] && t=$cap
+    if [ "$t" -lt 10 ]; then
+        echo "== $name: skipped (no time left)" | tee "$log"
+        SUMMARY+="$(printf '%-8s skipped (no time left)' "$name")"$'\n'
+        FAILED=1
+        return
+    fi
+    echo "== $name (timeout ${t}s): $*" | tee "$log"
+    local t0
+    t0=$(date +%s)
+    timeout -k 10 "$t" "$@" 2>&1 | tee -a "$log"
+    local rc=${PIPESTATUS[0]}
+    SUMMARY+="$(printf '%-8s rc=%-3s %4ss' "$name" "$rc" "$(( $(date +%s) - t0 ))")"$'\n'
+    [ "$rc" -ne 0 ] && FAILED=1
+    return 0
+}
+
+{
+    echo "== date: $(date -u +%Y-%m-%dT%H:%M:%SZ)  commit: ${GIT_COMMIT:-unknown}  BENCH_ARGS='$BENCH_ARGS'"
+    timeout 60 "$PY" - <<'EOF' 2>&1
+import platform, sys
+print("python", sys.version.split()[0], platform.platform())
+for name in ("numpy", "ml_dtypes", "torch", "triton", "jax", "jaxlib", "pytest", "hypothesis", "matplotlib"):
+    try:
+        mod = __import__(name)
+        print(f"{name:11s}", getattr(mod, "__version__", "?"))
+    except Exception as e:  # report and go on: the steps below show what breaks
+        print(f"{name:11s} unavailable: {type(e).__name__}: {e}")
+try:
+    import torch
+    print("torch cuda", torch.version.cuda, "available", torch.cuda.is_available(),
+          torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+    import jax
+    print("jax backend", jax.default_backend(), jax.devices())
+except Exception as e:
+    print("device query failed:", type(e).__name__, e)
+EOF
+    timeout 30 nvidia-smi 2>&1 || echo "nvidia-smi failed"
+} | tee "$OUT/env.txt"
+
+step pytest 220 270 "$OUT/pytest.log" "$PY" -m pytest -q -rs
+step check 110 160 "$OUT/check.log" "$PY" -m parity check --suite full --json "$OUT/check_full.json"
+step demo 45 120 "$OUT/demo.log" "$PY" -m parity demo --size large
+
+# The bench stops starting new points 60 s before its timeout, so the JSON, table and plot still get written.
+BENCH_T=$(( $(remaining) - 5 ))
+# shellcheck disable=SC2086  # BENCH_ARGS is a list of options
+step bench 600 5 "$OUT/bench.log" "$PY" -m parity bench --budget-s $(( BENCH_T > 90 ? BENCH_T - 60 : 30 )) \
+    $BENCH_ARGS --json "$OUT/bench.json" --plot "$OUT/bench.png"
+
+echo "== summary ($(( $(date +%s) - START ))s of ${DEADLINE_S}s)"
+printf '%s' "$SUMMARY"
+ls -la "$OUT"
+exit "$FAILED"
