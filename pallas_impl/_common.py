@@ -5,7 +5,9 @@ jax and numpy only: a JAX user installs and runs `pallas_impl` without torch.
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +79,20 @@ def mask_grid(num_tokens: int, num_requests: int) -> tuple[int]:
 def merge_grid(num_tokens: int, num_heads: int, head_dim: int) -> tuple[int, int]:
     block_t, block_h, _ = merge_tiles(num_heads, head_dim)
     return (pl.cdiv(num_tokens, block_t), pl.cdiv(num_heads, block_h))
+
+
+# jax 0.11 warns at every lowering of a Triton-backend pallas_call (docs/design.md: the Mosaic GPU plan).
+TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated and will be removed in a future JAX version\."
+
+
+@functools.cache
+def filter_triton_deprecation() -> None:
+    """Ignore exactly that message, as a DeprecationWarning, once our kernels are first used.
+
+    The warning fires when the enclosing jit compiles, possibly after our call has returned, so a
+    `catch_warnings` block around the call cannot hold it: the filter is process-wide and this narrow.
+    """
+    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
 
 
 def compiler_params(num_warps: int):

@@ -157,6 +157,7 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
     if impl == "jnp":
         return jnp_fallback.mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output,
                                                    lse_layout=lse_layout)
+    c.filter_triton_deprecation()
     results = _mask_jit(lse, query_start_loc, cu_seq_lens, output, lse_layout=lse_layout,
                         interpret=c.resolve_interpret(interpret))
     return results[0] if output is None else results

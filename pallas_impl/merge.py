@@ -226,6 +226,7 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
             prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc,
             prefix_cu_seq_lens, prefill_tokens_with_context, return_lse=return_lse, out_dtype=out_dtype,
             lse_layout=lse_layout, lse_base2=lse_base2)
+    c.filter_triton_deprecation()
     return _merge_jit(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc,
                       prefix_cu_seq_lens, prefill_tokens_with_context, return_lse=return_lse, out_dtype=out_dtype,
                       lse_layout=lse_layout, lse_base2=lse_base2, interpret=c.resolve_interpret(interpret))
