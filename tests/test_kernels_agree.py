@@ -1,0 +1,149 @@
+"""triton_impl and pallas_impl agree: shared constants, tile and grid choices, and results bit for bit.
+
+The mask is bit-exact on every runtime, so its agreement (Triton's interpreter vs Pallas interpret mode) also
+runs on CPU. The merge is bit-exact Triton-vs-Pallas only when both are compiled on the GPU (SPEC 5). Inputs
+are uploaded once and shared between torch and JAX through parity.bridge (DLPack, no copy).
+"""
+
+import itertools
+import math
+
+import ml_dtypes
+import pytest
+import torch
+
+import jax
+
+import pallas_impl
+import triton_impl
+from pallas_impl import _common as pallas_common
+from parity import bridge, cases, compare, reference
+from triton_impl import _common as triton_common
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Constants both kernels must share; any other upper-case number, string or tuple of them defined in both
+# modules must agree too (test_every_common_constant_agrees), so a new one is covered without an edit here.
+SHARED_CONSTANTS = ("MASK_BLOCK_T", "SCAN", "MERGE_TILE_ELEMS", "ZERO_TILE_ELEMS", "FP8_E4M3_MAX", "LN2", "LOG2E",
+                    "LSE_LAYOUTS")
+CI_CASES = cases.select("ci")
+# Triton's interpreter is slow (r1000 takes minutes): on CPU the mask agreement runs on cases that still hold
+# the edges (upstream vector; 127/128/129/256 blocks; R = 33 with zero lengths and padding; [T, H] LSE).
+CPU_MASK_CASES = ("upstream_vector", "block_edges", "r33_ragged_pad", "specials_th")
+MASK_CASES = [c if c.name in CPU_MASK_CASES else pytest.param(c, marks=pytest.mark.gpu) for c in CI_CASES]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """compare and the Triton interpreter run small torch CPU ops; two OpenMP threads spinning against XLA's
+    threads on a shared 2-core machine make them much slower. Restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Constants, tiles and grids
+
+
+@pytest.mark.parametrize("name", SHARED_CONSTANTS)
+def test_shared_constants_agree(name):
+    assert getattr(triton_common, name) == getattr(pallas_common, name)
+
+
+def _plain_constants(module):
+    def plain(v):
+        return isinstance(v, (int, float, str)) or (isinstance(v, tuple) and all(plain(x) for x in v))
+
+    return {k: v for k, v in vars(module).items() if k.isupper() and not k.startswith("_") and plain(v)}
+
+
+def test_every_common_constant_agrees():
+    triton_consts, pallas_consts = _plain_constants(triton_common), _plain_constants(pallas_common)
+    common = triton_consts.keys() & pallas_consts.keys()
+    assert set(SHARED_CONSTANTS) <= common
+    assert {k: triton_consts[k] for k in common} == {k: pallas_consts[k] for k in common}
+
+
+def test_constants_are_what_they_say():
+    assert pallas_common.LN2 == math.log(2.0)
+    assert pallas_common.LOG2E == math.log2(math.e)
+    assert pallas_common.FP8_E4M3_MAX == float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+    assert pallas_common.FP8_E4M3_MAX == reference.FP8_E4M3_MAX
+    assert pallas_common.LSE_LAYOUTS == reference.LSE_LAYOUTS
+
+
+def _pow2(n):
+    return n > 0 and n & (n - 1) == 0
+
+
+@pytest.mark.parametrize("num_heads", [1, 2, 3, 5, 8, 16, 17, 64, 128])
+def test_tiles_and_grids_agree(num_heads):
+    for head_dim in (16, 64, 80, 96, 128, 192, 256, 512):
+        mask_tiles = triton_common.mask_tiles(num_heads, head_dim)
+        assert mask_tiles == pallas_common.mask_tiles(num_heads, head_dim)
+        merge_tiles = triton_common.merge_tiles(num_heads, head_dim)
+        assert merge_tiles == pallas_common.merge_tiles(num_heads, head_dim)
+        assert all(_pow2(b) for b in mask_tiles + merge_tiles), (num_heads, head_dim, mask_tiles, merge_tiles)
+        block_t, block_h, block_d = merge_tiles
+        assert block_d >= head_dim and block_t * block_h * block_d <= max(triton_common.MERGE_TILE_ELEMS, block_d)
+        for num_tokens in (0, 1, 127, 128, 129, 1000, 131072):
+            grid = triton_common.merge_grid(num_tokens, num_heads, head_dim)
+            assert grid == tuple(pallas_common.merge_grid(num_tokens, num_heads, head_dim))
+            assert grid[0] * block_t >= num_tokens and grid[1] * block_h >= num_heads
+    for num_tokens, num_requests in itertools.product((0, 1, 127, 128, 129, 1000, 131072), (0, 1, 32, 33, 1000)):
+        grid = triton_common.mask_grid(num_tokens, num_requests)
+        assert grid == tuple(pallas_common.mask_grid(num_tokens, num_requests))
+        # Worst case: each request may open a partial block.
+        assert grid == (num_tokens // triton_common.MASK_BLOCK_T + num_requests,)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Results, bit for bit
+
+
+@pytest.mark.parametrize("case", MASK_CASES, ids=lambda c: c.name)
+def test_mask_agrees_bitwise(case, mode):
+    inp = cases.make_inputs(case)
+    D = case.head_dim
+    t, j = bridge.share_inputs({k: inp[k] for k in ("prefix_lse", "query_start_loc", "cu_seq_lens", "prefix_output")},
+                               DEVICE)
+    lse_p, out_p = pallas_impl.mask_empty_context_lse(
+        j["prefix_lse"], j["query_start_loc"], j["cu_seq_lens"], j["prefix_output"][..., :D],
+        lse_layout=case.lse_layout, implementation="pallas", interpret=mode == "interpret")
+    jax.block_until_ready((lse_p, out_p))
+    # Triton writes in place: work on clones, since the shared buffers also back the JAX inputs.
+    lse_t = t["prefix_lse"].clone()
+    out_t = t["prefix_output"].clone()[..., :D]  # a strided view of the V-padded buffer
+    triton_impl.mask_empty_context_lse(lse_t, t["query_start_loc"], t["cu_seq_lens"], out_t,
+                                       lse_layout=case.lse_layout)
+    compare.assert_bitwise_equal(lse_t, lse_p, name="mask.lse", case=case, mode=mode)
+    compare.assert_bitwise_equal(out_t, out_p, name="mask.output", case=case, mode=mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CI_CASES, ids=lambda c: c.name)
+def test_merge_agrees_bitwise_gpu(case):
+    """Compiled Triton vs compiled Pallas (SPEC 5 recipe): every option the case exercises, identical bits."""
+    inp = cases.make_inputs(case)
+    D, T, H = case.head_dim, case.num_tokens, case.num_heads
+    t, j = bridge.share_inputs(inp, DEVICE)
+    fp8 = case.out_dtype is not None
+    out_p, lse_p = pallas_impl.merge_attn_states(
+        j["prefix_output"][..., :D], j["prefix_lse"], j["suffix_output"][..., :D], j["suffix_lse"],
+        prefill_tokens_with_context=case.prefill_tokens_with_context, query_start_loc=j["query_start_loc"],
+        prefix_cu_seq_lens=j["cu_seq_lens"], out_dtype=cases.DTYPES[case.out_dtype] if fp8 else None,
+        output_scale=j["output_scale"] if fp8 else None, lse_layout=case.lse_layout, lse_base=case.lse_base,
+        implementation="pallas", interpret=False)
+    jax.block_until_ready((out_p, lse_p))
+    out_dtype = torch.float8_e4m3fn if fp8 else t["prefix_output"].dtype
+    out_t = torch.empty((T, H, D), dtype=out_dtype, device=DEVICE)
+    lse_t = torch.empty_like(t["suffix_lse"])
+    triton_impl.merge_attn_states(
+        out_t, t["prefix_output"][..., :D], t["prefix_lse"], t["suffix_output"][..., :D], t["suffix_lse"], lse_t,
+        case.prefill_tokens_with_context, t["output_scale"] if fp8 else None,
+        query_start_loc=t["query_start_loc"], prefix_cu_seq_lens=t["cu_seq_lens"], lse_layout=case.lse_layout,
+        lse_base=case.lse_base)
+    torch.cuda.synchronize()
+    compare.assert_bitwise_equal(out_t, out_p, name="merge.out", case=case, mode="compiled")
+    compare.assert_bitwise_equal(lse_t, lse_p, name="merge.lse", case=case, mode="compiled")
