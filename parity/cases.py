@@ -72,7 +72,6 @@ def _random_empty(seed: int, num_requests: int, frac: float = 0.4) -> tuple[int,
 
 
 _CI = frozenset({"ci", "default", "full"})
-_DEFAULT = frozenset({"default", "full"})
 _FULL = frozenset({"full"})
 _SEED = frozenset({"seed", "bench", "full"})
 _SEED_BENCH_ONLY = frozenset({"seed", "bench"})  # too large for a float64 host reference in `check`
@@ -105,9 +104,9 @@ CASES: tuple[Case, ...] = (
     Case("d256_bf16_th", (65, 3), (0,), num_heads=2, head_dim=256, lse_layout="TH", tags=_CI),
     # Larger random batches for the `default` and `full` parity suites.
     Case("ragged_r200_bf16", _ragged(3, 200, 300), _random_empty(3, 200), num_heads=16, head_dim=128,
-         padding=100, specials=True, tags=_DEFAULT),
+         padding=100, specials=True, tags=_FULL),
     Case("ragged_r64_fp32_th", _ragged(4, 64, 500), _random_empty(4, 64), num_heads=8, head_dim=80,
-         dtype="float32", lse_layout="TH", tags=_DEFAULT),
+         dtype="float32", lse_layout="TH", tags=_FULL),
     Case("ragged_r500_fp16_base2", _ragged(5, 500, 200), _random_empty(5, 500), num_heads=16, head_dim=192,
          dtype="float16", lse_base=2, specials=True, tags=_FULL),
     Case("ragged_d512_bf16", _ragged(6, 40, 400), _random_empty(6, 40), num_heads=16, head_dim=512,

@@ -201,4 +201,7 @@ def _cast_rne(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
             q = ((tl.maximum(e, EMIN) - MANT + 127) << 23).to(tl.float32, bitcast=True)
             r = ((x / q + 12582912.0) - 12582912.0) * q
             x = tl.where((tl.abs(x) >= 7.888609052210118e-31) & (tl.abs(x) < float("inf")), r, x)
+        if dtype == tl.float8e4nv:  # the interpreter also turns NaN into 0x7c
+            y = x.to(dtype).to(tl.uint8, bitcast=True)
+            return tl.where(x != x, (y & 0x80) | 0x7F, y).to(dtype, bitcast=True)
     return x.to(dtype)

@@ -40,7 +40,10 @@ def _log(x, INTERPRET: tl.constexpr):
         return libdevice.log(x)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "prefill_tokens_with_context", "num_requests"])
+# Runtime values, never specialised: token counts and offsets, and the LSE strides (T in [H, T] layout).
+@triton.jit(do_not_specialize=["num_tokens", "prefill_tokens_with_context", "num_requests",
+                               "stride_olse_h", "stride_olse_t", "stride_plse_h", "stride_plse_t",
+                               "stride_slse_h", "stride_slse_t"])
 def _merge_attn_states_kernel(
     out_ptr,  # dtype[T, H, D] (or fp8) via (stride_out_t, stride_out_h, stride_out_d)
     out_lse_ptr,  # f32[H, T] via (stride_olse_h, stride_olse_t); unused unless OUTPUT_LSE
@@ -181,14 +184,13 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
         c.check_tensor("output_scale", output_scale, ndim=1, dtypes=(torch.float32,), device=device)
         if output_scale.numel() != 1:
             raise ValueError(f"output_scale must be f32[1]; got output_scale.shape={tuple(output_scale.shape)}")
-    lse_strides = []
-    for name, x in (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse), ("output_lse", output_lse)):
+    lse_strides = []  # (h, t) strides in the kernel's order: output_lse, prefix_lse, suffix_lse
+    for name, x in (("output_lse", output_lse), ("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse)):
         if x is None:
+            lse_strides += [0, 0]
             continue
         c.check_tensor(name, x, ndim=2, dtypes=(torch.float32,), device=device)
         lse_strides += c.lse_ht_strides(name, x, lse_layout, num_heads, num_tokens)
-    if output_lse is None:
-        lse_strides = [0, 0] + lse_strides
     if (query_start_loc is None) != (prefix_cu_seq_lens is None):
         raise ValueError("query_start_loc and prefix_cu_seq_lens go together (the fused mask); got only "
                          + ("query_start_loc" if query_start_loc is not None else "prefix_cu_seq_lens"))

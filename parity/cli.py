@@ -1,0 +1,147 @@
+"""Command line: `python -m parity check|bench|demo|export|verify`.
+
+Progress goes to stderr, tables to stdout, machine-readable output only to JSON files. Exit status: 0 success,
+1 parity failure, 2 usage error (argparse).
+
+The run mode is fixed here, before anything imports `triton_impl`: without CUDA, Triton kernels run in its
+interpreter (`TRITON_INTERPRET=1` is read when the kernels are imported) and Pallas kernels in interpret mode
+(`interpret=None` picks it on CPU); `XLA_PYTHON_CLIENT_PREALLOCATE=false` lets torch and JAX share a GPU.
+Each subcommand imports its module inside its handler, so the others work when one is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+SUITES = ("ci", "default", "full", "seed")
+
+
+def configure_runtime() -> bool:
+    """Set the environment the kernels read at import; returns whether torch sees a CUDA GPU."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if not has_cuda:
+        if "triton_impl" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            print("warning: triton_impl was imported before TRITON_INTERPRET was set", file=sys.stderr)
+        os.environ["TRITON_INTERPRET"] = "1"
+    return has_cuda
+
+
+def _check(args) -> int:
+    from parity import check
+
+    return check.main(args)
+
+
+def _export(args) -> int:
+    from parity import golden
+
+    return golden.export_main(args)
+
+
+def _verify(args) -> int:
+    from parity import golden
+
+    return golden.verify_main(args)
+
+
+def _bench(args) -> int:
+    if getattr(args, "_bench_import_error", None) is not None:
+        print(f"error: `bench` is unavailable: {args._bench_import_error}", file=sys.stderr)
+        return EXIT_USAGE
+    from parity import bench
+
+    return int(bench.run_bench(args))
+
+
+def _demo(args) -> int:
+    try:
+        from parity import demo
+    except ImportError as e:
+        print(f"error: `demo` is unavailable: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    rows, ok = demo.run_demo(framework=args.framework, device=args.device, size=args.size, seed=args.seed)
+    print(demo.format_demo_table(rows))
+    return EXIT_OK if ok else EXIT_FAIL
+
+
+def _add_selection(p: argparse.ArgumentParser, default_suite: str) -> None:
+    p.add_argument("--suite", choices=SUITES, default=default_suite,
+                   help=f"tag of parity.cases to run (default: {default_suite})")
+    p.add_argument("-k", dest="name_filter", metavar="SUBSTR", default=None,
+                   help="only cases whose name contains SUBSTR")
+    p.add_argument("--seed", type=int, default=0, help="input seed of parity.cases.make_inputs (default: 0)")
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m parity",
+        description="Parity harness for the empty-context LSE mask and the attention-state merge "
+                    "(Triton vs Pallas vs the float64 reference).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("check", help="run both implementations on a suite and compare them bit for bit "
+                                     "and with the float64 reference")
+    _add_selection(p, "default")
+    p.add_argument("--json", metavar="FILE", default=None, help="write the JSON report to FILE")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(func=_check)
+
+    p = sub.add_parser("export", help="write golden vectors (inputs + float64-reference expectations)")
+    p.add_argument("dir", metavar="DIR", help="output folder (created; existing files are overwritten)")
+    _add_selection(p, "default")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(func=_export)
+
+    p = sub.add_parser("verify", help="check an implementation against golden vectors written by `export`")
+    p.add_argument("dir", metavar="DIR", help="folder holding manifest.json and the .npz files")
+    p.add_argument("--impl", choices=("triton", "pallas", "reference"), required=True)
+    p.add_argument("-k", dest="name_filter", metavar="SUBSTR", default=None,
+                   help="only cases whose name contains SUBSTR")
+    p.add_argument("--json", metavar="FILE", default=None, help="write the JSON report to FILE")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(func=_verify)
+
+    # bench defines its own options; import it only when it is the command being parsed.
+    p = sub.add_parser("bench", help="benchmarks on the SPEC 7 workloads (see parity/bench.py)")
+    p.set_defaults(func=_bench, _bench_import_error=None)
+    if argv is not None and argv[:1] == ["bench"]:
+        try:
+            from parity import bench
+
+            bench.add_bench_arguments(p)
+        except ImportError as e:
+            p.set_defaults(_bench_import_error=e)
+            p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+    p = sub.add_parser("demo", help="show the empty-context bug and the fix on a small batch")
+    p.add_argument("--framework", choices=("both", "torch", "jax"), default="both",
+                   help="torch (Triton kernels), jax (Pallas kernels) or both (default)")
+    p.add_argument("--device", default=None,
+                   help="torch device (default: cuda when available, else cpu with Triton's interpreter)")
+    p.add_argument("--size", choices=("default", "large"), default="default",
+                   help="default (small, fine for the CPU interpreters) or large (GPU-sized)")
+    p.add_argument("--seed", type=int, default=0, help="data seed (default: 0)")
+    p.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (argparse usage errors give 2)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    configure_runtime()
+    parser = build_parser(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: 2 for a usage error, 0 after --help
+        return int(e.code or 0) if not isinstance(e.code, str) else EXIT_USAGE
+    args.argv = argv
+    return int(args.func(args))

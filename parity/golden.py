@@ -1,0 +1,520 @@
+"""Golden vectors: `python -m parity export DIR` and `python -m parity verify DIR --impl ...`.
+
+`export` writes, per case of a suite, `<case>.npz` with the inputs and the expected results, and one
+`manifest.json` describing every case and array (format: docs/golden.md). Expected results come from the
+float64 reference (`parity.reference`), never from the kernels. Every float array is stored as the unsigned
+integer of its width holding its bits, so numpy alone can read bf16 and fp8 (the manifest names the dtype).
+
+`verify` loads the vectors, checks the sha256 of every array against the manifest, runs one implementation
+(`triton`, `pallas` or `reference`) on the inputs and compares: the mask bit for bit; the merge bit for bit
+where the result is a copy (`*_exact`) and elsewhere within the tolerance written in the manifest
+(`|got - want| <= atol + rtol * mag`, `parity.compare.TOLERANCES`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from parity import cases as cases_mod
+from parity import reference
+
+FORMAT = "mla-lse-merge-golden"
+FORMAT_VERSION = 1
+SEMANTICS_VERSION = "1"
+MANIFEST = "manifest.json"
+OPS = ("mask", "merge", "merge_fused")
+
+SPEC_SECTIONS = {
+    "document": "SPEC.md (shared/SPEC.md next to the repository; summarised in README.md)",
+    "layouts": "SPEC.md section 2",
+    "mask": "SPEC.md section 3",
+    "merge": "SPEC.md section 4",
+    "empty_sentinels": "SPEC.md section 4.1",
+    "both_empty": "SPEC.md section 4.2",
+    "zero_weight": "SPEC.md section 4.3",
+    "pass_through": "SPEC.md section 4.4",
+    "fused_mask": "SPEC.md section 4.5",
+    "fp8_output": "SPEC.md section 4.6",
+    "parity": "SPEC.md section 5",
+}
+
+# Storage dtype of each value dtype: same width, little-endian.
+_STORED = {
+    "float64": "<u8", "float32": "<u4", "float16": "<u2", "bfloat16": "<u2", "float8_e4m3fn": "u1",
+    "int32": "<i4", "bool": "u1",
+}
+
+
+class GoldenError(Exception):
+    """A golden folder that cannot be used: missing files, unknown version, or a failed hash check."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Raw-bit storage
+
+
+def _np_dtype(name: str) -> np.dtype:
+    if name in cases_mod.DTYPES:
+        return cases_mod.DTYPES[name]
+    return np.dtype(name)
+
+
+def to_stored(x: np.ndarray) -> tuple[np.ndarray, str]:
+    """(array to store, value dtype name): floats as same-width unsigned bits, bool as uint8."""
+    x = np.ascontiguousarray(x)
+    name = "bool" if x.dtype == np.bool_ else x.dtype.name
+    if name not in _STORED:
+        raise TypeError(f"cannot store {x.dtype=}; supported: {sorted(_STORED)}")
+    return np.ascontiguousarray(x.view(np.uint8) if name == "bool" else x.view(_STORED[name])), name
+
+
+def from_stored(stored: np.ndarray, name: str) -> np.ndarray:
+    """The value array of a stored array (a view; bool arrays are converted)."""
+    if name == "bool":
+        return stored.astype(np.bool_)
+    return stored.view(_np_dtype(name))
+
+
+def decode_float64(stored: np.ndarray, name: str) -> np.ndarray:
+    """Numpy-only decoding of stored float bits to float64 (docs/golden.md, "Reading without ml_dtypes").
+
+    bf16 is the top half of an f32; fp8 e4m3fn is sign, 4 exponent bits (bias 7), 3 mantissa bits, no
+    infinities, S.1111.111 is NaN.
+    """
+    with np.errstate(invalid="ignore"):  # signalling NaN payloads are fine: NaN stays NaN
+        if name == "float64":
+            return stored.view("<f8").copy()
+        if name == "float32":
+            return stored.view("<f4").astype(np.float64)
+        if name == "float16":
+            return stored.view("<f2").astype(np.float64)
+        if name == "bfloat16":
+            return (stored.astype(np.uint32) << 16).view("<f4").astype(np.float64)
+    if name == "float8_e4m3fn":
+        b = stored.astype(np.int64)
+        sign = np.where(b & 0x80, -1.0, 1.0)
+        exp, man = (b >> 3) & 0xF, b & 0x7
+        value = np.where(exp == 0, man / 8.0 * 2.0**-6, (1.0 + man / 8.0) * np.exp2(exp - 7.0))
+        return np.where((exp == 0xF) & (man == 0x7), np.nan, sign * value)
+    raise TypeError(f"not a float dtype name: {name!r}")
+
+
+def _value_class(x: np.ndarray) -> np.ndarray:
+    return np.select([np.isnan(x), x == np.inf, x == -np.inf], [3, 1, 2], 0)
+
+
+def numpy_exact_mismatches(got_bits: np.ndarray, want_bits: np.ndarray, dtype: str, where) -> int:
+    """docs/golden.md rule 1, numpy only: elements under `where` whose bits differ (a NaN matches any NaN)."""
+    both_nan = np.isnan(decode_float64(got_bits, dtype)) & np.isnan(decode_float64(want_bits, dtype))
+    return int(np.count_nonzero(((got_bits != want_bits) & ~both_nan) & where))
+
+
+def numpy_tolerance_failures(got_bits: np.ndarray, want_bits: np.ndarray, want_f64: np.ndarray, mag: np.ndarray,
+                             dtype: str, rtol: float, atol: float, skip) -> int:
+    """docs/golden.md rule 2, numpy only: elements outside `skip` whose class differs from the expected bits'
+    or, both finite, with |got - want| > atol + rtol * mag."""
+    got, exp = decode_float64(got_bits, dtype), decode_float64(want_bits, dtype)
+    bad_class = _value_class(got) != _value_class(exp)
+    finite = np.isfinite(got) & np.isfinite(exp)
+    with np.errstate(invalid="ignore"):
+        bad_value = finite & ~(np.abs(got - want_f64) <= atol + rtol * mag)
+    return int(np.count_nonzero((bad_class | bad_value) & ~skip))
+
+
+def sha256(stored: np.ndarray) -> str:
+    """sha256 of the stored array's bytes (C order, little-endian, as written in the .npz)."""
+    return hashlib.sha256(np.ascontiguousarray(stored).tobytes()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Case parameters <-> parity.cases.Case
+
+
+def case_params(case: cases_mod.Case, seed: int) -> dict[str, Any]:
+    T, H, D = case.num_tokens, case.num_heads, case.head_dim
+    lse_shape = [H, T] if case.lse_layout == "HT" else [T, H]
+    return {
+        "query_lens": list(case.query_lens), "empty_requests": list(case.empty),
+        "num_requests": case.num_requests, "num_tokens": T, "num_heads": H, "head_dim": D,
+        "head_pad": case.head_pad, "padding_tokens": case.padding,
+        "dtype": case.dtype, "out_dtype": case.out_dtype or case.dtype,
+        "lse_layout": case.lse_layout, "lse_shape": lse_shape, "lse_base": "2" if case.lse_base == 2 else "e",
+        "output_shape": [T, H, D], "buffer_shape": [T, H, D + case.head_pad],
+        "prefill_tokens_with_context": case.prefill_tokens_with_context,
+        "fp8_output_scale": case.out_dtype is not None, "specials": case.specials, "seed": seed,
+    }
+
+
+def case_from_params(name: str, p: dict[str, Any]) -> cases_mod.Case:
+    return cases_mod.Case(
+        name, tuple(p["query_lens"]), tuple(p["empty_requests"]), num_heads=p["num_heads"],
+        head_dim=p["head_dim"], dtype=p["dtype"], lse_layout=p["lse_layout"],
+        lse_base=2 if p["lse_base"] == "2" else math.e, padding=p["padding_tokens"], head_pad=p["head_pad"],
+        specials=p["specials"], prefill_tokens_with_context=p["prefill_tokens_with_context"],
+        out_dtype=None if p["out_dtype"] == p["dtype"] else p["out_dtype"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Expected results (float64 reference only)
+
+
+def expected_arrays(case: cases_mod.Case, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The expected results of the mask and the merge, from `parity.reference`.
+
+    Keys: mask.lse, mask.output (exact); merge.out / merge.lse (float64 reference values), merge.out_bits /
+    merge.lse_bits (the same rounded to the result dtype, pass-through rows as the suffix's own bits),
+    merge.out_exact bool[T, H] / merge.lse_exact (LSE layout) (where the result is a bit copy),
+    merge.weights f64[T, H, 2] (wp, ws: the magnitude |a|*wp + |b|*ws of the tolerance).
+    """
+    from parity import check  # the chunked reference helpers (numpy only)
+
+    D = case.head_dim
+    qsl, cu = inputs["query_start_loc"], inputs["cu_seq_lens"]
+    mask_lse, mask_out = reference.mask_empty_context_lse(inputs["prefix_lse"], qsl, cu,
+                                                          inputs["prefix_output"][..., :D],
+                                                          lse_layout=case.lse_layout)
+    b, s = inputs["suffix_output"][..., :D], inputs["suffix_lse"]
+    scale = inputs.get("output_scale")
+    out, lse = check.reference_merge(case, mask_out, mask_lse, b, s, output_scale=scale)
+    wp, ws = check.merge_weights(case, mask_lse, s)
+    out_exact, lse_exact_th = check.merge_exact_rows(case, lse)
+    lse_exact = lse_exact_th.T if case.lse_layout == "HT" else lse_exact_th
+
+    out_dtype = _np_dtype(case.out_dtype or case.dtype)
+    out_bits = out.astype(out_dtype)
+    lse_bits = lse.astype(np.float32)
+    ptwc = case.prefill_tokens_with_context
+    if ptwc is not None:  # SPEC 4.4: bit copies (float64 cannot carry NaN payloads)
+        if case.out_dtype is None:
+            out_bits[ptwc:] = b[ptwc:]
+        check._token_slice_lse(lse_bits, case.lse_layout, ptwc, case.num_tokens)[...] = \
+            check._token_slice_lse(s, case.lse_layout, ptwc, case.num_tokens)
+    return {
+        "mask.lse": mask_lse, "mask.output": mask_out,
+        "merge.out": out, "merge.out_bits": out_bits, "merge.out_exact": out_exact,
+        "merge.lse": lse, "merge.lse_bits": lse_bits, "merge.lse_exact": lse_exact,
+        "merge.weights": np.stack([wp, ws], axis=-1),
+    }
+
+
+_DESCRIPTIONS = {
+    "query_start_loc": "i32[R+1] query offsets (SPEC 2)",
+    "cu_seq_lens": "i32[R+1] context-chunk offsets of the prefix; request r is empty iff cu[r+1] == cu[r]",
+    "prefix_output": "dtype[T, H, D + head_pad] prefix (context chunk) partial; columns >= D are padding (NaN)",
+    "prefix_lse": "f32 prefix LSE in lse_layout and lse_base",
+    "suffix_output": "dtype[T, H, D + head_pad] suffix partial; columns >= D are padding (NaN)",
+    "suffix_lse": "f32 suffix LSE in lse_layout and lse_base",
+    "output_scale": "f32[1] fp8 output scale (SPEC 4.6)",
+    "mask.lse": "expected prefix LSE after the mask (exact)",
+    "mask.output": "expected prefix_output[..., :D] after the mask (exact)",
+    "merge.out": "float64 reference output (fp8: the clamped, scaled value before the cast)",
+    "merge.out_bits": "merge.out rounded to the output dtype (nearest even); pass-through rows are the suffix's bits",
+    "merge.out_exact": "bool[T, H]: rows of the output that are bit copies (compared bit for bit)",
+    "merge.lse": "float64 reference LSE (lse_layout, lse_base)",
+    "merge.lse_bits": "merge.lse rounded to f32; pass-through rows are the raw suffix LSE bits",
+    "merge.lse_exact": "bool in lse_layout: LSE elements that are bit copies (compared bit for bit)",
+    "merge.weights": "f64[T, H, 2]: the reference weights (wp, ws) giving mag = |a|*wp + |b|*ws",
+}
+
+
+def _role(key: str) -> str:
+    return "expected" if "." in key else "input"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Export
+
+
+def _tolerances() -> dict[str, dict[str, float]]:
+    from parity.compare import TOLERANCES
+
+    return {k: {"rtol": float(v.rtol), "atol": float(v.atol)} for k, v in TOLERANCES.items()}
+
+
+def export(out_dir: str, selected: list[cases_mod.Case], *, seed: int = 0, argv: list[str] | None = None,
+           progress=None) -> dict[str, Any]:
+    """Write `<case>.npz` per case and `manifest.json`; returns the manifest."""
+    from parity import check
+
+    os.makedirs(out_dir, exist_ok=True)
+    manifest: dict[str, Any] = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "semantics_version": SEMANTICS_VERSION,
+        "spec": SPEC_SECTIONS,
+        "generator": {k: v for k, v in check.collect_env(argv).items()
+                      if k in ("versions", "git_commit", "utc_time", "command")},
+        "storage": ("numpy .npz (np.savez, uncompressed). Floats are stored as same-width unsigned integers "
+                    "holding their bits (little-endian): reinterpret with .view(); bool as uint8; int32 as is."),
+        "tolerance_rule": ("exact elements: identical bits (a NaN matches any NaN); other elements: the value "
+                           "classes (finite, +inf, -inf, NaN) agree and |got - want| <= atol + rtol * mag in "
+                           "float64, with want = merge.out / merge.lse, mag = |a|*wp + |b|*ws (divided by "
+                           "output_scale for fp8) for the output and |merge.lse| for the LSE; rtol, atol from "
+                           "tolerances[output dtype] and tolerances['lse']"),
+        "tolerances": _tolerances(),
+        "ops": {
+            "mask": "mask_empty_context_lse(prefix_lse, query_start_loc, cu_seq_lens, output=prefix_output[..., :D]) "
+                    "-> compare with mask.lse, mask.output (exact)",
+            "merge": "merge_attn_states(prefix_output=mask.output, prefix_lse=mask.lse, suffix_output[..., :D], "
+                     "suffix_lse, options) -> compare with merge.* (mask then merge)",
+            "merge_fused": "merge_attn_states(prefix_output[..., :D], prefix_lse, suffix_output[..., :D], suffix_lse, "
+                           "query_start_loc=, prefix_cu_seq_lens=cu_seq_lens, options) -> compare with merge.* "
+                           "(fused mask, SPEC 4.5)",
+        },
+        "cases": [],
+    }
+    for n, case in enumerate(selected, 1):
+        t0 = time.perf_counter()
+        inputs = cases_mod.make_inputs(case, seed)
+        arrays = dict(inputs)
+        arrays.update(expected_arrays(case, inputs))
+        stored, entries = {}, {}
+        for key, value in arrays.items():
+            s, dtype_name = to_stored(np.asarray(value))
+            stored[key] = s
+            entries[key] = {"dtype": dtype_name, "stored_as": s.dtype.name, "shape": list(s.shape),
+                            "sha256": sha256(s), "role": _role(key), "what": _DESCRIPTIONS[key]}
+        file = f"{case.name}.npz"
+        np.savez(os.path.join(out_dir, file), **stored)
+        manifest["cases"].append({"name": case.name, "file": file, "params": case_params(case, seed),
+                                  "ops": list(OPS), "arrays": entries})
+        if progress is not None:
+            print(f"[{n}/{len(selected)}] {case.name} exported ({time.perf_counter() - t0:.1f}s)",
+                  file=progress, flush=True)
+    with open(os.path.join(out_dir, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.write("\n")
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Load
+
+
+def load_manifest(golden_dir: str) -> dict[str, Any]:
+    path = os.path.join(golden_dir, MANIFEST)
+    if not os.path.exists(path):
+        raise GoldenError(f"no {MANIFEST} in {golden_dir!r}: not a folder written by `python -m parity export`")
+    with open(path) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise GoldenError(f"{path}: format {manifest.get('format')!r} version {manifest.get('format_version')!r}; "
+                          f"this reader takes {FORMAT!r} version {FORMAT_VERSION}")
+    if manifest.get("semantics_version") != SEMANTICS_VERSION:
+        raise GoldenError(f"{path}: semantics version {manifest.get('semantics_version')!r}, this code implements "
+                          f"{SEMANTICS_VERSION!r}")
+    return manifest
+
+
+def load_case(golden_dir: str, entry: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The value arrays of one case, after checking every array's sha256, dtype and shape."""
+    path = os.path.join(golden_dir, entry["file"])
+    if not os.path.exists(path):
+        raise GoldenError(f"{entry['name']}: missing file {path}")
+    out = {}
+    with np.load(path, allow_pickle=False) as z:
+        missing = sorted(set(entry["arrays"]) - set(z.files))
+        if missing:
+            raise GoldenError(f"{entry['name']}: {path} lacks arrays {missing}")
+        for key, meta in entry["arrays"].items():
+            s = z[key]
+            if s.dtype != np.dtype(_STORED[meta["dtype"]]) or list(s.shape) != meta["shape"]:
+                raise GoldenError(f"{entry['name']}: {key} is {s.dtype}{list(s.shape)}, the manifest says "
+                                  f"{meta['stored_as']}{meta['shape']}")
+            digest = sha256(s)
+            if digest != meta["sha256"]:
+                raise GoldenError(f"{entry['name']}: sha256 mismatch for {key} in {path} (file modified or "
+                                  f"corrupt): {digest} != {meta['sha256']}")
+            out[key] = from_stored(s, meta["dtype"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Verify
+
+
+def _run_reference(case, a: dict, op: str):
+    from parity import check
+
+    D = case.head_dim
+    if op == "mask":
+        return reference.mask_empty_context_lse(a["prefix_lse"], a["query_start_loc"], a["cu_seq_lens"],
+                                                a["prefix_output"][..., :D], lse_layout=case.lse_layout)
+    if op == "merge":
+        prefix, plse, kw = a["mask.output"], a["mask.lse"], {}
+    else:
+        prefix, plse = a["prefix_output"][..., :D], a["prefix_lse"]
+        kw = dict(query_start_loc=a["query_start_loc"], prefix_cu_seq_lens=a["cu_seq_lens"])
+    out, lse = check.reference_merge(case, prefix, plse, a["suffix_output"][..., :D], a["suffix_lse"],
+                                     output_scale=a.get("output_scale"), **kw)
+    # The reference leaves the final rounding to the caller (SPEC 4.6 for fp8).
+    return out.astype(_np_dtype(case.out_dtype or case.dtype)), lse.astype(np.float32)
+
+
+class _Kernels:
+    """Runs `triton` or `pallas` through the same helpers as `python -m parity check`."""
+
+    def __init__(self, impl: str):
+        from parity import check
+
+        self.impl, self.check = impl, check
+        self.rt = check.make_runtime()
+
+    def run(self, case, a: dict, op: str):
+        check, rt = self.check, self.rt
+        D = case.head_dim
+        inputs = {k: v for k, v in a.items() if "." not in k}
+        if op == "merge":  # the masked prefix, in a buffer with the case's head pad
+            masked = np.array(a["prefix_output"], copy=True)
+            masked[..., :D] = a["mask.output"]
+            inputs["masked_prefix_output"], inputs["masked_prefix_lse"] = masked, a["mask.lse"]
+        t, j = rt.bridge.share_inputs(inputs, rt.device)
+        if op == "mask":
+            if self.impl == "triton":
+                lse, buf = check.run_triton_mask(rt, case, t)
+                return lse, buf[..., :D]
+            return check.run_pallas_mask(rt, case, j)
+        fused = op == "merge_fused"
+        src = t if self.impl == "triton" else j
+        prefix = (src["prefix_output"], src["prefix_lse"]) if fused else \
+            (src["masked_prefix_output"], src["masked_prefix_lse"])
+        if self.impl == "triton":
+            buf, lse = check.run_triton_merge(rt, case, t, *prefix, fused=fused)
+            return buf[..., :D], lse
+        return check.run_pallas_merge(rt, case, j, *prefix, fused=fused)
+
+
+def verify_case(entry: dict[str, Any], a: dict[str, np.ndarray], runner, tolerances: dict[str, dict]):
+    """Runs the ops of one case; returns [(op, {array: Report}, error or None)]."""
+    from parity import check, compare
+
+    case = case_from_params(entry["name"], entry["params"])
+    D = case.head_dim
+    out_dtype = case.out_dtype or case.dtype
+    loc = dict(query_start_loc=a["query_start_loc"], lse_layout=case.lse_layout, case=case.name,
+               seed=entry["params"]["seed"], mode=f"golden-{runner if isinstance(runner, str) else runner.impl}")
+    results = []
+    for op in entry.get("ops", OPS):
+        reports: dict[str, Any] = {}
+        try:
+            got = _run_reference(case, a, op) if runner == "reference" else runner.run(case, a, op)
+            if op == "mask":
+                for name, g, w in (("mask.lse", got[0], a["mask.lse"]), ("mask.output", got[1], a["mask.output"])):
+                    reports[name] = compare.compare_bits(g, w, name=name, **loc)
+            else:
+                wp, ws = a["merge.weights"][..., 0], a["merge.weights"][..., 1]
+                mag = check.merge_magnitude(a["mask.output"], a["suffix_output"][..., :D], wp, ws,
+                                            a.get("output_scale"))
+                out_exact = np.broadcast_to(a["merge.out_exact"][:, :, None], mag.shape)
+                for name, g, w, exact, kw in (
+                        (f"{op}.out", got[0], a["merge.out"], out_exact,
+                         dict(mag=mag, tol=compare.Tolerance(**tolerances[out_dtype]))),
+                        (f"{op}.lse", got[1], a["merge.lse"], a["merge.lse_exact"],
+                         dict(tol=compare.Tolerance(**tolerances["lse"])))):
+                    reports[name] = compare.compare_to_reference(g, w, name=name, exact_mask=exact, **kw, **loc)
+            results.append((op, reports, None))
+        except Exception as e:  # noqa: BLE001 - report and go on
+            results.append((op, reports, f"{type(e).__name__}: {e}"))
+    return results
+
+
+def verify(golden_dir: str, impl: str, *, name_filter: str | None = None, progress=None):
+    """Returns (rows, ok): one row per (case, op) with the reports, or the error that stopped it."""
+    manifest = load_manifest(golden_dir)
+    entries = [e for e in manifest["cases"] if name_filter is None or name_filter in e["name"]]
+    if not entries:
+        raise GoldenError(f"no case in {golden_dir!r} matches -k {name_filter!r}")
+    runner = "reference" if impl == "reference" else _Kernels(impl)
+    rows = []
+    total = sum(len(e.get("ops", OPS)) for e in entries)
+    for entry in entries:
+        try:
+            a = load_case(golden_dir, entry)
+        except GoldenError as e:
+            for op in entry.get("ops", OPS):
+                rows.append(dict(case=entry["name"], op=op, reports={}, error=str(e), params=entry["params"]))
+            continue
+        for op, reports, error in verify_case(entry, a, runner, manifest["tolerances"]):
+            ok = error is None and bool(reports) and all(r.ok for r in reports.values())
+            rows.append(dict(case=entry["name"], op=op, reports=reports, error=error, ok=ok, params=entry["params"]))
+            if progress is not None:
+                print(f"[{len(rows)}/{total}] {entry['name']} {op} {impl} {'ok' if ok else 'FAIL'}",
+                      file=progress, flush=True)
+    for r in rows:
+        r.setdefault("ok", False)
+    return rows, all(r["ok"] for r in rows)
+
+
+def format_rows(rows, impl: str) -> str:
+    head = ("case", "op", "dtype", "D", "exact mismatches", "tolerance failures", "max err/tol", "status")
+    table = [head]
+    details = []
+    for r in rows:
+        reps = list(r["reports"].values())
+        p = r["params"]
+        dt = p["dtype"] if p["out_dtype"] == p["dtype"] else f"{p['dtype']}->{p['out_dtype']}"
+        exact = sum(x.n_exact_mismatch if x.kind == "reference" else x.n_diff for x in reps)
+        tol = sum(x.n_tol_fail + x.n_class_mismatch for x in reps if x.kind == "reference")
+        ratios = [x.max_err_ratio for x in reps if x.kind == "reference" and x.max_err_ratio is not None]
+        status = "ok" if r["ok"] else ("ERROR" if r["error"] else "FAIL")
+        table.append((r["case"], r["op"], dt, str(p["head_dim"]), str(exact) if reps else "-",
+                       str(tol) if any(x.kind == "reference" for x in reps) else "-",
+                       f"{max(ratios):.3g}" if ratios else "-", status))
+        if r["error"]:
+            details.append(f"{r['case']} {r['op']}: error: {r['error']}")
+        for x in reps:
+            if not x.ok:
+                details.append(x.format())
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    lines = []
+    for n, row in enumerate(table):
+        lines.append("  ".join(c.rjust(w) if 3 <= i <= 6 else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    ok = all(r["ok"] for r in rows)
+    lines.append(f"golden verify --impl {impl}: {sum(r['ok'] for r in rows)}/{len(rows)} ok"
+                 + ("" if ok else " -- FAILURE"))
+    return "\n".join(lines + details)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CLI handlers (parity.cli)
+
+
+def export_main(args) -> int:
+    selected = cases_mod.select(args.suite, args.name_filter)
+    if not selected:
+        print(f"error: no case in suite {args.suite!r} matches -k {args.name_filter!r}", file=sys.stderr)
+        return 2
+    manifest = export(args.dir, selected, seed=args.seed, argv=getattr(args, "argv", None),
+                      progress=None if args.quiet else sys.stderr)
+    print(f"wrote {len(manifest['cases'])} cases and {MANIFEST} to {args.dir}")
+    return 0
+
+
+def verify_main(args) -> int:
+    try:
+        rows, ok = verify(args.dir, args.impl, name_filter=args.name_filter,
+                          progress=None if args.quiet else sys.stderr)
+    except GoldenError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(format_rows(rows, args.impl))
+    if args.json:
+        from parity import check
+
+        report = {"schema": "parity-golden-verify/1", "env": check.collect_env(getattr(args, "argv", None)),
+                  "golden_dir": os.path.abspath(args.dir), "impl": args.impl, "ok": ok,
+                  "records": [{"case": r["case"], "op": r["op"], "ok": r["ok"], "error": r["error"],
+                               "reports": {k: v.to_dict() for k, v in r["reports"].items()}} for r in rows]}
+        with open(args.json, "w") as f:
+            json.dump(check.jsonable(report), f, indent=1)
+            f.write("\n")
+    return 0 if ok else 1

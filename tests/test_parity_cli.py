@@ -1,0 +1,119 @@
+"""`python -m parity check` end to end on one tiny case: exit codes, JSON schema, a planted failure."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from parity import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+# The upstream test vector: T = 134, H = 4, D = 64, fp32; three records (mask, merge, merge_fused).
+CASE = "upstream_vector"
+CHECK = ["check", "--suite", "default", "-k", CASE]
+
+
+def _run_check(tmp_path, *extra):
+    out = tmp_path / "report.json"
+    rc = cli.main([*CHECK, "--json", str(out), *extra])
+    return rc, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_check_passes_and_writes_the_report(tmp_path, capsys):
+    rc, report = _run_check(tmp_path)
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out
+    assert report["schema"] == "parity-check/1"
+    env = report["env"]
+    for key in ("devices", "versions", "git_commit", "utc_time", "command"):
+        assert key in env
+    assert env["command"].startswith("python -m parity check")
+    assert {"torch", "triton", "jax", "numpy"} <= set(env["versions"])
+    from parity import check
+
+    assert report["mode"] in check.RULES and report["rule"] == check.RULES[report["mode"]]
+    assert report["summary"] == {"records": 3, "failed": 0, "ok": True, "cases": 1}
+    assert [(r["case"], r["op"]) for r in report["records"]] == [
+        (CASE, "mask"), (CASE, "merge"), (CASE, "merge_fused")]
+    for rec in report["records"]:
+        assert rec["ok"] and rec["status"] == "ok" and rec["error"] is None
+        assert set(rec["comparisons"]) == set(check.KINDS)
+        for kind in rec["required"]:
+            for rep in rec["comparisons"][kind].values():
+                assert rep["ok"] and rep["n_diff"] == 0
+                assert {"name", "n", "max_ulp", "ulp_hist", "first_mismatches", "tolerance"} <= set(rep)
+    mask = report["records"][0]["comparisons"]["triton_vs_pallas"]
+    assert set(mask) == {"mask.lse", "mask.output"}
+    assert all(r["n_diff"] == 0 for r in mask.values())  # the mask is bit-exact on every runtime
+    # Table on stdout, progress on stderr.
+    assert CASE in captured.out and "merge_fused" in captured.out
+    assert f"[1/3] {CASE} mask fp32 D=64 ok" in captured.err
+
+
+@pytest.mark.parametrize("argv", [
+    ["check", "--suite", "nope"],
+    ["check", "--bogus"],
+    ["check", "--seed", "x"],
+    ["verify", "somewhere"],  # --impl is required
+    [],
+])
+def test_usage_errors_exit_2(argv, capsys):
+    assert cli.main(argv) == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_no_matching_case_exits_2(capsys):
+    assert cli.main(["check", "-k", "no-such-case", "--quiet"]) == 2
+    assert "no case" in capsys.readouterr().err
+
+
+def test_module_entry_point_exit_status():
+    r = subprocess.run([sys.executable, "-m", "parity", "check", "--suite", "nope"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def _plant_triton_mask(monkeypatch):
+    import triton_impl
+
+    original = triton_impl.mask_empty_context_lse
+
+    def corrupted(lse, *args, **kwargs):
+        original(lse, *args, **kwargs)
+        lse.view(-1)[0] = 1.0  # token 0 (request 0, not empty): must be caught bit for bit
+
+    monkeypatch.setattr(triton_impl, "mask_empty_context_lse", corrupted)
+    return "mask"
+
+
+def _plant_pallas_merge(monkeypatch):
+    import pallas_impl
+
+    original = pallas_impl.merge_attn_states
+
+    def corrupted(*args, **kwargs):
+        out, lse = original(*args, **kwargs)
+        return out.at[0, 0, 0].add(np.float32(0.5)), lse
+
+    monkeypatch.setattr(pallas_impl, "merge_attn_states", corrupted)
+    return "merge"
+
+
+@pytest.mark.parametrize("plant", [_plant_triton_mask, _plant_pallas_merge],
+                         ids=["triton-mask", "pallas-merge"])
+def test_planted_failure_exits_1(plant, monkeypatch, tmp_path, capsys):
+    op = plant(monkeypatch)
+    rc, report = _run_check(tmp_path, "--quiet")
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "PARITY FAILURE" in out
+    assert report["summary"]["ok"] is False
+    failed = {r["op"] for r in report["records"] if not r["ok"]}
+    assert op in failed
+    bad = [rep for r in report["records"] if r["op"] == op for kind in r["required"]
+           for rep in r["comparisons"][kind].values() if not rep["ok"]]
+    assert bad and all(rep["n_diff"] >= 1 for rep in bad)
+    assert any("req 0" in line for rep in bad for line in rep["first_mismatches"])  # located via the offsets

@@ -1,0 +1,652 @@
+"""triton_impl.merge_attn_states against parity.reference (SPEC 4).
+
+Exact bits where the result is exact (pass-through copies, rows with one or both sides empty, -inf LSEs);
+elsewhere within `parity.compare.TOLERANCES` of the float64 reference, with the magnitude of the merge's
+terms (`merge_out_magnitude`). Runs in the process's Triton mode (conftest): the interpreter on CPU,
+compiled on a GPU.
+"""
+
+import dataclasses
+import inspect
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import triton_impl
+from parity import bridge, cases, compare, reference
+from parity.compare import assert_bitwise_equal, assert_matches_reference
+from triton_impl import _common as triton_common
+from triton_impl import merge as merge_mod
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP8 = torch.float8_e4m3fn
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+OUT_PAD = 8  # extra NaN columns in every output buffer: the kernel must not write them
+HEAD_SIZES = [64, 80, 96, 128, 192, 256, 512]
+# Each dtype with its tolerance entry (STYLE 4).
+DTYPES = [pytest.param(name, compare.TOLERANCES[name], id=name) for name in TORCH_DTYPES]
+_DEFAULT = object()
+
+
+def _tiny_lens(seed: int, num_requests: int, max_len: int = 3) -> tuple[int, ...]:
+    rng = np.random.default_rng(seed)
+    return tuple(int(x) for x in rng.integers(0, max_len + 1, size=num_requests))
+
+
+def _default_ptwc(case):
+    """The case's own prefill_tokens_with_context, else 3/4 of the real tokens merge and the rest (and the
+    padding) pass through."""
+    if case.prefill_tokens_with_context is not None:
+        return case.prefill_tokens_with_context
+    n_real = sum(case.query_lens)
+    return n_real - n_real // 4
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view({4: torch.int32, 2: torch.int16, 1: torch.int8}[x.element_size()])
+
+
+# --------------------------------------------------------------------------------------------------------
+# Expected values
+
+
+def _expected(a, p, b, s, *, ptwc, scale, fused_kw, lse_layout, lse_base):
+    """Reference (out, lse), the tolerance magnitude, and the masks of the elements that are exact.
+
+    Exact: pass-through rows (bit copies, unless the output is fp8); rows where the reference gives one
+    side weight exactly 0 (the other side exactly, or 0 when both are empty); the LSE of pass-through
+    rows, of both-empty rows (-inf) and, in base e, of one-empty rows (log(1) + m == m).
+    """
+    kw = dict(lse_layout=lse_layout, lse_base=lse_base, **fused_kw)
+    want_out, want_lse = reference.merge_attn_states(a, p, b, s, prefill_tokens_with_context=ptwc,
+                                                     output_scale=scale, **kw)
+    mag = compare.merge_out_magnitude(a, p, b, s, prefill_tokens_with_context=ptwc, output_scale=scale, **kw)
+    T, H = a.shape[:2]
+    ones, zeros = np.ones((T, H, 1)), np.zeros((T, H, 1))
+    wp = reference.merge_attn_states(ones, p, zeros, s, **kw)[0][..., 0]  # f64[T, H]
+    ws = reference.merge_attn_states(zeros, p, ones, s, **kw)[0][..., 0]
+    copied = (np.arange(T) >= (T if ptwc is None else ptwc))[:, None]
+    both_empty = (wp == 0) & (ws == 0) & ~copied
+    one_side = ((wp == 0) | (ws == 0)) & ~copied
+    exact_th = both_empty if scale is not None else (one_side | copied)
+    exact_out = np.broadcast_to(exact_th[..., None], want_out.shape)
+    exact_lse = copied | both_empty | (one_side if lse_base != 2 else False)
+    exact_lse = exact_lse.T if lse_layout == "HT" else exact_lse
+    return want_out, want_lse, mag, exact_out, exact_lse
+
+
+def _check(out, out_lse, a, p, b, s, *, ptwc=None, scale=None, fused_kw=None, lse_layout="HT",
+           lse_base=math.e, case=None, query_start_loc=None, tol=None):
+    want_out, want_lse, mag, exact_out, exact_lse = _expected(
+        a, p, b, s, ptwc=ptwc, scale=scale, fused_kw=fused_kw or {}, lse_layout=lse_layout, lse_base=lse_base)
+    assert_matches_reference(out, want_out, case=case, exact=exact_out, mag=mag, name="merge.out",
+                             query_start_loc=query_start_loc, tol=tol)
+    if out_lse is not None:
+        assert_matches_reference(out_lse, want_lse, case=case, exact=exact_lse, name="merge.lse",
+                                 layout=lse_layout, query_start_loc=query_start_loc)
+
+
+def _merge_case(case, *, seed=0, ptwc=_DEFAULT, fused=True, output_lse=True, check=True, tol=None):
+    """Runs the Triton merge on a case with every option it names (layout, base, fp8 and scale, the
+    padded-V views `[..., :D]` of its buffers) plus the fused mask and output_lse, into NaN-filled padded
+    output buffers; checks against the reference. Returns (out_buf [T, H, D + OUT_PAD], out_lse, inputs)."""
+    inp = cases.make_inputs(case, seed)
+    T, H, D = case.num_tokens, case.num_heads, case.head_dim
+    if ptwc is _DEFAULT:
+        ptwc = _default_ptwc(case)
+    t = {k: bridge.to_torch(v, DEVICE) for k, v in inp.items()}
+    out_dtype = FP8 if case.out_dtype else t["prefix_output"].dtype
+    out_buf = torch.full((T, H, D + OUT_PAD), float("nan"), device=DEVICE).to(out_dtype)
+    pad_before = out_buf[..., D:].clone()
+    out_lse = torch.full_like(t["prefix_lse"], float("nan")) if output_lse else None
+    fused_kw = dict(query_start_loc=inp["query_start_loc"], prefix_cu_seq_lens=inp["cu_seq_lens"]) if fused else {}
+    triton_impl.merge_attn_states(
+        out_buf[..., :D], t["prefix_output"][..., :D], t["prefix_lse"], t["suffix_output"][..., :D],
+        t["suffix_lse"], out_lse, ptwc, t.get("output_scale"),
+        **{k: bridge.to_torch(v, DEVICE) for k, v in fused_kw.items()},
+        lse_layout=case.lse_layout, lse_base=case.lse_base)
+    if check:
+        _check(out_buf[..., :D], out_lse, inp["prefix_output"][..., :D], inp["prefix_lse"],
+               inp["suffix_output"][..., :D], inp["suffix_lse"], ptwc=ptwc, scale=inp.get("output_scale"),
+               fused_kw=fused_kw, lse_layout=case.lse_layout, lse_base=case.lse_base, case=case, tol=tol)
+        # The padding columns of the output buffer keep their NaN bits.
+        assert torch.equal(_bits(out_buf[..., D:]), _bits(pad_before)), "the kernel wrote past D"
+        if fused:  # SPEC 4.3: NaN garbage of empty partials never reaches a merged real token
+            merged = min(T if ptwc is None else ptwc, sum(case.query_lens))
+            assert not bool(torch.isnan(out_buf[:merged, :, :D].float()).any())
+    return out_buf, out_lse, inp
+
+
+# --------------------------------------------------------------------------------------------------------
+# Workloads
+
+
+@pytest.mark.parametrize("case", cases.select("ci"), ids=lambda c: c.name)
+def test_ci_cases_full_options(case):
+    _merge_case(case)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_SIZES)
+def test_head_sizes(head_dim):
+    case = cases.Case(f"d{head_dim}", (5, 0, 11, 7), (0,), num_heads=3, head_dim=head_dim, specials=True,
+                      padding=2)
+    _merge_case(case, ptwc=None)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_dtypes(dtype, tol):
+    case = cases.Case(f"dtype_{dtype}", (9, 20, 4), (1,), num_heads=5, head_dim=80, dtype=dtype,
+                      lse_layout="TH", specials=True, padding=3)
+    out_buf, _, _ = _merge_case(case, ptwc=30, tol=tol)
+    assert out_buf.dtype == TORCH_DTYPES[dtype]
+
+
+@pytest.mark.parametrize("ptwc", [0, 1, 17, 33, 36], ids=lambda n: f"ptwc{n}")
+def test_prefill_tokens_with_context(ptwc):
+    # 0: every row passes through; 33 = qsl[R]: only the padding does; 36 = T: none does.
+    case = cases.Case("ptwc", (16, 0, 17), (0,), num_heads=2, head_dim=16, dtype="float16", specials=True,
+                      padding=3)
+    _merge_case(case, ptwc=ptwc)
+
+
+def test_fused_mask_r1100():
+    # R = 1100 requests of 0-3 tokens: the fused mask's request count crosses a 1024-request coarse step.
+    lens = _tiny_lens(41, 1100)
+    case = cases.Case("r1100_tiny", lens, tuple(range(1, 1100, 2)), num_heads=1, head_dim=16, dtype="float32",
+                      padding=5)
+    _merge_case(case)
+
+
+def test_without_fused_mask():
+    # Without the fused mask an empty request's finite garbage LSE is merged as real data, like the reference.
+    _merge_case(cases.by_name("d192_fp16"), fused=False)
+
+
+def test_output_lse_none():
+    case = cases.by_name("d256_bf16_th")
+    with_lse, _, _ = _merge_case(case, check=False)
+    without, none_lse, _ = _merge_case(case, output_lse=False)
+    assert none_lse is None
+    assert_bitwise_equal(without, with_lse, name="merge.out (output_lse=None)")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Layouts and strides
+
+
+def test_lse_th_buffers_via_strides_equal_th_layout():
+    # [T, H] LSE buffers passed as [H, T] views (.t()) with lse_layout="HT" must give the same bits as the
+    # buffers themselves with lse_layout="TH", output LSE included.
+    case = cases.Case("th_strides", (12, 0, 30, 5), (0, 1), num_heads=5, head_dim=64, dtype="float32",
+                      lse_layout="TH", specials=True, padding=4)
+    inp = cases.make_inputs(case)
+    t = {k: bridge.to_torch(v, DEVICE) for k, v in inp.items()}
+    T, H, D = case.num_tokens, case.num_heads, case.head_dim
+    fused = dict(query_start_loc=t["query_start_loc"], prefix_cu_seq_lens=t["cu_seq_lens"])
+    results = {}
+    for layout in ("HT", "TH"):
+        out = torch.full((T, H, D), float("nan"), device=DEVICE)
+        out_lse = torch.full((T, H), float("nan"), device=DEVICE)  # [T, H] storage in both runs
+        view = (lambda x: x.t()) if layout == "HT" else (lambda x: x)
+        triton_impl.merge_attn_states(out, t["prefix_output"], view(t["prefix_lse"]), t["suffix_output"],
+                                      view(t["suffix_lse"]), view(out_lse), 30, lse_layout=layout, **fused)
+        results[layout] = out, out_lse
+    assert_bitwise_equal(results["HT"][0], results["TH"][0], name="merge.out HT-view vs TH")
+    assert_bitwise_equal(results["HT"][1], results["TH"][1], name="merge.lse HT-view vs TH", layout="TH")
+    _check(*results["TH"], inp["prefix_output"], inp["prefix_lse"], inp["suffix_output"], inp["suffix_lse"],
+           ptwc=30, fused_kw=dict(query_start_loc=inp["query_start_loc"], prefix_cu_seq_lens=inp["cu_seq_lens"]),
+           lse_layout="TH", case=case)
+
+
+def _in_slack(x: torch.Tensor) -> torch.Tensor:
+    """A copy of `x` with the same strides at the start of a NaN allocation 4x its span: a kernel that
+    reads or writes it with another tensor's strides stays inside the allocation (the comparison fails)
+    instead of corrupting the heap."""
+    span = 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
+    storage = torch.full((4 * span + 4096,), float("nan"), dtype=x.dtype, device=x.device)
+    y = storage.as_strided(x.shape, x.stride())
+    y.copy_(x)
+    return y
+
+
+_T, _H, _D = 37, 3, 64
+
+
+def _padded_thd(x):  # [T, H, D] view of a [T, H, 96] buffer
+    buf = torch.full((_T, _H, 96), float("nan"), dtype=x.dtype, device=x.device)
+    buf[..., :_D] = x
+    return buf[..., :_D]
+
+
+def _permuted_thd(x):  # [T, H, D] view of an [H, T, D] buffer
+    return x.permute(1, 0, 2).contiguous().permute(1, 0, 2)
+
+
+def _window_ht(x):  # [H, T] window of an [H + 2, T + 9] buffer
+    buf = torch.full((_H + 2, _T + 9), float("nan"), dtype=x.dtype, device=x.device)
+    buf[2:, 9:] = x
+    return buf[2:, 9:]
+
+
+def _transposed_ht(x):  # [H, T] view (.t()) of a [T, H] buffer
+    return x.t().contiguous().t()
+
+
+def _stepped_ht(x):  # every other column of an [H, 2T] buffer
+    buf = torch.full((_H, 2 * _T), float("nan"), dtype=x.dtype, device=x.device)
+    buf[:, ::2] = x
+    return buf[:, ::2]
+
+
+# (which tensor, how it is laid out): one tensor at a time differs from the contiguous layout, so a kernel
+# that borrows another tensor's strides (STYLE 6.3) fails on the variant that names the culprit.
+OWN_STRIDES = [("output", _padded_thd), ("output", _permuted_thd), ("prefix_output", _padded_thd),
+               ("prefix_output", _permuted_thd), ("suffix_output", _padded_thd), ("suffix_output", _permuted_thd),
+               ("prefix_lse", _window_ht), ("prefix_lse", _transposed_ht), ("suffix_lse", _window_ht),
+               ("suffix_lse", _transposed_ht), ("output_lse", _stepped_ht), ("output_lse", _transposed_ht)]
+
+
+@pytest.mark.parametrize("name,layout", OWN_STRIDES, ids=[f"{n}-{f.__name__[1:]}" for n, f in OWN_STRIDES])
+def test_every_tensor_has_its_own_strides(name, layout):
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((_T, _H, _D)).astype(np.float32)
+    b = rng.standard_normal((_T, _H, _D)).astype(np.float32)
+    p = rng.normal(2.0, 3.0, (_H, _T)).astype(np.float32)
+    s = rng.normal(2.0, 3.0, (_H, _T)).astype(np.float32)
+    p[:, :5] = -np.inf  # a few empty prefix rows: exact copies of the suffix
+    t = dict(prefix_output=a, prefix_lse=p, suffix_output=b, suffix_lse=s,
+             output=np.full_like(a, np.nan), output_lse=np.full_like(p, np.nan))
+    t = {k: bridge.to_torch(v, DEVICE) for k, v in t.items()}
+    t[name] = layout(t[name])
+    t = {k: _in_slack(v) for k, v in t.items()}
+    triton_impl.merge_attn_states(t["output"], t["prefix_output"], t["prefix_lse"], t["suffix_output"],
+                                  t["suffix_lse"], t["output_lse"], 30)
+    _check(t["output"], t["output_lse"], a, p, b, s, ptwc=30)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Exact paths
+
+
+MASK_THEN_MERGE = [
+    # R = 33 tiny requests (the scan crosses 32), bf16, [H, T] LSE, NaN padding.
+    cases.Case("r33_tiny_bf16", _tiny_lens(30, 33), tuple(range(0, 33, 3)), num_heads=3, head_dim=32,
+               padding=5, specials=True),
+    # [T, H] LSE in base 2, H not a power of two.
+    cases.Case("th_base2_h5", (20, 0, 9, 41), (1, 3), num_heads=5, head_dim=16, dtype="float32", lse_layout="TH",
+               lse_base=2, specials=True, padding=2),
+]
+
+
+@pytest.mark.parametrize("case", MASK_THEN_MERGE, ids=lambda c: c.name)
+def test_mask_then_merge_equals_fused(case):
+    fused_out, fused_lse, inp = _merge_case(case)
+    t = {k: bridge.to_torch(v, DEVICE) for k, v in inp.items()}
+    masked = t["prefix_lse"].clone()
+    triton_impl.mask_empty_context_lse(masked, t["query_start_loc"], t["cu_seq_lens"], lse_layout=case.lse_layout)
+    D = case.head_dim
+    out = torch.full_like(fused_out[..., :D], float("nan"))
+    out_lse = torch.full_like(fused_lse, float("nan"))
+    triton_impl.merge_attn_states(out, t["prefix_output"][..., :D], masked, t["suffix_output"][..., :D],
+                                  t["suffix_lse"], out_lse, _default_ptwc(case), lse_layout=case.lse_layout,
+                                  lse_base=case.lse_base)
+    assert_bitwise_equal(out, fused_out[..., :D], name="merge.out mask-then-merge vs fused", case=case)
+    assert_bitwise_equal(out_lse, fused_lse, name="merge.lse mask-then-merge vs fused", case=case)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pass_through_rows_are_bit_copies(dtype):
+    # SPEC 4.4: suffix rows and raw LSEs at or past prefill_tokens_with_context, NaN payloads, infinities
+    # and -0.0 included, come out bit for bit; the prefix is ignored there even when its LSE wins.
+    T, H, D, ptwc = 24, 3, 16, 9
+    rng = np.random.default_rng(7)
+    tdt = TORCH_DTYPES[dtype]
+    payloads = {torch.float32: [0x7FC12345, -0x3FF5, 0x7F800000, -0x80000000],  # qNaN, -NaN, +inf, -0.0
+                torch.bfloat16: [0x7FC1, -0x2B, 0x7F80, -0x8000]}[tdt]
+    a = torch.from_numpy(rng.standard_normal((T, H, D)).astype(np.float32)).to(tdt)
+    b = torch.from_numpy(rng.standard_normal((T, H, D)).astype(np.float32)).to(tdt)
+    b_bits = _bits(b)
+    for i, v in enumerate(payloads):
+        b_bits[ptwc + i, :, :2] = v
+    p = torch.from_numpy(rng.normal(50.0, 1.0, (H, T)).astype(np.float32))  # the prefix would dominate
+    s = torch.from_numpy(rng.normal(0.0, 3.0, (H, T)).astype(np.float32))
+    s_bits = _bits(s)
+    for i, v in enumerate([0x7FC12345, -0x3FF5, 0x7F800000, -0x80000000, 0xFF800000 - (1 << 32)]):
+        s_bits[:, ptwc + 1 + i] = v
+    a, b, p, s = (x.to(DEVICE) for x in (a, b, p, s))
+    out = torch.empty_like(a)
+    out_lse = torch.empty_like(p)
+    triton_impl.merge_attn_states(out, a, p, b, s, out_lse, ptwc)
+    assert_bitwise_equal(out[ptwc:], b[ptwc:], name="merge.out pass-through")
+    assert_bitwise_equal(out_lse[:, ptwc:], s[:, ptwc:], name="merge.lse pass-through", layout="HT")
+    _check(out, out_lse, bridge.to_numpy(a), bridge.to_numpy(p), bridge.to_numpy(b), bridge.to_numpy(s), ptwc=ptwc)
+
+
+EMPTY_KINDS = ["-inf", "+inf", "nan", "fused"]
+
+
+def _one_side_empty(empty_side, kind, dtype="float32"):
+    """Merges a small batch whose `empty_side` is entirely empty (its output NaN garbage)."""
+    T, H, D, R = 29, 4, 32, 3
+    rng = np.random.default_rng(3)
+    np_dt = cases.DTYPES[dtype]
+    x = {side: rng.standard_normal((T, H, D)).astype(np.float32).astype(np_dt) for side in ("prefix", "suffix")}
+    lse = {side: rng.normal(3.0, 4.0, (H, T)).astype(np.float32) for side in ("prefix", "suffix")}
+    x[empty_side][:] = np.nan
+    if kind != "fused":
+        lse[empty_side][:] = {"-inf": -np.inf, "+inf": np.inf, "nan": np.nan}[kind]
+    t = {k: {side: bridge.to_torch(v[side], DEVICE) for side in v} for k, v in (("x", x), ("lse", lse))}
+    kw = {}
+    if kind == "fused":  # every request empty in the prefix chunk; the prefix LSE is finite garbage
+        kw = dict(query_start_loc=torch.tensor([0, 10, 10, 29], dtype=torch.int32, device=DEVICE),
+                  prefix_cu_seq_lens=torch.zeros(R + 1, dtype=torch.int32, device=DEVICE))
+    out = torch.empty_like(t["x"]["prefix"])
+    out_lse = torch.empty_like(t["lse"]["prefix"])
+    triton_impl.merge_attn_states(out, t["x"]["prefix"], t["lse"]["prefix"], t["x"]["suffix"], t["lse"]["suffix"],
+                                  out_lse, **kw)
+    other = "suffix" if empty_side == "prefix" else "prefix"
+    return out, out_lse, t["x"][other], t["lse"][other]
+
+
+@pytest.mark.parametrize("kind", EMPTY_KINDS)
+def test_all_empty_prefix_returns_suffix_bits(kind):
+    for dtype in ("float32", "bfloat16"):
+        out, out_lse, b, s = _one_side_empty("prefix", kind, dtype)
+        assert_bitwise_equal(out, b, name=f"merge.out {dtype} (empty prefix: {kind})")
+        assert_bitwise_equal(out_lse, s, name=f"merge.lse (empty prefix: {kind})", layout="HT")
+
+
+@pytest.mark.parametrize("kind", EMPTY_KINDS[:3])
+def test_all_empty_suffix_returns_prefix_values(kind):
+    # Weight exactly 1 on the prefix: equal values (a -0.0 may come back as +0.0, so values, not bits).
+    out, out_lse, a, p = _one_side_empty("suffix", kind)
+    assert torch.equal(out, a)
+    assert torch.equal(out_lse, p)
+
+
+def test_both_empty_rows_are_zero_and_neg_inf():
+    # SPEC 4.2 with NaN/inf garbage in both partials, every pairing of the three empty encodings.
+    T, H, D = 9, 2, 16
+    encodings = [-np.inf, np.inf, np.nan]
+    p = np.array([[e for e in encodings for _ in encodings]] * H, np.float32)
+    s = np.array([[e for _ in encodings for e in encodings]] * H, np.float32)
+    garbage = torch.full((T, H, D), float("nan"), device=DEVICE)
+    garbage[::2] = float("inf")
+    out = torch.full((T, H, D), 5.0, device=DEVICE)
+    out_lse = torch.zeros(H, T, device=DEVICE)
+    triton_impl.merge_attn_states(out, garbage, bridge.to_torch(p, DEVICE), garbage.clone(),
+                                  bridge.to_torch(s, DEVICE), out_lse)
+    assert torch.equal(_bits(out), torch.zeros_like(_bits(out)))  # +0.0 everywhere
+    assert bool(torch.isneginf(out_lse).all())
+
+
+# --------------------------------------------------------------------------------------------------------
+# No recompilation (STYLE 6.1)
+
+
+def _kernel_params(kernel):
+    """(parameter names, constexpr names, do_not_specialize, do_not_specialize_on_alignment) of a
+    @triton.jit kernel, compiled or interpreted."""
+    params = list(inspect.signature(kernel.fn).parameters.values())
+    names = [prm.name for prm in params]
+    constexprs = {prm.name for prm in params if "constexpr" in str(prm.annotation)}
+
+    def listed(attr):
+        x = getattr(kernel, attr, None)
+        if x is None:  # the interpreter keeps the decorator's arguments
+            x = getattr(kernel, "kwargs", {}).get(attr) or []
+        return {names[i] if isinstance(i, int) else i for i in x}
+
+    return names, constexprs, listed("do_not_specialize"), listed("do_not_specialize_on_alignment")
+
+
+class _Recorder:
+    """Stands in for a @triton.jit kernel: records each launch's arguments instead of running it."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+
+    def keys(self):
+        """What Triton keys its compile cache by, per launch: each runtime argument's specialisation (its
+        type, and for integers and pointers whether it is 1 or a multiple of 16), every constexpr value
+        and the launch options. Equal keys reuse one compiled kernel."""
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+
+        names, constexprs, dns, dns_align = _kernel_params(self.kernel)
+        keys = []
+        for args, kwargs in self.launches:
+            bound = dict(zip(names, args))
+            bound.update((k, v) for k, v in kwargs.items() if k in names)
+            key = {}
+            for name in names:
+                v = bound[name]
+                key[name] = repr(v) if name in constexprs else tuple(
+                    native_specialize_impl(BaseBackend, v, False, name not in dns, name not in dns_align))
+            key.update((k, repr(v)) for k, v in kwargs.items() if k not in names)
+            keys.append(key)
+        return keys
+
+
+def _assert_one_variant(keys, what):
+    first = keys[0]
+    diffs = {}
+    for i, key in enumerate(keys[1:], 1):
+        diff = {k: (first.get(k), key.get(k)) for k in first.keys() | key.keys() if first.get(k) != key.get(k)}
+        if diff:
+            diffs[f"launch {i}"] = diff
+    assert not diffs, f"{what}: these launches need other compiled variants than launch 0: {diffs}"
+
+
+def test_runtime_values_are_not_specialised():
+    names, constexprs, dns, _ = _kernel_params(merge_mod._merge_attn_states_kernel)
+    runtime = {"prefill_tokens_with_context", "num_tokens", "num_requests"}
+    assert runtime <= set(names)
+    assert not runtime & constexprs
+    assert runtime <= dns, f"{runtime - dns} would be specialised (a recompile when they hit 1 or 16k)"
+
+
+@pytest.mark.parametrize("lse_layout", ["HT", "TH"])
+def test_one_compiled_variant_per_configuration(monkeypatch, lse_layout):
+    # STYLE 6.1 on any machine: the launches of one configuration (H=4, D=64, bf16, fused, output_lse) with
+    # new token counts (T = 1 and multiples of 16 included), request counts and prefill_tokens_with_context
+    # values must all have the same specialisation key, i.e. reuse one compiled kernel.
+    recorder = _Recorder(merge_mod._merge_attn_states_kernel)
+    monkeypatch.setattr(merge_mod, "_merge_attn_states_kernel", recorder)
+    monkeypatch.setattr(triton_common, "interpreting", lambda: False)  # record the compiled launch arguments
+    batches = [((40, 0, 21), 3, 30), ((40, 0, 21), 3, 0), ((40, 0, 21), 3, 1), ((40, 0, 21), 3, 64),
+               ((13,), 3, 16), ((64, 61), 3, 125), ((1, 2, 3, 4, 5), 0, 7), ((1,), 0, 1), ((48,), 0, 32),
+               (_tiny_lens(40, 70, 9), 1, 100)]
+    for query_lens, padding, ptwc in batches:
+        case = cases.Case("recompile", query_lens, tuple(range(0, len(query_lens), 2)), num_heads=4, head_dim=64,
+                          lse_layout=lse_layout, padding=padding)
+        _merge_case(case, ptwc=ptwc, check=False)
+    assert len(recorder.launches) == len(batches)
+    _assert_one_variant(recorder.keys(), "merge")
+
+
+@pytest.mark.gpu
+def test_no_recompilation_across_batches():
+    # Several prefill_tokens_with_context values, token counts and request counts: one compiled kernel
+    # per constexpr configuration (here one configuration: H=4, D=64, bf16, fused, output_lse).
+    kernel = merge_mod._merge_attn_states_kernel
+
+    def launch(query_lens, ptwc):
+        case = cases.Case("recompile", query_lens, tuple(range(0, len(query_lens), 2)), num_heads=4,
+                          head_dim=64, padding=3)
+        _merge_case(case, ptwc=ptwc)
+
+    launch((40, 0, 21), 30)
+    cache = kernel.device_caches[torch.cuda.current_device()][0]
+    n = len(cache)
+    assert n >= 1
+    for query_lens, ptwc in [((40, 0, 21), 0), ((40, 0, 21), 1), ((40, 0, 21), 64), ((13,), 16),
+                             ((64, 61), 125), ((1, 2, 3, 4, 5), 7), (_tiny_lens(40, 70, 9), 100)]:
+        launch(query_lens, ptwc)
+    assert len(cache) == n, f"the merge kernel compiled {len(cache) - n} more variants for new runtime values"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Errors
+
+
+def _valid(T=6, H=2, D=8, dtype=torch.bfloat16):
+    """Valid arguments for the error tests."""
+    x = lambda: torch.zeros(T, H, D, dtype=dtype, device=DEVICE)  # noqa: E731
+    lse = lambda: torch.zeros(H, T, device=DEVICE)  # noqa: E731
+    return dict(output=x(), prefix_output=x(), prefix_lse=lse(), suffix_output=x(), suffix_lse=lse(),
+                output_lse=lse(), prefill_tokens_with_context=None, output_scale=None)
+
+
+POSITIONAL = ("output", "prefix_output", "prefix_lse", "suffix_output", "suffix_lse", "output_lse",
+              "prefill_tokens_with_context", "output_scale")
+
+
+def _call(**changes):
+    kw = _valid()
+    kw.update(changes)
+    args = [kw.pop(k) for k in POSITIONAL]
+    triton_impl.merge_attn_states(*args, **kw)
+
+
+I32 = dict(dtype=torch.int32, device=DEVICE)
+QSL = torch.tensor([0, 2, 6], **I32)
+CU = torch.tensor([0, 0, 3], **I32)
+BF16 = dict(dtype=torch.bfloat16, device=DEVICE)
+FP8_OUT = torch.zeros(6, 2, 8, device=DEVICE).to(FP8)
+SCALE = torch.ones(1, device=DEVICE)
+
+ERRORS = [
+    ("prefix_f64", dict(prefix_output=torch.zeros(6, 2, 8, dtype=torch.float64, device=DEVICE)), TypeError,
+     "prefix_output.dtype"),
+    ("prefix_int", dict(prefix_output=torch.zeros(6, 2, 8, **I32)), TypeError, "prefix_output.dtype"),
+    ("suffix_dtype", dict(suffix_output=torch.zeros(6, 2, 8, dtype=torch.float16, device=DEVICE)), TypeError,
+     "suffix_output.dtype"),
+    ("output_dtype", dict(output=torch.zeros(6, 2, 8, device=DEVICE)), TypeError, "output.dtype"),
+    ("prefix_lse_f16", dict(prefix_lse=torch.zeros(2, 6, **BF16)), TypeError, "prefix_lse.dtype"),
+    ("suffix_lse_f64", dict(suffix_lse=torch.zeros(2, 6, dtype=torch.float64, device=DEVICE)), TypeError,
+     "suffix_lse.dtype"),
+    ("output_lse_f16", dict(output_lse=torch.zeros(2, 6, dtype=torch.float16, device=DEVICE)), TypeError,
+     "output_lse.dtype"),
+    ("output_numpy", dict(output=np.zeros((6, 2, 8), np.float32)), TypeError, "torch.Tensor"),
+    ("prefix_rank2", dict(prefix_output=torch.zeros(6, 16, **BF16)), ValueError, "prefix_output must have 3 dims"),
+    ("suffix_shape", dict(suffix_output=torch.zeros(6, 2, 16, **BF16)), ValueError, "suffix_output.shape"),
+    ("suffix_tokens", dict(suffix_output=torch.zeros(7, 2, 8, **BF16)), ValueError, "suffix_output.shape"),
+    ("output_shape", dict(output=torch.zeros(6, 3, 8, **BF16)), ValueError, "output.shape"),
+    ("prefix_lse_shape", dict(prefix_lse=torch.zeros(2, 7, device=DEVICE)), ValueError, "prefix_lse.shape"),
+    ("suffix_lse_th_in_ht", dict(suffix_lse=torch.zeros(6, 2, device=DEVICE)), ValueError, "suffix_lse.shape"),
+    ("output_lse_shape", dict(output_lse=torch.zeros(2, 5, device=DEVICE)), ValueError, "output_lse.shape"),
+    ("lse_rank1", dict(prefix_lse=torch.zeros(12, device=DEVICE)), ValueError, "prefix_lse must have 2 dims"),
+    ("fp8_without_scale", dict(output=FP8_OUT), ValueError, "output_scale is required"),
+    ("scale_without_fp8", dict(output_scale=SCALE), ValueError, "output_scale is required"),
+    ("scale_f64", dict(output=FP8_OUT, output_scale=torch.ones(1, dtype=torch.float64, device=DEVICE)), TypeError,
+     "output_scale.dtype"),
+    ("scale_shape", dict(output=FP8_OUT, output_scale=torch.ones(2, device=DEVICE)), ValueError,
+     "output_scale.shape"),
+    ("only_query_start_loc", dict(query_start_loc=QSL), ValueError, "go together"),
+    ("only_prefix_cu_seq_lens", dict(prefix_cu_seq_lens=CU), ValueError, "go together"),
+    ("offsets_int64", dict(query_start_loc=QSL.long(), prefix_cu_seq_lens=CU), TypeError, "query_start_loc"),
+    ("offset_lengths", dict(query_start_loc=QSL, prefix_cu_seq_lens=CU[:2]), ValueError,
+     "prefix_cu_seq_lens.shape"),
+    ("ptwc_tensor", dict(prefill_tokens_with_context=torch.tensor(3)), TypeError, "host int"),
+    ("ptwc_float", dict(prefill_tokens_with_context=3.0), TypeError, "host int"),
+    ("bad_layout", dict(lse_layout="th"), ValueError, "lse_layout"),
+    ("bad_base", dict(lse_base=10), ValueError, "lse_base"),
+    ("suffix_other_device", dict(suffix_output=torch.zeros(6, 2, 8, dtype=torch.bfloat16, device="meta")),
+     ValueError, "meta"),
+    ("lse_other_device", dict(suffix_lse=torch.zeros(2, 6, device="meta")), ValueError, "meta"),
+    ("offsets_other_device", dict(query_start_loc=QSL.to("meta"), prefix_cu_seq_lens=CU), ValueError, "meta"),
+]
+
+
+@pytest.mark.parametrize("changes,error,match", [e[1:] for e in ERRORS], ids=[e[0] for e in ERRORS])
+def test_input_errors(changes, error, match):
+    with pytest.raises(error, match=match):
+        _call(**changes)
+
+
+VALIDATE_ERRORS = [
+    ("ptwc_past_T", dict(prefill_tokens_with_context=7), "prefill_tokens_with_context=7"),
+    ("ptwc_negative", dict(prefill_tokens_with_context=-1), "prefill_tokens_with_context=-1"),
+    ("qsl_not_from_0", dict(query_start_loc=torch.tensor([1, 2, 6], **I32), prefix_cu_seq_lens=CU),
+     "query_start_loc\\[0\\] must be 0"),
+    ("qsl_past_T", dict(query_start_loc=torch.tensor([0, 2, 9], **I32), prefix_cu_seq_lens=CU), "past the token"),
+    ("cu_decreasing", dict(query_start_loc=QSL, prefix_cu_seq_lens=torch.tensor([0, 3, 1], **I32)),
+     "non-decreasing"),
+]
+
+
+@pytest.mark.parametrize("changes,match", [e[1:] for e in VALIDATE_ERRORS], ids=[e[0] for e in VALIDATE_ERRORS])
+def test_validate_errors(changes, match):
+    with pytest.raises(ValueError, match=match):
+        _call(validate=True, **changes)
+
+
+def test_validate_accepts_valid_inputs():
+    for ptwc in (0, 6):
+        _call(validate=True, prefill_tokens_with_context=ptwc, query_start_loc=QSL, prefix_cu_seq_lens=CU)
+
+
+def test_zero_tokens_is_a_no_op():
+    kw = _valid(T=0)
+    triton_impl.merge_attn_states(*[kw[k] for k in POSITIONAL])
+
+
+# --------------------------------------------------------------------------------------------------------
+# Properties (Hypothesis, deterministic "ci" profile from conftest)
+
+
+@st.composite
+def merge_cases(draw):
+    """A Case with zero-length requests, random empty flags, a NaN padding tail, H not a power of two,
+    R crossing 32, specials, both layouts and bases, sometimes an fp8 output; plus a ptwc in [0, T]."""
+    num_requests = draw(st.integers(0, 40))
+    lens = draw(st.lists(st.integers(0, 12), min_size=num_requests, max_size=num_requests))
+    flags = draw(st.lists(st.booleans(), min_size=num_requests, max_size=num_requests))
+    dtype = draw(st.sampled_from(["float32", "float16", "bfloat16"]))
+    case = cases.Case(
+        "hypothesis", tuple(lens), tuple(r for r, f in enumerate(flags) if f),
+        num_heads=draw(st.sampled_from([1, 3, 5])), head_dim=draw(st.sampled_from([16, 64])), dtype=dtype,
+        lse_layout=draw(st.sampled_from(["HT", "TH"])), lse_base=draw(st.sampled_from([math.e, 2])),
+        padding=draw(st.integers(0, 7)), head_pad=draw(st.sampled_from([0, 8])), specials=draw(st.booleans()),
+        out_dtype=draw(st.sampled_from([None, None, "float8_e4m3fn"])) if dtype == "bfloat16" else None)
+    ptwc = draw(st.one_of(st.none(), st.integers(0, case.num_tokens)))
+    return dataclasses.replace(case, prefill_tokens_with_context=ptwc)
+
+
+@given(case=merge_cases(), fused=st.booleans())
+@settings(max_examples=6)
+def test_property_matches_reference(case, fused):
+    _merge_case(case, fused=fused, ptwc=case.prefill_tokens_with_context)
+
+
+@given(case=merge_cases(), side=st.sampled_from(["prefix", "suffix"]))
+@settings(max_examples=4)
+def test_property_all_empty_side_returns_the_other(case, side):
+    # Natural-log LSEs, no pass-through: the other side comes back bit for bit (values for the prefix,
+    # whose -0.0 may come back as +0.0), its LSE bit for bit.
+    case = dataclasses.replace(case, lse_base=math.e, out_dtype=None, specials=False, padding=0)
+    inp = cases.make_inputs(case)
+    t = {k: bridge.to_torch(v, DEVICE) for k, v in inp.items()}
+    D = case.head_dim
+    empty_lse = t[f"{side}_lse"]
+    empty_lse.fill_(float("-inf"))
+    t[f"{side}_output"].fill_(float("nan"))
+    out = torch.empty_like(t["prefix_output"][..., :D])
+    out_lse = torch.empty_like(t["prefix_lse"])
+    triton_impl.merge_attn_states(out, t["prefix_output"][..., :D], t["prefix_lse"], t["suffix_output"][..., :D],
+                                  t["suffix_lse"], out_lse, lse_layout=case.lse_layout)
+    other = "suffix" if side == "prefix" else "prefix"
+    if other == "suffix":
+        assert_bitwise_equal(out, t["suffix_output"][..., :D], name="merge.out (empty prefix)", case=case)
+    else:
+        assert torch.equal(out, t["prefix_output"][..., :D])
+    assert_bitwise_equal(out_lse, t[f"{other}_lse"], name="merge.lse (one side empty)", case=case)
