@@ -1,7 +1,7 @@
 """Diagnostics for docs/results.md: memory instructions in the compiled merge kernels of both frameworks.
 
 Run on a GPU from the repository root: `python scripts/gpu_ptx_stats.py [OUT_DIR]`. Compiles one merge
-(T=32768, H=64, D=128, bf16, with output LSE) in each framework and counts the global loads and stores by
+(T=8192, H=64, D=128, bf16, with output LSE) in each framework and counts the global loads and stores by
 vector width in the PTX: Triton's from the kernel cache, Pallas's from XLA's dump (--xla_dump_to).
 """
 
@@ -23,7 +23,7 @@ import pallas_impl  # noqa: E402
 import triton_impl  # noqa: E402
 from triton_impl import merge as tmerge  # noqa: E402
 
-T, H, D = 32768, 64, 128
+T, H, D = 8192, 64, 128
 
 
 def stats(ptx: str) -> dict:
