@@ -119,7 +119,10 @@ def lse_ht_strides(name: str, lse: torch.Tensor, lse_layout: str, num_heads: int
         raise ValueError(
             f"{name} must be f32{list(want)} for lse_layout={lse_layout!r}; got {name}.shape={tuple(lse.shape)}")
     s0, s1 = lse.stride()
-    return (s0, s1) if lse_layout == "HT" else (s1, s0)
+    stride_h, stride_t = (s0, s1) if lse_layout == "HT" else (s1, s0)
+    if num_tokens == 1:  # any stride indexes a size-1 dim: use the contiguous one, so T = 1 compiles nothing new
+        stride_t = 1 if lse_layout == "HT" else num_heads
+    return stride_h, stride_t
 
 
 def check_offsets(query_start_loc, cu_seq_lens, device, *, cu_name="cu_seq_lens") -> int:

@@ -17,8 +17,9 @@ from triton_impl import _common as c
 from triton_impl._common import _count_keys_le
 
 
-# Runtime values, never specialised: R and the LSE strides (T in [H, T] layout).
-@triton.jit(do_not_specialize=["num_requests", "stride_lse_h", "stride_lse_t"])
+# Runtime values, never specialised: R and the LSE head stride (= T in [H, T] layout). The token stride
+# stays specialised: 1 in [H, T] layout, which vectorises the -inf stores.
+@triton.jit(do_not_specialize=["num_requests", "stride_lse_h"])
 def _mask_empty_context_lse_kernel(
     lse_ptr,  # f32[H, T] via (stride_lse_h, stride_lse_t); written in place
     out_ptr,  # dtype[T, H, D] via (stride_out_t, stride_out_h, stride_out_d); zeroed rows if ZERO_OUTPUT

@@ -40,10 +40,10 @@ def _log(x, INTERPRET: tl.constexpr):
         return libdevice.log(x)
 
 
-# Runtime values, never specialised: token counts and offsets, and the LSE strides (T in [H, T] layout).
+# Runtime values, never specialised: token counts, offsets, and the LSE head strides (= T in [H, T] layout).
+# The LSE token strides stay specialised: 1 in [H, T] layout, which vectorises the LSE accesses.
 @triton.jit(do_not_specialize=["num_tokens", "prefill_tokens_with_context", "num_requests",
-                               "stride_olse_h", "stride_olse_t", "stride_plse_h", "stride_plse_t",
-                               "stride_slse_h", "stride_slse_t"])
+                               "stride_olse_h", "stride_plse_h", "stride_slse_h"])
 def _merge_attn_states_kernel(
     out_ptr,  # dtype[T, H, D] (or fp8) via (stride_out_t, stride_out_h, stride_out_d)
     out_lse_ptr,  # f32[H, T] via (stride_olse_h, stride_olse_t); unused unless OUTPUT_LSE
