@@ -170,12 +170,14 @@ def merge_exact_rows(case: cases_mod.Case, ref_lse: np.ndarray) -> tuple[np.ndar
 
 
 def git_commit() -> str | None:
+    """HEAD of the checkout, else $GIT_COMMIT (a copied tree without .git, as on the device machine)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         r = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        head = r.stdout.strip() if r.returncode == 0 else ""
     except (OSError, subprocess.SubprocessError):
-        return None
-    return r.stdout.strip() or None if r.returncode == 0 else None
+        head = ""
+    return head or os.environ.get("GIT_COMMIT") or None
 
 
 def collect_env(argv: list[str] | None = None) -> dict[str, Any]:
