@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 import jax
 import jax.numpy as jnp
-import torch
 
 import pallas_impl
 from pallas_impl import mask as pallas_mask
@@ -38,7 +37,7 @@ class Bucket:
 
 # R = 40: the ownership scan crosses a 32-request boundary; H = 3 is not a power of two.
 BUCKET_HT = Bucket(num_tokens=320, num_requests=40, num_heads=3, lse_layout="HT")
-# R = 135 crosses a full unrolled scan step (4 x 32); [T, H] LSE with fp16 output zeroing at D = 80.
+# R = 135: requests in five 32-wide chunks of the fine scan; [T, H] LSE with fp16 output zeroing at D = 80.
 BUCKET_TH = Bucket(num_tokens=400, num_requests=135, num_heads=5, lse_layout="TH", out_dtype="float16",
                    head_dim=80)
 BUCKETS = [pytest.param(BUCKET_HT, id="HT"), pytest.param(BUCKET_TH, id="TH_out_fp16")]
@@ -46,16 +45,6 @@ BUCKETS = [pytest.param(BUCKET_HT, id="HT"), pytest.param(BUCKET_TH, id="TH_out_
 # Hypothesis runs the `mode` fixture (a plain string) once per test; the profile comes from conftest.
 FIXTURE_OK = settings(suppress_health_check=list(settings().suppress_health_check)
                       + [HealthCheck.function_scoped_fixture])
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """compare runs small torch CPU ops; two OpenMP threads spinning against XLA's threads on a shared
-    2-core machine make each comparison ~50x slower. Restored after the module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _mask(lse, query_start_loc, cu_seq_lens, output=None, *, mode, **kwargs):

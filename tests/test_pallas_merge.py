@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 import jax
 import jax.numpy as jnp
-import torch
 
 import pallas_impl
 from pallas_impl import merge as pallas_merge
@@ -31,16 +30,6 @@ PTWC = cases.by_name("padded_v_ptwc")
 
 FIXTURE_OK = settings(suppress_health_check=list(settings().suppress_health_check)
                       + [HealthCheck.function_scoped_fixture])
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """compare runs small torch CPU ops; two OpenMP threads spinning against XLA's threads on a shared
-    2-core machine make each comparison ~50x slower. Restored after the module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _merge(*args, mode, **kwargs):

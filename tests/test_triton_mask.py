@@ -5,10 +5,10 @@ runs the grid's T // 128 + R programs one by one (R = 1000 takes ~20 s of CPU), 
 """
 
 import dataclasses
-import inspect
 
 import numpy as np
 import pytest
+from triton_keys import kernel_params
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -406,24 +406,8 @@ def test_property_has_empty_false_changes_nothing(case):
 # No recompilation (STYLE 6.1)
 
 
-def _kernel_params(kernel):
-    """(parameter names, constexpr names, do_not_specialize, do_not_specialize_on_alignment) of a
-    @triton.jit kernel, compiled or interpreted."""
-    params = list(inspect.signature(kernel.fn).parameters.values())
-    names = [prm.name for prm in params]
-    constexprs = {prm.name for prm in params if "constexpr" in str(prm.annotation)}
-
-    def listed(attr):
-        x = getattr(kernel, attr, None)
-        if x is None:  # the interpreter keeps the decorator's arguments
-            x = getattr(kernel, "kwargs", {}).get(attr) or []
-        return {names[i] if isinstance(i, int) else i for i in x}
-
-    return names, constexprs, listed("do_not_specialize"), listed("do_not_specialize_on_alignment")
-
-
 def test_runtime_values_are_not_specialised():
-    names, constexprs, dns, _ = _kernel_params(mask_mod._mask_empty_context_lse_kernel)
+    names, constexprs, dns, _ = kernel_params(mask_mod._mask_empty_context_lse_kernel)
     assert "num_requests" in names and "num_requests" not in constexprs
     assert "num_requests" in dns, "R would be specialised (a recompile when it hits 1 or a multiple of 16)"
 
@@ -455,7 +439,7 @@ def test_one_compiled_variant_per_configuration(monkeypatch, lse_layout):
                                            bridge.to_torch(inp["prefix_output"], DEVICE), lse_layout=lse_layout)
     assert len(launches) == len(batches)
 
-    names, constexprs, dns, dns_align = _kernel_params(kernel)
+    names, constexprs, dns, dns_align = kernel_params(kernel)
     keys = []
     for args, kwargs in launches:  # what Triton keys its compile cache by (see test_triton_merge.py)
         bound = dict(zip(names, args))

@@ -7,11 +7,11 @@ compiled on a GPU.
 """
 
 import dataclasses
-import inspect
 import math
 
 import numpy as np
 import pytest
+from triton_keys import kernel_params
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -388,22 +388,6 @@ def test_both_empty_rows_are_zero_and_neg_inf():
 # No recompilation (STYLE 6.1)
 
 
-def _kernel_params(kernel):
-    """(parameter names, constexpr names, do_not_specialize, do_not_specialize_on_alignment) of a
-    @triton.jit kernel, compiled or interpreted."""
-    params = list(inspect.signature(kernel.fn).parameters.values())
-    names = [prm.name for prm in params]
-    constexprs = {prm.name for prm in params if "constexpr" in str(prm.annotation)}
-
-    def listed(attr):
-        x = getattr(kernel, attr, None)
-        if x is None:  # the interpreter keeps the decorator's arguments
-            x = getattr(kernel, "kwargs", {}).get(attr) or []
-        return {names[i] if isinstance(i, int) else i for i in x}
-
-    return names, constexprs, listed("do_not_specialize"), listed("do_not_specialize_on_alignment")
-
-
 class _Recorder:
     """Stands in for a @triton.jit kernel: records each launch's arguments instead of running it."""
 
@@ -421,7 +405,7 @@ class _Recorder:
         from triton._C.libtriton import native_specialize_impl
         from triton.backends.compiler import BaseBackend
 
-        names, constexprs, dns, dns_align = _kernel_params(self.kernel)
+        names, constexprs, dns, dns_align = kernel_params(self.kernel)
         keys = []
         for args, kwargs in self.launches:
             bound = dict(zip(names, args))
@@ -447,7 +431,7 @@ def _assert_one_variant(keys, what):
 
 
 def test_runtime_values_are_not_specialised():
-    names, constexprs, dns, _ = _kernel_params(merge_mod._merge_attn_states_kernel)
+    names, constexprs, dns, _ = kernel_params(merge_mod._merge_attn_states_kernel)
     runtime = {"prefill_tokens_with_context", "num_tokens", "num_requests"}
     assert runtime <= set(names)
     assert not runtime & constexprs
