@@ -4,7 +4,8 @@ Grid: one program per 128-token query block, worst case `T // 128 + R` programs;
 programs from `qsl[r] // 128 + r` on. A program finds its request by counting, 32 request boundaries per
 step, the requests whose first program is at or before it (a compare-and-sum, no token->request map),
 then writes -inf over all heads of its tokens (and zeros over their output rows) if that request's chunk
-is empty. The count is two-level (`_common._count_keys_le`): chunk starts, then one chunk of 32. `pallas_impl/mask.py` is the same algorithm, statement by statement.
+is empty. The count is two-level (`_common._count_keys_le`): chunk starts, then one chunk of 32.
+`pallas_impl/mask.py` is the same algorithm, statement by statement.
 """
 
 from __future__ import annotations
