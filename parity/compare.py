@@ -664,11 +664,18 @@ def assert_matches_reference(got: Any, want: Any, *, case: Any = None, exact: An
 
 
 def assert_bitwise_equal(got: Any, want: Any, *, name: str = "", case: Any = None, seed: Any = None,
-                         mode: Any = None, query_start_loc: Any = None, layout: str | None = None) -> Report:
-    """Raises AssertionError (with `Report.format()`) unless `got` and `want` have identical bits."""
+                         mode: Any = None, query_start_loc: Any = None, layout: str | None = None) -> Report | None:
+    """Raises AssertionError (with `Report.format()`) unless `got` and `want` have identical bits.
+
+    Equal bits return at once (one device-side `torch.equal`); the located report is built only on a mismatch.
+    """
     got_t = _as_torch(got)
+    want_t = _as_torch(want, got_t.device)
+    if (got_t.shape == want_t.shape and got_t.dtype == want_t.dtype
+            and torch.equal(raw_bits(got_t), raw_bits(want_t))):
+        return None
     query_start_loc, layout = _case_defaults(case, got_t.dim(), query_start_loc, layout)
-    report = compare_bits(got_t, want, name=name, query_start_loc=query_start_loc, layout=layout,
+    report = compare_bits(got_t, want_t, name=name, query_start_loc=query_start_loc, layout=layout,
                           context=_context(case, seed, mode))
     if not report.ok:
         raise AssertionError(report.format())

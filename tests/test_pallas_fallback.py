@@ -19,16 +19,6 @@ R33 = cases.by_name("r33_ragged_pad")  # R = 33, zero-length requests, padding t
 PTWC = cases.by_name("padded_v_ptwc")  # prefill_tokens_with_context, V-padded buffer
 
 
-def _bits_equal(got, want, **context):
-    """compare.assert_bitwise_equal, behind a fast numpy pre-check (the full report only on a mismatch)."""
-    g, w = np.asarray(got), np.asarray(want)
-    if g.shape == w.shape and g.dtype == w.dtype and np.array_equal(
-            g.view(f"u{g.dtype.itemsize}"), w.view(f"u{w.dtype.itemsize}")):
-        return
-    compare.assert_bitwise_equal(got, np.array(want), **context)
-    raise AssertionError(f"bits differ: {context}")
-
-
 def _merge_options(case, inp, to=np.asarray):
     opts = dict(prefill_tokens_with_context=case.prefill_tokens_with_context, lse_layout=case.lse_layout,
                 lse_base=case.lse_base, query_start_loc=to(inp["query_start_loc"]),
@@ -73,8 +63,8 @@ def test_mask_matches_reference(case):
         lse_layout=case.lse_layout, implementation="jnp")
     want_lse, want_out = reference.mask_empty_context_lse(inp["prefix_lse"], qsl, cu, inp["prefix_output"][..., :D],
                                                           lse_layout=case.lse_layout)
-    _bits_equal(got_lse, want_lse, name="mask.lse", case=case, mode="jnp")
-    _bits_equal(got_out, want_out, name="mask.output", case=case, mode="jnp")
+    compare.assert_bitwise_equal(got_lse, want_lse, name="mask.lse", case=case, mode="jnp")
+    compare.assert_bitwise_equal(got_out, want_out, name="mask.output", case=case, mode="jnp")
 
 
 @pytest.mark.parametrize("case", CI_CASES, ids=lambda c: c.name)
@@ -100,11 +90,11 @@ def test_implementation_none_picks_by_backend():
     if expected == "jnp":
         assert (pallas_merge._merge_jit._cache_size(), pallas_mask._mask_jit._cache_size()) == sizes
     want_out, want_lse = pallas_impl.merge_attn_states(*args, implementation=expected, **kwargs)
-    _bits_equal(out, want_out, name="merge.out", case=PTWC)
-    _bits_equal(lse, want_lse, name="merge.lse", case=PTWC)
+    compare.assert_bitwise_equal(out, want_out, name="merge.out", case=PTWC)
+    compare.assert_bitwise_equal(lse, want_lse, name="merge.lse", case=PTWC)
     want_mask = pallas_impl.mask_empty_context_lse(args[1], kwargs["query_start_loc"], kwargs["prefix_cu_seq_lens"],
                                                    implementation=expected)
-    _bits_equal(mask_lse, want_mask, name="mask.lse", case=PTWC)
+    compare.assert_bitwise_equal(mask_lse, want_mask, name="mask.lse", case=PTWC)
 
 
 def test_unknown_implementation_raises():
@@ -141,7 +131,7 @@ def test_fallback_under_jit_with_traced_values():
         lse, (out, merged_lse) = jitted(*_jax_merge_args(case, inp), jnp.int32(ptwc), jnp.asarray(qsl),
                                         jnp.asarray(cu))
         want_lse, _ = reference.mask_empty_context_lse(inp["prefix_lse"], qsl, cu)
-        _bits_equal(lse, want_lse, name="mask.lse", case=case, mode="jnp")
+        compare.assert_bitwise_equal(lse, want_lse, name="mask.lse", case=case, mode="jnp")
         opts = dict(prefill_tokens_with_context=ptwc, query_start_loc=qsl, prefix_cu_seq_lens=cu)
         _check_merge(out, merged_lse, case, inp, opts, label=f" ptwc={ptwc}")
     assert len(traces) == 1
@@ -156,4 +146,4 @@ def test_documented_donation_pattern():
     got = step(lse, jnp.asarray(inp["query_start_loc"]), jnp.asarray(inp["cu_seq_lens"]))
     assert lse.is_deleted()
     want, _ = reference.mask_empty_context_lse(inp["prefix_lse"], inp["query_start_loc"], inp["cu_seq_lens"])
-    _bits_equal(got, want, name="mask.lse", case=R33)
+    compare.assert_bitwise_equal(got, want, name="mask.lse", case=R33)

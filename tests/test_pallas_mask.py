@@ -91,22 +91,12 @@ def _offsets(query_lens, empty, num_requests, num_tokens, seed=0):
     return qsl, cu
 
 
-def _assert_bits(got, want, **context):
-    """compare.assert_bitwise_equal, behind a fast numpy pre-check (the full report only on a mismatch)."""
-    g, w = np.asarray(got), np.asarray(want)
-    if g.shape == w.shape and g.dtype == w.dtype and np.array_equal(
-            g.view(f"u{g.dtype.itemsize}"), w.view(f"u{w.dtype.itemsize}")):
-        return
-    compare.assert_bitwise_equal(got, np.array(want), **context)
-    raise AssertionError(f"bits differ: {context}")
-
-
 def _check_against_reference(got, lse, qsl, cu, output, *, lse_layout, name, mode):
     want_lse, want_out = reference.mask_empty_context_lse(lse, qsl, cu, output, lse_layout=lse_layout)
     got_lse, got_out = got if output is not None else (got, None)
-    _assert_bits(got_lse, want_lse, name="mask.lse", layout=lse_layout, query_start_loc=qsl, case=name, mode=mode)
+    compare.assert_bitwise_equal(got_lse, want_lse, name="mask.lse", layout=lse_layout, query_start_loc=qsl, case=name, mode=mode)
     if output is not None:
-        _assert_bits(got_out, want_out, name="mask.output", layout="THD", query_start_loc=qsl, case=name,
+        compare.assert_bitwise_equal(got_out, want_out, name="mask.output", layout="THD", query_start_loc=qsl, case=name,
                      mode=mode)
 
 
@@ -138,8 +128,8 @@ def test_mask_matches_reference(case, mode):
                 jnp.asarray(inp["prefix_output"])[..., :D], lse_layout=case.lse_layout, mode=mode)
     want_lse, want_out = reference.mask_empty_context_lse(inp["prefix_lse"], qsl, cu, output,
                                                           lse_layout=case.lse_layout)
-    _assert_bits(got[0], want_lse, name="mask.lse", case=case, mode=mode)
-    _assert_bits(got[1], want_out, name="mask.output", case=case, mode=mode)
+    compare.assert_bitwise_equal(got[0], want_lse, name="mask.lse", case=case, mode=mode)
+    compare.assert_bitwise_equal(got[1], want_out, name="mask.output", case=case, mode=mode)
 
 
 def test_upstream_vector(mode):
@@ -375,7 +365,7 @@ def test_property_matches_reference_and_is_idempotent(bucket, mode, data):
     _check_against_reference(once, lse, qsl, cu, output, lse_layout=bucket.lse_layout, name="property",
                              mode=mode)
     for a, b in zip(jax.tree.leaves(twice), jax.tree.leaves(once)):
-        _assert_bits(a, b, name="mask idempotent", query_start_loc=qsl, mode=mode,
+        compare.assert_bitwise_equal(a, b, name="mask idempotent", query_start_loc=qsl, mode=mode,
                      layout=bucket.lse_layout if a.ndim == 2 else "THD")
     same = _mask(jnp.asarray(lse), *args, has_empty=False, **kwargs)
-    _assert_bits(same, lse, name="has_empty=False", layout=bucket.lse_layout, mode=mode)
+    compare.assert_bitwise_equal(same, lse, name="has_empty=False", layout=bucket.lse_layout, mode=mode)

@@ -36,16 +36,6 @@ def _merge(*args, mode, **kwargs):
     return pallas_impl.merge_attn_states(*args, implementation="pallas", interpret=mode == "interpret", **kwargs)
 
 
-def _assert_bits(got, want, **context):
-    """compare.assert_bitwise_equal, behind a fast numpy pre-check (the full report only on a mismatch)."""
-    g, w = np.asarray(got), np.asarray(want)
-    if g.shape == w.shape and g.dtype == w.dtype and np.array_equal(
-            g.view(f"u{g.dtype.itemsize}"), w.view(f"u{w.dtype.itemsize}")):
-        return
-    compare.assert_bitwise_equal(got, np.array(want), **context)
-    raise AssertionError(f"bits differ: {context}")
-
-
 def _as_th(lse: np.ndarray, lse_layout: str) -> np.ndarray:
     return lse.T if lse_layout == "HT" else lse
 
@@ -180,8 +170,8 @@ def test_passthrough_rows_are_bit_copies(mode):
     inp = cases.make_inputs(PTWC)
     out, lse = _run(PTWC, inp, mode, **_full_options(PTWC, inp))
     n, D = PTWC.prefill_tokens_with_context, PTWC.head_dim
-    _assert_bits(np.asarray(out)[n:], np.ascontiguousarray(inp["suffix_output"][n:, :, :D]), name="out copy")
-    _assert_bits(np.asarray(lse)[:, n:], inp["suffix_lse"][:, n:], name="lse copy")
+    compare.assert_bitwise_equal(np.asarray(out)[n:], np.ascontiguousarray(inp["suffix_output"][n:, :, :D]), name="out copy")
+    compare.assert_bitwise_equal(np.asarray(lse)[:, n:], inp["suffix_lse"][:, n:], name="lse copy")
 
 
 def test_return_lse_false(mode):
@@ -190,7 +180,7 @@ def test_return_lse_false(mode):
     out_only = _run(PTWC, inp, mode, return_lse=False, **opts)
     assert isinstance(out_only, jax.Array)
     out, _ = _run(PTWC, inp, mode, **opts)
-    _assert_bits(out_only, out, name="return_lse=False", case=PTWC, mode=mode)
+    compare.assert_bitwise_equal(out_only, out, name="return_lse=False", case=PTWC, mode=mode)
 
 
 def test_mask_then_merge_equals_fused(mode):
@@ -203,8 +193,8 @@ def test_mask_then_merge_equals_fused(mode):
         jnp.asarray(inp["prefix_output"])[..., :D], implementation="pallas", interpret=mode == "interpret")
     out, lse = _merge(prefix_out, lse, jnp.asarray(inp["suffix_output"])[..., :D], jnp.asarray(inp["suffix_lse"]),
                       mode=mode)
-    _assert_bits(out, fused_out, name="merge.out", case=R33, mode=mode)
-    _assert_bits(lse, fused_lse, name="merge.lse", case=R33, mode=mode)
+    compare.assert_bitwise_equal(out, fused_out, name="merge.out", case=R33, mode=mode)
+    compare.assert_bitwise_equal(lse, fused_lse, name="merge.lse", case=R33, mode=mode)
 
 
 def _empty_lse(rng, shape):
@@ -222,8 +212,8 @@ def test_all_empty_prefix_returns_the_suffix(mode):
     out, lse = _merge(jnp.asarray(prefix_out), jnp.asarray(_empty_lse(rng, inp["prefix_lse"].shape)),
                       jnp.asarray(b), jnp.asarray(inp["suffix_lse"]), prefill_tokens_with_context=jnp.int32(n_real),
                       mode=mode)
-    _assert_bits(out, b, name="merge.out", case=R33, mode=mode)
-    _assert_bits(lse, inp["suffix_lse"], name="merge.lse", case=R33, mode=mode)
+    compare.assert_bitwise_equal(out, b, name="merge.out", case=R33, mode=mode)
+    compare.assert_bitwise_equal(lse, inp["suffix_lse"], name="merge.lse", case=R33, mode=mode)
 
 
 def test_all_empty_suffix_returns_the_prefix(mode):
@@ -235,8 +225,8 @@ def test_all_empty_suffix_returns_the_prefix(mode):
     suffix_out = np.full_like(a, np.nan)
     out, lse = _merge(jnp.asarray(a), jnp.asarray(inp["prefix_lse"]), jnp.asarray(suffix_out),
                       jnp.asarray(_empty_lse(rng, inp["suffix_lse"].shape)), mode=mode)
-    _assert_bits(np.asarray(out)[:n_real], a[:n_real], name="merge.out", case=R33, mode=mode)
-    _assert_bits(np.asarray(lse)[:, :n_real], inp["prefix_lse"][:, :n_real], name="merge.lse", case=R33,
+    compare.assert_bitwise_equal(np.asarray(out)[:n_real], a[:n_real], name="merge.out", case=R33, mode=mode)
+    compare.assert_bitwise_equal(np.asarray(lse)[:, :n_real], inp["prefix_lse"][:, :n_real], name="merge.lse", case=R33,
                  mode=mode)
     # Padding rows are empty on both sides (NaN LSE): exactly 0 and -inf.
     assert np.all(np.asarray(out)[n_real:].view(np.uint16) == 0)
