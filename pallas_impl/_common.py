@@ -211,8 +211,8 @@ def check_prefill_tokens(prefill_tokens_with_context, num_tokens: int, validate:
     x = prefill_tokens_with_context
     if x is None:
         return
-    if not isinstance(x, int) and not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.integer)
-                                       and getattr(x, "ndim", None) == 0):
+    if isinstance(x, bool) or not (isinstance(x, int) or (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.integer)
+                                                          and getattr(x, "ndim", None) == 0)):
         raise TypeError(f"prefill_tokens_with_context must be an integer scalar; got {x!r}")
     if validate:
         v = int(_concrete("prefill_tokens_with_context", x))

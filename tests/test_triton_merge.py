@@ -579,6 +579,22 @@ def test_validate_accepts_valid_inputs():
         _call(validate=True, prefill_tokens_with_context=ptwc, query_start_loc=QSL, prefix_cu_seq_lens=CU)
 
 
+def test_prefill_tokens_with_context_accepts_numpy_integers():
+    # A numpy integer is a host value like an int: same result; a bool is rejected like other non-ints.
+    results = []
+    kw = _valid()
+    kw["prefix_output"].normal_()
+    kw["suffix_output"].fill_(1.5)
+    for ptwc in (3, np.int64(3), np.int32(3)):
+        kw.update(prefill_tokens_with_context=ptwc, output=torch.full_like(kw["output"], float("nan")))
+        triton_impl.merge_attn_states(*[kw[k] for k in POSITIONAL])
+        results.append(kw["output"])
+    assert all(torch.equal(_bits(r), _bits(results[0])) for r in results)
+    assert torch.equal(results[0][3:], torch.full_like(results[0][3:], 1.5))  # pass-through rows from t = 3
+    with pytest.raises(TypeError, match="prefill_tokens_with_context"):
+        _call(prefill_tokens_with_context=True)
+
+
 def test_zero_tokens_is_a_no_op():
     kw = _valid(T=0)
     triton_impl.merge_attn_states(*[kw[k] for k in POSITIONAL])

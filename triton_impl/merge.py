@@ -12,6 +12,7 @@ libdevice (plain `tl.exp`/`tl.log` under the interpreter, which also gets an exa
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import triton
@@ -201,9 +202,12 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
         fused = num_requests > 0  # no request, nothing to mask
     if prefill_tokens_with_context is None:
         prefill_tokens_with_context = num_tokens
-    elif isinstance(prefill_tokens_with_context, torch.Tensor) or not isinstance(prefill_tokens_with_context, int):
+    elif (isinstance(prefill_tokens_with_context, (torch.Tensor, bool))
+          or not isinstance(prefill_tokens_with_context, numbers.Integral)):
         raise TypeError("prefill_tokens_with_context must be a host int (a device value would need a sync); "
                         f"got {type(prefill_tokens_with_context).__name__}")
+    else:
+        prefill_tokens_with_context = int(prefill_tokens_with_context)  # numpy integers too
     if validate:
         if not 0 <= prefill_tokens_with_context <= num_tokens:
             raise ValueError(f"prefill_tokens_with_context={prefill_tokens_with_context} must be in [0, T={num_tokens}]")
