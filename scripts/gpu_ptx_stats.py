@@ -50,14 +50,12 @@ def main() -> None:
     ja = jnp.asarray(a.float().cpu().numpy()).astype(jnp.bfloat16)
     jl = jnp.asarray(lse.cpu().numpy())
     pallas_impl.merge_attn_states(ja, jl, ja, jl)[0].block_until_ready()
-    found = False
-    for path in glob.glob(os.path.join(dump, "*.ptx")):
+    ptx_files = sorted(glob.glob(os.path.join(dump, "**", "*.ptx"), recursive=True))
+    for path in ptx_files:  # the kernel's symbol may not carry our name= in XLA's PTX: report every file
         text = open(path).read()
-        if "merge_attn_states" in text:
-            found = True
-            print("pallas", os.path.basename(path), stats(text))
-    if not found:
-        print("pallas: no PTX with the kernel in", sorted(os.listdir(dump))[:20])
+        print("pallas", os.path.basename(path), "merge_attn_states" in text, stats(text))
+    if not ptx_files:
+        print("pallas: no .ptx in the XLA dump;", len(os.listdir(dump)), "files, e.g.", sorted(os.listdir(dump))[-5:])
     if len(sys.argv) > 1:
         with open(os.path.join(sys.argv[1], "merge_triton.ptx"), "w") as f:
             f.write(ptx)
