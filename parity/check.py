@@ -16,7 +16,7 @@ tensors (a torch write would show through the JAX arrays, SPEC 6); Pallas runs f
 Each result is compared (a) Triton vs Pallas bit for bit (`parity.compare.compare_bits`) and (b) each
 implementation vs the float64 reference (`parity.reference`) with `parity.compare.compare_to_reference`:
 exactly where the result is a bit copy (the mask; pass-through rows; rows empty on both sides, whose out is 0
-and LSE -inf), within tolerance elsewhere, measured against `merge_magnitude` (|a|*wp + |b|*ws). Which
+and LSE -inf), within tolerance elsewhere, measured against `compare.merge_magnitude` (|a|*wp + |b|*ws). Which
 comparisons are required depends on the mode (SPEC 5): see `RULES`.
 """
 
@@ -133,23 +133,6 @@ def merge_weights(case: cases_mod.Case, prefix_lse, suffix_lse, *, query_start_l
     wp, _ = reference_merge(case, one, prefix_lse, zero, suffix_lse, **kw)
     ws, _ = reference_merge(case, zero, prefix_lse, one, suffix_lse, **kw)
     return wp[..., 0], ws[..., 0]
-
-
-def merge_magnitude(prefix_output, suffix_output, wp, ws, output_scale=None) -> np.ndarray:
-    """f64[T, H, D]: |a|*wp + |b|*ws, the scale of the merge's rounding error (in output units).
-
-    A zero weight contributes exactly 0 (SPEC 4.3), so NaN in an empty partial does not reach the
-    magnitude. With an fp8 output (SPEC 4.6) it is divided by the scale (not clamped).
-    """
-    def term(x, w):
-        w = w[..., None]
-        with np.errstate(invalid="ignore"):
-            return np.where(w > 0, np.abs(np.asarray(x, dtype=np.float64)) * w, 0.0)
-
-    mag = term(prefix_output, wp) + term(suffix_output, ws)
-    if output_scale is not None:
-        mag /= float(np.asarray(output_scale, dtype=np.float32).reshape(-1)[0])
-    return mag
 
 
 def merge_exact_rows(case: cases_mod.Case, ref_lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -543,7 +526,7 @@ def run_case(rt: Runtime, case: cases_mod.Case, seed: int, on_record=None) -> li
             want_o, want_l = reference_merge(case, ref_a, ref_p, ref_b, ref_s, output_scale=scale, **ref_kw)
             if mag is None:  # the same for both variants (the fused mask gives the masked rows weight 0)
                 wp, ws = merge_weights(case, ref_p, ref_s, **ref_kw)
-                mag = merge_magnitude(ref_a, ref_b, wp, ws, scale)
+                mag = cmp.merge_magnitude(ref_a, ref_b, wp, ws, scale)
                 del wp, ws
             out_exact, lse_exact = merge_exact_rows(case, want_l)
             out_exact = np.broadcast_to(out_exact[:, :, None], want_o.shape)

@@ -682,26 +682,42 @@ def assert_bitwise_equal(got: Any, want: Any, *, name: str = "", case: Any = Non
     return report
 
 
+def merge_magnitude(prefix_output, suffix_output, wp, ws, output_scale=None) -> np.ndarray:
+    """f64[T, H, D]: |a|*wp + |b|*ws, the scale of the merge's rounding error (the `mag` of `TOLERANCES`).
+
+    `wp`, `ws` are the merge weights f64[T, H]. A zero weight contributes exactly 0 (SPEC 4.3), so NaN in an
+    empty partial does not reach the magnitude. With an fp8 output (SPEC 4.6) it is divided by the scale.
+    """
+    def term(x, w):
+        w = np.asarray(w, dtype=np.float64)[..., None]
+        with np.errstate(invalid="ignore"):
+            return np.where(w > 0, np.abs(np.asarray(x, dtype=np.float64)) * w, 0.0)
+
+    mag = term(prefix_output, wp) + term(suffix_output, ws)
+    if output_scale is not None:
+        mag /= float(np.asarray(output_scale, dtype=np.float32).reshape(-1)[0])
+    return mag
+
+
 def merge_out_magnitude(prefix_output: np.ndarray, prefix_lse: np.ndarray, suffix_output: np.ndarray,
                         suffix_lse: np.ndarray, **merge_kwargs: Any) -> np.ndarray:
-    """f64[T, H, D]: `|a|*wp + |b|*ws` of the merge (the `mag` of `TOLERANCES`), from the reference.
+    """`merge_magnitude` with the weights read off `parity.reference.merge_attn_states` itself.
 
-    Runs `parity.reference.merge_attn_states` on |a| and |b| with the same options, so the weights, the
-    empty and pass-through rules are the reference's own (a zero-weight term adds 0). With
-    `output_scale` the result is divided by the scale (unclamped).
+    Merging a = 1 with b = 0 (D = 1) gives wp, a = 0 with b = 1 gives ws, under the same options, so the
+    empty, both-empty and pass-through rules are the reference's own. `parity.check.merge_weights` does the
+    same in token chunks for large cases.
     """
     from parity import reference
 
     scale = merge_kwargs.pop("output_scale", None)
-    a = np.abs(np.asarray(prefix_output, dtype=np.float64))
-    b = np.abs(np.asarray(suffix_output, dtype=np.float64))
-    mag, _ = reference.merge_attn_states(a, prefix_lse, b, suffix_lse, **merge_kwargs)
-    if scale is not None:
-        mag = mag / float(np.asarray(scale, dtype=np.float32).reshape(-1)[0])
-    return mag
+    T, H = np.asarray(prefix_output).shape[:2]
+    one, zero = np.ones((T, H, 1)), np.zeros((T, H, 1))
+    wp, _ = reference.merge_attn_states(one, prefix_lse, zero, suffix_lse, **merge_kwargs)
+    ws, _ = reference.merge_attn_states(zero, prefix_lse, one, suffix_lse, **merge_kwargs)
+    return merge_magnitude(prefix_output, suffix_output, wp[..., 0], ws[..., 0], scale)
 
 
 __all__ = ["CLASS_NAMES", "FINITE", "NAN", "NEG_INF", "POS_INF", "Report", "TOLERANCES", "Tolerance",
            "ULP_BUCKETS", "assert_bitwise_equal", "assert_matches_reference", "compare_bits",
-           "compare_to_reference", "merge_out_magnitude", "ordered_bits", "raw_bits", "tolerance_for",
+           "compare_to_reference", "merge_magnitude", "merge_out_magnitude", "ordered_bits", "raw_bits", "tolerance_for",
            "ulp_distance", "value_class"]

@@ -392,7 +392,7 @@ class _Kernels:
 
 def verify_case(entry: dict[str, Any], a: dict[str, np.ndarray], runner, tolerances: dict[str, dict]):
     """Runs the ops of one case; returns [(op, {array: Report}, error or None)]."""
-    from parity import check, compare
+    from parity import compare
 
     case = case_from_params(entry["name"], entry["params"])
     D = case.head_dim
@@ -409,7 +409,7 @@ def verify_case(entry: dict[str, Any], a: dict[str, np.ndarray], runner, toleran
                     reports[name] = compare.compare_bits(g, w, name=name, **loc)
             else:
                 wp, ws = a["merge.weights"][..., 0], a["merge.weights"][..., 1]
-                mag = check.merge_magnitude(a["mask.output"], a["suffix_output"][..., :D], wp, ws,
+                mag = compare.merge_magnitude(a["mask.output"], a["suffix_output"][..., :D], wp, ws,
                                             a.get("output_scale"))
                 out_exact = np.broadcast_to(a["merge.out_exact"][:, :, None], mag.shape)
                 for name, g, w, exact, kw in (
