@@ -23,12 +23,31 @@ from pallas_impl import _common as c
 from pallas_impl import jnp_fallback
 
 
+def _fill_lse(lse_ref, t0, t_mask, *, num_heads: int, block_h: int, block_t: int, lse_layout: str):
+    # Tile starts come from loop indices: Pallas rejects a constant start whose tile overruns the array.
+    def fill_heads(j, carry):
+        h0 = j * block_h
+        h = h0 + jnp.arange(block_h, dtype=jnp.int32)
+        h_mask = h < num_heads
+        if lse_layout == "HT":  # whole-array refs: the layout is the index order
+            pltriton.store(lse_ref.at[pl.ds(h0, block_h), pl.ds(t0, block_t)],
+                           jnp.full((block_h, block_t), -jnp.inf, jnp.float32),
+                           mask=h_mask[:, None] & t_mask[None, :])
+        else:
+            pltriton.store(lse_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h)],
+                           jnp.full((block_t, block_h), -jnp.inf, jnp.float32),
+                           mask=t_mask[:, None] & h_mask[None, :])
+        return carry
+
+    lax.fori_loop(0, pl.cdiv(num_heads, block_h), fill_heads, 0)
+
+
 def _mask_empty_context_lse_kernel(
     # inputs
     qsl_ref,  # i32[R+1] query_start_loc
     cu_ref,  # i32[R+1] cu_seq_lens of this context chunk
     *refs,  # lse (and output) inputs, aliased to the outputs below; then lse (and output) outputs
-    num_requests: int, num_heads: int, head_dim: int, block_t: int,
+    num_requests: int, num_tokens: int, num_heads: int, head_dim: int, block_t: int,
     block_h: int, block_ho: int, block_d: int, lse_layout: str, zero_output: bool,
 ):
     lse_ref = refs[len(refs) // 2]  # f32[H, T] or f32[T, H]
@@ -47,25 +66,20 @@ def _mask_empty_context_lse_kernel(
     t = t0 + jnp.arange(block_t, dtype=jnp.int32)
     t_mask = (t >= q_start) & (t < q_end)  # also empty for the spare programs of a request
 
-    @pl.when(is_empty)
-    def _():
-        # Tile starts come from loop indices: Pallas rejects a constant start whose tile overruns the array.
-        def fill_heads(j, carry):
-            h0 = j * block_h
-            h = h0 + jnp.arange(block_h, dtype=jnp.int32)
-            h_mask = h < num_heads
-            if lse_layout == "HT":  # whole-array refs: the layout is the index order
-                pltriton.store(lse_ref.at[pl.ds(h0, block_h), pl.ds(t0, block_t)],
-                               jnp.full((block_h, block_t), -jnp.inf, jnp.float32),
-                               mask=h_mask[:, None] & t_mask[None, :])
-            else:
-                pltriton.store(lse_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h)],
-                               jnp.full((block_t, block_h), -jnp.inf, jnp.float32),
-                               mask=t_mask[:, None] & h_mask[None, :])
-            return carry
+    # A block wholly inside its request needs no token mask, and when the LSE rows start 16-byte aligned
+    # (head stride a multiple of 4; t0 is a multiple of block_t) its -inf stores are 16 bytes wide.
+    full = (t0 >= q_start) & (t0 + block_t <= q_end)
+    fill = functools.partial(_fill_lse, lse_ref, t0, num_heads=num_heads, block_h=block_h, block_t=block_t,
+                             lse_layout=lse_layout)
+    if lse_layout == "HT" and num_tokens % 4 == 0:  # the head stride is T, a static value here
+        pl.when(is_empty & full)(lambda: fill(jnp.ones((block_t,), jnp.bool_)))
+        pl.when(is_empty & ~full)(lambda: fill(t_mask))
+    else:
+        pl.when(is_empty)(lambda: fill(t_mask))
 
-        lax.fori_loop(0, pl.cdiv(num_heads, block_h), fill_heads, 0)
-        if zero_output:
+    if zero_output:
+        @pl.when(is_empty)
+        def _():
             def zero_heads(i, carry):
                 h0 = i * block_ho
                 ho = h0 + jnp.arange(block_ho, dtype=jnp.int32)
@@ -92,8 +106,8 @@ def _mask_jit(lse, query_start_loc, cu_seq_lens, output, *, lse_layout, interpre
     head_dim = output.shape[2] if zero_output else 1
     block_h, block_ho, block_d = c.mask_tiles(num_heads, head_dim)
     kernel = functools.partial(
-        _mask_empty_context_lse_kernel, num_requests=num_requests, num_heads=num_heads, head_dim=head_dim,
-        block_t=c.MASK_BLOCK_T, block_h=block_h,
+        _mask_empty_context_lse_kernel, num_requests=num_requests, num_tokens=num_tokens, num_heads=num_heads,
+        head_dim=head_dim, block_t=c.MASK_BLOCK_T, block_h=block_h,
         block_ho=block_ho, block_d=block_d, lse_layout=lse_layout, zero_output=zero_output)
     buffers = (lse, output) if zero_output else (lse,)
     results = pl.pallas_call(
@@ -102,7 +116,7 @@ def _mask_jit(lse, query_start_loc, cu_seq_lens, output, *, lse_layout, interpre
         grid=c.mask_grid(num_tokens, num_requests),
         input_output_aliases={2 + i: i for i in range(len(buffers))},
         interpret=interpret,
-        compiler_params=c.compiler_params(num_warps=4),
+        compiler_params=c.compiler_params(num_warps=c.MASK_NUM_WARPS),
         name="mask_empty_context_lse",
     )(query_start_loc, cu_seq_lens, *buffers)
     return tuple(results)

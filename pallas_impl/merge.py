@@ -1,9 +1,9 @@
 """Attention-state merge (SPEC 4): the Pallas GPU kernel and its functional, jit-friendly wrapper.
 
-The same algorithm as `triton_impl/merge.py`, statement by statement. Grid: `(cdiv(T, block_t),
-cdiv(H, block_h))`; a program merges a [block_t, block_h, block_d] tile (the whole padded head, then as many
-heads and tokens as fit in `MERGE_TILE_ELEMS`). The fused mask (SPEC 4.5) finds each token's request with the
-same two-level 32-wide compare-and-sum as the mask kernel.
+The same algorithm as `triton_impl/merge.py`, statement by statement. Grid: `(cdiv(T, block_t) *
+cdiv(H, block_h),)`, head blocks fastest; a program merges a [block_t, block_h, block_d] tile (the whole
+padded head, then as many heads and tokens as fit in the variant's budget, `_common.MERGE_TILES`). The fused
+mask (SPEC 4.5) finds each token's request with the same two-level 32-wide compare-and-sum as the mask kernel.
 
 Float math (SPEC 5), identical to the Triton kernel in operation order: f32 throughout, `jnp.exp`/`jnp.log`
 (libdevice `__nv_expf`/`__nv_logf` on GPU), no FMA contraction and no flush-to-zero (XLA's Triton pipeline
@@ -55,8 +55,11 @@ def _merge_attn_states_kernel(
     block_t: int, block_h: int, block_d: int,
     lse_layout: str, lse_base2: bool, output_lse: bool, fused_mask: bool, fp8_out: bool,
 ):
-    t0 = pl.program_id(0) * block_t
-    h0 = pl.program_id(1) * block_h
+    # Head blocks vary fastest: consecutive programs sweep the [T, H, D] buffers front to back.
+    num_h_blocks = pl.cdiv(num_heads, block_h)
+    pid = pl.program_id(0)
+    t0 = (pid // num_h_blocks) * block_t
+    h0 = (pid % num_h_blocks) * block_h
     t = t0 + jnp.arange(block_t, dtype=jnp.int32)
     h = h0 + jnp.arange(block_h, dtype=jnp.int32)
     d = jnp.arange(block_d, dtype=jnp.int32)
@@ -136,7 +139,8 @@ def _merge_jit(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scal
     fused = query_start_loc is not None and query_start_loc.shape[0] > 1  # R = 0: nothing to mask
     fp8 = output_scale is not None
     dummy_i32 = jnp.zeros((1,), jnp.int32)
-    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim)
+    variant = c.merge_variant(return_lse, fused)
+    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant)
     kernel = functools.partial(
         _merge_attn_states_kernel, num_tokens=num_tokens, num_heads=num_heads, head_dim=head_dim,
         num_requests=query_start_loc.shape[0] - 1 if fused else 0,
@@ -148,9 +152,9 @@ def _merge_jit(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scal
     results = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=c.merge_grid(num_tokens, num_heads, head_dim),
+        grid=c.merge_grid(num_tokens, num_heads, head_dim, variant),
         interpret=interpret,
-        compiler_params=c.compiler_params(num_warps=8),
+        compiler_params=c.compiler_params(num_warps=c.merge_num_warps(variant)),
         name="merge_attn_states",
     )(prefix_output, prefix_lse, suffix_output, suffix_lse,
       output_scale.reshape(1) if fp8 else jnp.ones((1,), jnp.float32),

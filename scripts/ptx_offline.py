@@ -27,6 +27,7 @@ from jaxlib.triton import dialect as tt_dialect  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from pallas_impl import _common as pc  # noqa: E402
 from pallas_impl import mask as pmask  # noqa: E402
 from pallas_impl import merge as pmerge  # noqa: E402
 from triton_impl import _common as tc  # noqa: E402
@@ -95,25 +96,26 @@ def main() -> None:
                                                        cu_ptr="*i32"),
             dict(NUM_HEADS=H, HEAD_DIM=1, BLOCK_T=tc.MASK_BLOCK_T, SCAN=tc.SCAN, N_INTERPRET=0, BLOCK_H=block_h,
                  BLOCK_HO=1, BLOCK_D=1, ZERO_OUTPUT=False, stride_lse_t=1, stride_out_t=0, stride_out_h=0,
-                 stride_out_d=0), 4),
+                 stride_out_d=0), tc.MASK_NUM_WARPS),
         "pallas mask": pallas_ptx(
             lambda lse, q, c: pmask._mask_jit(lse, q, c, None, lse_layout="HT", interpret=False),
-            (sds((H, T), jnp.float32), i32, i32), 4),
+            (sds((H, T), jnp.float32), i32, i32), tc.MASK_NUM_WARPS),
     }
-    block_t, block_h, block_d = tc.merge_tiles(H, D)
+    block_t, block_h, block_d = tc.merge_tiles(H, D, "lse")
     ptx["triton merge"] = triton_ptx(
         tmerge._merge_attn_states_kernel,
         dict(out_ptr="*bf16", out_lse_ptr="*fp32", prefix_ptr="*bf16", prefix_lse_ptr="*fp32", suffix_ptr="*bf16",
              suffix_lse_ptr="*fp32", scale_ptr="*fp32", qsl_ptr="*i32", cu_ptr="*i32"),
         dict(NUM_HEADS=H, HEAD_DIM=D, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, SCAN=tc.SCAN,
              N_INTERPRET=0, LSE_BASE2=False, OUTPUT_LSE=True, FUSED_MASK=False, FP8_OUT=False, INTERPRET=False,
-             stride_out_d=1, stride_p_d=1, stride_s_d=1, stride_olse_t=1, stride_plse_t=1, stride_slse_t=1), 8)
+             stride_out_d=1, stride_p_d=1, stride_s_d=1, stride_olse_t=1, stride_plse_t=1, stride_slse_t=1),
+        tc.merge_num_warps("lse"))
     x, lse = sds((T, H, D), jnp.bfloat16), sds((H, T), jnp.float32)
     ptx["pallas merge"] = pallas_ptx(
         lambda a, p, b, s: pmerge._merge_jit(a, p, b, s, None, None, None, None, return_lse=True,
                                              out_dtype=jnp.dtype(jnp.bfloat16), lse_layout="HT", lse_base2=False,
                                              interpret=False),
-        (x, lse, x, lse), 8)
+        (x, lse, x, lse), pc.merge_num_warps("lse"))
     for name, text in ptx.items():
         print(f"{name:13s}", stats(text))
         if out_dir:

@@ -23,8 +23,8 @@ from triton_impl import _common as triton_common
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Constants both kernels must share; any other upper-case number, string or tuple of them defined in both
 # modules must agree too (test_every_common_constant_agrees), so a new one is covered without an edit here.
-SHARED_CONSTANTS = ("MASK_BLOCK_T", "SCAN", "MERGE_TILE_ELEMS", "ZERO_TILE_ELEMS", "FP8_E4M3_MAX", "LN2", "LOG2E",
-                    "LSE_LAYOUTS")
+SHARED_CONSTANTS = ("MASK_BLOCK_T", "SCAN", "ZERO_TILE_ELEMS", "MASK_NUM_WARPS", "MASK_TILE_H", "FP8_E4M3_MAX",
+                    "LN2", "LOG2E", "LSE_LAYOUTS")
 CI_CASES = cases.select("ci")
 # Triton's interpreter is slow (r1000 takes minutes): on CPU the mask agreement runs on cases that still hold
 # the edges (upstream vector; 127/128/129/256 blocks; R = 33 with zero lengths and padding; [T, H] LSE).
@@ -82,15 +82,18 @@ def test_tiles_and_grids_agree(num_heads):
     for head_dim in (16, 64, 80, 96, 128, 192, 256, 512):
         mask_tiles = triton_common.mask_tiles(num_heads, head_dim)
         assert mask_tiles == pallas_common.mask_tiles(num_heads, head_dim)
-        merge_tiles = triton_common.merge_tiles(num_heads, head_dim)
-        assert merge_tiles == pallas_common.merge_tiles(num_heads, head_dim)
-        assert all(_pow2(b) for b in mask_tiles + merge_tiles), (num_heads, head_dim, mask_tiles, merge_tiles)
-        block_t, block_h, block_d = merge_tiles
-        assert block_d >= head_dim and block_t * block_h * block_d <= max(triton_common.MERGE_TILE_ELEMS, block_d)
-        for num_tokens in (0, 1, 127, 128, 129, 1000, 131072):
-            grid = triton_common.merge_grid(num_tokens, num_heads, head_dim)
-            assert grid == tuple(pallas_common.merge_grid(num_tokens, num_heads, head_dim))
-            assert grid[0] * block_t >= num_tokens and grid[1] * block_h >= num_heads
+        assert all(_pow2(b) for b in mask_tiles), (num_heads, head_dim, mask_tiles)
+        # Merge tiles are tuned per framework (the tile never changes an element's arithmetic): check each.
+        for common in (triton_common, pallas_common):
+            for variant, (elems, min_block_t, num_warps) in common.MERGE_TILES.items():
+                merge_tiles = common.merge_tiles(num_heads, head_dim, variant)
+                assert all(_pow2(b) for b in merge_tiles + (num_warps,)), (num_heads, head_dim, merge_tiles)
+                block_t, block_h, block_d = merge_tiles
+                assert block_d >= head_dim and block_t * block_h * block_d <= max(elems, block_d)
+                assert block_t >= min_block_t or block_h * block_d >= elems
+                for num_tokens in (0, 1, 127, 128, 129, 1000, 131072):
+                    grid = common.merge_grid(num_tokens, num_heads, head_dim, variant)
+                    assert grid == (math.ceil(num_tokens / block_t) * math.ceil(num_heads / block_h),)
     for num_tokens, num_requests in itertools.product((0, 1, 127, 128, 129, 1000, 131072), (0, 1, 32, 33, 1000)):
         grid = triton_common.mask_grid(num_tokens, num_requests)
         assert grid == tuple(pallas_common.mask_grid(num_tokens, num_requests))

@@ -50,7 +50,7 @@ def test_smoke_json_schema(smoke_run):
         assert key in doc["env"], key
     assert doc["env"]["command"].startswith("python -m parity bench --smoke")
     assert doc["reference"]["merge_tbps"] == 1.18
-    assert set(doc["ceilings"]) == {"add_2r1w", "fill_w"}
+    assert set(doc["ceilings"]) == {"add_2r1w", "fill_w", "noop_kernel_us"}
     assert doc["errors"] == []
     recs = doc["records"]
     for r in recs:
@@ -65,6 +65,7 @@ def test_smoke_json_schema(smoke_run):
     got = {(r["op"], r["impl"], r["variant"], r["metric"]) for r in recs if r["op"] != "ceiling"}
     want = {(op, impl, v, m) for impl in ("triton", "pallas") for m in ("gpu_time", "latency")
             for op, variants in (("mask", ("lse",)), ("merge", bench.MERGE_VARIANTS)) for v in variants}
+    want.add(("mask", "torch", "lse floor", "gpu_time"))  # the same bytes written by fill_
     assert got == want
     # Effective bandwidth is the stated bytes over the p50 time.
     for r in recs:

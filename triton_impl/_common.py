@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Sequence
@@ -13,13 +14,18 @@ import triton.language as tl
 # Shared with pallas_impl/_common.py (a test asserts they agree).
 MASK_BLOCK_T = 128  # query tokens per mask program (SPEC 3)
 SCAN = 32  # request boundaries compared per scan step (one warp)
-MERGE_BLOCK_T = 8  # tokens per merge program (at least): 32-byte LSE segments along T
-MERGE_TILE_ELEMS = 8192  # BLOCK_T * BLOCK_H * BLOCK_D of one merge program
 ZERO_TILE_ELEMS = 16384  # elements of one output-zeroing store in the mask
+MASK_NUM_WARPS = 8
+MASK_TILE_H = 16  # heads per -inf store of the mask
 LSE_LAYOUTS = ("HT", "TH")
 FP8_E4M3_MAX = 448.0
 LN2 = 0.6931471805599453
 LOG2E = 1.4426950408889634
+
+# Merge launch per variant: (elements per program, fewest tokens per program, warps). "plain": no output
+# LSE; "lse": with it; "fused": the fused mask too. Not shared: chosen per framework from the H200 tile sweep in
+# docs/results.md (the tile changes which elements a program owns, never an element's arithmetic).
+MERGE_TILES = {"plain": (4096, 1, 4), "lse": (4096, 8, 4), "fused": (4096, 8, 4)}
 
 # Launch options that make the float math reproducible by the Pallas port (SPEC 5).
 PARITY_LAUNCH = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
@@ -35,22 +41,33 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+@functools.lru_cache(maxsize=None)
 def mask_tiles(num_heads: int, head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_H, BLOCK_HO, BLOCK_D): head tile of the LSE stores, head and dim tiles of output zeroing."""
-    block_h = min(next_pow2(num_heads), 16)
+    block_h = min(next_pow2(num_heads), MASK_TILE_H)
     block_d = min(next_pow2(head_dim), 128)
     block_ho = max(1, min(next_pow2(num_heads), ZERO_TILE_ELEMS // (MASK_BLOCK_T * block_d)))
     return block_h, block_ho, block_d
 
 
-def merge_tiles(num_heads: int, head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_H, BLOCK_D) of a merge program: the whole (padded) head, at least MERGE_BLOCK_T
-    tokens (whole LSE sectors in either layout), then heads, then more tokens, MERGE_TILE_ELEMS in all."""
+@functools.lru_cache(maxsize=None)
+def merge_tiles(num_heads: int, head_dim: int, variant: str = "plain") -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_H, BLOCK_D) of a merge program: the whole (padded) head, the variant's fewest tokens, then
+    heads, then more tokens, up to the variant's element budget (`MERGE_TILES`)."""
+    elems, min_block_t, _ = MERGE_TILES[variant]
     block_d = next_pow2(head_dim)
-    rest = max(1, MERGE_TILE_ELEMS // block_d)
-    block_h = min(next_pow2(num_heads), max(1, rest // MERGE_BLOCK_T))
+    rest = max(1, elems // block_d)
+    block_h = min(next_pow2(num_heads), max(1, rest // min_block_t))
     block_t = max(1, rest // block_h)
     return block_t, block_h, block_d
+
+
+def merge_num_warps(variant: str) -> int:
+    return MERGE_TILES[variant][2]
+
+
+def merge_variant(output_lse: bool, fused: bool) -> str:
+    return "fused" if fused else "lse" if output_lse else "plain"
 
 
 def mask_grid(num_tokens: int, num_requests: int) -> tuple[int]:
@@ -58,9 +75,10 @@ def mask_grid(num_tokens: int, num_requests: int) -> tuple[int]:
     return (num_tokens // MASK_BLOCK_T + num_requests,)
 
 
-def merge_grid(num_tokens: int, num_heads: int, head_dim: int) -> tuple[int, int]:
-    block_t, block_h, _ = merge_tiles(num_heads, head_dim)
-    return (math.ceil(num_tokens / block_t), math.ceil(num_heads / block_h))
+def merge_grid(num_tokens: int, num_heads: int, head_dim: int, variant: str = "plain") -> tuple[int]:
+    # One axis (no 65535 limit), head blocks fastest: program = token block * head blocks + head block.
+    block_t, block_h, _ = merge_tiles(num_heads, head_dim, variant)
+    return (math.ceil(num_tokens / block_t) * math.ceil(num_heads / block_h),)
 
 
 def has_empty_context(chunk_seq_lens) -> bool:

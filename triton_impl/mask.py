@@ -18,6 +18,17 @@ from triton_impl import _common as c
 from triton_impl._common import _count_keys_le
 
 
+@triton.jit
+def _fill_lse(lse_ptr, t64, t_mask, stride_lse_h, stride_lse_t, NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
+              BLOCK_T: tl.constexpr):
+    for h0 in range(0, NUM_HEADS, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        h_mask = h < NUM_HEADS
+        lse_ptrs = lse_ptr + h[:, None].to(tl.int64) * stride_lse_h + t64[None, :] * stride_lse_t
+        tl.store(lse_ptrs, tl.full((BLOCK_H, BLOCK_T), float("-inf"), tl.float32),
+                 mask=h_mask[:, None] & t_mask[None, :])
+
+
 # Runtime values, never specialised: R and the LSE head stride (= T in [H, T] layout). The token stride
 # stays specialised: 1 in [H, T] layout, which vectorises the -inf stores.
 @triton.jit(do_not_specialize=["num_requests", "stride_lse_h"])
@@ -47,14 +58,16 @@ def _mask_empty_context_lse_kernel(
     t = t0 + tl.arange(0, BLOCK_T)
     t_mask = (t >= q_start) & (t < q_end)  # also empty for the spare programs of a request
     t64 = t.to(tl.int64)
-    if is_empty:
-        for h0 in range(0, NUM_HEADS, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            h_mask = h < NUM_HEADS
-            lse_ptrs = lse_ptr + h[:, None].to(tl.int64) * stride_lse_h + t64[None, :] * stride_lse_t
-            tl.store(lse_ptrs, tl.full((BLOCK_H, BLOCK_T), float("-inf"), tl.float32),
-                     mask=h_mask[:, None] & t_mask[None, :])
-        if ZERO_OUTPUT:
+    # A block wholly inside its request needs no token mask, and when the LSE rows start 16-byte aligned
+    # (head stride a multiple of 4; t0 is a multiple of BLOCK_T) its -inf stores are 16 bytes wide.
+    full = (t0 >= q_start) & (t0 + BLOCK_T <= q_end)
+    if is_empty & full & (stride_lse_h % 4 == 0):
+        _fill_lse(lse_ptr, t64, tl.full((BLOCK_T,), 1, tl.int1), (stride_lse_h // 4) * 4, stride_lse_t,
+                  NUM_HEADS, BLOCK_H, BLOCK_T)
+    elif is_empty:
+        _fill_lse(lse_ptr, t64, t_mask, stride_lse_h, stride_lse_t, NUM_HEADS, BLOCK_H, BLOCK_T)
+    if ZERO_OUTPUT:
+        if is_empty:
             for h0 in range(0, NUM_HEADS, BLOCK_HO):
                 ho = h0 + tl.arange(0, BLOCK_HO)
                 ho_mask = ho < NUM_HEADS
@@ -114,5 +127,5 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
         BLOCK_T=c.MASK_BLOCK_T, SCAN=c.SCAN, N_INTERPRET=c.n_interpret(num_requests),
         BLOCK_H=block_h, BLOCK_HO=block_ho, BLOCK_D=block_d,
         ZERO_OUTPUT=output is not None,
-        num_warps=4,
+        num_warps=c.MASK_NUM_WARPS,
     )

@@ -1,8 +1,9 @@
 """Attention-state merge (SPEC 4), in place: the Triton kernel and its vLLM-compatible host wrapper.
 
-Grid: `(cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))`; a program merges a [BLOCK_T, BLOCK_H, BLOCK_D] tile (the whole
-padded head, then as many heads and tokens as fit in `MERGE_TILE_ELEMS`). The fused mask (SPEC 4.5) finds
-each token's request with the same two-level 32-wide compare-and-sum as the mask kernel.
+Grid: `(cdiv(T, BLOCK_T) * cdiv(H, BLOCK_H),)`, head blocks fastest; a program merges a [BLOCK_T, BLOCK_H,
+BLOCK_D] tile (the whole padded head, then as many heads and tokens as fit in the variant's budget,
+`_common.MERGE_TILES`). The fused mask (SPEC 4.5) finds each token's request with the same two-level
+32-wide compare-and-sum as the mask kernel.
 
 Float math (SPEC 5), identical to `pallas_impl/merge.py` in operation order: f32 throughout, exp and log from
 libdevice (plain `tl.exp`/`tl.log` under the interpreter, which also gets an exact RNE cast), launched with `enable_fp_fusion=False` and
@@ -70,8 +71,11 @@ def _merge_attn_states_kernel(
     LSE_BASE2: tl.constexpr, OUTPUT_LSE: tl.constexpr, FUSED_MASK: tl.constexpr, FP8_OUT: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    # Head blocks vary fastest: consecutive programs sweep the [T, H, D] buffers front to back.
+    num_h_blocks: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
+    pid = tl.program_id(0)
+    t = (pid // num_h_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = (pid % num_h_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     t_mask = t < num_tokens
     h_mask = h < NUM_HEADS
@@ -216,9 +220,10 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
     if num_tokens == 0 or num_heads == 0:
         return
 
-    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim)
+    variant = c.merge_variant(output_lse is not None, fused)
+    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant)
     placeholder = prefix_lse
-    _merge_attn_states_kernel[c.merge_grid(num_tokens, num_heads, head_dim)](
+    _merge_attn_states_kernel[c.merge_grid(num_tokens, num_heads, head_dim, variant)](
         output, output_lse if output_lse is not None else placeholder,
         prefix_output, prefix_lse, suffix_output, suffix_lse,
         output_scale if fp8 else placeholder,
@@ -230,5 +235,5 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
         SCAN=c.SCAN, N_INTERPRET=c.n_interpret(num_requests + 1),
         LSE_BASE2=base2, OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused, FP8_OUT=fp8,
         INTERPRET=c.interpreting(),
-        num_warps=8, **c.PARITY_LAUNCH,
+        num_warps=c.merge_num_warps(variant), **c.PARITY_LAUNCH,
     )
