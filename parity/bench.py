@@ -374,8 +374,9 @@ def collect_env(argv: list[str] | None, device: str) -> dict:
     except Exception as e:  # noqa: BLE001 - informational only
         env["jax_backend"] = f"unavailable: {e}"
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["git_commit"] = (_run_text(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=repo)
-                         or os.environ.get("GIT_COMMIT"))
+    # GIT_COMMIT first: a copied working tree (e.g. on a remote GPU) may carry a stale .git.
+    env["git_commit"] = (os.environ.get("GIT_COMMIT")
+                         or _run_text(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=repo))
     env["utc_time"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     if argv is not None and argv[:1] == ["bench"]:
         env["command"] = "python -m parity " + shlex.join(argv)

@@ -82,7 +82,7 @@ XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
 # shellcheck disable=SC2086
 step pytest 160 250 "$OUT/pytest.log" "$PY" -m pytest -q -rs $XDIST
 step check 170 90 "$OUT/check.log" "$PY" -m parity check --suite full --json "$OUT/check_full.json"
-step demo 40 60 "$OUT/demo.log" "$PY" -m parity demo --size large
+step demo 90 60 "$OUT/demo.log" "$PY" -m parity demo --size large
 step ptx 25 40 "$OUT/demo.log.ptx" "$PY" scripts/gpu_ptx_stats.py
 cat "$OUT/demo.log.ptx" >> "$OUT/env.txt" && rm -f "$OUT/demo.log.ptx"
 
