@@ -26,10 +26,10 @@ FP8_E4M3_MAX = 448.0
 LN2 = 0.6931471805599453
 LOG2E = 1.4426950408889634
 
-# Merge launch per variant: (elements per program, fewest tokens per program, warps). "plain": no output
+# Merge launch per variant: (bytes of one input tile per program, fewest tokens per program, warps). "plain": no output
 # LSE; "lse": with it; "fused": the fused mask too. Not shared: chosen per framework from the H200 tile sweep in
 # docs/results.md (the tile changes which elements a program owns, never an element's arithmetic).
-MERGE_TILES = {"plain": (4096, 1, 4), "lse": (4096, 1, 4), "fused": (4096, 1, 4)}
+MERGE_TILES = {"plain": (8192, 1, 4), "lse": (8192, 1, 4), "fused": (8192, 1, 4)}
 IMPLEMENTATIONS = ("pallas", "jnp")
 
 OUTPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
@@ -50,10 +50,12 @@ def mask_tiles(num_heads: int, head_dim: int) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def merge_tiles(num_heads: int, head_dim: int, variant: str = "plain") -> tuple[int, int, int]:
+def merge_tiles(num_heads: int, head_dim: int, variant: str = "plain",
+                itemsize: int = 2) -> tuple[int, int, int]:
     """(block_t, block_h, block_d) of a merge program: the whole (padded) head, the variant's fewest tokens, then
-    heads, then more tokens, up to the variant's element budget (`MERGE_TILES`)."""
-    elems, min_block_t, _ = MERGE_TILES[variant]
+    heads, then more tokens, up to the variant's byte budget (`MERGE_TILES`) of `itemsize`-byte inputs."""
+    tile_bytes, min_block_t, _ = MERGE_TILES[variant]
+    elems = max(1, tile_bytes // itemsize)
     block_d = next_pow2(head_dim)
     rest = max(1, elems // block_d)
     block_h = min(next_pow2(num_heads), max(1, rest // min_block_t))
@@ -92,9 +94,10 @@ def mask_grid(num_tokens: int, num_requests: int) -> tuple[int]:
     return (num_tokens // MASK_BLOCK_T + num_requests,)
 
 
-def merge_grid(num_tokens: int, num_heads: int, head_dim: int, variant: str = "plain") -> tuple[int]:
+def merge_grid(num_tokens: int, num_heads: int, head_dim: int, variant: str = "plain",
+               itemsize: int = 2) -> tuple[int]:
     # One axis (no 65535 limit), head blocks fastest: program = token block * head blocks + head block.
-    block_t, block_h, _ = merge_tiles(num_heads, head_dim, variant)
+    block_t, block_h, _ = merge_tiles(num_heads, head_dim, variant, itemsize)
     return (pl.cdiv(num_tokens, block_t) * pl.cdiv(num_heads, block_h),)
 
 

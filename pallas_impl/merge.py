@@ -140,7 +140,8 @@ def _merge_jit(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scal
     fp8 = output_scale is not None
     dummy_i32 = jnp.zeros((1,), jnp.int32)
     variant = c.merge_variant(return_lse, fused)
-    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant)
+    itemsize = jnp.dtype(prefix_output.dtype).itemsize
+    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize)
     kernel = functools.partial(
         _merge_attn_states_kernel, num_tokens=num_tokens, num_heads=num_heads, head_dim=head_dim,
         num_requests=query_start_loc.shape[0] - 1 if fused else 0,
@@ -152,7 +153,7 @@ def _merge_jit(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scal
     results = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=c.merge_grid(num_tokens, num_heads, head_dim, variant),
+        grid=c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize),
         interpret=interpret,
         compiler_params=c.compiler_params(num_warps=c.merge_num_warps(variant)),
         name="merge_attn_states",

@@ -77,6 +77,11 @@ def _pow2(n):
     return n > 0 and n & (n - 1) == 0
 
 
+def common_variants():
+    assert set(triton_common.MERGE_TILES) == set(pallas_common.MERGE_TILES) == {"plain", "lse", "fused"}
+    return tuple(triton_common.MERGE_TILES)
+
+
 @pytest.mark.parametrize("num_heads", [1, 2, 3, 5, 8, 16, 17, 64, 128])
 def test_tiles_and_grids_agree(num_heads):
     for head_dim in (16, 64, 80, 96, 128, 192, 256, 512):
@@ -84,16 +89,18 @@ def test_tiles_and_grids_agree(num_heads):
         assert mask_tiles == pallas_common.mask_tiles(num_heads, head_dim)
         assert all(_pow2(b) for b in mask_tiles), (num_heads, head_dim, mask_tiles)
         # Merge tiles are tuned per framework (the tile never changes an element's arithmetic): check each.
-        for common in (triton_common, pallas_common):
-            for variant, (elems, min_block_t, num_warps) in common.MERGE_TILES.items():
-                merge_tiles = common.merge_tiles(num_heads, head_dim, variant)
-                assert all(_pow2(b) for b in merge_tiles + (num_warps,)), (num_heads, head_dim, merge_tiles)
-                block_t, block_h, block_d = merge_tiles
-                assert block_d >= head_dim and block_t * block_h * block_d <= max(elems, block_d)
-                assert block_t >= min_block_t or block_h * block_d >= elems
-                for num_tokens in (0, 1, 127, 128, 129, 1000, 131072):
-                    grid = common.merge_grid(num_tokens, num_heads, head_dim, variant)
-                    assert grid == (math.ceil(num_tokens / block_t) * math.ceil(num_heads / block_h),)
+        for common, variant, itemsize in itertools.product((triton_common, pallas_common), common_variants(),
+                                                            (2, 4)):
+            tile_bytes, min_block_t, num_warps = common.MERGE_TILES[variant]
+            elems = tile_bytes // itemsize
+            merge_tiles = common.merge_tiles(num_heads, head_dim, variant, itemsize)
+            assert all(_pow2(b) for b in merge_tiles + (num_warps,)), (num_heads, head_dim, merge_tiles)
+            block_t, block_h, block_d = merge_tiles
+            assert block_d >= head_dim and block_t * block_h * block_d <= max(elems, block_d)
+            assert block_t >= min_block_t or block_t * block_h * block_d >= elems  # fewest tokens, or budget full
+            for num_tokens in (0, 1, 127, 128, 129, 1000, 131072):
+                grid = common.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize)
+                assert grid == (math.ceil(num_tokens / block_t) * math.ceil(num_heads / block_h),)
     for num_tokens, num_requests in itertools.product((0, 1, 127, 128, 129, 1000, 131072), (0, 1, 32, 33, 1000)):
         grid = triton_common.mask_grid(num_tokens, num_requests)
         assert grid == tuple(pallas_common.mask_grid(num_tokens, num_requests))

@@ -221,9 +221,10 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
         return
 
     variant = c.merge_variant(output_lse is not None, fused)
-    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant)
+    itemsize = prefix_output.element_size()
+    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize)
     placeholder = prefix_lse
-    _merge_attn_states_kernel[c.merge_grid(num_tokens, num_heads, head_dim, variant)](
+    _merge_attn_states_kernel[c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize)](
         output, output_lse if output_lse is not None else placeholder,
         prefix_output, prefix_lse, suffix_output, suffix_lse,
         output_scale if fp8 else placeholder,
