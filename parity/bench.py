@@ -83,7 +83,8 @@ UPSTREAM = {
 FORMULAS = {
     "merge": "bytes = 2*T*H*D*in_bytes + T*H*D*out_bytes + 2*T*H*4 (+ T*H*4 with an output LSE)",
     "mask": "bytes = masked_tokens*H*4 (+ masked_tokens*H*D*out_bytes with variant lse+out)",
-    "ceiling": "add: 3 * 2 GiB (two reads, one write); fill: 2 GiB (one write)",
+    "ceiling": "add: 3 * 2 GiB (two reads, one write); fill: 2 GiB (one write); noop: an empty Triton kernel "
+               "(gpu_time) and its launch, and a jitted JAX identity (latency): the host floors of `latency`",
     "tbps": "bytes / p50 time / 1e12; frac_ceiling = tbps / ceiling tbps of this run (gpu_time)",
 }
 
@@ -532,6 +533,33 @@ class _Runner:
         self.doc["ceilings"]["noop_kernel_us"] = rec["p50"]
         self.add(rec)
         self.progress(f"  noop_kernel: {rec['p50']:.2f} us")
+        # Host floors of the latency metric, same method: launching an empty Triton kernel from Python, and
+        # dispatching a jitted JAX identity. No public call of either framework can be faster on this host.
+        kernel = noop_kernel()
+        lat = self.latency(lambda: kernel[(1,)](x), self.sync, 1.0)
+        rec = _record("ceiling", "triton", "noop_launch", None, None, None, "float32", "empty kernel launch",
+                      "latency", lat, 0, None)
+        self.doc["ceilings"]["noop_launch_us"] = rec["p50"]
+        self.add(rec)
+        try:
+            import jax
+            import jax.numpy as jnp
+
+            ident = jax.jit(lambda v: v + 1)
+            state = [jnp.zeros(16)]
+
+            def jcall():
+                state[0] = ident(state[0])
+
+            lat = self.latency(jcall, lambda: jax.block_until_ready(state), 1.0)
+            rec = _record("ceiling", "jax", "jit_dispatch", None, None, None, "float32", "jax.jit(lambda v: v + 1)",
+                          "latency", lat, 0, None)
+            self.doc["ceilings"]["jit_dispatch_us"] = rec["p50"]
+            self.add(rec)
+        except Exception as e:  # noqa: BLE001 - informational floor
+            self.error("jit_dispatch floor", "jax", e)
+        self.progress(f"  host floors: empty Triton launch {self.doc['ceilings']['noop_launch_us']:.1f} us, "
+                      f"jitted JAX dispatch {self.doc['ceilings'].get('jit_dispatch_us', float('nan')):.1f} us")
         self.cleanup()
         self.save()
 
@@ -847,6 +875,9 @@ def format_table(doc: dict) -> str:
            f"# ceilings (this run, gpu_time p50): two-read-one-write {_fmt(ceil.get('add_2r1w'), '.3f')} TB/s, "
            f"write-only {_fmt(ceil.get('fill_w'), '.3f')} TB/s (SPEC 7 H200: {UPSTREAM['add_2r1w_tbps']} / "
            f"{UPSTREAM['fill_w_tbps']})",
+           f"# floors (this run): empty kernel {_fmt(ceil.get('noop_kernel_us'), '.2f')} us gpu_time; host latency "
+           f"of an empty Triton launch {_fmt(ceil.get('noop_launch_us'), '.1f')} us, a jitted JAX dispatch "
+           f"{_fmt(ceil.get('jit_dispatch_us'), '.1f')} us; mask 'floor' rows: fill_ of the same bytes",
            f"# upstream (SPEC 7, H200): merge {UPSTREAM['merge_tbps']} TB/s; mask gpu_time "
            + " / ".join(f"{v}" for v in UPSTREAM["mask_gpu_time_us"].values()) + " us, latency "
            + " / ".join(f"{v}" for v in UPSTREAM["mask_latency_us"].values()) + " us (2k / 32k / 131k)",

@@ -50,7 +50,7 @@ def test_smoke_json_schema(smoke_run):
         assert key in doc["env"], key
     assert doc["env"]["command"].startswith("python -m parity bench --smoke")
     assert doc["reference"]["merge_tbps"] == 1.18
-    assert set(doc["ceilings"]) == {"add_2r1w", "fill_w", "noop_kernel_us"}
+    assert set(doc["ceilings"]) == {"add_2r1w", "fill_w", "noop_kernel_us", "noop_launch_us", "jit_dispatch_us"}
     assert doc["errors"] == []
     recs = doc["records"]
     for r in recs:
