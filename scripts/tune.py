@@ -1,0 +1,178 @@
+"""The sweeps behind the tile choices in docs/results.md. GPU only; run from the repository root:
+
+    python scripts/tune.py merge --tiles 8192,1,4 8192,8,4 --tokens 32768 131072 --json merge.json
+    python scripts/tune.py mask --json mask.json
+    python scripts/tune.py floors --json floors.json
+
+merge: for each tile (bytes of one input tile, fewest tokens, warps) sets it for every variant of both
+frameworks' `MERGE_TILES`, then times plain / output-LSE / fused merges (Triton: CUDA-graph replay; JAX: profiler
+kernel time) and reports % of a `torch.add` 2R1W ceiling measured first. The committed tuning_1..3 files
+give tiles as (elements, fewest tokens, warps) of bf16, i.e. half the bytes used here.
+mask: MASK_NUM_WARPS x MASK_TILE_H on the SPEC 7 seed workloads, both frameworks.
+floors: an empty kernel and a `fill_` of each mask workload's bytes (GPU time), and the host latency of an
+empty Triton launch and of a jitted JAX dispatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
+
+import pallas_impl  # noqa: E402
+import triton_impl  # noqa: E402
+from pallas_impl import _common as pc  # noqa: E402
+from parity import bench, bridge, cases  # noqa: E402
+from triton_impl import _common as tc  # noqa: E402
+
+SEEDS = {c.name: c for c in cases.select("seed")}
+
+
+def gpu_us_triton(fn) -> float:
+    return bench.time_cudagraph(fn, 20)[0][1]
+
+
+def gpu_us_jax(call, sync, n: int = 20) -> float:
+    got = bench.time_jax_profiler(call, sync, n)
+    return got[0][1] if got else float("nan")
+
+
+def set_merge_tiles(tile) -> None:
+    for common in (tc, pc):
+        common.MERGE_TILES = {variant: tuple(tile) for variant in common.MERGE_TILES}
+        common.merge_tiles.cache_clear()
+    jax.clear_caches()  # the Pallas wrapper's jit cache holds traced tiles
+
+
+def merge_sweep(args) -> list[dict]:
+    n = bench.CEILING_ELEMS
+    a, b, c = (torch.ones(n, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    ceiling = 6 * n / gpu_us_triton(lambda: torch.add(a, b, out=c)) / 1e6
+    a = b = c = None  # free the 6 GiB before the sweep
+    out = []
+    for dtype, H, D, T in itertools.product(args.dtypes, args.heads, args.dims, args.tokens):
+        tdt = getattr(torch, dtype)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = {k: torch.randn(T, H, D, generator=g, device="cuda", dtype=tdt) for k in ("a", "b")}
+        x.update({k: torch.randn(H, T, generator=g, device="cuda") * 3 + 4 for k in ("pl", "sl")})
+        o, olse = torch.empty_like(x["a"]), torch.empty_like(x["pl"])
+        fc = cases.Case("fused", (128,) * (T // 128), tuple(range(0, T // 128, 2)), num_heads=H, head_dim=D)
+        qsl_np, cu_np = cases.offsets(fc)
+        offs = dict(query_start_loc=torch.from_numpy(qsl_np).cuda(), prefix_cu_seq_lens=torch.from_numpy(cu_np).cuda())
+        joffs = dict(query_start_loc=jax.device_put(qsl_np), prefix_cu_seq_lens=jax.device_put(cu_np))
+        jx = tuple(bridge.torch_to_jax(x[k]) for k in ("a", "pl", "b", "sl"))
+        for tile in args.tiles:
+            set_merge_tiles(tile)
+            row = {"dtype": dtype, "T": T, "H": H, "D": D, "tile": list(tile)}
+            for variant in ("plain", "lse", "fused"):
+                kw = offs if variant == "fused" else {}
+                olse_v = None if variant == "plain" else olse
+                row[f"triton_{variant}_us"] = gpu_us_triton(functools.partial(
+                    triton_impl.merge_attn_states, o, x["a"], x["pl"], x["b"], x["sl"], olse_v, **kw))
+                f = jax.jit(functools.partial(pallas_impl.merge_attn_states, return_lse=variant != "plain"))
+                last = [None]
+
+                def call(f=f, jkw=joffs if variant == "fused" else {}):
+                    last[0] = f(*jx, **jkw)
+
+                row[f"pallas_{variant}_us"] = gpu_us_jax(call, lambda: jax.block_until_ready(last[0]))
+            for impl in ("triton", "pallas"):
+                for variant in ("plain", "lse"):
+                    nbytes = bench.MergePoint(T, H, D, dtype, variant).bytes
+                    row[f"{impl}_{variant}_pct"] = round(100 * nbytes / row[f"{impl}_{variant}_us"] / 1e6 / ceiling, 1)
+                row[f"{impl}_fused_over_lse"] = round(row[f"{impl}_fused_us"] / row[f"{impl}_lse_us"] - 1, 4)
+            print(json.dumps(row), flush=True)
+            out.append(row)
+        x = o = olse = jx = None
+        torch.cuda.empty_cache()
+    return out
+
+
+def mask_sweep(args) -> list[dict]:
+    out = []
+    for name in args.workloads:
+        case = SEEDS[name]
+        qsl_np, cu_np = cases.offsets(case)
+        lse = torch.randn(case.num_heads, case.num_tokens, device="cuda")
+        qsl, cu = torch.from_numpy(qsl_np).cuda(), torch.from_numpy(cu_np).cuda()
+        jq, jc = jax.device_put(qsl_np), jax.device_put(cu_np)
+        for warps, tile_h in itertools.product(args.warps, args.tile_h):
+            for common in (tc, pc):
+                common.MASK_NUM_WARPS, common.MASK_TILE_H = warps, tile_h
+                common.mask_tiles.cache_clear()
+            jax.clear_caches()
+            t_us = gpu_us_triton(functools.partial(triton_impl.mask_empty_context_lse, lse, qsl, cu, has_empty=True))
+            state = [jnp.copy(bridge.torch_to_jax(lse))]
+            step = jax.jit(functools.partial(pallas_impl.mask_empty_context_lse, has_empty=True), donate_argnums=0)
+
+            def call():
+                state[0] = step(state[0], jq, jc)
+
+            row = {"workload": name, "warps": warps, "tile_h": tile_h, "triton_us": t_us,
+                   "pallas_us": gpu_us_jax(call, lambda: jax.block_until_ready(state))}
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    return out
+
+
+def floors(args) -> list[dict]:
+    x = torch.zeros(16, device="cuda")
+    kernel = bench.noop_kernel()
+    sync = torch.cuda.synchronize
+    rows = [{"what": "empty Triton kernel, graph replay (gpu us)", "us": gpu_us_triton(lambda: kernel[(1,)](x))},
+            {"what": "empty Triton kernel launch (host us per call)", "us": bench.time_wall(
+                lambda: kernel[(1,)](x), sync, 1000, 5)[0][1]}]
+    ident = jax.jit(lambda v: v + 1)
+    state = [jnp.zeros(16)]
+
+    def jcall():
+        state[0] = ident(state[0])
+
+    rows.append({"what": "jitted JAX dispatch (host us per call)",
+                 "us": bench.time_wall(jcall, lambda: jax.block_until_ready(state), 1000, 5)[0][1]})
+    for name in args.workloads:
+        nbytes = bench.mask_bytes(SEEDS[name], "lse")
+        buf = torch.empty(nbytes // 4, device="cuda")
+        rows.append({"what": f"fill_ of {name}'s {nbytes} masked bytes (gpu us)",
+                     "us": gpu_us_triton(lambda: buf.fill_(1.0))})
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=("merge", "mask", "floors"))
+    p.add_argument("--tiles", nargs="+", default=["8192,1,4", "8192,8,4", "16384,8,8", "4096,1,2"],
+                   type=lambda s: tuple(int(v) for v in s.split(",")), help="bytes,fewest_tokens,warps")
+    p.add_argument("--tokens", nargs="+", type=int, default=[32768, 131072])
+    p.add_argument("--heads", nargs="+", type=int, default=[64])
+    p.add_argument("--dims", nargs="+", type=int, default=[128])
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16"])
+    p.add_argument("--warps", nargs="+", type=int, default=[2, 4, 8])
+    p.add_argument("--tile-h", nargs="+", type=int, default=[16, 32, 64])
+    p.add_argument("--workloads", nargs="+", default=list(SEEDS))
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("scripts/tune.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    rows = {"merge": merge_sweep, "mask": mask_sweep, "floors": floors}[args.what](args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"what": args.what, "argv": sys.argv[1:], "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
