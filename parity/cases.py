@@ -102,6 +102,9 @@ CASES: tuple[Case, ...] = (
     Case("d512_h1", (9, 0, 23), (0,), num_heads=1, head_dim=512, dtype="float32", tags=_CI),
     Case("d192_fp16", (33, 17), (1,), num_heads=3, head_dim=192, dtype="float16", specials=True, tags=_CI),
     Case("d256_bf16_th", (65, 3), (0,), num_heads=2, head_dim=256, lse_layout="TH", tags=_CI),
+    # T = 740, a multiple of 4, and empty requests owning whole 128-token blocks: the mask's unmasked
+    # 16-byte-store path (block_edges, T = 641, takes the masked one); H = 20 leaves a partial head tile.
+    Case("whole_blocks_aligned", (256, 100, 384), (0, 2), num_heads=20, head_dim=16, dtype="float32", tags=_CI),
     # Larger random batches for the `default` and `full` parity suites.
     Case("ragged_r200_bf16", _ragged(3, 200, 300), _random_empty(3, 200), num_heads=16, head_dim=128,
          padding=100, specials=True, tags=_FULL),

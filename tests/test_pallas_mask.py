@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_impl
+from pallas_impl import _common as pallas_common
 from pallas_impl import mask as pallas_mask
 from parity import cases, compare, reference
 
@@ -115,6 +116,16 @@ def test_ci_cases_cover_the_mask_edges():
     assert {c.dtype for c in CI_CASES} >= {"float32", "float16", "bfloat16"}
     assert {c.head_dim for c in CI_CASES} >= {80, 512}
     assert any(c.num_heads & (c.num_heads - 1) for c in CI_CASES)  # H not a power of two
+    # Both store paths of a whole empty block: 16-byte stores (aligned [H, T] rows) and masked stores.
+    whole = [c for c in CI_CASES if c.lse_layout == "HT" and _has_whole_empty_block(c)]
+    assert {c.num_tokens % 4 == 0 for c in whole} == {True, False}
+
+
+def _has_whole_empty_block(case) -> bool:
+    qsl, cu = cases.offsets(case)
+    block = pallas_common.MASK_BLOCK_T
+    return any(cu[r + 1] == cu[r] and -(-qsl[r] // block) * block + block <= qsl[r + 1]
+               for r in range(case.num_requests))
 
 
 @pytest.mark.parametrize("case", CI_CASES, ids=lambda c: c.name)
