@@ -528,14 +528,14 @@ class _Runner:
         del a, b, c
         # The fixed cost of one kernel in the same timing method: a no-op Triton kernel.
         x = torch.zeros(16, device=self.device)
+        kernel = noop_kernel()
         rec = _record("ceiling", "triton", "noop_kernel", None, None, None, "float32", "empty @triton.jit kernel",
-                      "gpu_time", self.triton_gpu_time(lambda: noop_kernel()[(1,)](x)), 0, None)
+                      "gpu_time", self.triton_gpu_time(lambda: kernel[(1,)](x)), 0, None)
         self.doc["ceilings"]["noop_kernel_us"] = rec["p50"]
         self.add(rec)
         self.progress(f"  noop_kernel: {rec['p50']:.2f} us")
         # Host floors of the latency metric, same method: launching an empty Triton kernel from Python, and
         # dispatching a jitted JAX identity. No public call of either framework can be faster on this host.
-        kernel = noop_kernel()
         lat = self.latency(lambda: kernel[(1,)](x), self.sync, 1.0)
         rec = _record("ceiling", "triton", "noop_launch", None, None, None, "float32", "empty kernel launch",
                       "latency", lat, 0, None)

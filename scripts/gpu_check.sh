@@ -3,9 +3,9 @@
 #
 #   OUT=/some/dir BENCH_ARGS="--quick" bash scripts/gpu_check.sh      # from the repository root
 #
-# Writes at most 8 files to $OUT (default ./out): env.txt (with the PTX statistics of scripts/gpu_ptx_stats.py)
-# pytest.log check.log check_full.json demo.log bench.log bench.json bench.png. A failing step does not stop the next one. Each step runs under `timeout`,
-# sized from what is left of DEADLINE_S (default 560 s), so the whole script ends in under 9.5 minutes.
+# Writes 8 files to $OUT (default ./out): env.txt pytest.log check.log check_full.json demo.log bench.log
+# bench.json bench.png. A failing step does not stop the next one. Each step runs under `timeout`, sized
+# from what is left of DEADLINE_S (default 560 s), so the whole script ends in under 9.5 minutes.
 # BENCH_ARGS (default "--quick") goes to `python -m parity bench`; use "" for the full grid.
 # Exit status: 0 when every step exited 0, else 1 (124 in the summary means that step timed out).
 
@@ -83,8 +83,6 @@ XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
 step pytest 160 250 "$OUT/pytest.log" "$PY" -m pytest -q -rs $XDIST
 step check 170 90 "$OUT/check.log" "$PY" -m parity check --suite full --json "$OUT/check_full.json"
 step demo 90 60 "$OUT/demo.log" "$PY" -m parity demo --size large
-step ptx 25 40 "$OUT/demo.log.ptx" "$PY" scripts/gpu_ptx_stats.py
-cat "$OUT/demo.log.ptx" >> "$OUT/env.txt" && rm -f "$OUT/demo.log.ptx"
 
 # The bench stops starting new points 60 s before its timeout, so the JSON, table and plot still get written.
 BENCH_T=$(( $(remaining) - 5 ))

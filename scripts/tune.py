@@ -2,15 +2,14 @@
 
     python scripts/tune.py merge --tiles 8192,1,4 8192,8,4 --tokens 32768 131072 --json merge.json
     python scripts/tune.py mask --json mask.json
-    python scripts/tune.py floors --json floors.json
 
 merge: for each tile (bytes of one input tile, fewest tokens, warps) sets it for every variant of both
 frameworks' `MERGE_TILES`, then times plain / output-LSE / fused merges (Triton: CUDA-graph replay; JAX: profiler
 kernel time) and reports % of a `torch.add` 2R1W ceiling measured first. The committed tuning_1..3 files
 give tiles as (elements, fewest tokens, warps) of bf16, i.e. half the bytes used here.
 mask: MASK_NUM_WARPS x MASK_TILE_H on the SPEC 7 seed workloads, both frameworks.
-floors: an empty kernel and a `fill_` of each mask workload's bytes (GPU time), and the host latency of an
-empty Triton launch and of a jitted JAX dispatch.
+The floors (an empty kernel, a `fill_` of each mask workload's bytes, the host cost of an empty launch and of a
+jitted JAX dispatch) are recorded by every `python -m parity bench` run.
 """
 
 from __future__ import annotations
@@ -125,34 +124,9 @@ def mask_sweep(args) -> list[dict]:
     return out
 
 
-def floors(args) -> list[dict]:
-    x = torch.zeros(16, device="cuda")
-    kernel = bench.noop_kernel()
-    sync = torch.cuda.synchronize
-    rows = [{"what": "empty Triton kernel, graph replay (gpu us)", "us": gpu_us_triton(lambda: kernel[(1,)](x))},
-            {"what": "empty Triton kernel launch (host us per call)", "us": bench.time_wall(
-                lambda: kernel[(1,)](x), sync, 1000, 5)[0][1]}]
-    ident = jax.jit(lambda v: v + 1)
-    state = [jnp.zeros(16)]
-
-    def jcall():
-        state[0] = ident(state[0])
-
-    rows.append({"what": "jitted JAX dispatch (host us per call)",
-                 "us": bench.time_wall(jcall, lambda: jax.block_until_ready(state), 1000, 5)[0][1]})
-    for name in args.workloads:
-        nbytes = bench.mask_bytes(SEEDS[name], "lse")
-        buf = torch.empty(nbytes // 4, device="cuda")
-        rows.append({"what": f"fill_ of {name}'s {nbytes} masked bytes (gpu us)",
-                     "us": gpu_us_triton(lambda: buf.fill_(1.0))})
-    for r in rows:
-        print(json.dumps(r), flush=True)
-    return rows
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=("merge", "mask", "floors"))
+    p.add_argument("what", choices=("merge", "mask"))
     p.add_argument("--tiles", nargs="+", default=["8192,1,4", "8192,8,4", "16384,8,8", "4096,1,2"],
                    type=lambda s: tuple(int(v) for v in s.split(",")), help="bytes,fewest_tokens,warps")
     p.add_argument("--tokens", nargs="+", type=int, default=[32768, 131072])
@@ -167,7 +141,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("scripts/tune.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    rows = {"merge": merge_sweep, "mask": mask_sweep, "floors": floors}[args.what](args)
+    rows = {"merge": merge_sweep, "mask": mask_sweep}[args.what](args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"what": args.what, "argv": sys.argv[1:], "rows": rows}, f, indent=1)
