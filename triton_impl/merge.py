@@ -25,6 +25,11 @@ from triton_impl._common import _cast_rne, _count_keys_le
 if not c.interpreting():
     from triton.language.extra.cuda import libdevice
 
+# The shared constants as compile-time values (a jitted function may read only constexpr globals).
+LN2 = tl.constexpr(c.LN2)
+LOG2E = tl.constexpr(c.LOG2E)
+FP8_MAX = tl.constexpr(c.FP8_E4M3_MAX)
+
 
 @triton.jit
 def _exp(x, INTERPRET: tl.constexpr):
@@ -97,8 +102,8 @@ def _merge_attn_states_kernel(
     p = p_raw
     s = s_raw
     if LSE_BASE2:
-        p = p * 0.6931471805599453
-        s = s * 0.6931471805599453
+        p = p * LN2
+        s = s * LN2
     # SPEC 4.1: +inf (FA2's empty row) and NaN read as -inf.
     p = tl.where((p == float("inf")) | (p != p), float("-inf"), p)
     s = tl.where((s == float("inf")) | (s != s), float("-inf"), s)
@@ -126,8 +131,8 @@ def _merge_attn_states_kernel(
     if FP8_OUT:  # SPEC 4.6
         out = tl.where(copy_t[:, None, None], b.to(tl.float32), out)
         out = out / tl.load(scale_ptr)
-        out = tl.where(out < -448.0, -448.0, out)  # comparisons, not min/max: NaN stays NaN
-        out = tl.where(out > 448.0, 448.0, out)
+        out = tl.where(out < -FP8_MAX, -FP8_MAX, out)  # comparisons, not min/max: NaN stays NaN
+        out = tl.where(out > FP8_MAX, FP8_MAX, out)
         tl.store(out_ptrs, _cast_rne(out, out_ptr.dtype.element_ty, INTERPRET), mask=thd_mask)
     else:
         tl.store(out_ptrs, tl.where(copy_t[:, None, None], b, _cast_rne(out, out_ptr.dtype.element_ty, INTERPRET)),
@@ -137,7 +142,7 @@ def _merge_attn_states_kernel(
         lse = _log(z, INTERPRET) + m
         lse = tl.where(both_empty, float("-inf"), lse)
         if LSE_BASE2:
-            lse = lse * 1.4426950408889634
+            lse = lse * LOG2E
         lse = tl.where(copy_t[:, None], s_raw, lse)
         tl.store(out_lse_ptr + h64 * stride_olse_h + t64 * stride_olse_t, lse, mask=th_mask)
 
