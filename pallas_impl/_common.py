@@ -30,6 +30,9 @@ LOG2E = 1.4426950408889634
 # LSE; "lse": with it; "fused": the fused mask too. Not shared: chosen per framework from the H200 tile sweep in
 # docs/results.md (the tile changes which elements a program owns, never an element's arithmetic).
 MERGE_TILES = {"plain": (8192, 1, 4), "lse": (8192, 1, 4), "fused": (8192, 1, 4)}
+# The N-way merge's launch per variant, the same fields; a program reads N input tiles.
+MERGE_N_TILES = {"plain": (8192, 1, 4), "lse": (8192, 1, 4), "fused": (8192, 1, 4)}
+MAX_PARTIALS = 64  # the N-way kernels unroll their loops over the partials at trace time
 IMPLEMENTATIONS = ("pallas", "jnp")
 
 OUTPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
@@ -51,10 +54,11 @@ def mask_tiles(num_heads: int, head_dim: int) -> tuple[int, int, int]:
 
 @functools.lru_cache(maxsize=None)
 def merge_tiles(num_heads: int, head_dim: int, variant: str = "plain",
-                itemsize: int = 2) -> tuple[int, int, int]:
+                itemsize: int = 2, tiles: str = "2way") -> tuple[int, int, int]:
     """(block_t, block_h, block_d) of a merge program: the whole (padded) head, the variant's fewest tokens, then
-    heads, then more tokens, up to the variant's byte budget (`MERGE_TILES`) of `itemsize`-byte inputs."""
-    tile_bytes, min_block_t, _ = MERGE_TILES[variant]
+    heads, then more tokens, up to the variant's byte budget (`MERGE_TILES`, or `MERGE_N_TILES` for
+    tiles="nway") of `itemsize`-byte inputs."""
+    tile_bytes, min_block_t, _ = (MERGE_TILES if tiles == "2way" else MERGE_N_TILES)[variant]
     elems = max(1, tile_bytes // itemsize)
     block_d = next_pow2(head_dim)
     rest = max(1, elems // block_d)
@@ -63,8 +67,8 @@ def merge_tiles(num_heads: int, head_dim: int, variant: str = "plain",
     return block_t, block_h, block_d
 
 
-def merge_num_warps(variant: str) -> int:
-    return MERGE_TILES[variant][2]
+def merge_num_warps(variant: str, tiles: str = "2way") -> int:
+    return (MERGE_TILES if tiles == "2way" else MERGE_N_TILES)[variant][2]
 
 
 def merge_variant(output_lse: bool, fused: bool) -> str:
@@ -95,9 +99,9 @@ def mask_grid(num_tokens: int, num_requests: int) -> tuple[int]:
 
 
 def merge_grid(num_tokens: int, num_heads: int, head_dim: int, variant: str = "plain",
-               itemsize: int = 2) -> tuple[int]:
+               itemsize: int = 2, tiles: str = "2way") -> tuple[int]:
     # One axis (no 65535 limit), head blocks fastest: program = token block * head blocks + head block.
-    block_t, block_h, _ = merge_tiles(num_heads, head_dim, variant, itemsize)
+    block_t, block_h, _ = merge_tiles(num_heads, head_dim, variant, itemsize, tiles)
     return (pl.cdiv(num_tokens, block_t) * pl.cdiv(num_heads, block_h),)
 
 
@@ -118,6 +122,19 @@ def filter_triton_deprecation() -> None:
 def compiler_params(num_warps: int):
     """Pins the Pallas Triton lowering (SPEC 6); see docs/design.md for the move to Mosaic GPU."""
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+
+
+def out_struct(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
+    """The `out_shape` entry of a kernel result. Under `jax.shard_map` with check_vma=True a result must say
+    which mesh axes it varies over: those any of `operands` varies over (each element comes from its own
+    shard's data). Outside shard_map that set is empty. (jax >= 0.10 names it `manual_axis_type`; older
+    releases `vma`.)"""
+    avals = [jax.typeof(x) for x in operands if x is not None]
+    mats = [getattr(a, "manual_axis_type", None) for a in avals]
+    if hasattr(jax.sharding, "ManualAxisType") and all(m is not None for m in mats):
+        varying = frozenset().union(*(m.varying for m in mats))
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+    return jax.ShapeDtypeStruct(shape, dtype, vma=frozenset().union(*(getattr(a, "vma", frozenset()) for a in avals)))
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
@@ -184,8 +201,12 @@ def check_array(name: str, x, *, ndim: int, dtypes) -> None:
         raise TypeError(f"{name} must be {names}; got {name}.dtype={jnp.dtype(x.dtype).name}")
 
 
-def check_lse_shape(name: str, lse, lse_layout: str, num_heads: int, num_tokens: int) -> None:
+def check_lse_shape(name: str, lse, lse_layout: str, num_heads: int, num_tokens: int, *,
+                    num_partials: int | None = None) -> None:
+    """[H, T] or [T, H] by `lse_layout`; with `num_partials`, the same stacked: [N, H, T] or [N, T, H]."""
     want = (num_heads, num_tokens) if lse_layout == "HT" else (num_tokens, num_heads)
+    if num_partials is not None:
+        want = (num_partials,) + want
     if tuple(lse.shape) != want:
         raise ValueError(
             f"{name} must be f32{list(want)} for lse_layout={lse_layout!r}; got {name}.shape={tuple(lse.shape)}")
@@ -212,8 +233,11 @@ def _concrete(name: str, x):
 
 
 def check_offset_values(query_start_loc, cu_seq_lens, num_tokens: int, *, cu_name="cu_seq_lens") -> None:
-    """validate=True tier: reads the offsets on the host (a device sync; not under jit)."""
-    for name, x in (("query_start_loc", query_start_loc), (cu_name, cu_seq_lens)):
+    """validate=True tier: reads the offsets on the host (a device sync; not under jit). `cu_seq_lens` may be
+    i32[N, R+1] (one row per partial)."""
+    cu = _concrete(cu_name, cu_seq_lens)
+    rows = [(cu_name, cu)] if cu.ndim == 1 else [(f"{cu_name}[{i}]", cu[i]) for i in range(cu.shape[0])]
+    for name, x in [("query_start_loc", query_start_loc)] + rows:
         v = _concrete(name, x).astype(np.int64)
         if v[0] != 0:
             raise ValueError(f"{name}[0] must be 0, got {v[0]}")
@@ -224,6 +248,21 @@ def check_offset_values(query_start_loc, cu_seq_lens, num_tokens: int, *, cu_nam
     last = int(_concrete("query_start_loc", query_start_loc)[-1])
     if last > num_tokens:
         raise ValueError(f"query_start_loc[R]={last} is past the token count T={num_tokens}")
+
+
+def check_out_dtype(out_dtype, in_dtype, output_scale):
+    """The merge's output dtype (None: the inputs'), checked against the fp8 scale; returns it as a dtype."""
+    out_dtype = jnp.dtype(in_dtype if out_dtype is None else out_dtype)
+    if out_dtype not in (jnp.dtype(in_dtype), FP8):
+        raise TypeError(f"out_dtype must be {jnp.dtype(in_dtype).name} (the inputs' dtype) or float8_e4m3fn; "
+                        f"got {out_dtype.name}")
+    fp8 = out_dtype == FP8
+    if fp8 != (output_scale is not None):
+        raise ValueError("output_scale is required for a float8_e4m3fn output and only for it; got "
+                         f"out_dtype={out_dtype.name}, output_scale={'given' if output_scale is not None else None}")
+    if fp8 and (getattr(output_scale, "dtype", None) != jnp.float32 or getattr(output_scale, "size", 0) != 1):
+        raise TypeError(f"output_scale must be an f32 scalar or f32[1] array; got {output_scale!r}")
+    return out_dtype
 
 
 def check_prefill_tokens(prefill_tokens_with_context, num_tokens: int, validate: bool) -> None:

@@ -1,8 +1,10 @@
-"""Plain-XLA (jnp) implementation of the mask and the merge, for backends without Pallas GPU (TPU, CPU).
+"""Plain-XLA (jnp) implementation of the mask and the merges, for backends without Pallas GPU (TPU, CPU).
 
 An implementation, tested against `parity.reference` like the kernels; not a second spec. Offsets and
 `prefill_tokens_with_context` stay traced. The token->request lookup is a `searchsorted`, which XLA handles
-well; the kernels avoid per-token metadata instead.
+well; the kernels avoid per-token metadata instead. The float operations are the kernels' in the same order
+(sums over partials in index order, never a tree reduction), so on a GPU the results can be compared bit for
+bit with the kernels'.
 """
 
 from __future__ import annotations
@@ -74,3 +76,45 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, outp
         lse = lse * c.LOG2E
     lse = jnp.where(copy_t[:, None], s_raw, lse)
     return out, (lse.T if lse_layout == "HT" else lse)
+
+
+@functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2"))
+def merge_attn_states_n(outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context, *,
+                        return_lse, out_dtype, lse_layout, lse_base2):
+    num_partials, num_tokens = outputs.shape[:2]
+    prefill_tokens = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
+    l_raw = jnp.swapaxes(lses, 1, 2) if lse_layout == "HT" else lses  # [N, T, H]
+    lse = l_raw * c.LN2 if lse_base2 else l_raw
+    lse = jnp.where((lse == jnp.inf) | jnp.isnan(lse), -jnp.inf, lse)
+    if query_start_loc is not None:
+        empty = jax.vmap(lambda cu: _empty_tokens(query_start_loc, cu, num_tokens))(cu_seq_lens)  # [N, T]
+        lse = jnp.where(empty[:, :, None], -jnp.inf, lse)
+    m = lse[0]
+    for i in range(1, num_partials):
+        m = jnp.maximum(m, lse[i])
+    all_empty = m == -jnp.inf
+    m = jnp.where(all_empty, 0.0, m)
+    e = jnp.exp(lse - m)
+    z = e[0]
+    for i in range(1, num_partials):  # index order, as the kernels
+        z = z + e[i]
+    w = (e / z)[..., None]
+    o = outputs.astype(jnp.float32)
+    out = jnp.where(w[0] > 0, o[0] * w[0], 0.0)
+    for i in range(1, num_partials):
+        out = out + jnp.where(w[i] > 0, o[i] * w[i], 0.0)
+    out = jnp.where(all_empty[..., None], 0.0, out)
+    copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill_tokens[0]
+    if output_scale is not None:
+        out = jnp.where(copy_t[:, None, None], o[-1], out) / output_scale.reshape(-1)[0]
+        out = jnp.where(out < -c.FP8_E4M3_MAX, -c.FP8_E4M3_MAX, out)
+        out = jnp.where(out > c.FP8_E4M3_MAX, c.FP8_E4M3_MAX, out).astype(out_dtype)
+    else:
+        out = jnp.where(copy_t[:, None, None], outputs[-1], out.astype(out_dtype))
+    if not return_lse:
+        return out
+    lse_out = jnp.where(all_empty, -jnp.inf, jnp.log(z) + m)
+    if lse_base2:
+        lse_out = lse_out * c.LOG2E
+    lse_out = jnp.where(copy_t[:, None], l_raw[-1], lse_out)
+    return out, (lse_out.T if lse_layout == "HT" else lse_out)

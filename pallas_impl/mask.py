@@ -112,7 +112,7 @@ def _mask_jit(lse, query_start_loc, cu_seq_lens, output, *, lse_layout, interpre
     buffers = (lse, output) if zero_output else (lse,)
     results = pl.pallas_call(
         kernel,
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in buffers],
+        out_shape=[c.out_struct(x.shape, x.dtype, x) for x in buffers],
         grid=c.mask_grid(num_tokens, num_requests),
         input_output_aliases={2 + i: i for i in range(len(buffers))},
         interpret=interpret,

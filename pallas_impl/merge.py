@@ -24,11 +24,13 @@ from pallas_impl import _common as c
 from pallas_impl import jnp_fallback
 
 
-def _load_lse(ref, t0, h0, block_t, block_h, th_mask, lse_layout):
-    """f32[block_t, block_h] tile of an LSE of either layout (whole-array refs: layout = index order)."""
+def _load_lse(ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=()):
+    """f32[block_t, block_h] tile of an LSE of either layout (whole-array refs: layout = index order); `lead`
+    indexes leading axes first (the partial of stacked LSEs)."""
     if lse_layout == "HT":
-        return pltriton.load(ref.at[pl.ds(h0, block_h), pl.ds(t0, block_t)], mask=th_mask.T, other=-jnp.inf).T
-    return pltriton.load(ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h)], mask=th_mask, other=-jnp.inf)
+        return pltriton.load(ref.at[(*lead, pl.ds(h0, block_h), pl.ds(t0, block_t))], mask=th_mask.T,
+                             other=-jnp.inf).T
+    return pltriton.load(ref.at[(*lead, pl.ds(t0, block_t), pl.ds(h0, block_h))], mask=th_mask, other=-jnp.inf)
 
 
 def _store_lse(ref, t0, h0, block_t, block_h, value, th_mask, lse_layout):
@@ -147,9 +149,10 @@ def _merge_jit(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scal
         num_requests=query_start_loc.shape[0] - 1 if fused else 0,
         block_t=block_t, block_h=block_h, block_d=block_d,
         lse_layout=lse_layout, lse_base2=lse_base2, output_lse=return_lse, fused_mask=fused, fp8_out=fp8)
-    out_shape = [jax.ShapeDtypeStruct(prefix_output.shape, out_dtype)]
+    operands = (prefix_output, prefix_lse, suffix_output, suffix_lse)
+    out_shape = [c.out_struct(prefix_output.shape, out_dtype, *operands)]
     if return_lse:
-        out_shape.append(jax.ShapeDtypeStruct(prefix_lse.shape, jnp.float32))
+        out_shape.append(c.out_struct(prefix_lse.shape, jnp.float32, *operands))
     results = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -206,16 +209,7 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
     for name, x in (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse)):
         c.check_array(name, x, ndim=2, dtypes=(jnp.float32,))
         c.check_lse_shape(name, x, lse_layout, num_heads, num_tokens)
-    out_dtype = jnp.dtype(prefix_output.dtype if out_dtype is None else out_dtype)
-    if out_dtype not in (jnp.dtype(prefix_output.dtype), c.FP8):
-        raise TypeError(f"out_dtype must be {jnp.dtype(prefix_output.dtype).name} (the inputs' dtype) or "
-                        f"float8_e4m3fn; got {out_dtype.name}")
-    fp8 = out_dtype == c.FP8
-    if fp8 != (output_scale is not None):
-        raise ValueError("output_scale is required for a float8_e4m3fn output and only for it; got "
-                         f"out_dtype={out_dtype.name}, output_scale={'given' if output_scale is not None else None}")
-    if fp8 and (getattr(output_scale, "dtype", None) != jnp.float32 or getattr(output_scale, "size", 0) != 1):
-        raise TypeError(f"output_scale must be an f32 scalar or f32[1] array; got {output_scale!r}")
+    out_dtype = c.check_out_dtype(out_dtype, prefix_output.dtype, output_scale)
     if (query_start_loc is None) != (prefix_cu_seq_lens is None):
         raise ValueError("query_start_loc and prefix_cu_seq_lens go together (the fused mask); got only "
                          + ("query_start_loc" if query_start_loc is not None else "prefix_cu_seq_lens"))

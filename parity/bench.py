@@ -9,9 +9,13 @@ What is measured, in this order:
    Bytes = masked tokens * H * 4 (+ masked tokens * H * D * out bytes for `lse+out`); compared with the
    write-only ceiling and with upstream's published H200 numbers (SPEC 7, `UPSTREAM`).
 3. **Merge** over T x H x D x dtype x variant (`merge_points`): `plain` (no output LSE), `lse` (output LSE),
-   `fused` (fused mask, SPEC 4.5, plus output LSE; 128-token requests, every even one empty in the prefix).
-   Bytes = 2*T*H*D*in + T*H*D*out + 2*T*H*4 (+ T*H*4 with an output LSE); offsets are not counted.
+   `fused` (fused mask, docs/spec.md 4.5, plus output LSE; 128-token requests, every even one empty in the
+   prefix). Bytes = 2*T*H*D*in + T*H*D*out + 2*T*H*4 (+ T*H*4 with an output LSE); offsets are not counted.
    Compared with the two-read-one-write ceiling and upstream's 1.18 TB/s.
+4. **N-way merge** (docs/spec.md 8) over N x T x variant at H = 64, D = 128, bf16 (`merge_points`): the same
+   variants (`fused`: each partial's KV offsets, with partials empty for some requests), and `chain`: the same
+   N-way merge done as N - 1 chained 2-way merges with output LSE (the alternative the N-way kernel replaces).
+   Bytes = N*(T*H*D*in + T*H*4) + T*H*D*out (+ T*H*4 with an output LSE), for `chain` too (its useful bytes).
 
 Two labelled numbers per point (each record carries its `method`):
 
@@ -40,16 +44,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import gc
 import glob
 import json
 import math
 import os
-import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -82,6 +83,8 @@ UPSTREAM = {
 
 FORMULAS = {
     "merge": "bytes = 2*T*H*D*in_bytes + T*H*D*out_bytes + 2*T*H*4 (+ T*H*4 with an output LSE)",
+    "merge_n": "bytes = N*(T*H*D*in_bytes + T*H*4) + T*H*D*out_bytes (+ T*H*4 with an output LSE); variant chain "
+               "(N - 1 chained 2-way merges) is charged the same bytes",
     "mask": "bytes = masked_tokens*H*4 (+ masked_tokens*H*D*out_bytes with variant lse+out)",
     "ceiling": "add: 3 * 2 GiB (two reads, one write); fill: 2 GiB (one write); noop: an empty Triton kernel "
                "(gpu_time) and its launch, and a jitted JAX identity (latency): the host floors of `latency`",
@@ -91,6 +94,7 @@ FORMULAS = {
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 _SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 MERGE_VARIANTS = ("plain", "lse", "fused")
+N_WAY_VARIANTS = ("plain", "lse", "fused", "chain")
 MASK_VARIANTS = ("lse", "lse+out")
 FUSED_REQUEST_LEN = 128
 
@@ -110,13 +114,23 @@ SMOKE_MASK_CASES = ("upstream_vector",)  # tiny "ci" workload: the seed ones are
 
 @dataclasses.dataclass(frozen=True)
 class MergePoint:
-    """One merge benchmark point (SPEC 4): outputs dtype[T, H, D], LSEs f32[H, T]."""
+    """One merge benchmark point: outputs dtype[T, H, D], LSEs f32[H, T]; `partials` N > 0 for the N-way merge
+    of dtype[N, T, H, D] (docs/spec.md 8), 0 for the 2-way merge (4)."""
 
     T: int
     H: int
     D: int
     dtype: str
-    variant: str  # "plain" | "lse" | "fused"
+    variant: str  # "plain" | "lse" | "fused" | "chain" (N-way only: N - 1 chained 2-way merges)
+    partials: int = 0
+
+    @property
+    def op(self) -> str:
+        return "merge_n" if self.partials else "merge"
+
+    @property
+    def n_inputs(self) -> int:
+        return self.partials or 2
 
     @property
     def elems(self) -> int:
@@ -128,37 +142,56 @@ class MergePoint:
 
     @property
     def bytes(self) -> int:
-        """Effective bytes of one call (`FORMULAS["merge"]`); the output dtype is the input dtype."""
+        """Effective bytes of one call (`FORMULAS`); the output dtype is the input dtype."""
         in_b = _ITEMSIZE[self.dtype]
-        lse = 2 * self.T * self.H * 4 + (self.T * self.H * 4 if self.output_lse else 0)
-        return 2 * self.elems * in_b + self.elems * in_b + lse
+        th = self.T * self.H
+        return self.n_inputs * (self.elems * in_b + th * 4) + self.elems * in_b + (th * 4 if self.output_lse else 0)
 
     @property
     def memory(self) -> int:
         """Device bytes of one input/output set (both frameworks' outputs are not alive together)."""
-        return 3 * self.elems * _ITEMSIZE[self.dtype] + 3 * self.T * self.H * 4
+        return (self.n_inputs + 1) * (self.elems * _ITEMSIZE[self.dtype] + self.T * self.H * 4)
 
     @property
     def workload(self) -> str:
-        return f"T={self.T} H={self.H} D={self.D}"
+        return f"T={self.T} H={self.H} D={self.D}" + (f" N={self.partials}" if self.partials else "")
 
     @property
     def label(self) -> str:
-        return f"merge {self.workload} {self.dtype} {self.variant}"
+        return f"{self.op} {self.workload} {self.dtype} {self.variant}"
 
     def fused_case(self) -> cases.Case:
-        """The fused variant's batch: 128-token requests, every even-indexed one empty in the prefix."""
+        """The fused variant's batch: 128-token requests. 2-way: every even-indexed one empty in the prefix.
+        N-way: contexts of 0 to 3 * N tokens spread one token per partial, so partials are empty for some."""
         n = self.T // FUSED_REQUEST_LEN
+        if self.partials:
+            ctx = tuple(int(x) for x in np.random.default_rng(n).integers(0, 3 * self.partials + 1, size=n))
+            return cases.Case(f"fused_n{self.partials}_T{self.T}", (FUSED_REQUEST_LEN,) * n, (), num_heads=self.H,
+                              head_dim=self.D, dtype=self.dtype, partials=self.partials, context_lens=ctx)
         return cases.Case(f"fused_T{self.T}", (FUSED_REQUEST_LEN,) * n, tuple(range(0, n, 2)),
                           num_heads=self.H, head_dim=self.D, dtype=self.dtype)
 
 
+# N-way points per mode: (N values, T values, variants); H = 64, D = 128, bf16.
+_N_GRIDS = {
+    "full": ((2, 4, 8), (2048, 32768, 131072), N_WAY_VARIANTS),
+    "quick": ((2, 4, 8), (32768, 131072), N_WAY_VARIANTS),
+    "smoke": ((3,), (256,), N_WAY_VARIANTS),
+}
+
+
 def merge_points(mode: str) -> list[MergePoint]:
-    """The merge grid of `mode` ("full", "quick", "smoke"), smallest working sets first."""
+    """The merge grid of `mode` ("full", "quick", "smoke"), smallest working sets first, then the N-way points
+    (the chained alternative only at N = 4, the issue's comparison point)."""
     t_vals, h_vals, d_vals, dtypes, variants, _ = _GRIDS[mode]
     pts = [MergePoint(t, h, d, dt, v) for dt in dtypes for d in d_vals for h in h_vals for t in t_vals
            for v in variants]
-    return sorted(pts, key=lambda p: (p.dtype != "bfloat16", p.elems, p.D, MERGE_VARIANTS.index(p.variant)))
+    pts = sorted(pts, key=lambda p: (p.dtype != "bfloat16", p.elems, p.D, MERGE_VARIANTS.index(p.variant)))
+    n_vals, t_vals, variants = _N_GRIDS[mode]
+    h, d = (2, 64) if mode == "smoke" else (64, 128)
+    pts += [MergePoint(t, h, d, "bfloat16", v, n) for t in t_vals for n in n_vals for v in variants
+            if v != "chain" or n == (3 if mode == "smoke" else 4)]
+    return pts
 
 
 def mask_cases(mode: str) -> list[cases.Case]:
@@ -334,59 +367,6 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _run_text(cmd: list[str], cwd: str | None = None) -> str | None:
-    try:
-        out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=20, check=True)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def collect_env(argv: list[str] | None, device: str) -> dict:
-    """GPU, driver, CUDA, library versions, git commit, UTC time and command line."""
-    import importlib.metadata as md
-
-    env: dict = {"device": device, "python": sys.version.split()[0]}
-    for pkg in ("torch", "triton", "jax", "jaxlib", "numpy"):
-        try:
-            env[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            env[pkg] = None
-    env["gpu"] = env["driver"] = env["cuda"] = None
-    try:
-        import torch
-
-        env["cuda"] = torch.version.cuda
-        if device == "cuda":
-            env["gpu"] = torch.cuda.get_device_name(0)
-            env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-    except ImportError:
-        pass
-    smi = _run_text(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
-    if smi:
-        name, _, driver = smi.splitlines()[0].partition(",")
-        env["driver"] = driver.strip() or None
-        env["gpu"] = env["gpu"] or name.strip()
-    try:
-        import jax
-
-        env["jax_backend"] = jax.default_backend()
-        env["jax_devices"] = [str(d) for d in jax.devices()]
-    except Exception as e:  # noqa: BLE001 - informational only
-        env["jax_backend"] = f"unavailable: {e}"
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    # GIT_COMMIT first: a copied working tree (e.g. on a remote GPU) may carry a stale .git.
-    env["git_commit"] = (os.environ.get("GIT_COMMIT")
-                         or _run_text(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=repo))
-    env["utc_time"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    if argv is not None and argv[:1] == ["bench"]:
-        env["command"] = "python -m parity " + shlex.join(argv)
-    else:
-        env["command"] = shlex.join(sys.argv) + (f" (bench args: {shlex.join(argv)})" if argv else "")
-    env["l2_bytes_assumed"] = L2_BYTES
-    return env
-
-
 def _record(op, impl, workload, T, H, D, dtype, variant, metric, timing, nbytes, ceiling_tbps, note=None):
     q, method, n = timing
     p50 = q[1]
@@ -426,7 +406,9 @@ class _Runner:
         self.use_profiler = self.on_gpu and getattr(args, "jax_timer", "profiler") == "profiler"
         self.doc = {"schema": SCHEMA, "mode": mode, "env": {}, "reference": UPSTREAM, "formulas": FORMULAS,
                     "ceilings": {}, "records": [], "skipped": [], "errors": []}
-        self._modules: dict = {}
+        from parity import impls
+
+        self.rt = impls.make_runtime()
         # Reps: do_bench_cudagraph's `rep` (ms), the target wall time of one latency trial, trial count.
         self.rep_ms, self.target_s, self.trials = {"full": (20, 0.02, 5), "quick": (20, 0.02, 5),
                                                    "smoke": (2, 0.0, 1)}[mode]
@@ -440,21 +422,11 @@ class _Runner:
         if self.budget_s is not None and time.monotonic() - self.t_start > self.budget_s:
             raise _Budget()
 
-    def module(self, impl: str):
-        """triton_impl / pallas_impl, imported once; an import error is raised at each use."""
-        if impl not in self._modules:
-            try:
-                if impl == "triton":
-                    import triton_impl as m
-                else:
-                    import pallas_impl as m
-                self._modules[impl] = m
-            except Exception as e:  # noqa: BLE001 - reported per point
-                self._modules[impl] = e
-        m = self._modules[impl]
-        if isinstance(m, Exception):
-            raise RuntimeError(f"cannot import {impl}_impl: {type(m).__name__}: {m}") from m
-        return m
+    def adapter(self, impl: str):
+        """The `parity.impls` adapter of "triton" or "pallas" (how the harness runs each implementation)."""
+        from parity import impls
+
+        return impls.adapter(self.rt, impl)
 
     def sync(self) -> None:
         if self.on_gpu:
@@ -567,6 +539,8 @@ class _Runner:
     def mask(self, case: cases.Case, variant: str, idx: str) -> None:
         import torch
 
+        from parity import bridge
+
         label = f"mask {case.name} {variant}"
         T, H, D = case.num_tokens, case.num_heads, case.head_dim
         nbytes = mask_bytes(case, variant)
@@ -587,15 +561,10 @@ class _Runner:
         est = 10.0
         if "triton" in self.impls:
             try:
-                m = self.module("triton")
-                args_ = (lse, qsl, cu) + ((out,) if with_out else ())
-
-                def call():
-                    m.mask_empty_context_lse(*args_, has_empty=True)
-
-                g = self.triton_gpu_time(call)
+                bound = self.adapter("triton").bind_mask(lse, qsl, cu, out, has_empty=True, in_place=True)
+                g = self.triton_gpu_time(bound.call)
                 est = g[0][1]
-                lat = self.latency(call, self.sync, est)
+                lat = self.latency(bound.call, self.sync, est)
                 for metric, t in (("gpu_time", g), ("latency", lat)):
                     rec = _record("mask", "triton", case.name, T, H, D if with_out else None, dtype, variant,
                                   metric, t, nbytes, ceiling, note)
@@ -606,8 +575,26 @@ class _Runner:
                 self.error(label, "triton", e)
         if "pallas" in self.impls:
             try:
-                results["pallas"] = self._mask_pallas(case, variant, lse, out, qsl_np, cu_np, nbytes, ceiling,
-                                                      note, dtype, est)
+                import jax
+
+                jdev = bridge.jax_device_for(lse.device)
+                # The documented in-place form (impls: jit, the buffers donated, results fed back).
+                bound = self.adapter("pallas").bind_mask(
+                    bridge.torch_to_jax(lse), jax.device_put(qsl_np, jdev), jax.device_put(cu_np, jdev),
+                    None if out is None else bridge.torch_to_jax(out), has_empty=True, donate=True)
+                sync = bound.results
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # donation is a no-op on some CPU builds
+                    g = self.jax_gpu_time(bound.call, sync, est)
+                    lat = self.latency(bound.call, sync, est)
+                lat = (lat[0], lat[1].replace("public API", "jax.jit(mask_empty_context_lse, donate) chained"), lat[2])
+                for metric, t in (("gpu_time", g), ("latency", lat)):
+                    rec = _record("mask", "pallas", case.name, T, H, D if with_out else None, dtype, variant,
+                                  metric, t, nbytes, ceiling, note)
+                    self._upstream(rec)
+                    self.add(rec)
+                results["pallas"] = (g, lat)
+                del bound
             except Exception as e:  # noqa: BLE001
                 self.error(label, "pallas", e)
         self._ratio_and_progress(idx, label, results, nbytes)
@@ -621,50 +608,6 @@ class _Runner:
         del lse, out, qsl, cu, buf
         self.cleanup()
         self.save()
-
-    def _mask_pallas(self, case, variant, lse_t, out_t, qsl_np, cu_np, nbytes, ceiling, note, dtype, est):
-        import jax
-        import jax.numpy as jnp
-
-        from parity import bridge
-
-        m = self.module("pallas")
-        with_out = out_t is not None
-        jdev = bridge.jax_device_for(lse_t.device)
-        # JAX-owned copies: a donated buffer must not be one torch still owns.
-        state = [jnp.copy(bridge.torch_to_jax(lse_t))]
-        if with_out:
-            state.append(jnp.copy(bridge.torch_to_jax(out_t)))
-        qsl = jax.device_put(qsl_np, jdev)
-        cu = jax.device_put(cu_np, jdev)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # donation is a no-op on some CPU builds
-            if with_out:
-                step = jax.jit(functools.partial(m.mask_empty_context_lse, has_empty=True), donate_argnums=(0, 3))
-
-                def call():
-                    state[0], state[1] = step(state[0], qsl, cu, state[1])
-            else:
-                step = jax.jit(functools.partial(m.mask_empty_context_lse, has_empty=True), donate_argnums=(0,))
-
-                def call():
-                    state[0] = step(state[0], qsl, cu)
-
-            def sync():
-                jax.block_until_ready(state)
-
-            g = self.jax_gpu_time(call, sync, est)
-            lat = self.latency(call, sync, est)
-        what = "jax.jit(mask_empty_context_lse, donate) chained"
-        lat = (lat[0], lat[1].replace("public API", what), lat[2])
-        T, H, D = case.num_tokens, case.num_heads, case.head_dim
-        for metric, t in (("gpu_time", g), ("latency", lat)):
-            rec = _record("mask", "pallas", case.name, T, H, D if with_out else None, dtype, variant, metric, t,
-                          nbytes, ceiling, note)
-            self._upstream(rec)
-            self.add(rec)
-        del state
-        return g, lat
 
     @staticmethod
     def _upstream(rec: dict) -> None:
@@ -686,110 +629,131 @@ class _Runner:
                 parts.append(f"{impl} {g[0][1]:.1f} us ({tb:.2f} TB/s), latency {lat[0][1]:.1f} us")
         self.progress(f"[{idx}] {label}: " + ("; ".join(parts) if parts else "no result"))
 
-    # -- 3. merge
-    def merge(self, pt: MergePoint, idx: str) -> None:
+    # -- 3. merges
+    def _merge_sets(self, pt: MergePoint, k: int):
+        """k random input sets of the point on the device (torch tensors), and the fused offsets (numpy)."""
         import torch
 
         tdt = getattr(torch, pt.dtype)
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        lead = (pt.partials,) if pt.partials else (2,)
+        sets = []
+        for _ in range(k):
+            o = torch.randn(*lead, pt.T, pt.H, pt.D, generator=gen, device=self.device, dtype=tdt)
+            lse = torch.randn(*lead, pt.H, pt.T, generator=gen, device=self.device).mul_(3.0).add_(4.0)
+            sets.append({"o": o, "l": lse})
+        offs = None
+        if pt.variant == "fused":
+            c = pt.fused_case()
+            offs = cases.offsets_n(c) if pt.partials else cases.offsets(c)
+        return sets, offs
+
+    def merge(self, pt: MergePoint, idx: str) -> None:
         ceiling = self.doc["ceilings"].get("add_2r1w")
         k = _rotation(pt.bytes, pt.memory, self.on_gpu)
         note = None if pt.bytes * k >= 3 * L2_BYTES else \
             f"L2 caveat: {k} set(s) x {pt.bytes / 1e6:.1f} MB < 3x L2"
         if k > 1:
             note = (note + "; " if note else "") + f"inputs rotated over {k} sets"
-        gen = torch.Generator(device=self.device).manual_seed(0)
-        sets = []
-        for _ in range(k):
-            s = {"a": torch.randn(pt.T, pt.H, pt.D, generator=gen, device=self.device, dtype=tdt),
-                 "b": torch.randn(pt.T, pt.H, pt.D, generator=gen, device=self.device, dtype=tdt),
-                 "pl": torch.randn(pt.H, pt.T, generator=gen, device=self.device).mul_(3.0).add_(4.0),
-                 "sl": torch.randn(pt.H, pt.T, generator=gen, device=self.device).mul_(3.0).add_(4.0)}
-            sets.append(s)
-        offs = None
-        if pt.variant == "fused":
-            qsl_np, cu_np = cases.offsets(pt.fused_case())
-            offs = (qsl_np, cu_np, torch.from_numpy(qsl_np).to(self.device), torch.from_numpy(cu_np).to(self.device))
+        if pt.variant == "chain":
+            note = (note + "; " if note else "") + f"{pt.n_inputs - 1} chained 2-way merges with output LSE"
+        sets, offs = self._merge_sets(pt, k)
         self.sync()
         results = {}
         est = pt.bytes / 3e12 * 1e6
-        if "triton" in self.impls:
+        for impl in self.impls:
             try:
-                results["triton"] = self._merge_triton(pt, sets, offs, tdt, nbytes=pt.bytes, ceiling=ceiling,
-                                                       note=note)
-                est = results["triton"][0][0][1]
+                results[impl] = self._merge_impl(impl, pt, sets, offs, ceiling=ceiling, note=note, est=est)
+                est = results[impl][0][0][1]
             except Exception as e:  # noqa: BLE001
-                self.error(pt.label, "triton", e)
-            for s in sets:
-                s.pop("out", None)
-                s.pop("olse", None)
+                self.error(pt.label, impl, e)
             self.cleanup()
-        if "pallas" in self.impls:
-            try:
-                results["pallas"] = self._merge_pallas(pt, sets, offs, ceiling=ceiling, note=note, est=est)
-            except Exception as e:  # noqa: BLE001
-                self.error(pt.label, "pallas", e)
         self._ratio_and_progress(idx, pt.label, results, pt.bytes)
         del sets, offs
         self.cleanup()
         self.save()
 
-    def _merge_triton(self, pt, sets, offs, tdt, *, nbytes, ceiling, note):
+    def _bind_merge(self, a, impl: str, pt: MergePoint, s: dict, offs, jdev) -> list:
+        """The prepared calls (`impls.Bound`) of one input set `s` (torch tensors; JAX shares them over DLPack):
+        one call, or the chain of N - 1 two-way merges with output LSE."""
         import torch
 
-        m = self.module("triton")
-        for s in sets:
-            s["out"] = torch.empty_like(s["a"])
-            s["olse"] = torch.empty(pt.H, pt.T, device=self.device) if pt.output_lse else None
-        kw = {} if offs is None else {"query_start_loc": offs[2], "prefix_cu_seq_lens": offs[3]}
+        from parity import bridge, impls
+
+        def arr(x):
+            return x if impl == "triton" else bridge.torch_to_jax(x)
+
+        def host(x):
+            if impl == "triton":
+                return torch.from_numpy(x).to(self.device)
+            import jax
+
+            return jax.device_put(x, jdev)
+
+        o, lse = s["o"], s["l"]
+        if pt.variant == "chain":  # the running state is the prefix, partial i the suffix
+            if impl == "triton":
+                calls, state = [], (o[0], lse[0])
+                for i in range(1, pt.partials):
+                    mid = (torch.empty_like(o[0]), torch.empty_like(lse[0]))
+                    calls.append(a.bind_merge(state[0], state[1], o[i], lse[i], out=mid[0], out_lse=mid[1]))
+                    state = mid
+                return calls
+            parts = [(arr(o[i]), arr(lse[i])) for i in range(pt.partials)]
+            last = {}
+
+            def chain():  # functional: each merge reads the previous result
+                state = parts[0]
+                for p in parts[1:]:
+                    r = a.merge(state[0], state[1], p[0], p[1])
+                    state = (r["out"], r["lse"])
+                last["r"] = state
+
+            return [impls.Bound(chain, lambda: self._block(last["r"]))]
+        kw = dict(return_lse=pt.output_lse)
+        if impl == "triton":
+            kw.update(out=torch.empty(pt.T, pt.H, pt.D, dtype=o.dtype, device=self.device),
+                      out_lse=torch.empty(pt.H, pt.T, device=self.device) if pt.output_lse else None)
+        if pt.op == "merge":
+            if offs is not None:
+                kw.update(query_start_loc=host(offs[0]), prefix_cu_seq_lens=host(offs[1]))
+            return [a.bind_merge(arr(o[0]), arr(lse[0]), arr(o[1]), arr(lse[1]), **kw)]
+        if offs is not None:
+            kw.update(query_start_loc=host(offs[0]), cu_seq_lens=host(offs[1]))
+        return [a.bind_merge_n(arr(o), arr(lse), **kw)]
+
+    @staticmethod
+    def _block(x):
+        import jax
+
+        jax.block_until_ready(x)
+
+    def _merge_impl(self, impl: str, pt: MergePoint, sets, offs, *, ceiling, note, est):
+        from parity import bridge
+
+        a = self.adapter(impl)
+        jdev = bridge.jax_device_for(sets[0]["o"].device) if impl != "triton" else None
+        bound = [self._bind_merge(a, impl, pt, s, offs, jdev) for s in sets]
         counter = [0]
 
         def call():
-            s = sets[counter[0] % len(sets)]
+            for b in bound[counter[0] % len(bound)]:
+                b.call()
             counter[0] += 1
-            m.merge_attn_states(s["out"], s["a"], s["pl"], s["b"], s["sl"], s["olse"], **kw)
 
-        g = self.triton_gpu_time(call)
-        lat = self.latency(call, self.sync, g[0][1])
+        def sync():  # JAX: block on the results of the set called last
+            for b in bound[(counter[0] - 1) % len(bound)]:
+                b.results()
+
+        if impl == "triton":
+            g = self.triton_gpu_time(call)
+            lat = self.latency(call, self.sync, g[0][1])
+        else:
+            g = self.jax_gpu_time(call, sync, est)
+            lat = self.latency(call, sync, est)
         for metric, t in (("gpu_time", g), ("latency", lat)):
-            self.add(_record("merge", "triton", pt.workload, pt.T, pt.H, pt.D, pt.dtype, pt.variant, metric, t,
-                             nbytes, ceiling, note))
-        return g, lat
-
-    def _merge_pallas(self, pt, sets, offs, *, ceiling, note, est):
-        import jax
-
-        from parity import bridge
-
-        m = self.module("pallas")
-        jsets = [tuple(bridge.torch_to_jax(s[key]) for key in ("a", "pl", "b", "sl")) for s in sets]
-        kw = {"return_lse": pt.output_lse}
-        if offs is not None:
-            jdev = bridge.jax_device_for(sets[0]["a"].device)
-            kw.update(query_start_loc=jax.device_put(offs[0], jdev), prefix_cu_seq_lens=jax.device_put(offs[1], jdev))
-        static = {"return_lse": pt.output_lse}
-        traced = {k: v for k, v in kw.items() if k not in static}
-        jitted = jax.jit(functools.partial(m.merge_attn_states, **static))
-        counter, last = [0], [None]
-
-        def call_jit():
-            last[0] = jitted(*jsets[counter[0] % len(jsets)], **traced)
-            counter[0] += 1
-
-        def call_api():
-            last[0] = m.merge_attn_states(*jsets[counter[0] % len(jsets)], **kw)
-            counter[0] += 1
-
-        def sync():
-            jax.block_until_ready(last[0])
-
-        g = self.jax_gpu_time(call_jit, sync, est)
-        last[0] = None
-        lat = self.latency(call_api, sync, est)
-        last[0] = None
-        for metric, t in (("gpu_time", g), ("latency", lat)):
-            self.add(_record("merge", "pallas", pt.workload, pt.T, pt.H, pt.D, pt.dtype, pt.variant, metric, t,
-                             pt.bytes, ceiling, note))
-        del jsets, kw, traced
+            self.add(_record(pt.op, impl, pt.workload, pt.T, pt.H, pt.D, pt.dtype, pt.variant, metric, t, pt.bytes,
+                             ceiling, note))
         return g, lat
 
     # -- driver
@@ -868,8 +832,9 @@ def format_table(doc: dict) -> str:
         return "  ".join(v.rjust(w) if c in num else v.ljust(w) for v, w, c in zip(vals, widths, cols)).rstrip()
 
     ceil = doc.get("ceilings", {})
+    v = env.get("versions", {})
     out = [f"# parity bench ({doc.get('mode')}): {env.get('gpu')} driver {env.get('driver')} CUDA {env.get('cuda')}"
-           f"; torch {env.get('torch')} triton {env.get('triton')} jax {env.get('jax')}"
+           f"; torch {v.get('torch')} triton {v.get('triton')} jax {v.get('jax')}"
            f"; commit {env.get('git_commit')}; {env.get('utc_time')}",
            f"# command: {env.get('command')}",
            f"# ceilings (this run, gpu_time p50): two-read-one-write {_fmt(ceil.get('add_2r1w'), '.3f')} TB/s, "
@@ -972,7 +937,8 @@ def plot_from_json(json_path: str, png_path: str) -> None:
     ax2.set_title("mask (LSE only): GPU time (solid) and latency with launch (hatched); upstream from SPEC 7",
                   fontsize=9)
     ax2.legend(fontsize=7, ncol=2)
-    fig.suptitle(f"{env.get('gpu')} | torch {env.get('torch')} triton {env.get('triton')} jax {env.get('jax')} | "
+    v = env.get("versions", {})
+    fig.suptitle(f"{env.get('gpu')} | torch {v.get('torch')} triton {v.get('triton')} jax {v.get('jax')} | "
                  f"commit {str(env.get('git_commit'))[:12]} | {env.get('utc_time')} | mode {doc.get('mode')}",
                  fontsize=9)
     fig.tight_layout()
@@ -1030,12 +996,12 @@ def run_bench(args) -> int:
     if mode != "smoke" and not has_cuda:
         _log("error: `bench` measures on a CUDA GPU and none is visible; use --smoke to check the plumbing")
         return 2
-    if not has_cuda:
-        if "triton_impl" not in sys.modules:
-            os.environ.setdefault("TRITON_INTERPRET", "1")
+    from parity import impls
+
+    impls.configure()
     device = "cuda" if has_cuda else "cpu"
     runner = _Runner(args, mode, device)
-    runner.doc["env"] = collect_env(argv, device)
+    runner.doc["env"] = dict(impls.collect_env(argv), l2_bytes_assumed=L2_BYTES)
     runner.save()
     try:
         runner.run()

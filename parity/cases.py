@@ -1,11 +1,15 @@
-"""Named workloads (SPEC 7 and edge cases) and the seeded input builder.
+"""Named workloads (docs/spec.md sections 7-8 and edge cases) and the seeded input builders.
 
 Workloads are data: tests, the CLI and the benchmarks select them by tag and never re-type shapes.
 `make_inputs` builds numpy arrays once (framework-neutral); `parity.bridge` uploads them to torch and hands
 them to JAX over DLPack.
 
+Two kinds of case: 2-way cases (`partials == 0`: the mask and the 2-way merge of a prefix and a suffix) and
+N-way cases (`partials == N`: N stacked partials, each holding the KV tokens a context-parallel rank would
+hold). `select` returns one kind at a time.
+
 Tags: "ci" (run by the test suite under the interpreters), "default" / "full" (the `check` suites),
-"bench" (benchmarks), "seed" (SPEC 7 workloads).
+"bench" (benchmarks), "seed" (section 7 workloads).
 """
 
 from __future__ import annotations
@@ -44,6 +48,13 @@ class Case:
     specials: bool = False  # inject +inf / NaN / -inf LSEs, including rows empty on both sides
     prefill_tokens_with_context: int | None = None
     out_dtype: str | None = None  # "float8_e4m3fn" for the fp8 output path
+    # N-way cases only (docs/spec.md section 8). KV token j of request r lives on partial (j // interleave) % N,
+    # as vLLM places KV over a context-parallel group; a request shorter than N * interleave leaves partials
+    # with no KV for it. `empty` is unused: emptiness per partial follows from `context_lens`.
+    partials: int = 0  # N; 0 for a 2-way case
+    context_lens: tuple[int, ...] = ()  # KV length of each request (before the split over partials)
+    interleave: int = 1
+    strided: bool = False  # Triton reads the partials as views of a [T, N, H, D] gather and of the other LSE layout
     tags: frozenset[str] = frozenset()
 
     @property
@@ -53,6 +64,10 @@ class Case:
     @property
     def num_tokens(self) -> int:
         return sum(self.query_lens) + self.padding
+
+    @property
+    def n_way(self) -> bool:
+        return self.partials > 0
 
 
 def _every_even(n: int) -> tuple[int, ...]:
@@ -124,18 +139,76 @@ CASES: tuple[Case, ...] = (
 )
 
 
-def select(tag: str | None = None, name_filter: str | None = None) -> list[Case]:
-    """Cases carrying `tag` (all when None) whose name contains `name_filter`."""
-    out = [c for c in CASES if (tag is None or tag in c.tags)
-           and (name_filter is None or name_filter in c.name)]
-    return out
+def _contexts(seed: int, num_requests: int, max_len: int) -> tuple[int, ...]:
+    """Context lengths from 0 to max_len; a request shorter than N * interleave leaves partials without KV."""
+    rng = np.random.default_rng(seed + 77)
+    return tuple(int(x) for x in rng.integers(0, max_len + 1, size=num_requests))
+
+
+_N_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def _n_way_matrix() -> tuple[Case, ...]:
+    """The "full" N-way matrix: every N in (1, 2, 3, 4, 8) with every input dtype and fp8 output; head sizes
+    64 / 80 / 128 / 512, both layouts and both bases rotate through it, so each pair (N, dtype) and each value
+    of every other factor occurs. R = 40 crosses the 32-request scan step; specials everywhere."""
+    out = []
+    k = 0
+    for n in (1, 2, 3, 4, 8):
+        for dtype, out_dtype in (("float32", None), ("float16", None), ("bfloat16", None),
+                                 ("bfloat16", "float8_e4m3fn")):
+            d = (64, 80, 128, 512)[k % 4]
+            layout = ("HT", "TH")[k % 2]
+            base = (math.e, 2)[(k // 2) % 2]
+            lens = _ragged(100 + k, 40, 24 if d == 512 else 60)
+            name = (f"n{n}_{_N_SHORT[dtype]}" + ("_fp8" if out_dtype else "") + f"_d{d}_{layout.lower()}"
+                    + ("_base2" if base == 2 else ""))
+            out.append(Case(name, lens, (), num_heads=(4, 3, 8, 5)[k % 4], head_dim=d, dtype=dtype,
+                            out_dtype=out_dtype, lse_layout=layout, lse_base=base, specials=True, partials=n,
+                            context_lens=_contexts(100 + k, 40, 3 * n * 2), interleave=2, padding=k % 3,
+                            strided=k % 3 == 0, tags=_FULL))
+            k += 1
+    return tuple(out)
+
+
+CASES_N: tuple[Case, ...] = (
+    # N = 1: the merge of one partial is that partial (empty rows 0 and -inf).
+    Case("n1_bf16", (20, 0, 37), (), num_heads=3, head_dim=64, partials=1, context_lens=(5, 0, 0), tags=_CI),
+    # N = 2 with no empty request in partial 1: the 2-way kernels must give the same bits (docs/spec.md 8).
+    Case("n2_fp32_d80_ptwc", (33, 9, 50), (), num_heads=4, head_dim=80, dtype="float32", partials=2,
+         context_lens=(0, 9, 3), interleave=1, prefill_tokens_with_context=80, padding=3, specials=True, tags=_CI),
+    Case("n3_fp16_th_specials", (17, 40, 1, 12), (), num_heads=5, head_dim=128, dtype="float16", lse_layout="TH",
+         partials=3, context_lens=(2, 7, 0, 30), interleave=2, specials=True, tags=_CI),
+    # R = 40 crosses the 32-request scan step; N = 8 with contexts of at most 7 tokens: partial 7 is empty for
+    # every request.
+    Case("n8_bf16_r40_whole_partial_empty", _ragged(11, 40, 12), (), num_heads=2, head_dim=64, partials=8,
+         context_lens=_contexts(11, 40, 7), interleave=1, padding=5, tags=_CI),
+    Case("n4_bf16_d512_base2_strided", (9, 14), (), num_heads=2, head_dim=512, lse_base=2, partials=4,
+         context_lens=(3, 40), interleave=4, head_pad=64, strided=True, specials=True, tags=_CI),
+    Case("n4_bf16_fp8_out", (24, 16, 3), (), num_heads=4, head_dim=64, out_dtype="float8_e4m3fn", partials=4,
+         context_lens=(1, 20, 6), interleave=2, specials=True, tags=_CI),
+    Case("n16_fp32_d32", (10, 21), (), num_heads=3, head_dim=32, dtype="float32", partials=16,
+         context_lens=(13, 60), interleave=2, specials=True, tags=_CI),
+) + _n_way_matrix()
+
+KINDS = ("two_way", "n_way", "all")
+
+
+def select(tag: str | None = None, name_filter: str | None = None, *, kind: str = "two_way") -> list[Case]:
+    """Cases of `kind` ("two_way", "n_way" or "all") carrying `tag` (all when None) whose name contains
+    `name_filter`."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    pool = {"two_way": CASES, "n_way": CASES_N, "all": CASES + CASES_N}[kind]
+    return [c for c in pool if (tag is None or tag in c.tags)
+            and (name_filter is None or name_filter in c.name)]
 
 
 def by_name(name: str) -> Case:
-    for c in CASES:
+    for c in CASES + CASES_N:
         if c.name == name:
             return c
-    raise KeyError(f"no case named {name!r}; known: {[c.name for c in CASES]}")
+    raise KeyError(f"no case named {name!r}; known: {[c.name for c in CASES + CASES_N]}")
 
 
 def offsets(case: Case, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -215,6 +288,80 @@ def make_inputs(case: Case, seed: int = 0) -> dict[str, np.ndarray]:
 
     inputs = dict(query_start_loc=qsl, cu_seq_lens=cu, prefix_output=prefix_output,
                   prefix_lse=prefix_lse, suffix_output=suffix_output, suffix_lse=suffix_lse)
+    if case.out_dtype is not None:
+        inputs["output_scale"] = np.array([0.05], dtype=np.float32)
+    return inputs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# N-way cases
+
+
+def partial_kv_lens(case: Case) -> np.ndarray:
+    """i64[N, R]: the KV tokens of each request on each partial (token j on partial (j // interleave) % N)."""
+    n, il = case.partials, case.interleave
+    ctx = np.asarray(case.context_lens, dtype=np.int64)
+    if ctx.shape != (case.num_requests,):
+        raise ValueError(f"{case.name}: context_lens must give one length per request ({case.num_requests})")
+    cycle = n * il
+    full, rest = ctx // cycle, ctx % cycle
+    i = np.arange(n, dtype=np.int64)[:, None]
+    return full[None, :] * il + np.clip(rest[None, :] - i * il, 0, il)
+
+
+def offsets_n(case: Case) -> tuple[np.ndarray, np.ndarray]:
+    """(query_start_loc i32[R+1], cu_seq_lens i32[N, R+1]): each partial's local KV offsets."""
+    qsl = np.zeros(case.num_requests + 1, dtype=np.int32)
+    qsl[1:] = np.cumsum(case.query_lens)
+    kv = partial_kv_lens(case)
+    cu = np.zeros((case.partials, case.num_requests + 1), dtype=np.int32)
+    cu[:, 1:] = np.cumsum(kv, axis=1)
+    return qsl, cu
+
+
+def make_inputs_n(case: Case, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded numpy inputs of the N-way merge.
+
+    Keys: query_start_loc i32[R+1], cu_seq_lens i32[N, R+1]; outputs dtype[N, T, H, D + head_pad] (the first D
+    columns are the data); lses f32[N, H, T] ([N, T, H] for "TH"), in the case's base; output_scale (fp8 only).
+    A partial with no KV for a request holds a finite garbage LSE and NaN output there, as a real backend can
+    leave it; padding tokens and padded columns hold NaN. With `specials`, LSEs also hold +inf, NaN and -inf
+    (with NaN output), tokens whose every partial is empty, and gaps that underflow a weight to 0.
+    """
+    rng = np.random.default_rng(seed)
+    N, T, H, D = case.partials, case.num_tokens, case.num_heads, case.head_dim
+    qsl, cu = offsets_n(case)
+    n_real = int(qsl[-1])
+    x = np.full((N, T, H, D + case.head_pad), np.nan, dtype=np.float32)
+    x[:, :n_real, :, :D] = rng.standard_normal((N, n_real, H, D), dtype=np.float32)
+    lse = rng.normal(4.0, 3.0, size=(N, H, T)).astype(np.float32)
+    lse[:, :, n_real:] = np.nan
+
+    req = np.searchsorted(qsl, np.arange(n_real), side="right") - 1  # request of each real token
+    empty = (np.diff(cu, axis=1) == 0)[:, req]  # bool[N, n_real]
+    lse[:, :, :n_real][np.broadcast_to(empty[:, None, :], (N, H, n_real))] = _GARBAGE_LSE
+    x[:, :n_real][empty] = np.nan
+
+    if case.specials and n_real:
+        # Per (partial, head, token): 0 normal (most), 1 +inf, 2 NaN, 3 -inf; outputs of those are NaN.
+        kind = rng.choice(4, size=(N, H, n_real), p=(0.85, 0.05, 0.05, 0.05))
+        every = rng.random((H, n_real)) < 0.04  # tokens whose every partial is empty
+        kind[:, every] = rng.integers(1, 4, size=(N, int(every.sum())))
+        real = lse[:, :, :n_real]
+        real[kind == 1] = np.inf
+        real[kind == 2] = np.nan
+        real[kind == 3] = -np.inf
+        xr = x[:, :n_real, :, :D]
+        xr[(kind != 0).transpose(0, 2, 1)] = np.nan
+        if N > 1:  # large but finite gaps: weights that underflow to exactly 0 or to subnormals
+            gap = (rng.random((N, H, n_real)) < 0.05) & (kind == 0)
+            real[gap] = real[gap] - rng.uniform(80.0, 110.0, size=int(gap.sum())).astype(np.float32)
+
+    if case.lse_base == 2:
+        lse = (lse / np.float32(math.log(2.0))).astype(np.float32)
+    if case.lse_layout == "TH":
+        lse = np.ascontiguousarray(lse.transpose(0, 2, 1))
+    inputs = dict(query_start_loc=qsl, cu_seq_lens=cu, outputs=x.astype(DTYPES[case.dtype]), lses=lse)
     if case.out_dtype is not None:
         inputs["output_scale"] = np.array([0.05], dtype=np.float32)
     return inputs

@@ -1,35 +1,27 @@
-"""`python -m parity check`: run both implementations on a suite of `parity.cases` and compare them.
+"""`python -m parity check`: run every implementation on a suite of `parity.cases` and compare them.
 
-For every case the numpy inputs of `parity.cases.make_inputs` are uploaded once to torch and shared with JAX
-over DLPack (`parity.bridge.share_inputs`, zero-copy). Three operations run per case:
+For every case the numpy inputs (`cases.make_inputs` / `make_inputs_n`) are uploaded once to torch and
+shared with JAX over DLPack (`parity.bridge.share_inputs`, zero-copy). Every implementation runs through
+`parity.impls` (reference, triton, pallas, jnp). The operations (`impls.OPS`):
 
-- `mask`: `mask_empty_context_lse` on the prefix LSE, zeroing the prefix output (SPEC 3);
-- `merge`: the merge of the *masked* prefix with the suffix (mask then merge, two launches; SPEC 4);
-- `merge_fused`: the merge of the raw prefix with the fused mask (`query_start_loc` + `prefix_cu_seq_lens`,
-  SPEC 4.5); only for cases with an empty request.
+- 2-way cases: `mask` (the prefix LSE, zeroing the prefix output; docs/spec.md 3); `merge` (each
+  implementation merges its own masked prefix with the suffix: mask then merge, 4); `merge_fused` (the raw
+  prefix with the fused mask, 4.5), for cases with an empty request;
+- N-way cases (8): `merge_n` (the partials with the reference-masked LSEs: their NaN garbage stays, under
+  -inf) and `merge_n_fused` (the raw partials with each partial's KV offsets). At N = 2 both must also give
+  the bits of the 2-way kernels on the same partials.
 
-Both merges use the case's options: `output_lse`, `prefill_tokens_with_context`, fp8 output with
-`output_scale`, `lse_layout`, `lse_base`. Padded-V cases hand Triton views `[..., :D]` of the padded buffers
-(own strides) and JAX slices (JAX arrays have no strides). Triton runs in place on clones of the shared torch
-tensors (a torch write would show through the JAX arrays, SPEC 6); Pallas runs functionally.
-
-Each result is compared (a) Triton vs Pallas bit for bit (`parity.compare.compare_bits`) and (b) each
-implementation vs the float64 reference (`parity.reference`) with `parity.compare.compare_to_reference`:
-exactly where the result is a bit copy (the mask; pass-through rows; rows empty on both sides, whose out is 0
-and LSE -inf), within tolerance elsewhere, measured against `compare.merge_magnitude` (|a|*wp + |b|*ws). Which
-comparisons are required depends on the mode (SPEC 5): see `RULES`.
+Each result is compared bit for bit between implementations (`parity.compare.compare_bits`: Triton vs Pallas,
+Pallas vs jnp) and with the float64 reference (`parity.compare.compare_to_reference`): exactly where the
+result is a bit copy (`parity.expected.exact_masks`), within tolerance elsewhere, measured against
+`parity.expected.magnitude`. Which comparisons are required depends on the mode (docs/spec.md 5): `RULES`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import inspect
 import json
 import math
-import os
-import platform
-import subprocess
 import sys
 import time
 from typing import Any
@@ -37,289 +29,42 @@ from typing import Any
 import numpy as np
 
 from parity import cases as cases_mod
-from parity import reference
+from parity import expected, impls
 
-SCHEMA = "parity-check/1"
-KINDS = ("triton_vs_pallas", "triton_vs_reference", "pallas_vs_reference")
+SCHEMA = "parity-check/2"
+KINDS = ("triton_vs_pallas", "pallas_vs_jnp", "triton_vs_reference", "pallas_vs_reference", "jnp_vs_reference")
+N2_KINDS = ("triton_n2_vs_2way", "pallas_n2_vs_2way")  # N = 2 records only
+PAIRS = (("triton", "pallas"), ("pallas", "jnp"))
 
 RULES = {
     "gpu-bitwise": (
-        "GPU, compiled kernels: Triton and Pallas must agree bit for bit (0 differing bits) on every output "
-        "of the mask and of the merge (SPEC 5); each must also match the float64 reference, bit for bit where "
-        "the result is a copy (mask, pass-through rows, rows empty on both sides) and within the stated "
-        "tolerance elsewhere."),
+        "GPU, compiled: Triton, Pallas and jnp (XLA) must agree bit for bit (0 differing bits) on every output "
+        "of every operation, and at N = 2 the N-way kernels must give the 2-way kernels' bits (docs/spec.md 5, 8); "
+        "each must also match the float64 reference, bit for bit where the result is a copy and within the "
+        "stated tolerance elsewhere."),
     "cpu-interpreters": (
-        "CPU, Triton interpreter and Pallas interpret mode: the mask must agree bit for bit between Triton and "
-        "Pallas; for the merge the Triton-vs-Pallas differing bits are reported but not required, because the "
-        "interpreters' float math differs (XLA:CPU contracts FMAs and has its own exp/log, SPEC 5); each "
-        "implementation must match the float64 reference, bit for bit where the result is a copy (mask, "
-        "pass-through rows, rows empty on both sides) and within the stated tolerance elsewhere."),
+        "CPU, Triton interpreter, Pallas interpret mode and jnp on XLA:CPU: the mask must agree bit for bit "
+        "between all three; for the merges the differing bits between implementations are reported but not "
+        "required, because the interpreters' float math differs (XLA:CPU contracts FMAs and has its own "
+        "exp/log, docs/spec.md 5); each implementation must match the float64 reference, bit for bit where "
+        "the result is a copy and within the stated tolerance elsewhere."),
 }
 
-# Token chunk (in T*H*D elements) of the float64 reference: bounds its temporaries on the large workloads.
-_REF_CHUNK_ELEMS = 1 << 23
+
+def _kinds(case: cases_mod.Case) -> tuple[str, ...]:
+    return KINDS + (N2_KINDS if case.partials == 2 else ())
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Small helpers shared with parity.golden
-
-
-def _call(func, *args, **kwargs):
-    """Call `func`, dropping keyword arguments it does not declare (compare's optional extras)."""
-    try:
-        params = inspect.signature(func).parameters
-    except (TypeError, ValueError):
-        return func(*args, **kwargs)
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return func(*args, **kwargs)
-    return func(*args, **{k: v for k, v in kwargs.items() if k in params})
+def _required(mode: str, op: str, case: cases_mod.Case) -> tuple[str, ...]:
+    if mode == "gpu-bitwise" or op == "mask":
+        return _kinds(case)
+    return ("triton_vs_reference", "pallas_vs_reference", "jnp_vs_reference")
 
 
 def dtype_label(case: cases_mod.Case) -> str:
     short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "fp8"}
     label = short[case.dtype]
     return label if case.out_dtype is None else f"{label}->{short[case.out_dtype]}"
-
-
-def lse_as_th(lse: np.ndarray, lse_layout: str) -> np.ndarray:
-    """View an LSE given in `lse_layout` as [T, H]."""
-    return lse.T if lse_layout == "HT" else lse
-
-
-def _token_slice_lse(lse: np.ndarray, lse_layout: str, t0: int, t1: int) -> np.ndarray:
-    return lse[:, t0:t1] if lse_layout == "HT" else lse[t0:t1]
-
-
-def reference_merge(case: cases_mod.Case, prefix_output, prefix_lse, suffix_output, suffix_lse, *,
-                    query_start_loc=None, prefix_cu_seq_lens=None, output_scale=None):
-    """`reference.merge_attn_states` with the case's options, in token chunks (every token is independent).
-
-    Outputs are `[T, H, D']` for any D' (callers slice a head pad away). A chunk [t0, t1) gets its offsets
-    rebased and clipped to the chunk (`clip(qsl - t0, 0, t1 - t0)`), which selects exactly the same tokens.
-    Returns (out f64[T, H, D'], lse f64 in the case's layout and base).
-    """
-    T, H, Dx = prefix_output.shape
-    ptwc = case.prefill_tokens_with_context
-    step = max(1, _REF_CHUNK_ELEMS // max(1, H * Dx))
-    out = np.empty((T, H, Dx), dtype=np.float64)
-    lse = np.empty((H, T) if case.lse_layout == "HT" else (T, H), dtype=np.float64)
-    for t0 in range(0, T, step):
-        t1 = min(T, t0 + step)
-        kw: dict[str, Any] = {}
-        if ptwc is not None:
-            kw["prefill_tokens_with_context"] = int(np.clip(ptwc - t0, 0, t1 - t0))
-        if query_start_loc is not None:
-            kw["query_start_loc"] = np.clip(np.asarray(query_start_loc, np.int64) - t0, 0, t1 - t0)
-            kw["prefix_cu_seq_lens"] = prefix_cu_seq_lens
-        o, l = reference.merge_attn_states(
-            prefix_output[t0:t1], _token_slice_lse(prefix_lse, case.lse_layout, t0, t1),
-            suffix_output[t0:t1], _token_slice_lse(suffix_lse, case.lse_layout, t0, t1),
-            output_scale=output_scale, lse_layout=case.lse_layout, lse_base=case.lse_base, **kw)
-        out[t0:t1] = o
-        _token_slice_lse(lse, case.lse_layout, t0, t1)[...] = l
-    return out, lse
-
-
-def merge_weights(case: cases_mod.Case, prefix_lse, suffix_lse, *, query_start_loc=None,
-                  prefix_cu_seq_lens=None) -> tuple[np.ndarray, np.ndarray]:
-    """(wp, ws) f64[T, H]: the reference's merge weights, read off the reference itself.
-
-    Merging a = 1 with b = 0 (D = 1) gives wp, a = 0 with b = 1 gives ws; so pass-through rows (SPEC 4.4) get
-    (0, 1) and rows empty on both sides (SPEC 4.2) get (0, 0).
-    """
-    T, H = case.num_tokens, case.num_heads
-    one, zero = np.ones((T, H, 1), np.float32), np.zeros((T, H, 1), np.float32)
-    kw = dict(query_start_loc=query_start_loc, prefix_cu_seq_lens=prefix_cu_seq_lens)
-    wp, _ = reference_merge(case, one, prefix_lse, zero, suffix_lse, **kw)
-    ws, _ = reference_merge(case, zero, prefix_lse, one, suffix_lse, **kw)
-    return wp[..., 0], ws[..., 0]
-
-
-def merge_exact_rows(case: cases_mod.Case, ref_lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(out_exact bool[T, H], lse_exact bool[T, H]): where the merge's result is a bit copy.
-
-    Rows empty on both sides (reference LSE -inf: out is 0, LSE -inf, SPEC 4.2) and pass-through rows
-    (t >= prefill_tokens_with_context: suffix row and raw suffix LSE, SPEC 4.4). With an fp8 output a
-    pass-through row is scaled and cast like any other, so only its LSE is a copy.
-    """
-    lse_th = lse_as_th(ref_lse, case.lse_layout)
-    both_empty = np.isneginf(lse_th)
-    passthrough = np.zeros_like(both_empty)
-    if case.prefill_tokens_with_context is not None:
-        passthrough[case.prefill_tokens_with_context:] = True
-    lse_exact = both_empty | passthrough
-    out_exact = both_empty | passthrough if case.out_dtype is None else both_empty.copy()
-    return out_exact, lse_exact
-
-
-def git_commit() -> str | None:
-    """HEAD of the checkout, else $GIT_COMMIT (a copied tree without .git, as on the device machine)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        r = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        head = r.stdout.strip() if r.returncode == 0 else ""
-    except (OSError, subprocess.SubprocessError):
-        head = ""
-    return head or os.environ.get("GIT_COMMIT") or None
-
-
-def collect_env(argv: list[str] | None = None) -> dict[str, Any]:
-    """Devices, versions, git commit, UTC time and command line of this run."""
-    versions: dict[str, str | None] = {"python": platform.python_version(), "numpy": np.__version__}
-    devices: dict[str, Any] = {}
-    for mod in ("torch", "triton", "jax", "jaxlib", "ml_dtypes"):
-        try:
-            versions[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - report what is importable
-            versions[mod] = None
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            devices["torch"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            versions["cuda"] = torch.version.cuda
-        else:
-            devices["torch"] = ["cpu"]
-    except Exception:  # noqa: BLE001
-        devices["torch"] = None
-    try:
-        import jax
-
-        devices["jax"] = [f"{d.platform}:{getattr(d, 'device_kind', '')}" for d in jax.devices()]
-    except Exception:  # noqa: BLE001
-        devices["jax"] = None
-    command = "python -m parity " + " ".join(argv) if argv is not None else " ".join(sys.argv)
-    return {
-        "devices": devices,
-        "versions": versions,
-        "platform": platform.platform(),
-        "git_commit": git_commit(),
-        "utc_time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": command,
-        "environment_variables": {k: os.environ.get(k)
-                                  for k in ("TRITON_INTERPRET", "XLA_PYTHON_CLIENT_PREALLOCATE")},
-    }
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Running the implementations
-
-
-@dataclasses.dataclass
-class Runtime:
-    """The device, the mode and the imported implementation packages."""
-
-    device: str  # torch device: "cuda" or "cpu"
-    mode: str  # "gpu-bitwise" or "cpu-interpreters"
-    triton_impl: Any
-    pallas_impl: Any
-    bridge: Any
-    compare: Any
-
-
-def make_runtime() -> Runtime:
-    import torch
-
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton_impl is imported (SPEC 6)
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    import jax
-
-    import pallas_impl
-    import triton_impl
-    from parity import bridge, compare
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    jax_backend = jax.default_backend()
-    if (device == "cuda") != (jax_backend == "gpu"):
-        raise RuntimeError(f"torch uses {device!r} but JAX's default backend is {jax_backend!r}: "
-                           "both frameworks must run on the same kind of device")
-    mode = "gpu-bitwise" if device == "cuda" else "cpu-interpreters"
-    return Runtime(device, mode, triton_impl, pallas_impl, bridge, compare)
-
-
-def _required(mode: str, op: str) -> tuple[str, ...]:
-    if mode == "gpu-bitwise" or op == "mask":
-        return KINDS
-    return ("triton_vs_reference", "pallas_vs_reference")
-
-
-def _sync(rt: Runtime) -> None:
-    if rt.device == "cuda":
-        import torch
-
-        torch.cuda.synchronize()
-
-
-def _torch_poisoned(shape, dtype, device):
-    """A NaN-filled torch tensor: any element a kernel fails to write shows up as a NaN mismatch."""
-    import torch
-
-    return torch.full(shape, float("nan"), dtype=torch.float32, device=device).to(dtype)
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    return getattr(torch, name)
-
-
-def _jnp_dtype(name: str):
-    import jax.numpy as jnp
-
-    return jnp.dtype(cases_mod.DTYPES[name])
-
-
-def run_triton_mask(rt: Runtime, case, t: dict):
-    """In place on clones: returns (lse, output buffer with its head pad) as torch tensors."""
-    lse = t["prefix_lse"].clone()
-    out_buf = t["prefix_output"].clone()
-    with np.errstate(all="ignore"):  # the interpreter evaluates with numpy: inf/NaN inputs are expected
-        rt.triton_impl.mask_empty_context_lse(lse, t["query_start_loc"], t["cu_seq_lens"],
-                                              out_buf[..., :case.head_dim], lse_layout=case.lse_layout)
-    _sync(rt)
-    return lse, out_buf
-
-
-def run_pallas_mask(rt: Runtime, case, j: dict):
-    lse, out = _call(rt.pallas_impl.mask_empty_context_lse, j["prefix_lse"], j["query_start_loc"],
-                     j["cu_seq_lens"], j["prefix_output"][..., :case.head_dim], lse_layout=case.lse_layout,
-                     implementation="pallas")
-    return lse, out
-
-
-def run_triton_merge(rt: Runtime, case, t: dict, prefix_output, prefix_lse, *, fused: bool):
-    """Returns (out buffer with its head pad, output_lse) as torch tensors; `prefix_output` may be padded."""
-    T, H, D = case.num_tokens, case.num_heads, case.head_dim
-    out_dtype = _torch_dtype(case.out_dtype or case.dtype)
-    out_buf = _torch_poisoned((T, H, D + case.head_pad), out_dtype, prefix_output.device)
-    out_lse = _torch_poisoned(tuple(t["suffix_lse"].shape), _torch_dtype("float32"), prefix_output.device)
-    kw = {}
-    if fused:
-        kw = dict(query_start_loc=t["query_start_loc"], prefix_cu_seq_lens=t["cu_seq_lens"])
-    with np.errstate(all="ignore"):  # the interpreter evaluates with numpy: inf/NaN inputs are expected
-        rt.triton_impl.merge_attn_states(
-            out_buf[..., :D], prefix_output[..., :D], prefix_lse, t["suffix_output"][..., :D], t["suffix_lse"],
-            out_lse, case.prefill_tokens_with_context, t.get("output_scale"),
-            lse_layout=case.lse_layout, lse_base=case.lse_base, **kw)
-    _sync(rt)
-    return out_buf, out_lse
-
-
-def run_pallas_merge(rt: Runtime, case, j: dict, prefix_output, prefix_lse, *, fused: bool):
-    D = case.head_dim
-    kw: dict[str, Any] = {}
-    if fused:
-        kw = dict(query_start_loc=j["query_start_loc"], prefix_cu_seq_lens=j["cu_seq_lens"])
-    if case.prefill_tokens_with_context is not None:
-        kw["prefill_tokens_with_context"] = case.prefill_tokens_with_context
-    if case.out_dtype is not None:
-        kw["out_dtype"] = _jnp_dtype(case.out_dtype)
-        kw["output_scale"] = j["output_scale"]
-    out, lse = rt.pallas_impl.merge_attn_states(
-        prefix_output[..., :D], prefix_lse, j["suffix_output"][..., :D], j["suffix_lse"],
-        return_lse=True, lse_layout=case.lse_layout, lse_base=case.lse_base, implementation="pallas", **kw)
-    return out, lse
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -331,7 +76,7 @@ class OpRecord:
     """The comparisons of one operation of one case."""
 
     case: cases_mod.Case
-    op: str  # "mask", "merge" (mask then merge) or "merge_fused"
+    op: str  # one of impls.OPS
     mode: str
     comparisons: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # kind -> array -> Report
     error: str | None = None
@@ -339,7 +84,7 @@ class OpRecord:
 
     @property
     def required(self) -> tuple[str, ...]:
-        return _required(self.mode, self.op)
+        return _required(self.mode, self.op, self.case)
 
     @property
     def ok(self) -> bool:
@@ -357,27 +102,21 @@ class OpRecord:
         return "ERROR" if self.error is not None else ("ok" if self.ok else "FAIL")
 
     def add(self, kind: str, report) -> None:
-        self.comparisons.setdefault(kind, {})[report_name(report)] = report
+        self.comparisons.setdefault(kind, {})[str(report.name)] = report
 
     def to_dict(self) -> dict[str, Any]:
         c = self.case
         return {
-            "case": c.name, "op": self.op, "dtype": c.dtype, "out_dtype": c.out_dtype or c.dtype,
-            "num_tokens": c.num_tokens, "num_heads": c.num_heads, "head_dim": c.head_dim,
-            "num_requests": c.num_requests, "lse_layout": c.lse_layout, "lse_base": "2" if c.lse_base == 2 else "e",
-            "head_pad": c.head_pad, "prefill_tokens_with_context": c.prefill_tokens_with_context,
+            "case": c.name, "op": self.op, "partials": c.partials or None, "dtype": c.dtype,
+            "out_dtype": c.out_dtype or c.dtype, "num_tokens": c.num_tokens, "num_heads": c.num_heads,
+            "head_dim": c.head_dim, "num_requests": c.num_requests, "lse_layout": c.lse_layout,
+            "lse_base": "2" if c.lse_base == 2 else "e", "head_pad": c.head_pad,
+            "prefill_tokens_with_context": c.prefill_tokens_with_context,
             "status": self.status.lower(), "ok": self.ok, "error": self.error,
             "required": list(self.required),
             "comparisons": {k: {n: r.to_dict() for n, r in v.items()} for k, v in self.comparisons.items()},
             "elapsed_s": round(self.elapsed_s, 3),
         }
-
-
-def report_name(report) -> str:
-    name = getattr(report, "name", None)
-    if name is None and hasattr(report, "to_dict"):
-        name = report.to_dict().get("name")
-    return str(name)
 
 
 def _sum_diff(reports) -> int:
@@ -410,22 +149,33 @@ def _fmt_vs_ref(rec: OpRecord, kind: str) -> str:
     return f"ok (err/tol {max(ratios):.2f})" if ratios else "ok (exact)"
 
 
+def _fmt_bits(rec: OpRecord, kinds) -> tuple[str, bool]:
+    """Differing bits summed over `kinds` ("-" when none ran), and whether a '*' (not required) applies."""
+    reps = [r for k in kinds for r in rec.comparisons.get(k, {}).values()]
+    if not reps:
+        return "-", False
+    star = not all(k in rec.required for k in kinds if k in rec.comparisons)
+    return str(_sum_diff(reps)) + ("*" if star else ""), star
+
+
 def format_table(records: list[OpRecord]) -> str:
-    head = ("case", "op", "dtype", "D", "tri-vs-pal bits", "max ulp", "triton-vs-ref", "pallas-vs-ref", "status")
+    head = ("case", "op", "N", "dtype", "D", "tri-vs-pal bits", "pal-vs-jnp bits", "N=2 vs 2-way", "max ulp",
+            "triton-vs-ref", "pallas-vs-ref", "jnp-vs-ref", "status")
     rows = [head]
     footnote = False
     for rec in records:
+        cells = []
+        for kinds in (("triton_vs_pallas",), ("pallas_vs_jnp",), N2_KINDS):
+            text, star = _fmt_bits(rec, kinds)
+            cells.append(text)
+            footnote |= star
         tp = list(rec.comparisons.get("triton_vs_pallas", {}).values())
-        bits = str(_sum_diff(tp)) if tp else "-"
-        if tp and "triton_vs_pallas" not in rec.required:
-            bits += "*"
-            footnote = True
-        status = rec.status
-        rows.append((rec.case.name, rec.op, dtype_label(rec.case), str(rec.case.head_dim), bits,
-                     _fmt_ulp(_max_ulp(tp)) if tp else "-", _fmt_vs_ref(rec, "triton_vs_reference"),
-                     _fmt_vs_ref(rec, "pallas_vs_reference"), status))
+        rows.append((rec.case.name, rec.op, str(rec.case.partials or 2), dtype_label(rec.case),
+                     str(rec.case.head_dim), *cells, _fmt_ulp(_max_ulp(tp)) if tp else "-",
+                     _fmt_vs_ref(rec, "triton_vs_reference"), _fmt_vs_ref(rec, "pallas_vs_reference"),
+                     _fmt_vs_ref(rec, "jnp_vs_reference"), rec.status))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    right = {3, 4, 5}
+    right = {2, 4, 5, 6, 7, 8}
     lines = []
     for n, row in enumerate(rows):
         cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
@@ -433,7 +183,7 @@ def format_table(records: list[OpRecord]) -> str:
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     if footnote:
-        lines.append("* reported, not required: the CPU interpreters' float math differs (SPEC 5)")
+        lines.append("* reported, not required: the CPU interpreters' float math differs (docs/spec.md 5)")
     for rec in records:
         if rec.error is not None:
             lines.append(f"{rec.case.name} {rec.op}: error: {rec.error}")
@@ -450,32 +200,69 @@ def format_table(records: list[OpRecord]) -> str:
 # One case
 
 
-def _ops_of(case: cases_mod.Case) -> tuple[str, ...]:
-    return ("mask", "merge", "merge_fused") if case.empty else ("mask", "merge")
-
-
 def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def run_case(rt: Runtime, case: cases_mod.Case, seed: int, on_record=None) -> list[OpRecord]:
+class _Judge:
+    """Adds the comparisons of one record: implementations pairwise bit for bit, each one against the reference."""
+
+    def __init__(self, rt: impls.Runtime, case: cases_mod.Case, seed: int, query_start_loc):
+        from parity import compare
+
+        self.cmp = compare
+        self.loc = dict(query_start_loc=query_start_loc, lse_layout=case.lse_layout, case=case.name, seed=seed,
+                        mode=rt.mode)
+
+    def bits(self, rec: OpRecord, kind: str, got, want, name: str) -> None:
+        rec.add(kind, self.cmp.compare_bits(got, want, name=name, **self.loc))
+
+    def all_bits(self, rec: OpRecord, results: dict[str, dict], key: str, name: str, want=None) -> None:
+        for a, b in PAIRS:
+            self.bits(rec, f"{a}_vs_{b}", results[a][key], results[b][key], name)
+        if want is not None:
+            for impl in impls.KERNEL_IMPLS:
+                self.bits(rec, f"{impl}_vs_reference", results[impl][key], want, name)
+
+    def to_reference(self, rec: OpRecord, results: dict[str, dict], key: str, name: str, want, exact, **kw):
+        for impl in impls.KERNEL_IMPLS:
+            rec.add(f"{impl}_vs_reference", self.cmp.compare_to_reference(
+                results[impl][key], want, name=name, exact_mask=exact, **self.loc, **kw))
+
+
+def _shared(rt: impls.Runtime, inputs: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
+    """The inputs of every implementation: numpy for the reference, one device buffer for the others."""
+    from parity import bridge
+
+    t, j = bridge.share_inputs(inputs, rt.device)
+    return {"reference": inputs, "triton": t, "pallas": j, "jnp": j}
+
+
+def _judge_merge(rec: OpRecord, judge: _Judge, case: cases_mod.Case, op: str, results: dict,
+                 ref_arrays: dict[str, np.ndarray]) -> None:
+    """The comparisons of a merge record: pairwise bits, and each implementation against the reference."""
+    D = case.head_dim
+    w = expected.merge_weights(case, op, ref_arrays)
+    mag = expected.magnitude(case, op, ref_arrays, w)
+    out_exact, lse_exact = expected.exact_masks(case, w)
+    ref = results["reference"]
+    judge.all_bits(rec, results, "out", f"{op}.out")
+    judge.all_bits(rec, results, "lse", f"{op}.lse")
+    judge.to_reference(rec, results, "out", f"{op}.out", ref["out"], np.broadcast_to(out_exact[..., None], mag.shape),
+                       mag=mag)
+    judge.to_reference(rec, results, "lse", f"{op}.lse", ref["lse"], lse_exact, tol="lse")
+    if case.head_pad:  # the columns past D of Triton's output buffer keep their NaN poison
+        pad = results["triton"]["out_buffer"][..., D:]
+        judge.bits(rec, "triton_vs_reference", pad, impls.poisoned(pad.shape, case.out_dtype or case.dtype, pad.device),
+                   f"{op}.out[pad]")
+
+
+def run_case(rt: impls.Runtime, case: cases_mod.Case, seed: int, on_record=None) -> list[OpRecord]:
     """Run the operations of one case; `on_record(rec)` is called as each finishes.
 
     Results stay on the device (torch tensors, JAX arrays): `parity.compare` scans them there in chunks.
     """
-    cmp = rt.compare
-    D = case.head_dim
-    inputs = cases_mod.make_inputs(case, seed)
-    qsl, cu = inputs["query_start_loc"], inputs["cu_seq_lens"]
-    t, j = rt.bridge.share_inputs(inputs, rt.device)
     records: list[OpRecord] = []
-    loc = dict(query_start_loc=qsl, lse_layout=case.lse_layout, case=case.name, seed=seed, mode=rt.mode)
-
-    def bits(got, want, name):
-        return _call(cmp.compare_bits, got, want, name=name, **loc)
-
-    def to_ref(got, want, name, **kw):
-        return _call(cmp.compare_to_reference, got, want, name=name, **loc, **kw)
 
     def finish(rec: OpRecord, t0: float) -> None:
         rec.elapsed_s = time.perf_counter() - t0
@@ -483,71 +270,86 @@ def run_case(rt: Runtime, case: cases_mod.Case, seed: int, on_record=None) -> li
         if on_record is not None:
             on_record(rec)
 
-    # ---- mask (SPEC 3): bit-exact everywhere
+    if case.n_way:
+        _run_n_way(rt, case, seed, finish)
+    else:
+        _run_two_way(rt, case, seed, finish)
+    return records
+
+
+def _run_two_way(rt, case, seed, finish) -> None:
+    D = case.head_dim
+    inputs = cases_mod.make_inputs(case, seed)
+    arrays = _shared(rt, inputs)
+    judge = _Judge(rt, case, seed, inputs["query_start_loc"])
+
+    # ---- mask (docs/spec.md 3): bit-exact everywhere
     t0 = time.perf_counter()
     rec = OpRecord(case, "mask", rt.mode)
-    want_lse, want_out = reference.mask_empty_context_lse(inputs["prefix_lse"], qsl, cu,
-                                                          inputs["prefix_output"][..., :D],
-                                                          lse_layout=case.lse_layout)
-    tri = pal = None
+    masked: dict[str, dict] = {}
     try:
-        pal = run_pallas_mask(rt, case, j)
-        tri = run_triton_mask(rt, case, t)
-        for name, tg, pg, want in (("mask.lse", tri[0], pal[0], want_lse),
-                                   ("mask.output", tri[1][..., :D], pal[1], want_out)):
-            rec.add("triton_vs_pallas", bits(tg, pg, name))
-            rec.add("triton_vs_reference", bits(tg, want, name))
-            rec.add("pallas_vs_reference", bits(pg, want, name))
+        masked = {impl: impls.run(rt, impl, "mask", case, arrays[impl]) for impl in impls.IMPLS}
+        judge.all_bits(rec, masked, "lse", "mask.lse", masked["reference"]["lse"])
+        judge.all_bits(rec, masked, "output", "mask.output", masked["reference"]["output"])
         if case.head_pad:  # the columns past D of the V-padded buffer are not the mask's to touch
-            rec.add("triton_vs_reference", bits(tri[1][..., D:], t["prefix_output"][..., D:], "mask.output[pad]"))
+            judge.bits(rec, "triton_vs_reference", masked["triton"]["output_buffer"][..., D:],
+                       inputs["prefix_output"][..., D:], "mask.output[pad]")
     except Exception as e:  # noqa: BLE001 - one broken case must not hide the others
         rec.error = _error_text(e)
     finish(rec, t0)
 
     # ---- merge: mask then merge (each implementation merges its own masked prefix), then the fused mask
-    variants = [("merge", False)] + ([("merge_fused", True)] if case.empty else [])
-    mag = None
-    scale = inputs.get("output_scale")
-    ref_b, ref_s = inputs["suffix_output"][..., :D], inputs["suffix_lse"]
-    for op, fused in variants:
+    for op in impls.ops_of(case)[1:]:
         t0 = time.perf_counter()
         rec = OpRecord(case, op, rt.mode)
         try:
-            if fused:
-                ref_a, ref_p = inputs["prefix_output"][..., :D], inputs["prefix_lse"]
-                ref_kw = dict(query_start_loc=qsl, prefix_cu_seq_lens=cu)
-                tri_args, pal_args = (t["prefix_output"], t["prefix_lse"]), (j["prefix_output"], j["prefix_lse"])
-            else:
-                if tri is None or pal is None:
+            if op == "merge":
+                if len(masked) < len(impls.IMPLS):
                     raise RuntimeError("the mask failed, so mask-then-merge has no input")
-                ref_a, ref_p = want_out, want_lse
-                ref_kw = {}
-                tri_args, pal_args = (tri[1], tri[0]), (pal[1], pal[0])
-            want_o, want_l = reference_merge(case, ref_a, ref_p, ref_b, ref_s, output_scale=scale, **ref_kw)
-            if mag is None:  # the same for both variants (the fused mask gives the masked rows weight 0)
-                wp, ws = merge_weights(case, ref_p, ref_s, **ref_kw)
-                mag = cmp.merge_magnitude(ref_a, ref_b, wp, ws, scale)
-                del wp, ws
-            out_exact, lse_exact = merge_exact_rows(case, want_l)
-            out_exact = np.broadcast_to(out_exact[:, :, None], want_o.shape)
-            lse_exact = lse_exact.T if case.lse_layout == "HT" else lse_exact
-
-            p_out, p_lse = run_pallas_merge(rt, case, j, *pal_args, fused=fused)
-            t_buf, t_lse = run_triton_merge(rt, case, t, *tri_args, fused=fused)
-            t_out = t_buf[..., :D]
-            for name, tg, pg, want, exact, kw in (
-                    (f"{op}.out", t_out, p_out, want_o, out_exact, dict(mag=mag)),
-                    (f"{op}.lse", t_lse, p_lse, want_l, lse_exact, dict(tol="lse"))):
-                rec.add("triton_vs_pallas", bits(tg, pg, name))
-                rec.add("triton_vs_reference", to_ref(tg, want, name, exact_mask=exact, **kw))
-                rec.add("pallas_vs_reference", to_ref(pg, want, name, exact_mask=exact, **kw))
-            if case.head_pad:  # the columns past D of the output buffer keep their NaN poison
-                rec.add("triton_vs_reference", bits(t_buf[..., D:], _torch_poisoned(
-                    tuple(t_buf[..., D:].shape), t_buf.dtype, t_buf.device), f"{op}.out[pad]"))
+                ops = {impl: dict(arrays[impl], prefix_output=masked[impl]["output"], prefix_lse=masked[impl]["lse"])
+                       for impl in impls.IMPLS}
+            else:
+                ops = arrays
+            results = {impl: impls.run(rt, impl, op, case, ops[impl]) for impl in impls.IMPLS}
+            _judge_merge(rec, judge, case, op, results, ops["reference"])
         except Exception as e:  # noqa: BLE001
             rec.error = _error_text(e)
         finish(rec, t0)
-    return records
+
+
+def _run_n_way(rt, case, seed, finish) -> None:
+    inputs = cases_mod.make_inputs_n(case, seed)
+    inputs["masked_lses"] = impls.masked_lses(case, inputs)
+    arrays = _shared(rt, inputs)
+    judge = _Judge(rt, case, seed, inputs["query_start_loc"])
+    for op in impls.ops_of(case):
+        t0 = time.perf_counter()
+        rec = OpRecord(case, op, rt.mode)
+        try:
+            ops = arrays if op == "merge_n_fused" else {
+                impl: dict(arrays[impl], lses=arrays[impl]["masked_lses"]) for impl in impls.IMPLS}
+            results = {impl: impls.run(rt, impl, op, case, ops[impl]) for impl in impls.IMPLS}
+            _judge_merge(rec, judge, case, op, results, ops["reference"])
+            if case.partials == 2:
+                _n2_vs_two_way(rt, rec, judge, case, op, arrays, results)
+        except Exception as e:  # noqa: BLE001
+            rec.error = _error_text(e)
+        finish(rec, t0)
+
+
+def _n2_vs_two_way(rt, rec, judge, case, op, arrays, results) -> None:
+    """docs/spec.md 8: at N = 2 the N-way kernel gives the 2-way kernel's bits. The 2-way fused mask covers the
+    prefix only, so partial 1 goes in with its reference-masked LSE (the mask is exact)."""
+    two_way_op = "merge_fused" if op == "merge_n_fused" else "merge"
+    for impl in ("triton", "pallas"):
+        a = arrays[impl]
+        lses = a["lses"] if op == "merge_n_fused" else a["masked_lses"]
+        two = dict(prefix_output=a["outputs"][0], prefix_lse=lses[0], suffix_output=a["outputs"][1],
+                   suffix_lse=a["masked_lses"][1], query_start_loc=a["query_start_loc"],
+                   cu_seq_lens=a["cu_seq_lens"][0], output_scale=a.get("output_scale"))
+        got = impls.run(rt, impl, two_way_op, case, two)
+        for key in ("out", "lse"):
+            judge.bits(rec, f"{impl}_n2_vs_2way", results[impl][key], got[key], f"{op}.{key}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -555,13 +357,13 @@ def run_case(rt: Runtime, case: cases_mod.Case, seed: int, on_record=None) -> li
 
 
 def count_ops(selected) -> int:
-    return sum(len(_ops_of(c)) for c in selected)
+    return sum(len(impls.ops_of(c)) for c in selected)
 
 
 def run_check(*, suite: str, name_filter: str | None, seed: int, quiet: bool = False,
-              progress=None) -> tuple[Runtime, list[OpRecord]]:
-    selected = cases_mod.select(suite, name_filter)
-    rt = make_runtime()
+              progress=None) -> tuple[impls.Runtime, list[OpRecord]]:
+    selected = cases_mod.select(suite, name_filter, kind="all")
+    rt = impls.make_runtime()
     total = count_ops(selected)
     records: list[OpRecord] = []
 
@@ -577,15 +379,17 @@ def run_check(*, suite: str, name_filter: str | None, seed: int, quiet: bool = F
     return rt, records
 
 
-def build_report(rt: Runtime, records: list[OpRecord], *, suite: str, name_filter, seed: int,
+def build_report(rt: impls.Runtime, records: list[OpRecord], *, suite: str, name_filter, seed: int,
                  argv: list[str] | None) -> dict[str, Any]:
+    from parity import compare
+
     n_fail = sum(not r.ok for r in records)
     return {
         "schema": SCHEMA,
-        "env": collect_env(argv),
+        "env": impls.collect_env(argv),
         "mode": rt.mode,
         "rule": RULES[rt.mode],
-        "tolerances": {k: v.describe() for k, v in getattr(rt.compare, "TOLERANCES", {}).items()},
+        "tolerances": {k: v.describe() for k, v in compare.TOLERANCES.items()},
         "suite": suite,
         "filter": name_filter,
         "seed": seed,
@@ -597,7 +401,7 @@ def build_report(rt: Runtime, records: list[OpRecord], *, suite: str, name_filte
 
 def main(args) -> int:
     """Handler of `python -m parity check` (args from parity.cli)."""
-    selected = cases_mod.select(args.suite, args.name_filter)
+    selected = cases_mod.select(args.suite, args.name_filter, kind="all")
     if not selected:
         print(f"error: no case in suite {args.suite!r} matches -k {args.name_filter!r}", file=sys.stderr)
         return 2

@@ -3,36 +3,19 @@
 Progress goes to stderr, tables to stdout, machine-readable output only to JSON files. Exit status: 0 success,
 1 parity failure, 2 usage error (argparse).
 
-The run mode is fixed here, before anything imports `triton_impl`: without CUDA, Triton kernels run in its
-interpreter (`TRITON_INTERPRET=1` is read when the kernels are imported) and Pallas kernels in interpret mode
-(`interpret=None` picks it on CPU); `XLA_PYTHON_CLIENT_PREALLOCATE=false` lets torch and JAX share a GPU.
+The run mode is fixed here (`parity.impls.configure`), before anything imports `triton_impl`: without CUDA,
+Triton kernels run in its interpreter (`TRITON_INTERPRET=1` is read when the kernels are imported) and Pallas
+kernels in interpret mode; `XLA_PYTHON_CLIENT_PREALLOCATE=false` lets torch and JAX share a GPU.
 Each subcommand imports its module inside its handler, so the others work when one is missing.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 SUITES = ("ci", "default", "full", "seed")
-
-
-def configure_runtime() -> bool:
-    """Set the environment the kernels read at import; returns whether torch sees a CUDA GPU."""
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    try:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-    except ImportError:
-        has_cuda = False
-    if not has_cuda:
-        if "triton_impl" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-            print("warning: triton_impl was imported before TRITON_INTERPRET was set", file=sys.stderr)
-        os.environ["TRITON_INTERPRET"] = "1"
-    return has_cuda
 
 
 def _check(args) -> int:
@@ -103,7 +86,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="check an implementation against golden vectors written by `export`")
     p.add_argument("dir", metavar="DIR", help="folder holding manifest.json and the .npz files")
-    p.add_argument("--impl", choices=("triton", "pallas", "reference"), required=True)
+    p.add_argument("--impl", choices=("triton", "pallas", "jnp", "reference"), required=True)
     p.add_argument("-k", dest="name_filter", metavar="SUBSTR", default=None,
                    help="only cases whose name contains SUBSTR")
     p.add_argument("--json", metavar="FILE", default=None, help="write the JSON report to FILE")
@@ -137,7 +120,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (argparse usage errors give 2)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    configure_runtime()
+    from parity import impls
+
+    impls.configure()
     parser = build_parser(argv)
     try:
         args = parser.parse_args(argv)

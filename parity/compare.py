@@ -682,42 +682,54 @@ def assert_bitwise_equal(got: Any, want: Any, *, name: str = "", case: Any = Non
     return report
 
 
-def merge_magnitude(prefix_output, suffix_output, wp, ws, output_scale=None) -> np.ndarray:
-    """f64[T, H, D]: |a|*wp + |b|*ws, the scale of the merge's rounding error (the `mag` of `TOLERANCES`).
+def merge_magnitude(outputs, weights, output_scale=None) -> np.ndarray:
+    """f64[T, H, D]: sum_i |o_i| * w_i, the scale of the merge's rounding error (the `mag` of `TOLERANCES`).
 
-    `wp`, `ws` are the merge weights f64[T, H]. A zero weight contributes exactly 0 (SPEC 4.3), so NaN in an
-    empty partial does not reach the magnitude. With an fp8 output (SPEC 4.6) it is divided by the scale.
+    `outputs` are the N partials (a sequence of [T, H, D] arrays, or one [N, T, H, D] array), `weights` their
+    merge weights f64[N, T, H] (`parity.reference.merge_weights_n`). A zero weight contributes exactly 0
+    (docs/spec.md 4.3), so NaN in an empty partial does not reach the magnitude. With an fp8 output (4.6) it
+    is divided by the scale.
     """
-    def term(x, w):
-        w = np.asarray(w, dtype=np.float64)[..., None]
+    mag = None
+    for o, w in zip(outputs, np.asarray(weights, dtype=np.float64)):
         with np.errstate(invalid="ignore"):
-            return np.where(w > 0, np.abs(np.asarray(x, dtype=np.float64)) * w, 0.0)
-
-    mag = term(prefix_output, wp) + term(suffix_output, ws)
+            term = np.where(w[..., None] > 0, np.abs(np.asarray(o, dtype=np.float64)) * w[..., None], 0.0)
+        mag = term if mag is None else mag + term
     if output_scale is not None:
         mag /= float(np.asarray(output_scale, dtype=np.float32).reshape(-1)[0])
     return mag
 
 
 def merge_out_magnitude(prefix_output: np.ndarray, prefix_lse: np.ndarray, suffix_output: np.ndarray,
-                        suffix_lse: np.ndarray, **merge_kwargs: Any) -> np.ndarray:
-    """`merge_magnitude` with the weights read off `parity.reference.merge_attn_states` itself.
-
-    Merging a = 1 with b = 0 (D = 1) gives wp, a = 0 with b = 1 gives ws, under the same options, so the
-    empty, both-empty and pass-through rules are the reference's own. `parity.check.merge_weights` does the
-    same in token chunks for large cases.
-    """
+                        suffix_lse: np.ndarray, *, output_scale=None, query_start_loc=None, prefix_cu_seq_lens=None,
+                        prefill_tokens_with_context=None, lse_layout="HT", lse_base=math.e) -> np.ndarray:
+    """`merge_magnitude` of the 2-way merge with these options, its weights from `parity.reference`."""
     from parity import reference
 
-    scale = merge_kwargs.pop("output_scale", None)
-    T, H = np.asarray(prefix_output).shape[:2]
-    one, zero = np.ones((T, H, 1)), np.zeros((T, H, 1))
-    wp, _ = reference.merge_attn_states(one, prefix_lse, zero, suffix_lse, **merge_kwargs)
-    ws, _ = reference.merge_attn_states(zero, prefix_lse, one, suffix_lse, **merge_kwargs)
-    return merge_magnitude(prefix_output, suffix_output, wp[..., 0], ws[..., 0], scale)
+    T = np.asarray(prefix_output).shape[0]
+    empty = None
+    if query_start_loc is not None:  # the fused mask covers the prefix only
+        empty = np.zeros((2, T), dtype=bool)
+        empty[0] = reference.empty_token_mask(query_start_loc, prefix_cu_seq_lens, T)
+    w = reference.merge_weights_n(np.stack([prefix_lse, suffix_lse]), empty=empty, lse_layout=lse_layout,
+                                  lse_base=lse_base, prefill_tokens_with_context=prefill_tokens_with_context)
+    return merge_magnitude((prefix_output, suffix_output), w, output_scale)
+
+
+def merge_out_magnitude_n(outputs: np.ndarray, lses: np.ndarray, *, output_scale=None, query_start_loc=None,
+                          cu_seq_lens=None, prefill_tokens_with_context=None, lse_layout="HT",
+                          lse_base=math.e) -> np.ndarray:
+    """`merge_magnitude` of the N-way merge with these options, its weights from `parity.reference`."""
+    from parity import reference
+
+    T = np.asarray(outputs).shape[1]
+    empty = None if query_start_loc is None else reference.empty_token_masks(query_start_loc, cu_seq_lens, T)
+    w = reference.merge_weights_n(lses, empty=empty, lse_layout=lse_layout, lse_base=lse_base,
+                                  prefill_tokens_with_context=prefill_tokens_with_context)
+    return merge_magnitude(outputs, w, output_scale)
 
 
 __all__ = ["CLASS_NAMES", "FINITE", "NAN", "NEG_INF", "POS_INF", "Report", "TOLERANCES", "Tolerance",
            "ULP_BUCKETS", "assert_bitwise_equal", "assert_matches_reference", "compare_bits",
-           "compare_to_reference", "merge_magnitude", "merge_out_magnitude", "ordered_bits", "raw_bits", "tolerance_for",
+           "compare_to_reference", "merge_magnitude", "merge_out_magnitude", "merge_out_magnitude_n", "ordered_bits", "raw_bits", "tolerance_for",
            "ulp_distance", "value_class"]

@@ -25,8 +25,6 @@ breaks the unfixed path: the merge reads -inf (FA3) as empty and normalises +inf
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import numpy as np
 
@@ -82,35 +80,20 @@ def _default_torch_device(device):
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _import_triton_impl(device: str):
-    # Triton reads TRITON_INTERPRET when kernels are defined: on CPU it must be set before the import.
-    if device.startswith("cpu"):
-        if "triton_impl" not in sys.modules:
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-        elif os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError("triton_impl was imported without TRITON_INTERPRET=1; it cannot run on the CPU")
-    import triton_impl
-
-    return triton_impl
-
-
 # --------------------------------------------------------------------------------------------------
-# The chunked prefill, per framework. Both functions have the same shape, statement by statement.
+# The chunked prefill. The attention partials are framework code (`_partials_torch`, `_partials_jax`); the
+# mask and merges run through `parity.impls`, the same loop for every implementation (`_combine`).
 # --------------------------------------------------------------------------------------------------
 
-def _chunked_prefill_torch(batch: PrefillBatch, plan: ChunkPlan, behavior: str, device: str):
-    """{path: f32[T, H, Dv] numpy} and the new-token partial (for the pass-through check)."""
+def _partials_torch(batch: PrefillBatch, plan: ChunkPlan, behavior: str, device: str) -> dict:
+    """The chunk partials, the new-token partial and the offsets as torch tensors on `device`."""
     import torch
-
-    ti = _import_triton_impl(device)
 
     def up(x):
         return torch.from_numpy(np.ascontiguousarray(x)).to(device)
 
     q, ctx_k, ctx_v = up(batch.q), up(batch.ctx_k), up(batch.ctx_v)
     qsl_host = batch.query_start_loc
-    qsl = up(qsl_host)
-    ptwc = batch.prefill_tokens_with_context()
     chunks = []  # (out f32[T, H, Dv], lse f32[H, T], cu i32[R+1] on device) per chunk
     for i in range(plan.num_chunks):
         idx = up(chunk_gather_index(plan, i, batch.context_start_loc))
@@ -119,51 +102,15 @@ def _chunked_prefill_torch(batch: PrefillBatch, plan: ChunkPlan, behavior: str, 
         chunks.append((out, lse, up(plan.cu_seq_lens[i])))
     new_out, new_lse = attention_torch(q, up(batch.new_k), up(batch.new_v), qsl_host, qsl_host, causal=True,
                                        scale=batch.scale)
-    context_cu = up(batch.context_start_loc)  # whole-context offsets: empty = no context at all
-
-    results = {}
-    for path in PATHS:
-        state = None  # (out, lse) of the context so far
-        for i, (out, lse, cu) in enumerate(chunks):
-            out, lse = out.clone(), lse.clone()
-            if path == "mask_then_merge":
-                ti.mask_empty_context_lse(lse, qsl, cu, output=out, has_empty=plan.has_empty[i])
-            if state is None:
-                state = (out, lse)
-                continue
-            merged, merged_lse = torch.empty_like(out), torch.empty_like(lse)
-            if path == "fused":  # the new chunk is the prefix: its offsets drive the fused mask
-                ti.merge_attn_states(merged, out, lse, state[0], state[1], merged_lse,
-                                     query_start_loc=qsl, prefix_cu_seq_lens=cu)
-            else:
-                ti.merge_attn_states(merged, state[0], state[1], out, lse, merged_lse)
-            state = (merged, merged_lse)
-        if state is None:  # no request has context
-            results[path] = new_out.cpu().numpy()
-            continue
-        final = torch.empty_like(new_out)
-        fused = dict(query_start_loc=qsl, prefix_cu_seq_lens=context_cu) if path == "fused" else {}
-        ti.merge_attn_states(final, state[0], state[1], new_out, new_lse, None, ptwc, **fused)
-        results[path] = final.cpu().numpy()
-    return results, new_out.cpu().numpy()
+    return dict(chunks=chunks, new=(new_out, new_lse), qsl=up(qsl_host), context_cu=up(batch.context_start_loc))
 
 
-def _chunked_prefill_jax(batch: PrefillBatch, plan: ChunkPlan, behavior: str, implementation: str):
-    """`_chunked_prefill_torch` on the JAX side, with `pallas_impl` (functional) on the default device."""
-    import functools
-
+def _partials_jax(batch: PrefillBatch, plan: ChunkPlan, behavior: str) -> dict:
+    """`_partials_torch` on the JAX side (JAX's default device)."""
     import jax.numpy as jnp
-
-    import pallas_impl
-
-    # The implementation is pinned: on CPU, None would pick the jnp fallback instead of the kernels.
-    mask_empty_context_lse = functools.partial(pallas_impl.mask_empty_context_lse, implementation=implementation)
-    merge_attn_states = functools.partial(pallas_impl.merge_attn_states, implementation=implementation)
 
     q, ctx_k, ctx_v = jnp.asarray(batch.q), jnp.asarray(batch.ctx_k), jnp.asarray(batch.ctx_v)
     qsl_host = batch.query_start_loc
-    qsl = jnp.asarray(qsl_host)
-    ptwc = batch.prefill_tokens_with_context()
     chunks = []
     for i in range(plan.num_chunks):
         idx = chunk_gather_index(plan, i, batch.context_start_loc).astype(np.int32)
@@ -174,29 +121,39 @@ def _chunked_prefill_jax(batch: PrefillBatch, plan: ChunkPlan, behavior: str, im
         chunks.append((out, lse, jnp.asarray(plan.cu_seq_lens[i])))
     new_out, new_lse = attention_jax(q, jnp.asarray(batch.new_k), jnp.asarray(batch.new_v), qsl_host, qsl_host,
                                      causal=True, scale=batch.scale)
-    context_cu = jnp.asarray(batch.context_start_loc)
+    return dict(chunks=chunks, new=(new_out, new_lse), qsl=jnp.asarray(qsl_host),
+                context_cu=jnp.asarray(batch.context_start_loc))
 
+
+def _combine(a, parts: dict, plan: ChunkPlan, ptwc) -> dict:
+    """{path: f32[T, H, Dv] numpy}: each path's mask and merges over the partials, through adapter `a`."""
+    from parity import bridge
+
+    qsl, context_cu = parts["qsl"], parts["context_cu"]
+    new_out, new_lse = parts["new"]
     results = {}
     for path in PATHS:
-        state = None
-        for i, (out, lse, cu) in enumerate(chunks):
+        state = None  # (out, lse) of the context so far
+        for i, (out, lse, cu) in enumerate(parts["chunks"]):
             if path == "mask_then_merge":
-                lse, out = mask_empty_context_lse(lse, qsl, cu, output=out, has_empty=plan.has_empty[i])
+                r = a.mask(lse, qsl, cu, out, has_empty=plan.has_empty[i])
+                out, lse = r["output"], r["lse"]
             if state is None:
                 state = (out, lse)
                 continue
             if path == "fused":  # the new chunk is the prefix: its offsets drive the fused mask
-                state = merge_attn_states(out, lse, state[0], state[1], query_start_loc=qsl, prefix_cu_seq_lens=cu)
+                r = a.merge(out, lse, state[0], state[1], query_start_loc=qsl, prefix_cu_seq_lens=cu)
             else:
-                state = merge_attn_states(state[0], state[1], out, lse)
-        if state is None:
-            results[path] = np.asarray(new_out)
+                r = a.merge(state[0], state[1], out, lse)
+            state = (r["out"], r["lse"])
+        if state is None:  # no request has context
+            results[path] = bridge.to_numpy(new_out)
             continue
         fused = dict(query_start_loc=qsl, prefix_cu_seq_lens=context_cu) if path == "fused" else {}
-        final = merge_attn_states(state[0], state[1], new_out, new_lse, prefill_tokens_with_context=ptwc,
-                                     return_lse=False, **fused)
-        results[path] = np.asarray(final)
-    return results, np.asarray(new_out)
+        r = a.merge(state[0], state[1], new_out, new_lse, prefill_tokens_with_context=ptwc, return_lse=False,
+                    **fused)
+        results[path] = bridge.to_numpy(r["out"])
+    return results
 
 
 # --------------------------------------------------------------------------------------------------
@@ -258,9 +215,12 @@ def run_batch(batch: PrefillBatch, *, framework: str = "both", device=None, tole
     for b in behaviors:
         if b not in EMPTY_BEHAVIORS:
             raise ValueError(f"unknown empty behaviour {b!r}; known: {list(EMPTY_BEHAVIORS)}")
+    from parity import bridge, impls
+
     plan = batch.plan()
     ptwc = batch.prefill_tokens_with_context()
     want = reference_prefill(batch)
+    rt = impls.make_runtime()
     torch_device = _default_torch_device(device) if "torch" in frameworks else None
     meta = dict(num_requests=batch.num_requests, num_tokens=batch.num_tokens, num_heads=batch.num_heads,
                 num_chunks=plan.num_chunks, budget=plan.budget, has_empty=list(plan.has_empty),
@@ -277,9 +237,11 @@ def run_batch(batch: PrefillBatch, *, framework: str = "both", device=None, tole
             # The interpreters compute with numpy: exp(-inf - -inf) and friends in masked lanes would warn.
             with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
                 if fw == "torch":
-                    results, new_out = _chunked_prefill_torch(batch, plan, behavior, torch_device)
+                    parts, a = _partials_torch(batch, plan, behavior, torch_device), impls.adapter(rt, "triton")
                 else:
-                    results, new_out = _chunked_prefill_jax(batch, plan, behavior, jax_implementation)
+                    parts, a = _partials_jax(batch, plan, behavior), impls.adapter(rt, jax_implementation)
+                results = _combine(a, parts, plan, ptwc)
+                new_out = bridge.to_numpy(parts["new"][0])
             for path in PATHS:
                 row = dict(framework=fw, device=fw_device, empty_behavior=behavior, path=path,
                            fixed=path in FIXED_PATHS)

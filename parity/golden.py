@@ -1,14 +1,15 @@
 """Golden vectors: `python -m parity export DIR` and `python -m parity verify DIR --impl ...`.
 
-`export` writes, per case of a suite, `<case>.npz` with the inputs and the expected results, and one
-`manifest.json` describing every case and array (format: docs/golden.md). Expected results come from the
-float64 reference (`parity.reference`), never from the kernels. Every float array is stored as the unsigned
-integer of its width holding its bits, so numpy alone can read bf16 and fp8 (the manifest names the dtype).
+`export` writes, per case of a suite (2-way and N-way cases), `<case>.npz` with the inputs and the expected
+results, and one `manifest.json` describing every case and array (format: docs/golden.md). Expected results
+come from the float64 reference (`parity.reference`, through `parity.impls` and `parity.expected`), never
+from the kernels. Every float array is stored as the unsigned integer of its width holding its bits, so
+numpy alone can read bf16 and fp8 (the manifest names the dtype).
 
 `verify` loads the vectors, checks the sha256 of every array against the manifest, runs one implementation
-(`triton`, `pallas` or `reference`) on the inputs and compares: the mask bit for bit; the merge bit for bit
-where the result is a copy (`*_exact`) and elsewhere within the tolerance written in the manifest
-(`|got - want| <= atol + rtol * mag`, `parity.compare.TOLERANCES`).
+(`triton`, `pallas`, `jnp` or `reference`, through `parity.impls`) on the inputs and compares: the mask bit for
+bit; the merges bit for bit where the result is a copy (`*_exact`) and elsewhere within the tolerance written
+in the manifest (`|got - want| <= atol + rtol * mag`, `parity.compare.TOLERANCES`).
 """
 
 from __future__ import annotations
@@ -24,26 +25,27 @@ from typing import Any
 import numpy as np
 
 from parity import cases as cases_mod
-from parity import reference
+from parity import expected, impls
 
 FORMAT = "mla-lse-merge-golden"
-FORMAT_VERSION = 1
-SEMANTICS_VERSION = "1"
+FORMAT_VERSION = 2
+SEMANTICS_VERSION = "2"
 MANIFEST = "manifest.json"
-OPS = ("mask", "merge", "merge_fused")
+OPS = impls.OPS
 
 SPEC_SECTIONS = {
-    "document": "SPEC.md (shared/SPEC.md next to the repository; summarised in README.md)",
-    "layouts": "SPEC.md section 2",
-    "mask": "SPEC.md section 3",
-    "merge": "SPEC.md section 4",
-    "empty_sentinels": "SPEC.md section 4.1",
-    "both_empty": "SPEC.md section 4.2",
-    "zero_weight": "SPEC.md section 4.3",
-    "pass_through": "SPEC.md section 4.4",
-    "fused_mask": "SPEC.md section 4.5",
-    "fp8_output": "SPEC.md section 4.6",
-    "parity": "SPEC.md section 5",
+    "document": "docs/spec.md (in the repository)",
+    "layouts": "docs/spec.md section 2",
+    "mask": "docs/spec.md section 3",
+    "merge": "docs/spec.md section 4",
+    "empty_sentinels": "docs/spec.md section 4.1",
+    "both_empty": "docs/spec.md section 4.2",
+    "zero_weight": "docs/spec.md section 4.3",
+    "pass_through": "docs/spec.md section 4.4",
+    "fused_mask": "docs/spec.md section 4.5",
+    "fp8_output": "docs/spec.md section 4.6",
+    "parity": "docs/spec.md section 5",
+    "merge_n": "docs/spec.md section 8",
 }
 
 # Storage dtype of each value dtype: same width, little-endian.
@@ -141,6 +143,19 @@ def sha256(stored: np.ndarray) -> str:
 def case_params(case: cases_mod.Case, seed: int) -> dict[str, Any]:
     T, H, D = case.num_tokens, case.num_heads, case.head_dim
     lse_shape = [H, T] if case.lse_layout == "HT" else [T, H]
+    if case.n_way:
+        N = case.partials
+        return {
+            "partials": N, "query_lens": list(case.query_lens), "context_lens": list(case.context_lens),
+            "interleave": case.interleave, "num_requests": case.num_requests, "num_tokens": T, "num_heads": H,
+            "head_dim": D, "head_pad": case.head_pad, "padding_tokens": case.padding,
+            "dtype": case.dtype, "out_dtype": case.out_dtype or case.dtype,
+            "lse_layout": case.lse_layout, "lse_shape": [N] + lse_shape, "lse_base": "2" if case.lse_base == 2 else "e",
+            "output_shape": [T, H, D], "buffer_shape": [N, T, H, D + case.head_pad],
+            "prefill_tokens_with_context": case.prefill_tokens_with_context,
+            "fp8_output_scale": case.out_dtype is not None, "specials": case.specials, "strided": case.strided,
+            "seed": seed,
+        }
     return {
         "query_lens": list(case.query_lens), "empty_requests": list(case.empty),
         "num_requests": case.num_requests, "num_tokens": T, "num_heads": H, "head_dim": D,
@@ -154,6 +169,13 @@ def case_params(case: cases_mod.Case, seed: int) -> dict[str, Any]:
 
 
 def case_from_params(name: str, p: dict[str, Any]) -> cases_mod.Case:
+    if p.get("partials"):
+        return cases_mod.Case(
+            name, tuple(p["query_lens"]), (), num_heads=p["num_heads"], head_dim=p["head_dim"], dtype=p["dtype"],
+            lse_layout=p["lse_layout"], lse_base=2 if p["lse_base"] == "2" else math.e, padding=p["padding_tokens"],
+            head_pad=p["head_pad"], specials=p["specials"], prefill_tokens_with_context=p["prefill_tokens_with_context"],
+            out_dtype=None if p["out_dtype"] == p["dtype"] else p["out_dtype"], partials=p["partials"],
+            context_lens=tuple(p["context_lens"]), interleave=p["interleave"], strided=p["strided"])
     return cases_mod.Case(
         name, tuple(p["query_lens"]), tuple(p["empty_requests"]), num_heads=p["num_heads"],
         head_dim=p["head_dim"], dtype=p["dtype"], lse_layout=p["lse_layout"],
@@ -166,62 +188,68 @@ def case_from_params(name: str, p: dict[str, Any]) -> cases_mod.Case:
 # Expected results (float64 reference only)
 
 
-def expected_arrays(case: cases_mod.Case, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The expected results of the mask and the merge, from `parity.reference`.
+def _merge_expectations(case: cases_mod.Case, op: str, arrays: dict[str, np.ndarray],
+                        last_output: np.ndarray, last_lse: np.ndarray) -> dict[str, np.ndarray]:
+    """merge.* of docs/golden.md for a merge op on `arrays`: reference values, their bits, exact masks, weights.
 
-    Keys: mask.lse, mask.output (exact); merge.out / merge.lse (float64 reference values), merge.out_bits /
-    merge.lse_bits (the same rounded to the result dtype, pass-through rows as the suffix's own bits),
-    merge.out_exact bool[T, H] / merge.lse_exact (LSE layout) (where the result is a bit copy),
-    merge.weights f64[T, H, 2] (wp, ws: the magnitude |a|*wp + |b|*ws of the tolerance).
+    `last_output` / `last_lse` are the last partial's (the suffix's) output and LSE: pass-through rows copy them.
     """
-    from parity import check  # the chunked reference helpers (numpy only)
-
-    D = case.head_dim
-    qsl, cu = inputs["query_start_loc"], inputs["cu_seq_lens"]
-    mask_lse, mask_out = reference.mask_empty_context_lse(inputs["prefix_lse"], qsl, cu,
-                                                          inputs["prefix_output"][..., :D],
-                                                          lse_layout=case.lse_layout)
-    b, s = inputs["suffix_output"][..., :D], inputs["suffix_lse"]
-    scale = inputs.get("output_scale")
-    out, lse = check.reference_merge(case, mask_out, mask_lse, b, s, output_scale=scale)
-    wp, ws = check.merge_weights(case, mask_lse, s)
-    out_exact, lse_exact_th = check.merge_exact_rows(case, lse)
-    lse_exact = lse_exact_th.T if case.lse_layout == "HT" else lse_exact_th
-
-    out_dtype = _np_dtype(case.out_dtype or case.dtype)
-    out_bits = out.astype(out_dtype)
-    lse_bits = lse.astype(np.float32)
+    ref = impls.run(impls.HOST, "reference", op, case, arrays)
+    w = expected.merge_weights(case, op, arrays)
+    out_exact, lse_exact = expected.exact_masks(case, w)
+    out_bits = ref["out"].astype(_np_dtype(case.out_dtype or case.dtype))
+    lse_bits = ref["lse"].astype(np.float32)
     ptwc = case.prefill_tokens_with_context
-    if ptwc is not None:  # SPEC 4.4: bit copies (float64 cannot carry NaN payloads)
+    if ptwc is not None:  # docs/spec.md 4.4, 8.4: bit copies (float64 cannot carry NaN payloads)
         if case.out_dtype is None:
-            out_bits[ptwc:] = b[ptwc:]
-        check._token_slice_lse(lse_bits, case.lse_layout, ptwc, case.num_tokens)[...] = \
-            check._token_slice_lse(s, case.lse_layout, ptwc, case.num_tokens)
-    return {
-        "mask.lse": mask_lse, "mask.output": mask_out,
-        "merge.out": out, "merge.out_bits": out_bits, "merge.out_exact": out_exact,
-        "merge.lse": lse, "merge.lse_bits": lse_bits, "merge.lse_exact": lse_exact,
-        "merge.weights": np.stack([wp, ws], axis=-1),
-    }
+            out_bits[ptwc:] = last_output[ptwc:, :, :case.head_dim]
+        impls._token_slice(lse_bits, case.lse_layout, ptwc, case.num_tokens)[...] = \
+            impls._token_slice(last_lse, case.lse_layout, ptwc, case.num_tokens)
+    return {"merge.out": ref["out"], "merge.out_bits": out_bits, "merge.out_exact": out_exact,
+            "merge.lse": ref["lse"], "merge.lse_bits": lse_bits, "merge.lse_exact": lse_exact, "merge.weights": w}
+
+
+def expected_arrays(case: cases_mod.Case, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The expected results of the case's ops, from the float64 reference (docs/golden.md, "Arrays of a case").
+
+    2-way cases: mask.lse, mask.output (exact) and merge.* of the merge of the masked prefix (the fused merge
+    must give the same results). N-way cases: masked_lses (each partial's LSE after the mask: the input of
+    `merge_n`) and merge.* of the N-way merge (`merge_n_fused` on the raw partials must give the same).
+    """
+    if case.n_way:
+        masked = impls.masked_lses(case, inputs)
+        arrays = dict(inputs, lses=masked)
+        return {"masked_lses": masked,
+                **_merge_expectations(case, "merge_n", arrays, inputs["outputs"][-1], inputs["lses"][-1])}
+    mask = impls.run(impls.HOST, "reference", "mask", case, inputs)
+    arrays = dict(inputs, prefix_output=mask["output"], prefix_lse=mask["lse"])
+    return {"mask.lse": mask["lse"], "mask.output": mask["output"],
+            **_merge_expectations(case, "merge", arrays, inputs["suffix_output"], inputs["suffix_lse"])}
 
 
 _DESCRIPTIONS = {
-    "query_start_loc": "i32[R+1] query offsets (SPEC 2)",
-    "cu_seq_lens": "i32[R+1] context-chunk offsets of the prefix; request r is empty iff cu[r+1] == cu[r]",
+    "query_start_loc": "i32[R+1] query offsets (docs/spec.md 2)",
+    "cu_seq_lens": "i32[R+1] context-chunk offsets of the prefix (N-way: i32[N, R+1], each partial's KV offsets); "
+                   "request r is empty iff cu[r+1] == cu[r]",
+    "outputs": "dtype[N, T, H, D + head_pad] the N partials (N-way cases); columns >= D are padding (NaN)",
+    "lses": "f32[N, H, T] or f32[N, T, H] the partials' LSEs (N-way cases), in lse_layout and lse_base",
+    "masked_lses": "lses after the mask of each partial by its offsets (the input of merge_n; exact)",
     "prefix_output": "dtype[T, H, D + head_pad] prefix (context chunk) partial; columns >= D are padding (NaN)",
     "prefix_lse": "f32 prefix LSE in lse_layout and lse_base",
     "suffix_output": "dtype[T, H, D + head_pad] suffix partial; columns >= D are padding (NaN)",
     "suffix_lse": "f32 suffix LSE in lse_layout and lse_base",
-    "output_scale": "f32[1] fp8 output scale (SPEC 4.6)",
+    "output_scale": "f32[1] fp8 output scale (docs/spec.md 4.6)",
     "mask.lse": "expected prefix LSE after the mask (exact)",
     "mask.output": "expected prefix_output[..., :D] after the mask (exact)",
     "merge.out": "float64 reference output (fp8: the clamped, scaled value before the cast)",
-    "merge.out_bits": "merge.out rounded to the output dtype (nearest even); pass-through rows are the suffix's bits",
+    "merge.out_bits": "merge.out rounded to the output dtype (nearest even); pass-through rows are the last partial's "
+                      "(the suffix's) bits",
     "merge.out_exact": "bool[T, H]: rows of the output that are bit copies (compared bit for bit)",
     "merge.lse": "float64 reference LSE (lse_layout, lse_base)",
-    "merge.lse_bits": "merge.lse rounded to f32; pass-through rows are the raw suffix LSE bits",
+    "merge.lse_bits": "merge.lse rounded to f32; pass-through rows are the raw LSE bits of the last partial",
     "merge.lse_exact": "bool in lse_layout: LSE elements that are bit copies (compared bit for bit)",
-    "merge.weights": "f64[T, H, 2]: the reference weights (wp, ws) giving mag = |a|*wp + |b|*ws",
+    "merge.weights": "f64[N, T, H]: the reference weight w_i of each partial (N = 2: prefix, suffix), giving "
+                     "mag = sum_i |o_i| * w_i",
 }
 
 
@@ -242,20 +270,19 @@ def _tolerances() -> dict[str, dict[str, float]]:
 def export(out_dir: str, selected: list[cases_mod.Case], *, seed: int = 0, argv: list[str] | None = None,
            progress=None) -> dict[str, Any]:
     """Write `<case>.npz` per case and `manifest.json`; returns the manifest."""
-    from parity import check
-
     os.makedirs(out_dir, exist_ok=True)
     manifest: dict[str, Any] = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "semantics_version": SEMANTICS_VERSION,
         "spec": SPEC_SECTIONS,
-        "generator": {k: v for k, v in check.collect_env(argv).items()
+        "generator": {k: v for k, v in impls.collect_env(argv).items()
                       if k in ("versions", "git_commit", "utc_time", "command")},
         "storage": ("numpy .npz (np.savez, uncompressed). Floats are stored as same-width unsigned integers "
                     "holding their bits (little-endian): reinterpret with .view(); bool as uint8; int32 as is."),
         "tolerance_rule": ("exact elements: identical bits (a NaN matches any NaN); other elements: the value "
                            "classes (finite, +inf, -inf, NaN) agree and |got - want| <= atol + rtol * mag in "
-                           "float64, with want = merge.out / merge.lse, mag = |a|*wp + |b|*ws (divided by "
-                           "output_scale for fp8) for the output and |merge.lse| for the LSE; rtol, atol from "
+                           "float64, with want = merge.out / merge.lse, mag = sum_i |o_i| * w_i over the partials "
+                           "with w = merge.weights (divided by output_scale for fp8) for the output and |merge.lse| "
+                           "for the LSE; rtol, atol from "
                            "tolerances[output dtype] and tolerances['lse']"),
         "tolerances": _tolerances(),
         "ops": {
@@ -265,13 +292,17 @@ def export(out_dir: str, selected: list[cases_mod.Case], *, seed: int = 0, argv:
                      "suffix_lse, options) -> compare with merge.* (mask then merge)",
             "merge_fused": "merge_attn_states(prefix_output[..., :D], prefix_lse, suffix_output[..., :D], suffix_lse, "
                            "query_start_loc=, prefix_cu_seq_lens=cu_seq_lens, options) -> compare with merge.* "
-                           "(fused mask, SPEC 4.5)",
+                           "(fused mask, docs/spec.md 4.5)",
+            "merge_n": "merge_attn_states_n(outputs[..., :D], masked_lses, options) -> compare with merge.* "
+                       "(N-way cases, docs/spec.md 8)",
+            "merge_n_fused": "merge_attn_states_n(outputs[..., :D], lses, query_start_loc=, cu_seq_lens=, options) "
+                             "-> compare with merge.* (N-way cases, fused mask, docs/spec.md 8.1)",
         },
         "cases": [],
     }
     for n, case in enumerate(selected, 1):
         t0 = time.perf_counter()
-        inputs = cases_mod.make_inputs(case, seed)
+        inputs = (cases_mod.make_inputs_n if case.n_way else cases_mod.make_inputs)(case, seed)
         arrays = dict(inputs)
         arrays.update(expected_arrays(case, inputs))
         stored, entries = {}, {}
@@ -283,7 +314,7 @@ def export(out_dir: str, selected: list[cases_mod.Case], *, seed: int = 0, argv:
         file = f"{case.name}.npz"
         np.savez(os.path.join(out_dir, file), **stored)
         manifest["cases"].append({"name": case.name, "file": file, "params": case_params(case, seed),
-                                  "ops": list(OPS), "arrays": entries})
+                                  "ops": list(impls.ops_of(case)), "arrays": entries})
         if progress is not None:
             print(f"[{n}/{len(selected)}] {case.name} exported ({time.perf_counter() - t0:.1f}s)",
                   file=progress, flush=True)
@@ -339,83 +370,65 @@ def load_case(golden_dir: str, entry: dict[str, Any]) -> dict[str, np.ndarray]:
 # Verify
 
 
-def _run_reference(case, a: dict, op: str):
-    from parity import check
-
-    D = case.head_dim
-    if op == "mask":
-        return reference.mask_empty_context_lse(a["prefix_lse"], a["query_start_loc"], a["cu_seq_lens"],
-                                                a["prefix_output"][..., :D], lse_layout=case.lse_layout)
+def _operands(case, a: dict[str, np.ndarray], op: str) -> dict[str, np.ndarray]:
+    """The numpy arrays `op` runs on (`impls.op_call`): "merge" reads the masked prefix (in a buffer with the
+    case's head pad), "merge_n" the masked LSEs."""
+    inputs = {k: v for k, v in a.items() if "." not in k}
     if op == "merge":
-        prefix, plse, kw = a["mask.output"], a["mask.lse"], {}
-    else:
-        prefix, plse = a["prefix_output"][..., :D], a["prefix_lse"]
-        kw = dict(query_start_loc=a["query_start_loc"], prefix_cu_seq_lens=a["cu_seq_lens"])
-    out, lse = check.reference_merge(case, prefix, plse, a["suffix_output"][..., :D], a["suffix_lse"],
-                                     output_scale=a.get("output_scale"), **kw)
-    # The reference leaves the final rounding to the caller (SPEC 4.6 for fp8).
-    return out.astype(_np_dtype(case.out_dtype or case.dtype)), lse.astype(np.float32)
+        masked = np.array(a["prefix_output"], copy=True)
+        masked[..., :case.head_dim] = a["mask.output"]
+        inputs.update(prefix_output=masked, prefix_lse=a["mask.lse"])
+    elif op == "merge_n":
+        inputs["lses"] = a["masked_lses"]
+    return inputs
 
 
-class _Kernels:
-    """Runs `triton` or `pallas` through the same helpers as `python -m parity check`."""
+class _Runner:
+    """Runs one implementation through `parity.impls`, as `python -m parity check` does."""
 
     def __init__(self, impl: str):
-        from parity import check
+        self.impl = impl
+        self.rt = impls.HOST if impl == "reference" else impls.make_runtime()
 
-        self.impl, self.check = impl, check
-        self.rt = check.make_runtime()
+    def run(self, case, a: dict, op: str) -> dict[str, Any]:
+        inputs = _operands(case, a, op)
+        if self.impl == "reference":
+            got = impls.run(self.rt, "reference", op, case, inputs)
+            if op != "mask":  # the reference leaves the final rounding to the caller (docs/spec.md 4.6 for fp8)
+                got = {"out": got["out"].astype(_np_dtype(case.out_dtype or case.dtype)),
+                       "lse": got["lse"].astype(np.float32)}
+            return got
+        from parity import bridge
 
-    def run(self, case, a: dict, op: str):
-        check, rt = self.check, self.rt
-        D = case.head_dim
-        inputs = {k: v for k, v in a.items() if "." not in k}
-        if op == "merge":  # the masked prefix, in a buffer with the case's head pad
-            masked = np.array(a["prefix_output"], copy=True)
-            masked[..., :D] = a["mask.output"]
-            inputs["masked_prefix_output"], inputs["masked_prefix_lse"] = masked, a["mask.lse"]
-        t, j = rt.bridge.share_inputs(inputs, rt.device)
-        if op == "mask":
-            if self.impl == "triton":
-                lse, buf = check.run_triton_mask(rt, case, t)
-                return lse, buf[..., :D]
-            return check.run_pallas_mask(rt, case, j)
-        fused = op == "merge_fused"
-        src = t if self.impl == "triton" else j
-        prefix = (src["prefix_output"], src["prefix_lse"]) if fused else \
-            (src["masked_prefix_output"], src["masked_prefix_lse"])
-        if self.impl == "triton":
-            buf, lse = check.run_triton_merge(rt, case, t, *prefix, fused=fused)
-            return buf[..., :D], lse
-        return check.run_pallas_merge(rt, case, j, *prefix, fused=fused)
+        t, j = bridge.share_inputs(inputs, self.rt.device)
+        return impls.run(self.rt, self.impl, op, case, t if self.impl == "triton" else j)
 
 
-def verify_case(entry: dict[str, Any], a: dict[str, np.ndarray], runner, tolerances: dict[str, dict]):
+def verify_case(entry: dict[str, Any], a: dict[str, np.ndarray], runner: _Runner, tolerances: dict[str, dict]):
     """Runs the ops of one case; returns [(op, {array: Report}, error or None)]."""
     from parity import compare
 
     case = case_from_params(entry["name"], entry["params"])
-    D = case.head_dim
     out_dtype = case.out_dtype or case.dtype
     loc = dict(query_start_loc=a["query_start_loc"], lse_layout=case.lse_layout, case=case.name,
-               seed=entry["params"]["seed"], mode=f"golden-{runner if isinstance(runner, str) else runner.impl}")
+               seed=entry["params"]["seed"], mode=f"golden-{runner.impl}")
     results = []
     for op in entry.get("ops", OPS):
         reports: dict[str, Any] = {}
         try:
-            got = _run_reference(case, a, op) if runner == "reference" else runner.run(case, a, op)
+            got = runner.run(case, a, op)
             if op == "mask":
-                for name, g, w in (("mask.lse", got[0], a["mask.lse"]), ("mask.output", got[1], a["mask.output"])):
-                    reports[name] = compare.compare_bits(g, w, name=name, **loc)
+                for key in ("lse", "output"):
+                    reports[f"mask.{key}"] = compare.compare_bits(got[key], a[f"mask.{key}"], name=f"mask.{key}",
+                                                                  **loc)
             else:
-                wp, ws = a["merge.weights"][..., 0], a["merge.weights"][..., 1]
-                mag = compare.merge_magnitude(a["mask.output"], a["suffix_output"][..., :D], wp, ws,
-                                            a.get("output_scale"))
+                arrays = _operands(case, a, "merge_n" if case.n_way else "merge")
+                mag = expected.magnitude(case, "merge_n" if case.n_way else "merge", arrays, a["merge.weights"])
                 out_exact = np.broadcast_to(a["merge.out_exact"][:, :, None], mag.shape)
                 for name, g, w, exact, kw in (
-                        (f"{op}.out", got[0], a["merge.out"], out_exact,
+                        (f"{op}.out", got["out"], a["merge.out"], out_exact,
                          dict(mag=mag, tol=compare.Tolerance(**tolerances[out_dtype]))),
-                        (f"{op}.lse", got[1], a["merge.lse"], a["merge.lse_exact"],
+                        (f"{op}.lse", got["lse"], a["merge.lse"], a["merge.lse_exact"],
                          dict(tol=compare.Tolerance(**tolerances["lse"])))):
                     reports[name] = compare.compare_to_reference(g, w, name=name, exact_mask=exact, **kw, **loc)
             results.append((op, reports, None))
@@ -430,7 +443,7 @@ def verify(golden_dir: str, impl: str, *, name_filter: str | None = None, progre
     entries = [e for e in manifest["cases"] if name_filter is None or name_filter in e["name"]]
     if not entries:
         raise GoldenError(f"no case in {golden_dir!r} matches -k {name_filter!r}")
-    runner = "reference" if impl == "reference" else _Kernels(impl)
+    runner = _Runner(impl)
     rows = []
     total = sum(len(e.get("ops", OPS)) for e in entries)
     for entry in entries:
@@ -510,7 +523,7 @@ def verify_main(args) -> int:
     if args.json:
         from parity import check
 
-        report = {"schema": "parity-golden-verify/1", "env": check.collect_env(getattr(args, "argv", None)),
+        report = {"schema": "parity-golden-verify/1", "env": impls.collect_env(getattr(args, "argv", None)),
                   "golden_dir": os.path.abspath(args.dir), "impl": args.impl, "ok": ok,
                   "records": [{"case": r["case"], "op": r["op"], "ok": r["ok"], "error": r["error"],
                                "reports": {k: v.to_dict() for k, v in r["reports"].items()}} for r in rows]}

@@ -1,8 +1,11 @@
-"""Float64 reference: the executable definition of the mask and the merge (SPEC sections 3-4).
+"""Float64 reference: the executable definition of the mask and the merges (docs/spec.md sections 3, 4, 8).
 
 numpy only. Inputs are numpy arrays (any float dtype for outputs, f32 LSE, i32 offsets); results are
 new arrays, the inputs are never modified. Float results are float64 except where the operation is a bit
 copy (mask, pass-through rows), which keeps the input's dtype and bits.
+
+The 2-way merge (section 4) is the N-way merge (section 8) of `(prefix, suffix)` whose fused mask covers
+the prefix only: both run through `_merge_stacked`, so the two definitions cannot drift apart.
 """
 
 from __future__ import annotations
@@ -15,9 +18,13 @@ FP8_E4M3_MAX = 448.0
 LSE_LAYOUTS = ("HT", "TH")
 
 
-def _lse_as_ht(lse: np.ndarray, lse_layout: str) -> np.ndarray:
+def _check_layout(lse_layout: str) -> None:
     if lse_layout not in LSE_LAYOUTS:
         raise ValueError(f"lse_layout must be one of {LSE_LAYOUTS}, got {lse_layout!r}")
+
+
+def _lse_as_ht(lse: np.ndarray, lse_layout: str) -> np.ndarray:
+    _check_layout(lse_layout)
     return lse if lse_layout == "HT" else lse.T
 
 
@@ -31,7 +38,7 @@ def _lse_base_factor(lse_base) -> float:
 
 
 def empty_token_mask(query_start_loc: np.ndarray, cu_seq_lens: np.ndarray, num_tokens: int) -> np.ndarray:
-    """bool[T]: True for the tokens of requests whose context chunk is empty (SPEC 3). Padding is False."""
+    """bool[T]: True for the tokens of requests whose context chunk is empty (section 3). Padding is False."""
     qsl = np.asarray(query_start_loc, dtype=np.int64)
     cu = np.asarray(cu_seq_lens, dtype=np.int64)
     empty = np.zeros(num_tokens, dtype=bool)
@@ -42,7 +49,7 @@ def empty_token_mask(query_start_loc: np.ndarray, cu_seq_lens: np.ndarray, num_t
 
 
 def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, lse_layout="HT"):
-    """SPEC 3. Returns (lse, output) copies with the empty requests' rows set to -inf / 0."""
+    """Section 3. Returns (lse, output) copies with the empty requests' rows set to -inf / 0."""
     lse = np.array(lse, copy=True)
     ht = _lse_as_ht(lse, lse_layout)  # a view: writes land in `lse`
     empty = empty_token_mask(query_start_loc, cu_seq_lens, ht.shape[1])
@@ -53,52 +60,132 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ls
     return lse, output
 
 
+def _weights(l_raw: np.ndarray, empty: np.ndarray | None, ln_base: float):
+    """(w f64[N, T, H], m f64[T, H], z f64[T, H], both_empty bool[T, H]) of raw LSEs f32[N, T, H] (8.1-8.3).
+
+    `empty` is bool[N, T] (a token of a request empty in partial i) or None. `m` is 0 where every partial
+    is empty, so `log(z) + m` is finite everywhere it is used.
+    """
+    l = l_raw.astype(np.float64)
+    l = np.where(np.isposinf(l) | np.isnan(l), -np.inf, l * ln_base)  # 8.1 (4.1): +inf and NaN mean empty
+    if empty is not None:
+        l[np.asarray(empty, dtype=bool)] = -np.inf  # 8.1 (4.5): the fused mask, from the offsets only
+    m = l.max(axis=0)
+    both_empty = m == -np.inf  # 8.2 (4.2)
+    m = np.where(both_empty, 0.0, m)
+    e = np.exp(l - m)
+    z = e.sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        w = e / z
+    return w, m, z, both_empty
+
+
+def _merge_stacked(outputs, l_raw: np.ndarray, *, empty, prefill_tokens_with_context, output_scale, ln_base):
+    """The N-way merge of partials `outputs` (a sequence of N [T, H, D] arrays) with raw LSEs f32[N, T, H].
+
+    Returns (out f64[T, H, D], lse f64[T, H] in the input base).
+    """
+    w, m, z, both_empty = _weights(l_raw, empty, ln_base)
+    out = np.zeros(np.shape(outputs[0]), dtype=np.float64)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        for i, o in enumerate(outputs):  # 8.3 (4.3): index order; a zero weight contributes exactly 0
+            wi = w[i][..., None]
+            out += np.where(wi > 0, np.asarray(o, dtype=np.float64) * wi, 0.0)
+        out = np.where(both_empty[..., None], 0.0, out)
+        lse = np.where(both_empty, -np.inf, np.log(z) + m) / ln_base
+
+    if prefill_tokens_with_context is not None:  # 8.4 (4.4): bit copies of the last partial
+        n = int(prefill_tokens_with_context)
+        out[n:] = np.asarray(outputs[-1], dtype=np.float64)[n:]
+        lse[n:] = l_raw[-1, n:]
+
+    if output_scale is not None:  # 4.6
+        scale = float(np.asarray(output_scale, dtype=np.float32).reshape(-1)[0])
+        out = np.clip(out / scale, -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return out, lse
+
+
+def _from_th(lse_th: np.ndarray, lse_layout: str) -> np.ndarray:
+    return lse_th.T if lse_layout == "HT" else lse_th
+
+
 def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
                       prefill_tokens_with_context=None, query_start_loc=None, prefix_cu_seq_lens=None,
                       output_scale=None, lse_layout="HT", lse_base=math.e):
-    """SPEC 4. Returns (out f64[T, H, D], lse f64 in the input layout and base).
+    """Section 4. Returns (out f64[T, H, D], lse f64 in the input layout and base).
 
-    Pass-through rows (SPEC 4.4) hold the suffix values exactly (as float64, which represents every
-    input value exactly). With `output_scale` (SPEC 4.6) `out` is the clamped, scaled value before the
-    fp8 cast; the caller rounds it to e4m3.
+    Pass-through rows (4.4) hold the suffix values exactly (as float64, which represents every input value
+    exactly). With `output_scale` (4.6) `out` is the clamped, scaled value before the fp8 cast; the caller
+    rounds it to e4m3.
     """
-    a = np.asarray(prefix_output, dtype=np.float64)
-    b = np.asarray(suffix_output, dtype=np.float64)
-    num_tokens = a.shape[0]
     ln_base = _lse_base_factor(lse_base)
-    p_raw = _lse_as_ht(np.asarray(prefix_lse), lse_layout).astype(np.float64).T  # [T, H]
-    s_raw = _lse_as_ht(np.asarray(suffix_lse), lse_layout).astype(np.float64).T
+    num_tokens = np.shape(prefix_output)[0]
+    l_raw = np.stack([_lse_as_ht(np.asarray(x), lse_layout).T for x in (prefix_lse, suffix_lse)])
+    empty = None
+    if query_start_loc is not None:  # 4.5: the fused mask covers the prefix only
+        empty = np.zeros((2, num_tokens), dtype=bool)
+        empty[0] = empty_token_mask(query_start_loc, prefix_cu_seq_lens, num_tokens)
+    out, lse = _merge_stacked((prefix_output, suffix_output), l_raw, empty=empty,
+                              prefill_tokens_with_context=prefill_tokens_with_context,
+                              output_scale=output_scale, ln_base=ln_base)
+    return out, _from_th(lse, lse_layout)
 
-    # SPEC 4.1: +inf and NaN mean "empty", like -inf.
-    def normalise(x):
-        return np.where(np.isposinf(x) | np.isnan(x), -np.inf, x * ln_base)
 
-    p, s = normalise(p_raw), normalise(s_raw)
-    if query_start_loc is not None:  # SPEC 4.5: the fused mask
-        empty = empty_token_mask(query_start_loc, prefix_cu_seq_lens, num_tokens)
-        p[empty] = -np.inf
+def _lses_as_nth(lses: np.ndarray, lse_layout: str) -> np.ndarray:
+    """[N, T, H] view of stacked LSEs given as [N, H, T] ("HT") or [N, T, H] ("TH")."""
+    _check_layout(lse_layout)
+    lses = np.asarray(lses)
+    return lses.transpose(0, 2, 1) if lse_layout == "HT" else lses
 
-    m = np.maximum(p, s)
-    both_empty = m == -np.inf  # SPEC 4.2
-    m_safe = np.where(both_empty, 0.0, m)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        pe, se = np.exp(p - m_safe), np.exp(s - m_safe)
-        z = pe + se
-        wp, ws = pe / z, se / z
-        # SPEC 4.3: a zero weight contributes exactly 0, whatever the partial holds.
-        term_a = np.where((wp > 0)[..., None], a * wp[..., None], 0.0)
-        term_b = np.where((ws > 0)[..., None], b * ws[..., None], 0.0)
-        out = np.where(both_empty[..., None], 0.0, term_a + term_b)
-        lse = np.where(both_empty, -np.inf, np.log(z) + m_safe) / ln_base
 
-    if prefill_tokens_with_context is not None:  # SPEC 4.4: bit copies of the suffix
+def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, query_start_loc=None,
+                        cu_seq_lens=None, output_scale=None, lse_layout="HT", lse_base=math.e):
+    """Section 8: the N-way merge of stacked partials.
+
+    Args:
+      outputs: [N, T, H, D], any float dtype.
+      lses: f32[N, H, T] ([N, T, H] with lse_layout="TH"), base e or 2.
+      query_start_loc, cu_seq_lens: i32[R+1] and i32[N, R+1], both or neither: a token of a request empty in
+        partial i (cu_seq_lens[i, r+1] == cu_seq_lens[i, r]) gives partial i LSE -inf (8.1).
+      prefill_tokens_with_context: tokens at or past it copy the last partial's row and raw LSE (8.4).
+      output_scale: fp8 output scale (4.6).
+
+    Returns:
+      (out f64[T, H, D], lse f64 in the input layout and base).
+    """
+    ln_base = _lse_base_factor(lse_base)
+    outputs = np.asarray(outputs)
+    if outputs.ndim != 4 or outputs.shape[0] < 1:
+        raise ValueError(f"outputs must be [N >= 1, T, H, D]; got {outputs.shape=}")
+    num_tokens = outputs.shape[1]
+    l_raw = _lses_as_nth(lses, lse_layout)
+    empty = None if query_start_loc is None else empty_token_masks(query_start_loc, cu_seq_lens, num_tokens)
+    out, lse = _merge_stacked(list(outputs), l_raw, empty=empty,
+                              prefill_tokens_with_context=prefill_tokens_with_context,
+                              output_scale=output_scale, ln_base=ln_base)
+    return out, _from_th(lse, lse_layout)
+
+
+def empty_token_masks(query_start_loc, cu_seq_lens, num_tokens: int) -> np.ndarray:
+    """bool[N, T]: `empty_token_mask` of each partial's offsets `cu_seq_lens` i32[N, R+1]."""
+    cu = np.asarray(cu_seq_lens)
+    return np.stack([empty_token_mask(query_start_loc, cu[i], num_tokens) for i in range(cu.shape[0])])
+
+
+def merge_weights_n(lses, *, empty=None, prefill_tokens_with_context=None, lse_layout="HT",
+                    lse_base=math.e) -> np.ndarray:
+    """f64[N, T, H]: the weight w_i of each partial in the N-way merge (8.3) of LSEs f32[N, H, T] ([N, T, H]).
+
+    `empty` is bool[N, T] (the fused mask: `empty_token_masks`, or for the 2-way merge the prefix's mask
+    stacked on all-False) or None. Rows empty everywhere weigh every partial 0; pass-through rows (8.4) weigh
+    the last partial 1 and the others 0. The weights give the scale of the merge's rounding error
+    (`parity.compare.merge_magnitude`).
+    """
+    l_raw = _lses_as_nth(lses, lse_layout)
+    w, _, _, both_empty = _weights(l_raw, empty, _lse_base_factor(lse_base))
+    w = np.where(both_empty[None], 0.0, w)
+    if prefill_tokens_with_context is not None:
         n = int(prefill_tokens_with_context)
-        out[n:] = b[n:]
-        lse[n:] = s_raw[n:]
-
-    if output_scale is not None:  # SPEC 4.6
-        scale = float(np.asarray(output_scale, dtype=np.float32).reshape(-1)[0])
-        out = np.clip(out / scale, -FP8_E4M3_MAX, FP8_E4M3_MAX)
-
-    lse = lse.T  # back to [H, T]
-    return out, (lse if lse_layout == "HT" else lse.T)
+        w[:, n:] = 0.0
+        w[-1, n:] = 1.0
+    return w

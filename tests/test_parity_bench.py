@@ -14,7 +14,7 @@ from parity import bench, cases
 RECORD_FIELDS = {"op": str, "impl": str, "workload": str, "variant": str, "metric": str, "unit": str,
                  "method": str, "bytes": int}
 NUMERIC_FIELDS = ("p20", "p50", "p80", "tbps")
-ENV_FIELDS = ("gpu", "driver", "cuda", "torch", "triton", "jax", "git_commit", "utc_time", "command")
+ENV_FIELDS = ("gpu", "driver", "cuda", "versions", "devices", "git_commit", "utc_time", "command")
 
 
 def _parse(argv):
@@ -62,17 +62,20 @@ def test_smoke_json_schema(smoke_run):
         assert r["unit"] == "us" and r["metric"] in ("gpu_time", "latency")
         for key in ("T", "H", "D", "dtype", "frac_ceiling"):
             assert key in r
+    assert {"torch", "triton", "jax"} <= set(doc["env"]["versions"])
     got = {(r["op"], r["impl"], r["variant"], r["metric"]) for r in recs if r["op"] != "ceiling"}
     want = {(op, impl, v, m) for impl in ("triton", "pallas") for m in ("gpu_time", "latency")
-            for op, variants in (("mask", ("lse",)), ("merge", bench.MERGE_VARIANTS)) for v in variants}
+            for op, variants in (("mask", ("lse",)), ("merge", bench.MERGE_VARIANTS),
+                                 ("merge_n", bench.N_WAY_VARIANTS)) for v in variants}
     want.add(("mask", "torch", "lse floor", "gpu_time"))  # the same bytes written by fill_
     assert got == want
     # Effective bandwidth is the stated bytes over the p50 time.
     for r in recs:
         assert r["tbps"] == pytest.approx(r["bytes"] / (r["p50"] * 1e-6) / 1e12)
-    merge = [r for r in recs if r["op"] == "merge"]
+    merge = [r for r in recs if r["op"] in ("merge", "merge_n")]
     for r in merge:
-        pt = bench.MergePoint(r["T"], r["H"], r["D"], r["dtype"], r["variant"])
+        n = int(r["workload"].split("N=")[1]) if r["op"] == "merge_n" else 0
+        pt = bench.MergePoint(r["T"], r["H"], r["D"], r["dtype"], r["variant"], n)
         assert r["bytes"] == pt.bytes
         assert r["frac_ceiling"] == pytest.approx(r["tbps"] / doc["ceilings"]["add_2r1w"])
     assert all("pallas_over_triton" in r for r in recs if r["impl"] == "pallas")
@@ -93,6 +96,10 @@ def test_merge_bytes_formula():
     assert bench.MergePoint(T, H, D, "bfloat16", "plain").bytes == 3 * T * H * D * 2 + 2 * T * H * 4
     assert bench.MergePoint(T, H, D, "bfloat16", "lse").bytes == 3 * T * H * D * 2 + 3 * T * H * 4
     assert bench.MergePoint(T, H, D, "float32", "fused").bytes == 3 * T * H * D * 4 + 3 * T * H * 4
+    # N-way: N reads of [T, H, D] and of the LSE, one write (+ the LSE); the chain is charged the same bytes.
+    for variant in ("lse", "chain"):
+        assert bench.MergePoint(T, H, D, "bfloat16", variant, 4).bytes == 5 * T * H * D * 2 + 5 * T * H * 4
+    assert bench.MergePoint(T, H, D, "bfloat16", "plain", 8).bytes == 9 * T * H * D * 2 + 8 * T * H * 4
 
 
 def test_mask_bytes_on_seed_workloads():
@@ -107,14 +114,22 @@ def test_mask_bytes_on_seed_workloads():
 
 def test_grids():
     full = bench.merge_points("full")
-    assert len(full) == 3 * 3 * 2 * 2 * 3
+    two_way = [p for p in full if not p.partials]
+    assert len(two_way) == 3 * 3 * 2 * 2 * 3
+    # N-way: N in (2, 4, 8) x T x (plain, lse, fused), plus the chain at N = 4.
+    assert len(full) - len(two_way) == 3 * 3 * 3 + 3
     too_big = [p for p in full if p.memory > bench.MEMORY_CAP_BYTES]
     assert {(p.T, p.H, p.D, p.dtype) for p in too_big} == {(131072, 128, 512, "float32")}
     quick = bench.merge_points("quick")
     assert {(p.H, p.D, p.dtype) for p in quick} == {(64, 128, "bfloat16")}
-    assert {p.T for p in quick} == {2048, 32768, 131072}
+    assert {p.T for p in quick if not p.partials} == {2048, 32768, 131072}
+    assert {p.T for p in quick if p.partials} == {32768, 131072}
+    assert {p.partials for p in quick if p.variant == "chain"} == {4}
     fused = bench.MergePoint(2048, 64, 128, "bfloat16", "fused").fused_case()
     assert fused.num_tokens == 2048 and fused.empty == tuple(range(0, 16, 2))
+    fused_n = bench.MergePoint(2048, 64, 128, "bfloat16", "fused", 4).fused_case()
+    kv = cases.partial_kv_lens(fused_n)
+    assert fused_n.num_tokens == 2048 and (kv == 0).any() and (kv > 0).any()
 
 
 def test_rotation_exceeds_l2_for_small_points():

@@ -26,7 +26,7 @@ def test_check_passes_and_writes_the_report(tmp_path, capsys):
     rc, report = _run_check(tmp_path)
     captured = capsys.readouterr()
     assert rc == 0, captured.out
-    assert report["schema"] == "parity-check/1"
+    assert report["schema"] == "parity-check/2"
     env = report["env"]
     for key in ("devices", "versions", "git_commit", "utc_time", "command"):
         assert key in env

@@ -11,7 +11,12 @@ from parity import cases, cli, golden, reference
 
 # padded_v_ptwc: bf16, V-padded buffers (head_pad 64), pass-through rows, padding tokens.
 # fp8_out: bf16 -> fp8 with a scale, +inf/NaN/-inf LSE specials, rows empty on both sides.
-CASES = ("padded_v_ptwc", "fp8_out")
+# n3_fp16_th_specials: an N-way case (3 partials, [N, T, H] LSEs, partials without KV for some requests).
+CASES = ("padded_v_ptwc", "fp8_out", "n3_fp16_th_specials")
+
+
+def _inputs(case, seed):
+    return (cases.make_inputs_n if case.n_way else cases.make_inputs)(case, seed)
 
 
 @pytest.fixture(scope="module")
@@ -26,21 +31,23 @@ def _load(golden_dir):
     return manifest, {e["name"]: (e, golden.load_case(str(golden_dir), e)) for e in manifest["cases"]}
 
 
-@pytest.mark.parametrize("impl", ["reference", "pallas", "triton"])
+@pytest.mark.parametrize("impl", ["reference", "pallas", "jnp", "triton"])
 def test_export_verify_round_trip(golden_dir, impl, capsys):
     rc = cli.main(["verify", str(golden_dir), "--impl", impl, "--quiet"])
     out = capsys.readouterr().out
     assert rc == 0, out
     for name in CASES:
-        for op in golden.OPS:
+        ops = ("merge_n", "merge_n_fused") if cases.by_name(name).n_way else ("mask", "merge", "merge_fused")
+        for op in ops:
             assert any(line.startswith(name) and f" {op} " in line and line.rstrip().endswith("ok")
                        for line in out.splitlines()), (name, op, out)
 
 
 def test_manifest_describes_every_array(golden_dir):
     manifest, loaded = _load(golden_dir)
-    assert manifest["semantics_version"] == "1" and manifest["format_version"] == golden.FORMAT_VERSION
+    assert manifest["semantics_version"] == "2" and manifest["format_version"] == golden.FORMAT_VERSION == 2
     assert "section 3" in manifest["spec"]["mask"] and "section 4" in manifest["spec"]["merge"]
+    assert "section 8" in manifest["spec"]["merge_n"]
     assert {"bfloat16", "float8_e4m3fn", "lse"} <= set(manifest["tolerances"])
     assert [e["name"] for e in manifest["cases"]] == list(CASES)
     for name, (entry, arrays) in loaded.items():
@@ -57,7 +64,7 @@ def test_manifest_describes_every_array(golden_dir):
                 assert stored.dtype.kind in "uib" and stored.dtype.name == meta["stored_as"]
                 assert golden.sha256(stored) == meta["sha256"]
         # Inputs are the seeded case inputs, bit for bit.
-        inputs = cases.make_inputs(case, seed=3)
+        inputs = _inputs(case, 3)
         for key, value in inputs.items():
             assert arrays[key].dtype == value.dtype
             assert np.array_equal(arrays[key].view(np.uint8), value.view(np.uint8)), key
@@ -74,33 +81,45 @@ def test_expected_values_come_from_the_reference(golden_dir):
     for name, (entry, a) in loaded.items():
         case = cases.by_name(name)
         D = case.head_dim
-        lse, out = reference.mask_empty_context_lse(a["prefix_lse"], a["query_start_loc"], a["cu_seq_lens"],
-                                                    a["prefix_output"][..., :D], lse_layout=case.lse_layout)
-        assert np.array_equal(a["mask.lse"].view(np.uint32), lse.view(np.uint32))
-        assert np.array_equal(a["mask.output"].view(np.uint16), out.view(np.uint16))
-        want_out, want_lse = reference.merge_attn_states(
-            a["prefix_output"][..., :D], a["prefix_lse"], a["suffix_output"][..., :D], a["suffix_lse"],
-            prefill_tokens_with_context=case.prefill_tokens_with_context, query_start_loc=a["query_start_loc"],
-            prefix_cu_seq_lens=a["cu_seq_lens"], output_scale=a.get("output_scale"),
-            lse_layout=case.lse_layout, lse_base=case.lse_base)
+        if case.n_way:
+            masked = np.stack([reference.mask_empty_context_lse(a["lses"][i], a["query_start_loc"], a["cu_seq_lens"][i],
+                                                                lse_layout=case.lse_layout)[0]
+                               for i in range(case.partials)])
+            assert np.array_equal(a["masked_lses"].view(np.uint32), masked.view(np.uint32))
+            want_out, want_lse = reference.merge_attn_states_n(
+                a["outputs"][..., :D], a["lses"], query_start_loc=a["query_start_loc"], cu_seq_lens=a["cu_seq_lens"],
+                prefill_tokens_with_context=case.prefill_tokens_with_context, output_scale=a.get("output_scale"),
+                lse_layout=case.lse_layout, lse_base=case.lse_base)
+            last = a["outputs"][-1]
+        else:
+            lse, out = reference.mask_empty_context_lse(a["prefix_lse"], a["query_start_loc"], a["cu_seq_lens"],
+                                                        a["prefix_output"][..., :D], lse_layout=case.lse_layout)
+            assert np.array_equal(a["mask.lse"].view(np.uint32), lse.view(np.uint32))
+            assert np.array_equal(a["mask.output"].view(np.uint16), out.view(np.uint16))
+            want_out, want_lse = reference.merge_attn_states(
+                a["prefix_output"][..., :D], a["prefix_lse"], a["suffix_output"][..., :D], a["suffix_lse"],
+                prefill_tokens_with_context=case.prefill_tokens_with_context, query_start_loc=a["query_start_loc"],
+                prefix_cu_seq_lens=a["cu_seq_lens"], output_scale=a.get("output_scale"),
+                lse_layout=case.lse_layout, lse_base=case.lse_base)
+            last = a["suffix_output"]
         np.testing.assert_array_equal(a["merge.out"], want_out)
         np.testing.assert_array_equal(a["merge.lse"], want_lse)
-        # Exact rows: -inf LSE (both sides empty, out 0) and pass-through rows (suffix bits).
-        exact = a["merge.out_exact"]
-        lse_th = want_lse.T if case.lse_layout == "HT" else want_lse
-        assert np.array_equal(exact & ~np.isneginf(lse_th), _passthrough(case, exact.shape))
-        if case.out_dtype is None:
+        # Exact rows: where at most one partial has weight (by the stored weights), and pass-through rows.
+        w = a["merge.weights"]
+        assert w.shape == (case.partials or 2, case.num_tokens, case.num_heads)
+        assert np.all(w >= 0) and np.all(w.sum(axis=0) <= 1 + 1e-12)
+        live = (w > 0).sum(axis=0)
+        passthrough = _passthrough(case, live.shape)
+        want_exact = (live == 0) if case.out_dtype else (live <= 1) | passthrough
+        assert np.array_equal(a["merge.out_exact"] & ~passthrough, want_exact & ~passthrough)
+        if case.out_dtype is None and case.prefill_tokens_with_context is not None:
             ptwc = case.prefill_tokens_with_context
-            assert np.array_equal(a["merge.out_bits"][ptwc:].view(np.uint16),
-                                  a["suffix_output"][ptwc:, :, :D].view(np.uint16))
-        # The weights give mag >= |want| (the tolerance's magnitude bounds the value).
-        wp, ws = a["merge.weights"][..., 0], a["merge.weights"][..., 1]
-        assert np.all((wp >= 0) & (ws >= 0) & (wp + ws <= 1 + 1e-12))
+            assert np.array_equal(a["merge.out_bits"][ptwc:].view(np.uint16), last[ptwc:, :, :D].view(np.uint16))
 
 
 def _passthrough(case, shape):
     m = np.zeros(shape, dtype=bool)
-    if case.prefill_tokens_with_context is not None and case.out_dtype is None:
+    if case.prefill_tokens_with_context is not None:
         m[case.prefill_tokens_with_context:] = True
     return m
 
@@ -157,9 +176,12 @@ def _numpy_only_failures(entry, a, got_out, got_lse, tolerances):
     raw = lambda key: golden.to_stored(a[key])[0]  # noqa: E731
     decode = lambda key: golden.decode_float64(raw(key), entry["arrays"][key]["dtype"])  # noqa: E731
     w = a["merge.weights"]
+    if p.get("partials"):
+        parts = [decode("outputs")[i, ..., :D] for i in range(p["partials"])]
+    else:
+        parts = [decode("mask.output"), decode("suffix_output")[..., :D]]
     with np.errstate(invalid="ignore"):
-        mag = (np.where(w[..., :1] > 0, np.abs(decode("mask.output")) * w[..., :1], 0.0)
-               + np.where(w[..., 1:] > 0, np.abs(decode("suffix_output")[..., :D]) * w[..., 1:], 0.0))
+        mag = sum(np.where(wi[..., None] > 0, np.abs(o) * wi[..., None], 0.0) for o, wi in zip(parts, w))
     if p["fp8_output_scale"]:
         mag = mag / float(a["output_scale"][0])
     exact = np.broadcast_to(a["merge.out_exact"][:, :, None], mag.shape)
@@ -178,8 +200,11 @@ def test_numpy_only_rule_of_the_docs(golden_dir):
     manifest, loaded = _load(golden_dir)
     for name, (entry, a) in loaded.items():
         case = cases.by_name(name)
-        for op in ("merge", "merge_fused"):
-            out, lse = golden._run_reference(case, a, op)
+        for op in entry["ops"]:
+            if op == "mask":
+                continue
+            got = golden._Runner("reference").run(case, a, op)
+            out, lse = got["out"], got["lse"]
             assert _numpy_only_failures(entry, a, out, lse, manifest["tolerances"]) == 0
         # Planted errors: one tolerance element 50% off, one exact element (an LSE copy or -inf) changed.
         bad_out = np.array(out, copy=True)

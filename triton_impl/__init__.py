@@ -1,10 +1,11 @@
-"""Triton kernels (PyTorch, in place) for the empty-context LSE mask and the attention-state merge.
+"""Triton kernels (PyTorch, in place) for the empty-context LSE mask and the attention-state merges.
 
-Semantics: SPEC sections 3-4, defined executably by `parity.reference`.
+Semantics: docs/spec.md sections 3, 4 and 8, defined executably by `parity.reference`.
 """
 
 from triton_impl._common import has_empty_context
 from triton_impl.mask import mask_empty_context_lse
 from triton_impl.merge import merge_attn_states
+from triton_impl.merge_n import merge_attn_states_n
 
-__all__ = ["has_empty_context", "mask_empty_context_lse", "merge_attn_states"]
+__all__ = ["has_empty_context", "mask_empty_context_lse", "merge_attn_states", "merge_attn_states_n"]

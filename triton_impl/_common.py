@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 from collections.abc import Sequence
 
@@ -26,6 +27,9 @@ LOG2E = 1.4426950408889634
 # LSE; "lse": with it; "fused": the fused mask too. Not shared: chosen per framework from the H200 tile sweep in
 # docs/results.md (the tile changes which elements a program owns, never an element's arithmetic).
 MERGE_TILES = {"plain": (8192, 1, 4), "lse": (8192, 8, 4), "fused": (8192, 8, 4)}
+# The N-way merge's launch per variant, the same fields; a program reads N input tiles.
+MERGE_N_TILES = {"plain": (8192, 1, 4), "lse": (8192, 8, 4), "fused": (8192, 8, 4)}
+MAX_PARTIALS = 64  # the N-way kernels unroll their loops over the partials at compile time
 
 # Launch options that make the float math reproducible by the Pallas port (SPEC 5).
 PARITY_LAUNCH = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
@@ -52,10 +56,11 @@ def mask_tiles(num_heads: int, head_dim: int) -> tuple[int, int, int]:
 
 @functools.lru_cache(maxsize=None)
 def merge_tiles(num_heads: int, head_dim: int, variant: str = "plain",
-                itemsize: int = 2) -> tuple[int, int, int]:
+                itemsize: int = 2, tiles: str = "2way") -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_H, BLOCK_D) of a merge program: the whole (padded) head, the variant's fewest tokens, then
-    heads, then more tokens, up to the variant's byte budget (`MERGE_TILES`) of `itemsize`-byte inputs."""
-    tile_bytes, min_block_t, _ = MERGE_TILES[variant]
+    heads, then more tokens, up to the variant's byte budget (`MERGE_TILES`, or `MERGE_N_TILES` for
+    tiles="nway") of `itemsize`-byte inputs."""
+    tile_bytes, min_block_t, _ = (MERGE_TILES if tiles == "2way" else MERGE_N_TILES)[variant]
     elems = max(1, tile_bytes // itemsize)
     block_d = next_pow2(head_dim)
     rest = max(1, elems // block_d)
@@ -64,8 +69,8 @@ def merge_tiles(num_heads: int, head_dim: int, variant: str = "plain",
     return block_t, block_h, block_d
 
 
-def merge_num_warps(variant: str) -> int:
-    return MERGE_TILES[variant][2]
+def merge_num_warps(variant: str, tiles: str = "2way") -> int:
+    return (MERGE_TILES if tiles == "2way" else MERGE_N_TILES)[variant][2]
 
 
 def merge_variant(output_lse: bool, fused: bool) -> str:
@@ -78,9 +83,9 @@ def mask_grid(num_tokens: int, num_requests: int) -> tuple[int]:
 
 
 def merge_grid(num_tokens: int, num_heads: int, head_dim: int, variant: str = "plain",
-               itemsize: int = 2) -> tuple[int]:
+               itemsize: int = 2, tiles: str = "2way") -> tuple[int]:
     # One axis (no 65535 limit), head blocks fastest: program = token block * head blocks + head block.
-    block_t, block_h, _ = merge_tiles(num_heads, head_dim, variant, itemsize)
+    block_t, block_h, _ = merge_tiles(num_heads, head_dim, variant, itemsize, tiles)
     return (math.ceil(num_tokens / block_t) * math.ceil(num_heads / block_h),)
 
 
@@ -133,6 +138,57 @@ def check_tensor(name: str, x, *, ndim: int, dtypes: Sequence[torch.dtype], devi
         raise ValueError(f"{name} is on {x.device}, expected {device} (all tensors on one device)")
 
 
+def check_no_internal_overlap(name: str, x: torch.Tensor) -> None:
+    """A tensor written in place must not have elements sharing memory (an `expand`ed view): its programs would
+    race on them. Sufficient test, as torch's in-place ops make: with the size > 1 dims sorted by stride, every
+    stride exceeds the span of the smaller ones."""
+    if x.numel() == 0:
+        return
+    span = 0
+    for stride, size in sorted((abs(st), sz) for st, sz in zip(x.stride(), x.shape) if sz > 1):
+        if stride <= span:
+            raise ValueError(f"{name} has elements that share memory ({name}.shape={tuple(x.shape)}, "
+                             f"{name}.stride()={x.stride()}, an expanded or overlapping view): the kernel writes it "
+                             "in place and would race; pass a tensor whose elements are distinct (e.g. .contiguous())")
+        span += stride * (size - 1)
+
+
+def check_output(output, like: torch.Tensor, output_scale, *, name: str = "output") -> bool:
+    """The merge output and its optional fp8 scale, against the partials' tensor `like` [..., T, H, D]; returns
+    whether the output is fp8."""
+    device = like.device
+    check_tensor(name, output, ndim=3, dtypes=OUTPUT_DTYPES + (torch.float8_e4m3fn,), device=device)
+    if tuple(output.shape) != tuple(like.shape[-3:]):
+        raise ValueError(f"{name} must be [T, H, D] = {list(like.shape[-3:])}; got {name}.shape={tuple(output.shape)}")
+    if output.dtype not in (like.dtype, torch.float8_e4m3fn):
+        raise TypeError(f"{name} must be {like.dtype} (the inputs' dtype) or float8_e4m3fn; "
+                        f"got {name}.dtype={output.dtype}")
+    fp8 = output.dtype == torch.float8_e4m3fn
+    if fp8 != (output_scale is not None):
+        raise ValueError("output_scale is required for a float8_e4m3fn output and only for it; got "
+                         f"{name}.dtype={output.dtype}, output_scale={'given' if output_scale is not None else None}")
+    if fp8:
+        check_tensor("output_scale", output_scale, ndim=1, dtypes=(torch.float32,), device=device)
+        if output_scale.numel() != 1:
+            raise ValueError(f"output_scale must be f32[1]; got output_scale.shape={tuple(output_scale.shape)}")
+    check_no_internal_overlap(name, output)
+    return fp8
+
+
+def check_prefill_tokens(prefill_tokens_with_context, num_tokens: int, validate: bool) -> int:
+    """None (= T) or a host integer; clamped to [0, T] for the kernel (validate=True rejects values outside)."""
+    x = prefill_tokens_with_context
+    if x is None:
+        return num_tokens
+    if isinstance(x, (torch.Tensor, bool)) or not isinstance(x, numbers.Integral):
+        raise TypeError("prefill_tokens_with_context must be a host int (a device value would need a sync); "
+                        f"got {type(x).__name__}")
+    x = int(x)  # numpy integers too
+    if validate and not 0 <= x <= num_tokens:
+        raise ValueError(f"prefill_tokens_with_context={x} must be in [0, T={num_tokens}]")
+    return max(0, min(x, num_tokens))
+
+
 def lse_ht_strides(name: str, lse: torch.Tensor, lse_layout: str, num_heads: int, num_tokens: int):
     """(stride_h, stride_t) of an LSE given in `lse_layout`, after checking its shape."""
     want = (num_heads, num_tokens) if lse_layout == "HT" else (num_tokens, num_heads)
@@ -160,8 +216,11 @@ def check_offsets(query_start_loc, cu_seq_lens, device, *, cu_name="cu_seq_lens"
 
 
 def check_offset_values(query_start_loc, cu_seq_lens, num_tokens: int, *, cu_name="cu_seq_lens") -> None:
-    """validate=True tier: reads the offsets on the host (a device sync)."""
-    for name, x in (("query_start_loc", query_start_loc), (cu_name, cu_seq_lens)):
+    """validate=True tier: reads the offsets on the host (a device sync). `cu_seq_lens` may be i32[N, R+1]
+    (one row per partial)."""
+    rows = [(cu_name, cu_seq_lens)] if cu_seq_lens.dim() == 1 else \
+        [(f"{cu_name}[{i}]", cu_seq_lens[i]) for i in range(cu_seq_lens.shape[0])]
+    for name, x in [("query_start_loc", query_start_loc)] + rows:
         v = x.detach().cpu()
         if int(v[0]) != 0:
             raise ValueError(f"{name}[0] must be 0, got {int(v[0])}")

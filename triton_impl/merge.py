@@ -13,7 +13,6 @@ libdevice (plain `tl.exp`/`tl.log` under the interpreter, which also gets an exa
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 import triton
@@ -178,22 +177,10 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
     device = prefix_output.device
     num_tokens, num_heads, head_dim = prefix_output.shape
     c.check_tensor("suffix_output", suffix_output, ndim=3, dtypes=(prefix_output.dtype,), device=device)
-    c.check_tensor("output", output, ndim=3, dtypes=c.OUTPUT_DTYPES + (torch.float8_e4m3fn,), device=device)
-    for name, x in (("suffix_output", suffix_output), ("output", output)):
-        if x.shape != prefix_output.shape:
-            raise ValueError(f"{name} must match prefix_output [T, H, D]; got {name}.shape={tuple(x.shape)}, "
-                             f"prefix_output.shape={tuple(prefix_output.shape)}")
-    fp8 = output.dtype == torch.float8_e4m3fn
-    if output.dtype not in (prefix_output.dtype, torch.float8_e4m3fn):
-        raise TypeError(f"output must be {prefix_output.dtype} (the inputs' dtype) or float8_e4m3fn; "
-                        f"got output.dtype={output.dtype}")
-    if fp8 != (output_scale is not None):
-        raise ValueError("output_scale is required for a float8_e4m3fn output and only for it; got "
-                         f"output.dtype={output.dtype}, output_scale={'given' if output_scale is not None else None}")
-    if fp8:
-        c.check_tensor("output_scale", output_scale, ndim=1, dtypes=(torch.float32,), device=device)
-        if output_scale.numel() != 1:
-            raise ValueError(f"output_scale must be f32[1]; got output_scale.shape={tuple(output_scale.shape)}")
+    if suffix_output.shape != prefix_output.shape:
+        raise ValueError(f"suffix_output must match prefix_output [T, H, D]; got suffix_output.shape="
+                         f"{tuple(suffix_output.shape)}, prefix_output.shape={tuple(prefix_output.shape)}")
+    fp8 = c.check_output(output, prefix_output, output_scale)
     lse_strides = []  # (h, t) strides in the kernel's order: output_lse, prefix_lse, suffix_lse
     for name, x in (("output_lse", output_lse), ("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse)):
         if x is None:
@@ -201,6 +188,8 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
             continue
         c.check_tensor(name, x, ndim=2, dtypes=(torch.float32,), device=device)
         lse_strides += c.lse_ht_strides(name, x, lse_layout, num_heads, num_tokens)
+    if output_lse is not None:
+        c.check_no_internal_overlap("output_lse", output_lse)
     if (query_start_loc is None) != (prefix_cu_seq_lens is None):
         raise ValueError("query_start_loc and prefix_cu_seq_lens go together (the fused mask); got only "
                          + ("query_start_loc" if query_start_loc is not None else "prefix_cu_seq_lens"))
@@ -209,19 +198,9 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
     if fused:
         num_requests = c.check_offsets(query_start_loc, prefix_cu_seq_lens, device, cu_name="prefix_cu_seq_lens")
         fused = num_requests > 0  # no request, nothing to mask
-    if prefill_tokens_with_context is None:
-        prefill_tokens_with_context = num_tokens
-    elif (isinstance(prefill_tokens_with_context, (torch.Tensor, bool))
-          or not isinstance(prefill_tokens_with_context, numbers.Integral)):
-        raise TypeError("prefill_tokens_with_context must be a host int (a device value would need a sync); "
-                        f"got {type(prefill_tokens_with_context).__name__}")
-    else:
-        prefill_tokens_with_context = int(prefill_tokens_with_context)  # numpy integers too
-    if validate:
-        if not 0 <= prefill_tokens_with_context <= num_tokens:
-            raise ValueError(f"prefill_tokens_with_context={prefill_tokens_with_context} must be in [0, T={num_tokens}]")
-        if fused:
-            c.check_offset_values(query_start_loc, prefix_cu_seq_lens, num_tokens, cu_name="prefix_cu_seq_lens")
+    prefill_tokens = c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
+    if validate and fused:
+        c.check_offset_values(query_start_loc, prefix_cu_seq_lens, num_tokens, cu_name="prefix_cu_seq_lens")
     if num_tokens == 0 or num_heads == 0:
         return
 
@@ -235,7 +214,7 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
         output_scale if fp8 else placeholder,
         query_start_loc if fused else placeholder, prefix_cu_seq_lens if fused else placeholder,
         *output.stride(), *prefix_output.stride(), *suffix_output.stride(), *lse_strides,
-        num_tokens, max(0, min(prefill_tokens_with_context, num_tokens)), num_requests,
+        num_tokens, prefill_tokens, num_requests,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
         SCAN=c.SCAN, N_INTERPRET=c.n_interpret(num_requests + 1),

@@ -1,0 +1,244 @@
+"""N-way attention-state merge (docs/spec.md section 8): the Pallas GPU kernel and its functional wrapper.
+
+The same algorithm as `triton_impl/merge_n.py`, statement by statement. Grid: `(cdiv(T, block_t) *
+cdiv(H, block_h),)`, head blocks fastest; a program merges a [block_t, block_h, block_d] tile of every
+partial (`_common.MERGE_N_TILES`). The loops over the N partials unroll at trace time. Three passes over the
+partials' LSE tiles (the largest LSE, the sum of the exponentials, the weighted sum of the outputs); an LSE
+tile is reloaded and its exponential recomputed in each pass, as in the Triton kernel. The fused mask finds
+each token's request once and reads each partial's own KV offsets.
+
+Float math (docs/spec.md 5), identical to the Triton kernel and, at N = 2, to `pallas_impl/merge.py`: f32,
+`jnp.exp`/`jnp.log`, no FMA contraction, no flush-to-zero, division with `/`, the sums in index order from
+partial 0, cast only at the store.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_impl import _common as c
+from pallas_impl import jnp_fallback
+from pallas_impl.merge import _load_lse, _store_lse
+
+
+def _partial_lse(lses_ref, i, t0, h0, block_t, block_h, th_mask, cu_ref, cu_row, req, in_req, *, lse_layout,
+                 lse_base2, fused_mask):
+    """f32[block_t, block_h]: partial i's LSE tile, natural log, empty rows -inf (8.1)."""
+    lse = _load_lse(lses_ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=(jnp.int32(i),))
+    if lse_base2:
+        lse = lse * c.LN2
+    lse = jnp.where((lse == jnp.inf) | (lse != lse), -jnp.inf, lse)  # 4.1: +inf and NaN read as -inf
+    if fused_mask:  # 8.1: a token of a request with no KV in this partial has LSE -inf
+        base = i * cu_row  # cu_seq_lens is flattened: partial i's offsets start at i * (R + 1)
+        empty_t = in_req & (cu_ref[base + req + 1] == cu_ref[base + req])
+        lse = jnp.where(empty_t[:, None], -jnp.inf, lse)
+    return lse
+
+
+def _weighted(x, w):
+    # 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
+    return jnp.where(w[:, :, None] > 0.0, x.astype(jnp.float32) * w[:, :, None], 0.0)
+
+
+def _merge_attn_states_n_kernel(
+    # inputs
+    outs_ref,  # dtype[N, T, H, D]
+    lses_ref,  # f32[N, H, T] or f32[N, T, H]
+    scale_ref,  # f32[1] output scale; unused unless fp8_out
+    qsl_ref,  # i32[R+1] query_start_loc; unused unless fused_mask
+    cu_ref,  # i32[N * (R+1)] each partial's KV offsets, flattened; unused unless fused_mask
+    ptwc_ref,  # i32[1] prefill_tokens_with_context: tokens at or past it copy the last partial (8.4)
+    # outputs
+    out_ref,  # out_dtype[T, H, D]
+    *out_lse_ref,  # f32 LSE of the merge, when output_lse
+    num_partials: int, num_tokens: int, num_heads: int, head_dim: int, num_requests: int,
+    block_t: int, block_h: int, block_d: int,
+    lse_layout: str, lse_base2: bool, output_lse: bool, fused_mask: bool, fp8_out: bool,
+):
+    # Head blocks vary fastest: consecutive programs sweep the [T, H, D] buffers front to back.
+    num_h_blocks = pl.cdiv(num_heads, block_h)
+    pid = pl.program_id(0)
+    t0 = (pid // num_h_blocks) * block_t
+    h0 = (pid % num_h_blocks) * block_h
+    t = t0 + jnp.arange(block_t, dtype=jnp.int32)
+    h = h0 + jnp.arange(block_h, dtype=jnp.int32)
+    d = jnp.arange(block_d, dtype=jnp.int32)
+    t_mask = t < num_tokens
+    h_mask = h < num_heads
+    d_mask = d < head_dim
+    th_mask = t_mask[:, None] & h_mask[None, :]
+    thd_mask = th_mask[:, :, None] & d_mask[None, None, :]
+    last = num_partials - 1
+
+    def tile(i):
+        return outs_ref.at[jnp.int32(i), pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)]
+
+    # The last partial: also the pass-through row and LSE (8.4). Its loads are issued first.
+    b = pltriton.load(tile(last), mask=thd_mask, other=0.0)
+    last_raw = _load_lse(lses_ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=(jnp.int32(last),))
+
+    req = t  # placeholders unless fused_mask
+    in_req = t_mask
+    if fused_mask:  # the request of each token, once for every partial
+        req = c.count_keys_le(qsl_ref, t, num_requests + 1, key_div=1, key_step=0) - 1  # R: padding
+        in_req = t_mask & (req < num_requests)
+        req = jnp.minimum(req, num_requests - 1)
+    lse_i = functools.partial(_partial_lse, lses_ref, t0=t0, h0=h0, block_t=block_t, block_h=block_h,
+                              th_mask=th_mask, cu_ref=cu_ref, cu_row=num_requests + 1, req=req, in_req=in_req,
+                              lse_layout=lse_layout, lse_base2=lse_base2, fused_mask=fused_mask)
+
+    # 8.2: the largest LSE; every partial empty gives out 0, LSE -inf.
+    m = lse_i(0)
+    for i in range(1, num_partials):
+        m = jnp.maximum(m, lse_i(i))
+    all_empty = m == -jnp.inf
+    m = jnp.where(all_empty, 0.0, m)
+    # 8.3: z = e_0 + e_1 + ... + e_{N-1} in index order.
+    z = jnp.exp(lse_i(0) - m)
+    for i in range(1, num_partials):
+        z = z + jnp.exp(lse_i(i) - m)
+    # out = sum_i w_i * o_i in index order, w_i = e_i / z.
+    w_last = jnp.exp(lse_i(last) - m) / z
+    if num_partials == 1:
+        out = _weighted(b, w_last)
+    else:
+        w = jnp.exp(lse_i(0) - m) / z
+        out = _weighted(pltriton.load(tile(0), mask=thd_mask, other=0.0), w)
+        for i in range(1, num_partials - 1):
+            w = jnp.exp(lse_i(i) - m) / z
+            out = out + _weighted(pltriton.load(tile(i), mask=thd_mask, other=0.0), w)
+        out = out + _weighted(b, w_last)
+    out = jnp.where(all_empty[:, :, None], 0.0, out)
+    copy_t = t >= ptwc_ref[0]  # 8.4
+    out_block = out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)]
+    if fp8_out:  # 4.6
+        out = jnp.where(copy_t[:, None, None], b.astype(jnp.float32), out)
+        out = out / scale_ref[0]
+        out = jnp.where(out < -c.FP8_E4M3_MAX, -c.FP8_E4M3_MAX, out)  # comparisons, not min/max: NaN stays NaN
+        out = jnp.where(out > c.FP8_E4M3_MAX, c.FP8_E4M3_MAX, out)
+        pltriton.store(out_block, out.astype(out_ref.dtype), mask=thd_mask)
+    else:
+        pltriton.store(out_block, jnp.where(copy_t[:, None, None], b, out.astype(out_ref.dtype)), mask=thd_mask)
+
+    if output_lse:
+        lse = jnp.log(z) + m
+        lse = jnp.where(all_empty, -jnp.inf, lse)
+        if lse_base2:
+            lse = lse * c.LOG2E
+        lse = jnp.where(copy_t[:, None], last_raw, lse)
+        _store_lse(out_lse_ref[0], t0, h0, block_t, block_h, lse, th_mask, lse_layout)
+
+
+_STATIC_ARGNAMES = ("return_lse", "out_dtype", "lse_layout", "lse_base2", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC_ARGNAMES)
+def _merge_n_jit(outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context, *,
+                 return_lse, out_dtype, lse_layout, lse_base2, interpret):
+    num_partials, num_tokens, num_heads, head_dim = outputs.shape
+    lse_shape = lses.shape[1:]
+    prefill_tokens = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
+    if num_tokens == 0 or num_heads == 0:
+        empty_out = jnp.zeros(outputs.shape[1:], out_dtype)
+        return (empty_out, jnp.zeros(lse_shape, jnp.float32)) if return_lse else empty_out
+    fused = query_start_loc is not None and query_start_loc.shape[0] > 1  # R = 0: nothing to mask
+    fp8 = output_scale is not None
+    dummy_i32 = jnp.zeros((1,), jnp.int32)
+    variant = c.merge_variant(return_lse, fused)
+    itemsize = jnp.dtype(outputs.dtype).itemsize
+    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize, "nway")
+    kernel = functools.partial(
+        _merge_attn_states_n_kernel, num_partials=num_partials, num_tokens=num_tokens, num_heads=num_heads,
+        head_dim=head_dim, num_requests=query_start_loc.shape[0] - 1 if fused else 0,
+        block_t=block_t, block_h=block_h, block_d=block_d,
+        lse_layout=lse_layout, lse_base2=lse_base2, output_lse=return_lse, fused_mask=fused, fp8_out=fp8)
+    out_shape = [c.out_struct(outputs.shape[1:], out_dtype, outputs, lses)]
+    if return_lse:
+        out_shape.append(c.out_struct(lse_shape, jnp.float32, outputs, lses))
+    results = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize, "nway"),
+        interpret=interpret,
+        compiler_params=c.compiler_params(num_warps=c.merge_num_warps(variant, "nway")),
+        name="merge_attn_states_n",
+    )(outputs, lses, output_scale.reshape(1) if fp8 else jnp.ones((1,), jnp.float32),
+      query_start_loc if fused else dummy_i32, cu_seq_lens.reshape(-1) if fused else dummy_i32, prefill_tokens)
+    return tuple(results) if return_lse else results[0]
+
+
+def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, query_start_loc=None,
+                        cu_seq_lens=None, return_lse=True, out_dtype=None, output_scale=None, lse_layout="HT",
+                        lse_base=math.e, interpret=None, implementation=None, validate=False):
+    """Merge N attention partials by their LSEs (docs/spec.md section 8). Functional and jit-friendly.
+
+    Args:
+      outputs: dtype[N, T, H, D], fp32/fp16/bf16 (an all-gather of the partials along a new leading axis);
+        1 <= N <= 64.
+      lses: f32[N, H, T] ([N, T, H] with lse_layout="TH"), natural log unless lse_base=2. +inf and NaN mean an
+        empty partial.
+      prefill_tokens_with_context: None (= T) or an integer scalar, traced or not. Tokens at or past it copy
+        the last partial's row and LSE bits. Changing it never recompiles.
+      query_start_loc, cu_seq_lens: i32[R+1] and i32[N, R+1], both or neither: the fused mask (8.1); a token of
+        a request with no KV in partial i gives partial i LSE -inf. Traced.
+      return_lse: also return the merged LSE (same layout and base).
+      out_dtype: None (the inputs' dtype) or float8_e4m3fn, which needs output_scale.
+      output_scale: f32 scalar or f32[1], for (and only for) an fp8 output (4.6).
+      lse_layout: "HT" or "TH", for all LSEs.
+      lse_base: math.e or 2, for all LSEs.
+      interpret: None interprets on CPU and compiles on GPU.
+      implementation: None (Pallas on GPU, jnp elsewhere), "pallas" or "jnp"; an explicit choice never falls
+        back.
+      validate: also check offset values and prefill_tokens_with_context on the host (not under jit).
+
+    Returns:
+      (out dtype[T, H, D], lse f32[H, T] or [T, H]) if return_lse else out.
+
+    Raises:
+      TypeError: an array of the wrong dtype.
+      ValueError: wrong ranks or shapes (outputs and lses disagreeing on N, cu_seq_lens not [N, R+1]), bad
+        options.
+      NotImplementedError: implementation="pallas" on a backend without Pallas GPU.
+    """
+    c.check_lse_layout(lse_layout)
+    lse_base2 = c.check_lse_base(lse_base)
+    c.check_array("outputs", outputs, ndim=4, dtypes=c.OUTPUT_DTYPES)
+    num_partials, num_tokens, num_heads, _ = outputs.shape
+    if not 1 <= num_partials <= c.MAX_PARTIALS:
+        raise ValueError(f"outputs must stack 1 to {c.MAX_PARTIALS} partials; got outputs.shape={tuple(outputs.shape)}")
+    c.check_array("lses", lses, ndim=3, dtypes=(jnp.float32,))
+    if lses.shape[0] != num_partials:
+        raise ValueError(f"outputs and lses disagree on N: outputs has {num_partials} partials, "
+                         f"lses.shape={tuple(lses.shape)}")
+    c.check_lse_shape("lses", lses, lse_layout, num_heads, num_tokens, num_partials=num_partials)
+    out_dtype = c.check_out_dtype(out_dtype, outputs.dtype, output_scale)
+    if (query_start_loc is None) != (cu_seq_lens is None):
+        raise ValueError("query_start_loc and cu_seq_lens go together (the fused mask); got only "
+                         + ("query_start_loc" if query_start_loc is not None else "cu_seq_lens"))
+    if query_start_loc is not None:
+        c.check_array("query_start_loc", query_start_loc, ndim=1, dtypes=(jnp.int32,))
+        c.check_array("cu_seq_lens", cu_seq_lens, ndim=2, dtypes=(jnp.int32,))
+        if query_start_loc.shape[0] < 1:
+            raise ValueError("query_start_loc must have R+1 >= 1 entries, got an empty array")
+        want = (num_partials, query_start_loc.shape[0])
+        if tuple(cu_seq_lens.shape) != want:
+            raise ValueError(f"cu_seq_lens must be i32[N, R+1] = {list(want)} (each partial's KV offsets); got "
+                             f"cu_seq_lens.shape={tuple(cu_seq_lens.shape)}")
+        if validate:
+            c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
+    c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
+    impl = c.resolve_implementation(implementation)
+    if impl == "jnp":
+        return jnp_fallback.merge_attn_states_n(
+            outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context,
+            return_lse=return_lse, out_dtype=out_dtype, lse_layout=lse_layout, lse_base2=lse_base2)
+    c.filter_triton_deprecation()
+    return _merge_n_jit(outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context,
+                        return_lse=return_lse, out_dtype=out_dtype, lse_layout=lse_layout, lse_base2=lse_base2,
+                        interpret=c.resolve_interpret(interpret))

@@ -1,0 +1,63 @@
+"""What a merge's results must be, read off the float64 reference: weights, tolerance magnitudes, exact elements.
+
+`check` and `golden` judge every implementation with these. numpy only. `arrays` is the numpy dict an op of
+`parity.impls.OPS` runs on (`impls.op_call`), so the weights follow exactly the operands the reference saw.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from parity import cases as cases_mod
+from parity import compare, reference
+
+
+def _partials(case: cases_mod.Case, op: str, arrays: dict[str, np.ndarray]):
+    """(outputs: N arrays [T, H, D], lses f32[N, ...] in the case's layout, empty bool[N, T] or None)."""
+    D, T = case.head_dim, case.num_tokens
+    if op in ("merge", "merge_fused"):
+        outputs = (arrays["prefix_output"][..., :D], arrays["suffix_output"][..., :D])
+        lses = np.stack([arrays["prefix_lse"], arrays["suffix_lse"]])
+        empty = None
+        if op == "merge_fused":  # the fused mask covers the prefix only (docs/spec.md 4.5)
+            empty = np.zeros((2, T), dtype=bool)
+            empty[0] = reference.empty_token_mask(arrays["query_start_loc"], arrays["cu_seq_lens"], T)
+        return outputs, lses, empty
+    if op in ("merge_n", "merge_n_fused"):
+        empty = None
+        if op == "merge_n_fused":
+            empty = reference.empty_token_masks(arrays["query_start_loc"], arrays["cu_seq_lens"], T)
+        return arrays["outputs"][..., :D], arrays["lses"], empty
+    raise ValueError(f"not a merge: {op!r}")
+
+
+def merge_weights(case: cases_mod.Case, op: str, arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """f64[N, T, H]: the reference weight of every partial (N = 2 for the 2-way merges)."""
+    _, lses, empty = _partials(case, op, arrays)
+    return reference.merge_weights_n(lses, empty=empty, prefill_tokens_with_context=case.prefill_tokens_with_context,
+                                     lse_layout=case.lse_layout, lse_base=case.lse_base)
+
+
+def magnitude(case: cases_mod.Case, op: str, arrays: dict[str, np.ndarray], weights: np.ndarray) -> np.ndarray:
+    """f64[T, H, D]: the tolerance magnitude sum_i |o_i| * w_i (divided by the fp8 scale)."""
+    outputs, _, _ = _partials(case, op, arrays)
+    return compare.merge_magnitude(outputs, weights, arrays.get("output_scale"))
+
+
+def exact_masks(case: cases_mod.Case, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(out_exact bool[T, H], lse_exact bool in the case's LSE layout): where the result is a bit copy.
+
+    - pass-through rows (`t >= prefill_tokens_with_context`): the last partial's row and raw LSE bits;
+    - rows where no partial has weight (every partial empty): out 0, LSE -inf;
+    - rows where one partial alone has weight (the others' weights are exactly 0, even in float64): its
+      weight is 1, so the row is that partial's, and in base e the LSE is its LSE (log(1) + m == m).
+    With an fp8 output only the rows without weight are exact in the output (the others are scaled and cast).
+    """
+    passthrough = np.zeros(weights.shape[1:], dtype=bool)
+    if case.prefill_tokens_with_context is not None:
+        passthrough[case.prefill_tokens_with_context:] = True
+    live = (weights > 0).sum(axis=0)
+    none, alone = (live == 0) & ~passthrough, (live == 1) & ~passthrough
+    out_exact = none if case.out_dtype is not None else none | alone | passthrough
+    lse_exact = none | passthrough | (alone if case.lse_base != 2 else False)
+    return out_exact, (lse_exact.T if case.lse_layout == "HT" else lse_exact)

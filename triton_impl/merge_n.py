@@ -1,0 +1,255 @@
+"""N-way attention-state merge (docs/spec.md section 8), in place: the Triton kernel and its host wrapper.
+
+The context-parallel building block: N partials stacked on a leading axis, as an all-gather produces them.
+Grid: `(cdiv(T, BLOCK_T) * cdiv(H, BLOCK_H),)`, head blocks fastest, as the 2-way merge; a program merges a
+[BLOCK_T, BLOCK_H, BLOCK_D] tile of every partial (`_common.MERGE_N_TILES`). The loops over the N partials are
+unrolled at compile time (N is fixed by the deployment: the context-parallel group size). Three passes over
+the partials' LSE tiles: the largest LSE, the sum of the exponentials, then the weighted sum of the outputs;
+an LSE tile is reloaded (from cache) and its exponential recomputed in each pass, which gives the same bits.
+The fused mask finds each token's request once, with the two-level 32-wide compare-and-sum of the mask
+kernel, and reads each partial's own KV offsets.
+
+Float math (docs/spec.md 5), identical to `pallas_impl/merge_n.py` and, at N = 2, to `triton_impl/merge.py`
+operation by operation: f32, libdevice exp and log, no FMA contraction, no flush-to-zero, division with `/`,
+the sums in index order starting from partial 0, cast only at the store.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_impl import _common as c
+from triton_impl._common import _cast_rne, _count_keys_le
+from triton_impl.merge import _exp, _log
+
+LN2 = tl.constexpr(c.LN2)
+LOG2E = tl.constexpr(c.LOG2E)
+FP8_MAX = tl.constexpr(c.FP8_E4M3_MAX)
+
+
+@triton.jit
+def _partial_lse(lse_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2: tl.constexpr,
+                 FUSED_MASK: tl.constexpr):
+    """f32[BLOCK_T, BLOCK_H]: one partial's LSE tile, natural log, empty rows -inf (8.1)."""
+    lse = tl.load(lse_ptr + lse_offs, mask=th_mask, other=float("-inf"))
+    if LSE_BASE2:
+        lse = lse * LN2
+    lse = tl.where((lse == float("inf")) | (lse != lse), float("-inf"), lse)  # 4.1: +inf and NaN read as -inf
+    if FUSED_MASK:  # 8.1: a token of a request with no KV in this partial has LSE -inf
+        empty_t = in_req & (tl.load(cu_ptr + req + 1) == tl.load(cu_ptr + req))
+        lse = tl.where(empty_t[:, None], float("-inf"), lse)
+    return lse
+
+
+@triton.jit
+def _weighted(x, w):
+    # 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
+    return tl.where(w[:, :, None] > 0.0, x.to(tl.float32) * w[:, :, None], 0.0)
+
+
+# Runtime values, never specialised: token counts, offsets, and the strides that follow T or R (the LSE head
+# and partial strides, the offsets' partial stride). The output strides (multiples of H * D) stay specialised:
+# their divisibility lets the loads of every partial's tile be 16 bytes wide.
+@triton.jit(do_not_specialize=["num_tokens", "prefill_tokens_with_context", "num_requests", "stride_olse_h",
+                               "stride_lse_n", "stride_lse_h", "stride_cu_n"])
+def _merge_attn_states_n_kernel(
+    out_ptr,  # dtype[T, H, D] (or fp8) via (stride_out_t, stride_out_h, stride_out_d)
+    out_lse_ptr,  # f32[H, T] via (stride_olse_h, stride_olse_t); unused unless OUTPUT_LSE
+    outs_ptr,  # dtype[N, T, H, D] via (stride_o_n, stride_o_t, stride_o_h, stride_o_d)
+    lses_ptr,  # f32[N, H, T] via (stride_lse_n, stride_lse_h, stride_lse_t)
+    scale_ptr,  # f32[1] output scale; unused unless FP8_OUT
+    qsl_ptr,  # i32[R+1] query_start_loc; unused unless FUSED_MASK
+    cu_ptr,  # i32[N, R+1] each partial's KV offsets via (stride_cu_n, 1); unused unless FUSED_MASK
+    stride_out_t, stride_out_h, stride_out_d,
+    stride_o_n, stride_o_t, stride_o_h, stride_o_d,
+    stride_olse_h, stride_olse_t,
+    stride_lse_n, stride_lse_h, stride_lse_t,
+    stride_cu_n,
+    num_tokens,  # T
+    prefill_tokens_with_context,  # tokens at or past it copy the last partial (8.4); runtime value
+    num_requests,  # R; runtime value
+    NUM_PARTIALS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    SCAN: tl.constexpr, N_INTERPRET: tl.constexpr,
+    LSE_BASE2: tl.constexpr, OUTPUT_LSE: tl.constexpr, FUSED_MASK: tl.constexpr, FP8_OUT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    # Head blocks vary fastest: consecutive programs sweep the [T, H, D] buffers front to back.
+    num_h_blocks: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
+    pid = tl.program_id(0)
+    t = (pid // num_h_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = (pid % num_h_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    t_mask = t < num_tokens
+    h_mask = h < NUM_HEADS
+    d_mask = d < HEAD_DIM
+    th_mask = t_mask[:, None] & h_mask[None, :]
+    thd_mask = th_mask[:, :, None] & d_mask[None, None, :]
+    t64 = t.to(tl.int64)[:, None]
+    h64 = h.to(tl.int64)[None, :]
+    d64 = d.to(tl.int64)[None, None, :]
+    lse_offs = h64 * stride_lse_h + t64 * stride_lse_t
+    o_offs = t64[:, :, None] * stride_o_t + h64[:, :, None] * stride_o_h + d64 * stride_o_d
+    last = NUM_PARTIALS - 1
+
+    # The last partial: also the pass-through row and LSE (8.4). Its loads are issued first.
+    b = tl.load(outs_ptr + last * stride_o_n + o_offs, mask=thd_mask, other=0.0)
+    last_raw = tl.load(lses_ptr + last * stride_lse_n + lse_offs, mask=th_mask, other=float("-inf"))
+
+    req = t  # placeholders unless FUSED_MASK
+    in_req = t_mask
+    if FUSED_MASK:  # the request of each token, once for every partial
+        req = _count_keys_le(qsl_ptr, t, num_requests + 1, 1, 0, SCAN, N_INTERPRET) - 1  # R: padding
+        in_req = t_mask & (req < num_requests)
+        req = tl.minimum(req, num_requests - 1)
+
+    # 8.2: the largest LSE; every partial empty gives out 0, LSE -inf.
+    m = _partial_lse(lses_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2, FUSED_MASK)
+    for i in tl.static_range(1, NUM_PARTIALS):
+        m = tl.maximum(m, _partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n,
+                                       req, in_req, LSE_BASE2, FUSED_MASK))
+    all_empty = m == float("-inf")
+    m = tl.where(all_empty, 0.0, m)
+    # 8.3: z = e_0 + e_1 + ... + e_{N-1} in index order.
+    z = _exp(_partial_lse(lses_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2, FUSED_MASK) - m, INTERPRET)
+    for i in tl.static_range(1, NUM_PARTIALS):
+        z = z + _exp(_partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n,
+                                  req, in_req, LSE_BASE2, FUSED_MASK) - m, INTERPRET)
+    # out = sum_i w_i * o_i in index order, w_i = e_i / z.
+    w_last = _exp(_partial_lse(lses_ptr + last * stride_lse_n, lse_offs, th_mask, cu_ptr + last * stride_cu_n,
+                               req, in_req, LSE_BASE2, FUSED_MASK) - m, INTERPRET) / z
+    if NUM_PARTIALS == 1:
+        out = _weighted(b, w_last)
+    else:
+        w = _exp(_partial_lse(lses_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2, FUSED_MASK) - m,
+                 INTERPRET) / z
+        out = _weighted(tl.load(outs_ptr + o_offs, mask=thd_mask, other=0.0), w)
+        for i in tl.static_range(1, NUM_PARTIALS - 1):
+            w = _exp(_partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n,
+                                  req, in_req, LSE_BASE2, FUSED_MASK) - m, INTERPRET) / z
+            out = out + _weighted(tl.load(outs_ptr + i * stride_o_n + o_offs, mask=thd_mask, other=0.0), w)
+        out = out + _weighted(b, w_last)
+    out = tl.where(all_empty[:, :, None], 0.0, out)
+    copy_t = t >= prefill_tokens_with_context  # 8.4
+    out_ptrs = out_ptr + t64[:, :, None] * stride_out_t + h64[:, :, None] * stride_out_h + d64 * stride_out_d
+    if FP8_OUT:  # 4.6
+        out = tl.where(copy_t[:, None, None], b.to(tl.float32), out)
+        out = out / tl.load(scale_ptr)
+        out = tl.where(out < -FP8_MAX, -FP8_MAX, out)  # comparisons, not min/max: NaN stays NaN
+        out = tl.where(out > FP8_MAX, FP8_MAX, out)
+        tl.store(out_ptrs, _cast_rne(out, out_ptr.dtype.element_ty, INTERPRET), mask=thd_mask)
+    else:
+        tl.store(out_ptrs, tl.where(copy_t[:, None, None], b, _cast_rne(out, out_ptr.dtype.element_ty, INTERPRET)),
+                 mask=thd_mask)
+
+    if OUTPUT_LSE:
+        lse = _log(z, INTERPRET) + m
+        lse = tl.where(all_empty, float("-inf"), lse)
+        if LSE_BASE2:
+            lse = lse * LOG2E
+        lse = tl.where(copy_t[:, None], last_raw, lse)
+        tl.store(out_lse_ptr + h64 * stride_olse_h + t64 * stride_olse_t, lse, mask=th_mask)
+
+
+def _lses_strides(lses: torch.Tensor, lse_layout: str, num_partials: int, num_heads: int, num_tokens: int):
+    """(stride_n, stride_h, stride_t) of stacked LSEs given in `lse_layout`, after checking their shape."""
+    want = (num_partials, num_heads, num_tokens) if lse_layout == "HT" else (num_partials, num_tokens, num_heads)
+    if tuple(lses.shape) != want:
+        if lses.shape[0] != num_partials:
+            raise ValueError(f"outputs and lses disagree on N: outputs has {num_partials} partials, "
+                             f"lses.shape={tuple(lses.shape)}")
+        raise ValueError(f"lses must be f32{list(want)} for lse_layout={lse_layout!r}; got lses.shape={tuple(lses.shape)}")
+    s0, s1, s2 = lses.stride()
+    stride_h, stride_t = (s1, s2) if lse_layout == "HT" else (s2, s1)
+    if num_tokens == 1:  # any stride indexes a size-1 dim: the contiguous one, so T = 1 compiles nothing new
+        stride_t = 1 if lse_layout == "HT" else num_heads
+    return s0, stride_h, stride_t
+
+
+def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_with_context=None,
+                        output_scale=None, *, query_start_loc=None, cu_seq_lens=None, lse_layout="HT",
+                        lse_base=math.e, validate=False) -> None:
+    """Merge N attention partials by their LSEs (docs/spec.md section 8), in place.
+
+    Args:
+      output: dtype[T, H, D] (or float8_e4m3fn with output_scale), any strides. Written in place.
+      outputs: dtype[N, T, H, D], fp32/fp16/bf16, any strides (a view of an all-gather buffer, a V-padded
+        buffer sliced to [..., :D]); 1 <= N <= 64.
+      lses: f32[N, H, T] ([N, T, H] with lse_layout="TH"), any strides; natural log unless lse_base=2. +inf
+        and NaN mean an empty partial.
+      output_lse: optional f32[H, T] ([T, H]) LSE of the merge, same base. Written in place.
+      prefill_tokens_with_context: int or None (= T). Tokens at or past it copy the last partial's row and
+        LSE bits. A runtime value: changing it never recompiles.
+      output_scale: f32[1] tensor, required for (and only for) an fp8 output.
+      query_start_loc, cu_seq_lens: i32[R+1] and i32[N, R+1], both or neither: the fused mask (8.1); a token
+        of a request with no KV in partial i (cu_seq_lens[i, r+1] == cu_seq_lens[i, r]) gives partial i LSE
+        -inf, whatever the partial holds.
+      lse_layout: "HT" or "TH", for all LSEs.
+      lse_base: math.e or 2, for all LSEs.
+      validate: also check offset values and prefill_tokens_with_context (reads offsets: a device sync).
+
+    Raises:
+      TypeError: a tensor of the wrong dtype.
+      ValueError: wrong ranks or shapes (outputs and lses disagreeing on N, cu_seq_lens not [N, R+1]),
+        different devices, an overlapping output, bad options.
+    """
+    c.check_lse_layout(lse_layout)
+    base2 = c.check_lse_base(lse_base)
+    c.check_tensor("outputs", outputs, ndim=4, dtypes=c.OUTPUT_DTYPES)
+    device = outputs.device
+    num_partials, num_tokens, num_heads, head_dim = outputs.shape
+    if not 1 <= num_partials <= c.MAX_PARTIALS:
+        raise ValueError(f"outputs must stack 1 to {c.MAX_PARTIALS} partials; got outputs.shape={tuple(outputs.shape)}")
+    fp8 = c.check_output(output, outputs, output_scale)
+    c.check_tensor("lses", lses, ndim=3, dtypes=(torch.float32,), device=device)
+    stride_lse_n, stride_lse_h, stride_lse_t = _lses_strides(lses, lse_layout, num_partials, num_heads, num_tokens)
+    olse_strides = (0, 0)
+    if output_lse is not None:
+        c.check_tensor("output_lse", output_lse, ndim=2, dtypes=(torch.float32,), device=device)
+        olse_strides = c.lse_ht_strides("output_lse", output_lse, lse_layout, num_heads, num_tokens)
+        c.check_no_internal_overlap("output_lse", output_lse)
+    if (query_start_loc is None) != (cu_seq_lens is None):
+        raise ValueError("query_start_loc and cu_seq_lens go together (the fused mask); got only "
+                         + ("query_start_loc" if query_start_loc is not None else "cu_seq_lens"))
+    fused = query_start_loc is not None
+    num_requests = 0
+    if fused:
+        c.check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=device)
+        c.check_tensor("cu_seq_lens", cu_seq_lens, ndim=2, dtypes=(torch.int32,), device=device)
+        if query_start_loc.shape[0] < 1:
+            raise ValueError("query_start_loc must have R+1 >= 1 entries, got an empty tensor")
+        num_requests = query_start_loc.shape[0] - 1
+        if tuple(cu_seq_lens.shape) != (num_partials, num_requests + 1):
+            raise ValueError(f"cu_seq_lens must be i32[N, R+1] = [{num_partials}, {num_requests + 1}] (each partial's KV "
+                             f"offsets); got cu_seq_lens.shape={tuple(cu_seq_lens.shape)}")
+        if cu_seq_lens.stride(1) != 1:
+            cu_seq_lens = cu_seq_lens.contiguous()  # a read-only copy of R+1 offsets per partial
+        fused = num_requests > 0  # no request, nothing to mask
+    prefill_tokens = c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
+    if validate and fused:
+        c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
+    if num_tokens == 0 or num_heads == 0:
+        return
+
+    variant = c.merge_variant(output_lse is not None, fused)
+    itemsize = outputs.element_size()
+    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize, "nway")
+    placeholder = lses
+    _merge_attn_states_n_kernel[c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize, "nway")](
+        output, output_lse if output_lse is not None else placeholder, outputs, lses,
+        output_scale if fp8 else placeholder,
+        query_start_loc if fused else placeholder, cu_seq_lens if fused else placeholder,
+        *output.stride(), *outputs.stride(), *olse_strides, stride_lse_n, stride_lse_h, stride_lse_t,
+        cu_seq_lens.stride(0) if fused else 0,
+        num_tokens, prefill_tokens, num_requests,
+        NUM_PARTIALS=num_partials, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
+        SCAN=c.SCAN, N_INTERPRET=c.n_interpret(num_requests + 1),
+        LSE_BASE2=base2, OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused, FP8_OUT=fp8,
+        INTERPRET=c.interpreting(),
+        num_warps=c.merge_num_warps(variant, "nway"), **c.PARITY_LAUNCH,
+    )
