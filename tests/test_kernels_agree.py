@@ -157,3 +157,38 @@ def test_merge_agrees_bitwise_gpu(case):
     torch.cuda.synchronize()
     compare.assert_bitwise_equal(out_t, out_p, name="merge.out", case=case, mode="compiled")
     compare.assert_bitwise_equal(lse_t, lse_p, name="merge.lse", case=case, mode="compiled")
+
+
+@pytest.mark.parametrize("num_heads", [1, 3, 5, 64])
+def test_n_way_tiles_are_powers_of_two_within_budget(num_heads):
+    for common, variant, itemsize in itertools.product((triton_common, pallas_common), common_variants(), (2, 4)):
+        tile_bytes, _, num_warps = common.MERGE_N_TILES[variant]
+        for head_dim in (32, 64, 80, 128, 512):
+            block_t, block_h, block_d = common.merge_tiles(num_heads, head_dim, variant, itemsize, "nway")
+            assert all(_pow2(b) for b in (block_t, block_h, block_d, num_warps))
+            assert block_d >= head_dim and block_t * block_h * block_d <= max(tile_bytes // itemsize, block_d)
+            grid = common.merge_grid(1000, num_heads, head_dim, variant, itemsize, "nway")
+            assert grid == (math.ceil(1000 / block_t) * math.ceil(num_heads / block_h),)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "masked_lses"])
+@pytest.mark.parametrize("case", cases.select("ci", kind="n_way"), ids=lambda c: c.name)
+def test_merge_n_agrees_bitwise_gpu(case, fused):
+    """Compiled Triton vs compiled Pallas vs jnp on XLA:GPU: the same bits on every output (docs/spec.md 5, 8)."""
+    from parity import impls
+
+    rt = impls.make_runtime()
+    inp = cases.make_inputs_n(case)
+    inp["masked_lses"] = impls.masked_lses(case, inp)
+    t, j = bridge.share_inputs(inp, DEVICE)
+    op = "merge_n_fused" if fused else "merge_n"
+    arrays = {"triton": t, "pallas": j, "jnp": j}
+    if not fused:
+        arrays = {k: dict(v, lses=v["masked_lses"]) for k, v in arrays.items()}
+    got = {impl: impls.run(rt, impl, op, case, a) for impl, a in arrays.items()}
+    for key in ("out", "lse"):
+        compare.assert_bitwise_equal(got["triton"][key], got["pallas"][key], name=f"{op}.{key} triton vs pallas",
+                                     case=case, mode="compiled")
+        compare.assert_bitwise_equal(got["pallas"][key], got["jnp"][key], name=f"{op}.{key} pallas vs jnp",
+                                     case=case, mode="compiled")
