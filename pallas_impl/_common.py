@@ -137,6 +137,102 @@ def out_struct(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, vma=frozenset().union(*(getattr(a, "vma", frozenset()) for a in avals)))
 
 
+def _varying(x) -> frozenset:
+    """The manual mesh axes `x` varies over (inside `jax.shard_map` with check_vma=True; empty elsewhere)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return mat.varying if mat is not None else frozenset(getattr(aval, "vma", frozenset()))
+
+
+def _explicit_head_sharding(names, args, head_axes):
+    """(mesh, head axis entry of the PartitionSpec) when the operands carry an Explicit-mode sharding over
+    their head axis (`jax.jit` over NamedSharding inputs of an Explicit mesh), else (None, None)."""
+    mesh, head = None, None
+    for name, x, axis in zip(names, args, head_axes):
+        if x is None or not hasattr(x, "shape"):
+            continue
+        sharding = getattr(jax.typeof(x), "sharding", None)
+        spec = tuple(getattr(sharding, "spec", ()) or ())
+        if not any(e is not None for e in spec):
+            continue
+        for d, entry in enumerate(spec):
+            if entry is not None and d != axis:
+                what = "is replicated by contract" if axis is None else f"may be sharded along its head axis {axis} only"
+                raise ValueError(
+                    f"{name} is sharded along axis {d} ({name} spec {jax.sharding.PartitionSpec(*spec)}); {name} "
+                    f"{what}: the offsets index global tokens, so the kernels shard heads. Reshard it "
+                    "(jax.reshard) or call the kernel inside jax.shard_map on local shards")
+        entry = spec[axis]
+        if head is not None and entry != head:
+            raise ValueError(f"the operands shard their heads differently ({name}: {entry!r}, others: {head!r})")
+        mesh, head = sharding.mesh, entry
+    return mesh, head
+
+
+def sharded_call(fn, names, args, head_axes, out_head_axes, *, interpret: bool):
+    """Run `fn(*args)` (a kernel call; `args` may hold None and Python scalars) as a JAX user shards it.
+
+    - Under `jax.jit` with operands sharded over their head axis on an Explicit mesh (`NamedSharding`), the
+      call runs per shard inside `jax.shard_map` over that mesh axis: each shard merges its own heads, which
+      gives the unsharded call's bits. Tokens and offsets must be replicated (the offsets index global tokens).
+    - Inside `jax.shard_map` (heads sharded by the caller) the kernel runs on the local shard. With
+      check_vma=True, the results vary over the axes the operands vary over (`out_struct`).
+    - Interpret mode under shard_map with check_vma=True runs each shard's kernel through a host callback:
+      jax's Pallas interpreter cannot trace there (its discharged loads pad a varying buffer with an invariant
+      value and fail the varying-axes check). Compiled kernels never take that path.
+    `head_axes` gives each operand's head axis (None: replicated); `out_head_axes` the results' (the structure of
+    `fn`'s result: an int, or a tuple of ints).
+    """
+    mesh, head = _explicit_head_sharding(names, args, head_axes)
+    if mesh is not None:
+        P = jax.sharding.PartitionSpec
+        keep = [i for i, x in enumerate(args) if x is not None and hasattr(x, "shape")]
+
+        def spec(ndim, axis):
+            return P(*[head if d == axis else None for d in range(ndim)]) if axis is not None else P()
+
+        def local(*xs):
+            full = list(args)
+            for i, x in zip(keep, xs):
+                full[i] = x
+            return _local_call(fn, full, interpret)
+
+        in_specs = tuple(spec(jnp.ndim(args[i]), head_axes[i]) for i in keep)
+        # The result shapes, traced on unsharded stand-ins (a kernel cannot be traced on sharded refs).
+        plain = [jax.ShapeDtypeStruct(x.shape, x.dtype) if i in keep else x for i, x in enumerate(args)]
+        out_avals = jax.eval_shape(lambda *xs: fn(*xs), *plain)
+        out_specs = jax.tree.map(lambda a, ax: spec(len(a.shape), ax), out_avals, out_head_axes)
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*[args[i] for i in keep])
+    return _local_call(fn, list(args), interpret)
+
+
+def _local_call(fn, args, interpret: bool):
+    keep = [i for i, x in enumerate(args) if x is not None and hasattr(x, "shape")]
+    if not (interpret and any(_varying(args[i]) for i in keep)):
+        return fn(*args)
+
+    def host(*xs):
+        full = list(args)
+        for i, x in zip(keep, xs):
+            full[i] = x
+        return jax.tree.map(np.asarray, fn(*full))
+
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), jax.eval_shape(lambda *xs: fn(*xs), *args))
+    results = jax.pure_callback(host, shapes, *[args[i] for i in keep], vmap_method="sequential")
+    # A callback's results are typed invariant; they vary as the operands do.
+    axes = tuple(sorted(frozenset().union(*(_varying(args[i]) for i in keep))))
+    return jax.tree.map(lambda r: jax.lax.pcast(r, axes, to="varying"), results)
+
+
+def all_gather_replicated(x, axis_name):
+    """`lax.all_gather` typed as invariant over `axis_name` (every device holds the same gathered array), so a
+    result computed from it can be declared replicated (`out_specs=P()`) under check_vma=True."""
+    try:
+        return jax.lax.all_gather(x, axis_name, to="invarying")
+    except (TypeError, ValueError, NotImplementedError):  # a jax without typed gathers; vmap's axis names
+        return jax.lax.all_gather(x, axis_name)
+
+
 def resolve_interpret(interpret: bool | None) -> bool:
     """None: interpret on CPU, compile on GPU."""
     if interpret is None:

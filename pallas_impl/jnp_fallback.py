@@ -118,3 +118,39 @@ def merge_attn_states_n(outputs, lses, output_scale, query_start_loc, cu_seq_len
         lse_out = lse_out * c.LOG2E
     lse_out = jnp.where(copy_t[:, None], l_raw[-1], lse_out)
     return out, (lse_out.T if lse_layout == "HT" else lse_out)
+
+
+@functools.partial(jax.jit, static_argnames=("reduce_dtype", "return_lse", "lse_layout", "lse_base2"))
+def cp_rescale(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with_context, rank, *, reduce_dtype,
+               return_lse, lse_layout, lse_base2):
+    """The context-parallel rescale (pallas_impl/cp_merge.py) in jnp: (scaled reduce_dtype[T, H, D], merged LSE)."""
+    num_partials, num_tokens = lses.shape[0], part.shape[0]
+    prefill_tokens = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
+    l_raw = jnp.swapaxes(lses, 1, 2) if lse_layout == "HT" else lses  # [N, T, H]
+    lse = l_raw * c.LN2 if lse_base2 else l_raw
+    lse = jnp.where((lse == jnp.inf) | jnp.isnan(lse), -jnp.inf, lse)
+    if query_start_loc is not None:
+        empty = jax.vmap(lambda cu: _empty_tokens(query_start_loc, cu, num_tokens))(cu_seq_lens)  # [N, T]
+        lse = jnp.where(empty[:, :, None], -jnp.inf, lse)
+    m = lse[0]
+    for i in range(1, num_partials):
+        m = jnp.maximum(m, lse[i])
+    all_empty = m == -jnp.inf
+    m = jnp.where(all_empty, 0.0, m)
+    e = jnp.exp(lse - m)
+    z = e[0]
+    for i in range(1, num_partials):
+        z = z + e[i]
+    w = (jnp.exp(lse[rank] - m) / z)[..., None]
+    o = part.astype(jnp.float32)
+    scaled = jnp.where(w > 0, o * w, 0.0)
+    scaled = jnp.where(all_empty[..., None], 0.0, scaled)
+    copy_t = (jnp.arange(num_tokens, dtype=jnp.int32) >= prefill_tokens[0])[:, None, None]
+    scaled = jnp.where(copy_t, jnp.where(rank == num_partials - 1, o, -0.0), scaled).astype(reduce_dtype)
+    if not return_lse:
+        return scaled, None
+    merged = jnp.where(all_empty, -jnp.inf, jnp.log(z) + m)
+    if lse_base2:
+        merged = merged * c.LOG2E
+    merged = jnp.where(copy_t[:, :, 0], l_raw[-1], merged)
+    return scaled, (merged.T if lse_layout == "HT" else merged)

@@ -172,6 +172,10 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
         return jnp_fallback.mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output,
                                                    lse_layout=lse_layout)
     c.filter_triton_deprecation()
-    results = _mask_jit(lse, query_start_loc, cu_seq_lens, output, lse_layout=lse_layout,
-                        interpret=c.resolve_interpret(interpret))
+    interpret = c.resolve_interpret(interpret)
+    lse_axis = 0 if lse_layout == "HT" else 1
+    results = c.sharded_call(
+        functools.partial(_mask_jit, lse_layout=lse_layout, interpret=interpret),
+        ("lse", "query_start_loc", "cu_seq_lens", "output"), (lse, query_start_loc, cu_seq_lens, output),
+        (lse_axis, None, None, 1), (lse_axis,) if output is None else (lse_axis, 1), interpret=interpret)
     return results[0] if output is None else results

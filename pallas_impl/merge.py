@@ -225,6 +225,13 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
             prefix_cu_seq_lens, prefill_tokens_with_context, return_lse=return_lse, out_dtype=out_dtype,
             lse_layout=lse_layout, lse_base2=lse_base2)
     c.filter_triton_deprecation()
-    return _merge_jit(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc,
-                      prefix_cu_seq_lens, prefill_tokens_with_context, return_lse=return_lse, out_dtype=out_dtype,
-                      lse_layout=lse_layout, lse_base2=lse_base2, interpret=c.resolve_interpret(interpret))
+    interpret = c.resolve_interpret(interpret)
+    lse_axis = 0 if lse_layout == "HT" else 1
+    return c.sharded_call(
+        functools.partial(_merge_jit, return_lse=return_lse, out_dtype=out_dtype, lse_layout=lse_layout,
+                          lse_base2=lse_base2, interpret=interpret),
+        ("prefix_output", "prefix_lse", "suffix_output", "suffix_lse", "output_scale", "query_start_loc",
+         "prefix_cu_seq_lens", "prefill_tokens_with_context"),
+        (prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc, prefix_cu_seq_lens,
+         prefill_tokens_with_context),
+        (1, lse_axis, 1, lse_axis, None, None, None, None), (1, lse_axis) if return_lse else 1, interpret=interpret)

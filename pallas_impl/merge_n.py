@@ -239,6 +239,11 @@ def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, quer
             outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context,
             return_lse=return_lse, out_dtype=out_dtype, lse_layout=lse_layout, lse_base2=lse_base2)
     c.filter_triton_deprecation()
-    return _merge_n_jit(outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context,
-                        return_lse=return_lse, out_dtype=out_dtype, lse_layout=lse_layout, lse_base2=lse_base2,
-                        interpret=c.resolve_interpret(interpret))
+    interpret = c.resolve_interpret(interpret)
+    lse_axis = 0 if lse_layout == "HT" else 1
+    return c.sharded_call(
+        functools.partial(_merge_n_jit, return_lse=return_lse, out_dtype=out_dtype, lse_layout=lse_layout,
+                          lse_base2=lse_base2, interpret=interpret),
+        ("outputs", "lses", "output_scale", "query_start_loc", "cu_seq_lens", "prefill_tokens_with_context"),
+        (outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context),
+        (2, lse_axis + 1, None, None, None, None), (1, lse_axis) if return_lse else 1, interpret=interpret)

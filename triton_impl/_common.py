@@ -153,13 +153,14 @@ def check_no_internal_overlap(name: str, x: torch.Tensor) -> None:
         span += stride * (size - 1)
 
 
-def check_output(output, like: torch.Tensor, output_scale, *, name: str = "output") -> bool:
-    """The merge output and its optional fp8 scale, against the partials' tensor `like` [..., T, H, D]; returns
-    whether the output is fp8."""
+def check_output(output, like: torch.Tensor, output_scale, *, name: str = "output", shape=None) -> bool:
+    """The merge output and its optional fp8 scale, against the partials' tensor `like` [..., T, H, D] (or
+    `shape`, when the output holds only some heads); returns whether the output is fp8."""
     device = like.device
+    shape = tuple(like.shape[-3:]) if shape is None else tuple(shape)
     check_tensor(name, output, ndim=3, dtypes=OUTPUT_DTYPES + (torch.float8_e4m3fn,), device=device)
-    if tuple(output.shape) != tuple(like.shape[-3:]):
-        raise ValueError(f"{name} must be [T, H, D] = {list(like.shape[-3:])}; got {name}.shape={tuple(output.shape)}")
+    if tuple(output.shape) != shape:
+        raise ValueError(f"{name} must be [T, H, D] = {list(shape)}; got {name}.shape={tuple(output.shape)}")
     if output.dtype not in (like.dtype, torch.float8_e4m3fn):
         raise TypeError(f"{name} must be {like.dtype} (the inputs' dtype) or float8_e4m3fn; "
                         f"got {name}.dtype={output.dtype}")

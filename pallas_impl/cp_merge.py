@@ -1,0 +1,241 @@
+"""Context-parallel combine (docs/spec.md section 9) on JAX collectives: the rescale kernel and the wrapper.
+
+Called inside `jax.shard_map` over the context-parallel mesh axis: each device holds its partial
+`(out [T, H, D], lse)` over its KV shard and its local KV offsets. The same two methods as
+`triton_impl/cp_merge.py`:
+
+- `gather`: `lax.all_gather` of the partials, LSEs and offsets, then the N-way merge (`merge_n.py`) on every
+  device: the single-device N-way merge's bits; every device gets all heads (the result is invariant over the
+  axis).
+- `reduce_scatter`: `lax.all_gather` of the LSEs and offsets only; each device scales its own partial by its
+  N-way weight (the rescale kernel, statement by statement the Triton one), then `lax.psum_scatter` over heads:
+  device r gets heads [r * H / N, (r + 1) * H / N). Within tolerance (the collective owns the sum order).
+
+Device i of the axis is partial i of the N-way merge.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_impl import _common as c
+from pallas_impl import jnp_fallback
+from pallas_impl.merge import _load_lse, _store_lse
+from pallas_impl.merge_n import _partial_lse, _weighted, merge_attn_states_n
+
+METHODS = ("gather", "reduce_scatter")
+
+
+def _cp_rescale_kernel(
+    # inputs
+    part_ref,  # dtype[T, H, D] this device's partial
+    lses_ref,  # f32[N, H, T] or f32[N, T, H] every device's LSE
+    qsl_ref,  # i32[R+1] query_start_loc; unused unless fused_mask
+    cu_ref,  # i32[N * (R+1)] every device's KV offsets, flattened; unused unless fused_mask
+    ptwc_ref,  # i32[1] prefill_tokens_with_context
+    rank_ref,  # i32[1] this device's partial index (lax.axis_index)
+    # outputs
+    scaled_ref,  # reduce dtype[T, H, D]: this device's weighted partial
+    *out_lse_ref,  # f32 merged LSE of every head, when output_lse
+    num_partials: int, num_tokens: int, num_heads: int, head_dim: int, num_requests: int,
+    block_t: int, block_h: int, block_d: int, lse_layout: str, lse_base2: bool, output_lse: bool,
+    fused_mask: bool,
+):
+    num_h_blocks = pl.cdiv(num_heads, block_h)
+    pid = pl.program_id(0)
+    t0 = (pid // num_h_blocks) * block_t
+    h0 = (pid % num_h_blocks) * block_h
+    t = t0 + jnp.arange(block_t, dtype=jnp.int32)
+    h = h0 + jnp.arange(block_h, dtype=jnp.int32)
+    d = jnp.arange(block_d, dtype=jnp.int32)
+    t_mask = t < num_tokens
+    h_mask = h < num_heads
+    d_mask = d < head_dim
+    th_mask = t_mask[:, None] & h_mask[None, :]
+    thd_mask = th_mask[:, :, None] & d_mask[None, None, :]
+    last = num_partials - 1
+    rank = rank_ref[0]
+
+    # This device's partial; the last partial's raw LSE is the pass-through LSE (8.4).
+    o = pltriton.load(part_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)], mask=thd_mask,
+                      other=0.0)
+    last_raw = _load_lse(lses_ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=(jnp.int32(last),))
+
+    req = t  # placeholders unless fused_mask
+    in_req = t_mask
+    if fused_mask:
+        req = c.count_keys_le(qsl_ref, t, num_requests + 1, key_div=1, key_step=0) - 1  # R: padding
+        in_req = t_mask & (req < num_requests)
+        req = jnp.minimum(req, num_requests - 1)
+    lse_i = functools.partial(_partial_lse, lses_ref, t0=t0, h0=h0, block_t=block_t, block_h=block_h,
+                              th_mask=th_mask, cu_ref=cu_ref, cu_row=num_requests + 1, req=req, in_req=in_req,
+                              lse_layout=lse_layout, lse_base2=lse_base2, fused_mask=fused_mask)
+
+    # The N-way merge's weights (8.2, 8.3), for partial `rank` only.
+    m = lse_i(0)
+    for i in range(1, num_partials):
+        m = jnp.maximum(m, lse_i(i))
+    all_empty = m == -jnp.inf
+    m = jnp.where(all_empty, 0.0, m)
+    z = jnp.exp(lse_i(0) - m)
+    for i in range(1, num_partials):
+        z = z + jnp.exp(lse_i(i) - m)
+    w = jnp.exp(lse_i(rank) - m) / z
+    scaled = _weighted(o, w)
+    scaled = jnp.where(all_empty[:, :, None], 0.0, scaled)
+    # 8.4: the last partial's row, exactly. The other devices add -0.0, the identity of the sum (x + -0.0 == x).
+    copy_t = t >= ptwc_ref[0]
+    scaled = jnp.where(copy_t[:, None, None], jnp.where(rank == last, o.astype(jnp.float32), -0.0), scaled)
+    pltriton.store(scaled_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)],
+                   scaled.astype(scaled_ref.dtype), mask=thd_mask)
+
+    if output_lse:  # the merged LSE (of every head: the caller keeps its own)
+        lse = jnp.log(z) + m
+        lse = jnp.where(all_empty, -jnp.inf, lse)
+        if lse_base2:
+            lse = lse * c.LOG2E
+        lse = jnp.where(copy_t[:, None], last_raw, lse)
+        _store_lse(out_lse_ref[0], t0, h0, block_t, block_h, lse, th_mask, lse_layout)
+
+
+@functools.partial(jax.jit, static_argnames=("reduce_dtype", "return_lse", "lse_layout", "lse_base2", "interpret"))
+def _rescale_jit(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with_context, rank, *, reduce_dtype,
+                 return_lse, lse_layout, lse_base2, interpret):
+    num_partials = lses.shape[0]
+    num_tokens, num_heads, head_dim = part.shape
+    fused = query_start_loc is not None and query_start_loc.shape[0] > 1
+    variant = c.merge_variant(return_lse, fused)
+    itemsize = jnp.dtype(part.dtype).itemsize
+    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize, "nway")
+    kernel = functools.partial(
+        _cp_rescale_kernel, num_partials=num_partials, num_tokens=num_tokens, num_heads=num_heads, head_dim=head_dim,
+        num_requests=query_start_loc.shape[0] - 1 if fused else 0, block_t=block_t, block_h=block_h,
+        block_d=block_d, lse_layout=lse_layout, lse_base2=lse_base2, output_lse=return_lse, fused_mask=fused)
+    operands = (part, lses, rank)
+    out_shape = [c.out_struct(part.shape, reduce_dtype, *operands)]
+    if return_lse:
+        out_shape.append(c.out_struct(lses.shape[1:], jnp.float32, *operands))
+    dummy = jnp.zeros((1,), jnp.int32)
+    results = pl.pallas_call(
+        kernel, out_shape=out_shape,
+        grid=c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize, "nway"),
+        interpret=interpret, compiler_params=c.compiler_params(num_warps=c.merge_num_warps(variant, "nway")),
+        name="cp_rescale",
+    )(part, lses, query_start_loc if fused else dummy, cu_seq_lens.reshape(-1) if fused else dummy,
+      c.prefill_tokens_array(prefill_tokens_with_context, num_tokens), rank.reshape(1))
+    return tuple(results) if return_lse else (results[0], None)
+
+
+def _axis_size(axis_name) -> int:
+    try:
+        return lax.axis_size(axis_name)
+    except NameError as e:
+        raise ValueError(f"axis_name={axis_name!r} is not a mesh axis of the enclosing jax.shard_map (or vmap): call "
+                         "cp_merge_attn_states inside jax.shard_map over the context-parallel axis") from e
+
+
+def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_lens=None, method="gather",
+                         prefill_tokens_with_context=None, return_lse=True, out_dtype=None, output_scale=None,
+                         lse_layout="HT", lse_base=math.e, reduce_dtype=None, interpret=None, implementation=None,
+                         validate=False):
+    """Combine the attention partials of a context-parallel mesh axis (docs/spec.md section 9).
+
+    Call inside `jax.shard_map` (or `jax.vmap` with an axis name) over `axis_name`; device i of the axis holds
+    partial i of the N-way merge (docs/spec.md 8).
+
+    Args:
+      out: dtype[T, H, D], fp32/fp16/bf16: attention of all T queries over this device's KV shard.
+      lse: f32[H, T] ([T, H] with lse_layout="TH"), its LSE; +inf and NaN mean empty.
+      axis_name: the context-parallel mesh axis (N devices).
+      query_start_loc: i32[R+1], replicated; cu_seq_lens: i32[R+1], THIS device's local KV offsets. Both or
+        neither: a token of a request with no KV on device i gets partial i LSE -inf, whatever the backend left.
+      method: "gather" (result [T, H, D], every head, on every device) or "reduce_scatter" (result [T, H / N, D]:
+        device r's heads [r * H / N, (r + 1) * H / N); H must be a multiple of N).
+      prefill_tokens_with_context: tokens at or past it copy the last device's row and LSE bits (8.4).
+      return_lse: also return the merged LSE ([H, T], or [H / N, T] for "reduce_scatter"; layout and base kept).
+      out_dtype, output_scale: float8_e4m3fn output with its scale (4.6).
+      reduce_dtype: "reduce_scatter" only: None (float32: one rounding, at the end) or the partials' dtype.
+      interpret, implementation, validate: as `merge_attn_states_n`.
+
+    Returns:
+      (out, lse) if return_lse else out.
+
+    Raises:
+      ValueError: axis_name not bound by an enclosing shard_map, H not a multiple of N for "reduce_scatter",
+        offsets of the wrong shape (cu_seq_lens must be this device's i32[R+1]), bad options. All at trace time,
+        before any collective runs.
+      TypeError: an array of the wrong dtype.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    num_partials = _axis_size(axis_name)
+    c.check_lse_layout(lse_layout)
+    lse_base2 = c.check_lse_base(lse_base)
+    c.check_array("out", out, ndim=3, dtypes=c.OUTPUT_DTYPES)
+    num_tokens, num_heads, head_dim = out.shape
+    c.check_array("lse", lse, ndim=2, dtypes=(jnp.float32,))
+    c.check_lse_shape("lse", lse, lse_layout, num_heads, num_tokens)
+    out_dtype = c.check_out_dtype(out_dtype, out.dtype, output_scale)
+    if method == "reduce_scatter" and num_heads % num_partials:
+        raise ValueError(f"method='reduce_scatter' splits the H={num_heads} heads over the N={num_partials} devices of "
+                         f"axis {axis_name!r}: H must be a multiple of N (use method='gather')")
+    if reduce_dtype is not None and jnp.dtype(reduce_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(out.dtype)):
+        raise TypeError(f"reduce_dtype must be None (float32), float32 or the partials' dtype {jnp.dtype(out.dtype).name}; "
+                        f"got {jnp.dtype(reduce_dtype).name}")
+    if (query_start_loc is None) != (cu_seq_lens is None):
+        raise ValueError("query_start_loc and cu_seq_lens go together (the fused mask); got only "
+                         + ("query_start_loc" if query_start_loc is not None else "cu_seq_lens"))
+    if query_start_loc is not None:
+        if getattr(cu_seq_lens, "ndim", 1) == 2:
+            raise ValueError(f"cu_seq_lens must be this device's local KV offsets i32[R+1] (the combine gathers every "
+                             f"device's); got cu_seq_lens.shape={tuple(cu_seq_lens.shape)}")
+        c.check_offsets(query_start_loc, cu_seq_lens)
+        if validate:
+            c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
+    c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
+    impl = c.resolve_implementation(implementation)
+
+    gather = c.all_gather_replicated if method == "gather" else lax.all_gather
+    lses = gather(lse, axis_name)
+    cus = None if query_start_loc is None else gather(cu_seq_lens, axis_name)
+    if method == "gather":
+        return merge_attn_states_n(
+            gather(out, axis_name), lses, prefill_tokens_with_context=prefill_tokens_with_context,
+            query_start_loc=query_start_loc, cu_seq_lens=cus, return_lse=return_lse, out_dtype=out_dtype,
+            output_scale=output_scale, lse_layout=lse_layout, lse_base=lse_base, interpret=interpret,
+            implementation=impl)
+
+    rank = lax.axis_index(axis_name).astype(jnp.int32)
+    rdt = jnp.dtype(reduce_dtype or jnp.float32)
+    if impl == "jnp":
+        scaled, merged = jnp_fallback.cp_rescale(out, lses, query_start_loc, cus, prefill_tokens_with_context, rank,
+                                                 reduce_dtype=rdt, return_lse=return_lse, lse_layout=lse_layout,
+                                                 lse_base2=lse_base2)
+    else:
+        c.filter_triton_deprecation()
+        interp = c.resolve_interpret(interpret)
+        scaled, merged = c.sharded_call(
+            functools.partial(_rescale_jit, reduce_dtype=rdt, return_lse=return_lse, lse_layout=lse_layout,
+                              lse_base2=lse_base2, interpret=interp),
+            ("out", "lses", "query_start_loc", "cu_seq_lens", "prefill_tokens_with_context", "rank"),
+            (out, lses, query_start_loc, cus, prefill_tokens_with_context, rank),
+            (None,) * 6, (None, None), interpret=interp)
+    heads = num_heads // num_partials
+    reduced = lax.psum_scatter(scaled, axis_name, scatter_dimension=1, tiled=True)  # [T, H / N, D]
+    if out_dtype == c.FP8:  # 4.6, after the sum
+        result = reduced.astype(jnp.float32) / jnp.asarray(output_scale, jnp.float32).reshape(-1)[0]
+        result = jnp.where(result < -c.FP8_E4M3_MAX, -c.FP8_E4M3_MAX, result)
+        result = jnp.where(result > c.FP8_E4M3_MAX, c.FP8_E4M3_MAX, result).astype(out_dtype)
+    else:
+        result = reduced.astype(out_dtype)
+    if not return_lse:
+        return result
+    axis = 0 if lse_layout == "HT" else 1
+    return result, lax.dynamic_slice_in_dim(merged, rank * heads, heads, axis=axis)

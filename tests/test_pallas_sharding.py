@@ -1,0 +1,62 @@
+"""pallas_impl under jax.shard_map and sharded jax.jit, and the JAX context-parallel combine, on 4 CPU devices.
+
+JAX fixes its device count at start-up, so the checks run once in their own process (`multidevice_jax.py`,
+with XLA_FLAGS=--xla_force_host_platform_device_count=4); each test asserts the checks of one group. Every check
+compares bits with the unsharded (or single-device N-way) call, or with the float64 reference within tolerance.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("multidevice") / "checks.json"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, str(HERE / "multidevice_jax.py"), str(out)], env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0 and out.exists(), r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _assert_group(checks, prefix, at_least):
+    group = {k: v for k, v in checks.items() if k.startswith(prefix)}
+    assert len(group) >= at_least, f"expected {at_least} checks under {prefix!r}, got {sorted(group)}"
+    failed = {k: v["detail"] for k, v in group.items() if not v["ok"]}
+    assert not failed, "\n\n".join(f"{k}:\n{d}" for k, d in failed.items())
+
+
+def test_every_entry_point_under_shard_map_with_check_vma(checks):
+    # mask, fused 2-way merge, fused N-way merge x (pallas kernel, jnp) x (Explicit, Auto mesh): heads sharded.
+    _assert_group(checks, "shard_map/", 3 * 2 * 2)
+
+
+def test_every_entry_point_under_jit_with_named_sharding(checks):
+    _assert_group(checks, "jit_named_sharding/", 3 * 2 * 2 + 1)
+
+
+def test_compiled_kernels_trace_under_shard_map(checks):
+    _assert_group(checks, "compiled_trace_under_shard_map/", 3)
+
+
+def test_cp_gather_gives_the_single_device_bits(checks):
+    _assert_group(checks, "cp/gather/", 2)
+
+
+def test_cp_reduce_scatter_within_tolerance(checks):
+    _assert_group(checks, "cp/reduce_scatter/", 4)
+
+
+def test_cp_on_vmap_simulated_ranks(checks):
+    _assert_group(checks, "cp/vmap_simulated_ranks/", 2)
+
+
+def test_cp_errors_before_any_collective(checks):
+    _assert_group(checks, "cp/errors/", 4)

@@ -1,0 +1,331 @@
+"""Context-parallel combine (docs/spec.md section 9) on `torch.distributed`: the rescale kernel and the wrapper.
+
+Each rank of a context-parallel group holds one partial `(out [T, H, D], lse)` over its local KV shard and its
+local KV offsets; the combine merges the N partials of the group. Two methods:
+
+- `gather`: all-gather the partials, LSEs and offsets (`all_gather_into_tensor`), then the N-way merge
+  (`merge_n.py`) on every rank. Deterministic: the single-process N-way merge's bits; every rank gets all heads.
+- `reduce_scatter`: all-gather the LSEs and offsets only; each rank scales its own partial by its N-way weight
+  (the rescale kernel below: the N-way merge's weights, statement by statement, for one partial) into a
+  buffer grouped by destination rank, then `reduce_scatter_tensor` sums the groups over heads: rank r gets heads
+  [r * H / N, (r + 1) * H / N). The sum order belongs to the collective: within tolerance, not bit-fixed.
+
+Rescale grid and tile: the N-way merge's. Float math: the N-way merge's (libdevice exp/log, no FMA
+contraction, no flush-to-zero), `pallas_impl/cp_merge.py` statement by statement.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from triton_impl import _common as c
+from triton_impl._common import _cast_rne, _count_keys_le
+from triton_impl.merge import _exp, _log
+from triton_impl.merge_n import _lses_strides, _partial_lse, _weighted, merge_attn_states_n
+
+LOG2E = tl.constexpr(c.LOG2E)
+METHODS = ("gather", "reduce_scatter")
+
+
+@triton.jit(do_not_specialize=["num_tokens", "prefill_tokens_with_context", "num_requests", "rank",
+                               "stride_olse_h", "stride_lse_n", "stride_lse_h", "stride_cu_n"])
+def _cp_rescale_kernel(
+    scaled_ptr,  # reduce dtype: head h of token t at (h // HEADS_PER_GROUP) * stride_s_g + (h % HEADS_PER_GROUP) * ...
+    out_lse_ptr,  # f32[H, T] merged LSE of every head via (stride_olse_h, stride_olse_t); unused unless OUTPUT_LSE
+    part_ptr,  # dtype[T, H, D] this rank's partial via (stride_p_t, stride_p_h, stride_p_d)
+    lses_ptr,  # f32[N, H, T] every rank's LSE via (stride_lse_n, stride_lse_h, stride_lse_t)
+    qsl_ptr,  # i32[R+1] query_start_loc; unused unless FUSED_MASK
+    cu_ptr,  # i32[N, R+1] every rank's KV offsets via (stride_cu_n, 1); unused unless FUSED_MASK
+    stride_s_g, stride_s_t, stride_s_h, stride_s_d,
+    stride_p_t, stride_p_h, stride_p_d,
+    stride_olse_h, stride_olse_t,
+    stride_lse_n, stride_lse_h, stride_lse_t,
+    stride_cu_n,
+    num_tokens, prefill_tokens_with_context, num_requests,
+    rank,  # this rank's partial index; runtime value
+    NUM_PARTIALS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PER_GROUP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    SCAN: tl.constexpr, N_INTERPRET: tl.constexpr,
+    LSE_BASE2: tl.constexpr, OUTPUT_LSE: tl.constexpr, FUSED_MASK: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    num_h_blocks: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
+    pid = tl.program_id(0)
+    t = (pid // num_h_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = (pid % num_h_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    t_mask = t < num_tokens
+    h_mask = h < NUM_HEADS
+    d_mask = d < HEAD_DIM
+    th_mask = t_mask[:, None] & h_mask[None, :]
+    thd_mask = th_mask[:, :, None] & d_mask[None, None, :]
+    t64 = t.to(tl.int64)[:, None]
+    h64 = h.to(tl.int64)[None, :]
+    d64 = d.to(tl.int64)[None, None, :]
+    lse_offs = h64 * stride_lse_h + t64 * stride_lse_t
+    last = NUM_PARTIALS - 1
+
+    # This rank's partial; the last partial's raw LSE is the pass-through LSE (8.4).
+    o = tl.load(part_ptr + t64[:, :, None] * stride_p_t + h64[:, :, None] * stride_p_h + d64 * stride_p_d,
+                mask=thd_mask, other=0.0)
+    last_raw = tl.load(lses_ptr + last * stride_lse_n + lse_offs, mask=th_mask, other=float("-inf"))
+
+    req = t  # placeholders unless FUSED_MASK
+    in_req = t_mask
+    if FUSED_MASK:
+        req = _count_keys_le(qsl_ptr, t, num_requests + 1, 1, 0, SCAN, N_INTERPRET) - 1  # R: padding
+        in_req = t_mask & (req < num_requests)
+        req = tl.minimum(req, num_requests - 1)
+
+    # The N-way merge's weights (8.2, 8.3), for partial `rank` only.
+    m = _partial_lse(lses_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2, FUSED_MASK)
+    for i in tl.static_range(1, NUM_PARTIALS):
+        m = tl.maximum(m, _partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n,
+                                       req, in_req, LSE_BASE2, FUSED_MASK))
+    all_empty = m == float("-inf")
+    m = tl.where(all_empty, 0.0, m)
+    z = _exp(_partial_lse(lses_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2, FUSED_MASK) - m, INTERPRET)
+    for i in tl.static_range(1, NUM_PARTIALS):
+        z = z + _exp(_partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n,
+                                  req, in_req, LSE_BASE2, FUSED_MASK) - m, INTERPRET)
+    w = _exp(_partial_lse(lses_ptr + rank * stride_lse_n, lse_offs, th_mask, cu_ptr + rank * stride_cu_n,
+                          req, in_req, LSE_BASE2, FUSED_MASK) - m, INTERPRET) / z
+    scaled = _weighted(o, w)
+    scaled = tl.where(all_empty[:, :, None], 0.0, scaled)
+    # 8.4: the last partial's row, exactly. The other ranks add -0.0, the identity of the sum (x + -0.0 == x).
+    copy_t = t >= prefill_tokens_with_context
+    if rank == last:
+        scaled = tl.where(copy_t[:, None, None], o.to(tl.float32), scaled)
+    else:
+        scaled = tl.where(copy_t[:, None, None], -0.0, scaled)
+    s_ptrs = (scaled_ptr + t64[:, :, None] * stride_s_t + (h64 // HEADS_PER_GROUP)[:, :, None] * stride_s_g
+              + (h64 % HEADS_PER_GROUP)[:, :, None] * stride_s_h + d64 * stride_s_d)
+    tl.store(s_ptrs, _cast_rne(scaled, scaled_ptr.dtype.element_ty, INTERPRET), mask=thd_mask)
+
+    if OUTPUT_LSE:  # the merged LSE (of every head: the caller keeps its own)
+        lse = _log(z, INTERPRET) + m
+        lse = tl.where(all_empty, float("-inf"), lse)
+        if LSE_BASE2:
+            lse = lse * LOG2E
+        lse = tl.where(copy_t[:, None], last_raw, lse)
+        tl.store(out_lse_ptr + h64 * stride_olse_h + t64 * stride_olse_t, lse, mask=th_mask)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Host side
+
+_DTYPE_CODES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+
+
+def _code(x) -> int:
+    return _DTYPE_CODES.index(x.dtype) if isinstance(x, torch.Tensor) and x.dtype in _DTYPE_CODES else -1
+
+
+def _local_checks(output, partial_output, partial_lse, output_lse, prefill_tokens_with_context, output_scale,
+                  query_start_loc, cu_seq_lens, *, method, num_partials, lse_layout, lse_base, reduce_dtype,
+                  validate):
+    """Every check this rank can make alone (metadata; with validate=True also offset values). Returns the
+    launch parameters and the descriptor the ranks must agree on."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    c.check_lse_layout(lse_layout)
+    base2 = c.check_lse_base(lse_base)
+    c.check_tensor("partial_output", partial_output, ndim=3, dtypes=c.OUTPUT_DTYPES)
+    device = partial_output.device
+    num_tokens, num_heads, head_dim = partial_output.shape
+    c.check_tensor("partial_lse", partial_lse, ndim=2, dtypes=(torch.float32,), device=device)
+    c.lse_ht_strides("partial_lse", partial_lse, lse_layout, num_heads, num_tokens)
+    heads_out = num_heads
+    if method == "reduce_scatter":
+        if num_heads % num_partials:
+            raise ValueError(f"method='reduce_scatter' splits the H={num_heads} heads over the group's N={num_partials} "
+                             "ranks: H must be a multiple of N (use method='gather')")
+        heads_out = num_heads // num_partials
+    want = (num_tokens, heads_out, head_dim)
+    c.check_tensor("output", output, ndim=3, dtypes=c.OUTPUT_DTYPES + (torch.float8_e4m3fn,), device=device)
+    if tuple(output.shape) != want:
+        raise ValueError(f"output must be [T, H{'/N' if heads_out != num_heads else ''}, D] = {list(want)} for "
+                         f"method={method!r} with N={num_partials} ranks; got output.shape={tuple(output.shape)}")
+    fp8 = c.check_output(output, partial_output, output_scale, shape=want)
+    if output_lse is not None:
+        c.check_tensor("output_lse", output_lse, ndim=2, dtypes=(torch.float32,), device=device)
+        c.lse_ht_strides("output_lse", output_lse, lse_layout, heads_out, num_tokens)
+        c.check_no_internal_overlap("output_lse", output_lse)
+    if (query_start_loc is None) != (cu_seq_lens is None):
+        raise ValueError("query_start_loc and cu_seq_lens go together (the fused mask); got only "
+                         + ("query_start_loc" if query_start_loc is not None else "cu_seq_lens"))
+    num_requests = -1
+    if query_start_loc is not None:
+        if isinstance(cu_seq_lens, torch.Tensor) and cu_seq_lens.dim() == 2:
+            raise ValueError(f"cu_seq_lens must be this rank's local KV offsets i32[R+1] (the combine gathers every "
+                             f"rank's); got cu_seq_lens.shape={tuple(cu_seq_lens.shape)}")
+        num_requests = c.check_offsets(query_start_loc, cu_seq_lens, device)
+        if validate:
+            c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
+    if reduce_dtype not in (None, torch.float32, partial_output.dtype):
+        raise TypeError(f"reduce_dtype must be None (float32), torch.float32 or the partials' dtype "
+                        f"{partial_output.dtype}; got {reduce_dtype}")
+    ptwc = c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
+    descriptor = [METHODS.index(method), _code(partial_output), _code(output), num_tokens, num_heads, head_dim,
+                  num_requests, c.LSE_LAYOUTS.index(lse_layout), int(base2), int(output_lse is not None), ptwc,
+                  _code(torch.empty(0, dtype=reduce_dtype or torch.float32))]
+    return dict(fp8=fp8, base2=base2, ptwc=ptwc, num_requests=num_requests), descriptor
+
+
+DESCRIPTOR_FIELDS = ("method", "partial_output.dtype", "output.dtype", "T", "H", "D", "R", "lse_layout",
+                     "lse_base", "output_lse given", "prefill_tokens_with_context", "reduce_dtype")
+
+
+def _agree(group, descriptor, error, device) -> None:
+    """validate=True: one small all-gather in which every rank reports its local verdict and its descriptor;
+    then every rank raises the same kind of error if any rank failed or the ranks disagree. Nobody is left
+    inside a collective: each rank enters this one, whatever its inputs."""
+    n = len(DESCRIPTOR_FIELDS)
+    mine = torch.tensor([0 if error is None else 1] + (descriptor or [-2] * n), dtype=torch.int64, device=device)
+    rows = torch.empty(group.size() * (n + 1), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(rows, mine, group=group)
+    rows = rows.view(group.size(), n + 1).cpu().tolist()  # a host sync: validate=True only
+    bad = [r for r, row in enumerate(rows) if row[0]]
+    if error is not None:
+        raise error
+    if bad:
+        raise ValueError(f"cp_merge_attn_states: rank(s) {bad} of the group failed their input checks (each raised "
+                         "its own error); this rank's inputs were valid")
+    diff = [f"{name}: " + ", ".join(f"rank {r}={row[i + 1]}" for r, row in enumerate(rows))
+            for i, name in enumerate(DESCRIPTOR_FIELDS) if len({row[i + 1] for row in rows}) > 1]
+    if diff:
+        raise ValueError("cp_merge_attn_states: the ranks of the group disagree on " + "; ".join(diff))
+
+
+def _group_device(group, partial_output):
+    if isinstance(partial_output, torch.Tensor) and partial_output.device.type != "meta":
+        return partial_output.device
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=None,
+                         prefill_tokens_with_context=None, output_scale=None, *, method="gather",
+                         query_start_loc=None, cu_seq_lens=None, lse_layout="HT", lse_base=math.e,
+                         reduce_dtype=None, validate=False) -> None:
+    """Combine the attention partials of a context-parallel group (docs/spec.md section 9), in place.
+
+    Call on every rank of `group` with that rank's partial over its local KV. Rank i is partial i of the N-way
+    merge (docs/spec.md 8): its order fixes the bits of `gather`.
+
+    Args:
+      output: method "gather": dtype[T, H, D], every head. method "reduce_scatter": dtype[T, H / N, D], this
+        rank's heads [rank * H / N, (rank + 1) * H / N). fp8 (float8_e4m3fn) with output_scale. Written in place.
+      partial_output: dtype[T, H, D], fp32/fp16/bf16: attention of all T queries over this rank's KV shard. A
+        strided view is copied to a contiguous buffer for the collective.
+      partial_lse: f32[H, T] ([T, H] with lse_layout="TH"), its LSE; +inf and NaN mean empty.
+      group: the `torch.distributed` process group of the context-parallel ranks (NCCL on GPUs, gloo on CPU).
+      output_lse: optional f32 LSE of the merge, [H, T] ("gather") or [H / N, T] ("reduce_scatter").
+      prefill_tokens_with_context: tokens at or past it copy the last rank's row and LSE bits (8.4).
+      output_scale: f32[1], for (and only for) an fp8 output.
+      method: "gather" or "reduce_scatter" (see the module docstring and docs/design.md for the bytes moved).
+      query_start_loc: i32[R+1], the same on every rank; cu_seq_lens: i32[R+1], THIS rank's local KV offsets. Both
+        or neither: a token of a request with no KV on rank i gets partial i LSE -inf, whatever the backend left.
+      lse_layout, lse_base: of every LSE.
+      reduce_dtype: "reduce_scatter" only: the dtype of the reduced buffer, None (float32: one rounding, at the
+        end) or the partials' dtype (half the bytes; one rounding per rank).
+      validate: also check offset values, and before anything else make every rank agree on the inputs: one
+        small all-gather of each rank's verdict and metadata (a host sync), after which every rank raises if any
+        rank's inputs were bad or the ranks disagree (dtype, T, H, D, R, layout, base, method, ...).
+
+    Raises:
+      TypeError, ValueError: before any collective, for this rank's own inputs (with validate=True, on every
+        rank, after the agreement all-gather). Without validate, a check that fails on one rank only leaves the
+        other ranks waiting in the first collective until the group's timeout: validate=True is the safe mode
+        for inputs that can differ between ranks.
+    """
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
+    num_partials, rank = group.size(), group.rank()
+    params, descriptor, error = None, None, None
+    try:
+        params, descriptor = _local_checks(
+            output, partial_output, partial_lse, output_lse, prefill_tokens_with_context, output_scale,
+            query_start_loc, cu_seq_lens, method=method, num_partials=num_partials, lse_layout=lse_layout,
+            lse_base=lse_base, reduce_dtype=reduce_dtype, validate=validate)
+    except (TypeError, ValueError) as e:
+        if not validate:
+            raise
+        error = e
+    if validate:
+        _agree(group, descriptor, error, _group_device(group, partial_output))
+
+    num_tokens, num_heads, head_dim = partial_output.shape
+    fused = params["num_requests"] > 0
+    device = partial_output.device
+    lse_buf_shape = (num_partials * partial_lse.shape[0], partial_lse.shape[1])
+    lses = torch.empty(lse_buf_shape, dtype=torch.float32, device=device)
+    works = [dist.all_gather_into_tensor(lses, partial_lse.contiguous(), group=group, async_op=True)]
+    cus = None
+    if fused:
+        cus = torch.empty(num_partials * cu_seq_lens.shape[0], dtype=torch.int32, device=device)
+        works.append(dist.all_gather_into_tensor(cus, cu_seq_lens.contiguous(), group=group, async_op=True))
+    if method == "gather":
+        outs = torch.empty((num_partials * num_tokens, num_heads, head_dim), dtype=partial_output.dtype, device=device)
+        works.append(dist.all_gather_into_tensor(outs, partial_output.contiguous(), group=group, async_op=True))
+    for w in works:
+        w.wait()
+    lses = lses.view(num_partials, *partial_lse.shape)
+    cus = cus.view(num_partials, -1) if fused else None
+    qsl = query_start_loc if fused else None
+    if method == "gather":
+        merge_attn_states_n(output, outs.view(num_partials, num_tokens, num_heads, head_dim), lses, output_lse,
+                            params["ptwc"], output_scale, query_start_loc=qsl, cu_seq_lens=cus,
+                            lse_layout=lse_layout, lse_base=lse_base)
+        return
+
+    heads = num_heads // num_partials
+    rdt = reduce_dtype or torch.float32
+    scaled = torch.empty((num_partials, num_tokens, heads, head_dim), dtype=rdt, device=device)
+    merged_lse = None if output_lse is None else torch.empty_like(partial_lse, memory_format=torch.contiguous_format)
+    if num_tokens and num_heads:
+        _rescale(scaled, merged_lse, partial_output, lses, qsl, cus, rank, params, lse_layout)
+    if output_lse is not None:  # this rank's heads of the merged LSE
+        own = slice(rank * heads, (rank + 1) * heads)
+        output_lse.copy_(merged_lse[own] if lse_layout == "HT" else merged_lse[:, own])
+    direct = output.dtype == rdt and output.is_contiguous()
+    reduced = output if direct else torch.empty((num_tokens, heads, head_dim), dtype=rdt, device=device)
+    dist.reduce_scatter_tensor(reduced, scaled.view(num_partials * num_tokens, heads, head_dim), op=dist.ReduceOp.SUM,
+                               group=group)
+    if params["fp8"]:  # 4.6, after the sum: clamp(out / scale) then the cast (torch's: round to nearest even)
+        output.copy_((reduced.float() / output_scale).clamp(-c.FP8_E4M3_MAX, c.FP8_E4M3_MAX))
+    elif not direct:
+        output.copy_(reduced)
+
+
+def _rescale(scaled, merged_lse, partial_output, lses, qsl, cus, rank, params, lse_layout) -> None:
+    """`scaled` [N, T, H / N, D]: group j holds heads [j * H / N, (j + 1) * H / N) of this rank's weighted partial,
+    the layout `reduce_scatter_tensor` splits along dim 0; `merged_lse` the merged LSE of every head."""
+    num_partials, num_tokens, heads, head_dim = scaled.shape
+    num_heads = partial_output.shape[1]
+    fused = cus is not None
+    output_lse = merged_lse
+    variant = c.merge_variant(output_lse is not None, fused)
+    itemsize = partial_output.element_size()
+    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize, "nway")
+    stride_lse_n, stride_lse_h, stride_lse_t = _lses_strides(lses, lse_layout, num_partials, num_heads, num_tokens)
+    olse_strides = (0, 0) if output_lse is None else c.lse_ht_strides("merged_lse", output_lse, lse_layout, num_heads,
+                                                                      num_tokens)
+    placeholder = lses
+    _cp_rescale_kernel[c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize, "nway")](
+        scaled, output_lse if output_lse is not None else placeholder, partial_output, lses,
+        qsl if fused else placeholder, cus if fused else placeholder,
+        scaled.stride(0), scaled.stride(1), scaled.stride(2), scaled.stride(3),
+        *partial_output.stride(), *olse_strides, stride_lse_n, stride_lse_h, stride_lse_t,
+        cus.stride(0) if fused else 0,
+        num_tokens, params["ptwc"], max(params["num_requests"], 0), rank,
+        NUM_PARTIALS=num_partials, NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEADS_PER_GROUP=heads,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
+        SCAN=c.SCAN, N_INTERPRET=c.n_interpret(max(params["num_requests"], 0) + 1),
+        LSE_BASE2=params["base2"], OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused,
+        INTERPRET=c.interpreting(),
+        num_warps=c.merge_num_warps(variant, "nway"), **c.PARITY_LAUNCH,
+    )
