@@ -141,6 +141,34 @@ def chunk_gather_index(plan: ChunkPlan, i: int, context_start_loc: np.ndarray) -
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
+def cp_shard(context_lens: Sequence[int], context_start_loc: np.ndarray, num_ranks: int,
+             interleave: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each rank's share of the cached context under vLLM's decode-context-parallel placement.
+
+    KV token j of a request lives on rank `(j // interleave) % num_ranks`. A request whose context is shorter
+    than `num_ranks * interleave` leaves some ranks without any of its KV (docs/spec.md 9).
+
+    Returns:
+        Per rank: (i64[n_local] rows of `ctx_k` / `ctx_v` it holds, request by request in order;
+        i32[R+1] its local KV offsets `cu_seq_lens`).
+    """
+    ctx = _check_lens("context_lens", context_lens)
+    if int(num_ranks) < 1 or int(interleave) < 1:
+        raise ValueError(f"num_ranks and interleave must be positive, got {num_ranks=}, {interleave=}")
+    out = []
+    for rank in range(int(num_ranks)):
+        parts, lens = [], []
+        for r, n in enumerate(ctx.tolist()):
+            j = np.arange(n, dtype=np.int64)
+            mine = j[(j // interleave) % num_ranks == rank]
+            parts.append(context_start_loc[r] + mine)
+            lens.append(mine.size)
+        cu = np.zeros(ctx.size + 1, dtype=np.int32)
+        cu[1:] = np.cumsum(lens)
+        out.append((np.concatenate(parts) if parts else np.zeros(0, np.int64), cu))
+    return out
+
+
 # --------------------------------------------------------------------------------------------------
 # What attention backends return for a query row with no KV tokens (SPEC 1)
 # --------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ Each subcommand imports its module inside its handler, so the others work when o
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -51,7 +52,13 @@ def _demo(args) -> int:
     except ImportError as e:
         print(f"error: `demo` is unavailable: {e}", file=sys.stderr)
         return EXIT_USAGE
-    rows, ok = demo.run_demo(framework=args.framework, device=args.device, size=args.size, seed=args.seed)
+    if args.cp:
+        from parity import demo_cp
+
+        rows, ok = demo_cp.run_cp_demo(cp=args.cp, interleave=args.interleave, framework=args.framework,
+                                       size=args.size, seed=args.seed)
+    else:
+        rows, ok = demo.run_demo(framework=args.framework, device=args.device, size=args.size, seed=args.seed)
     print(demo.format_demo_table(rows))
     return EXIT_OK if ok else EXIT_FAIL
 
@@ -62,6 +69,17 @@ def _add_selection(p: argparse.ArgumentParser, default_suite: str) -> None:
     p.add_argument("-k", dest="name_filter", metavar="SUBSTR", default=None,
                    help="only cases whose name contains SUBSTR")
     p.add_argument("--seed", type=int, default=0, help="input seed of parity.cases.make_inputs (default: 0)")
+
+
+def _cp_ranks(argv: list[str]) -> int:
+    """The N of `demo --cp N` (0 otherwise), read before JAX starts (it fixes its CPU device count then)."""
+    if argv[:1] != ["demo"]:
+        return 0
+    for i, a in enumerate(argv):
+        value = a.split("=", 1)[1] if a.startswith("--cp=") else (argv[i + 1] if a == "--cp" and i + 1 < len(argv) else None)
+        if value is not None:
+            return int(value) if value.isdigit() else 0
+    return 0
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -113,6 +131,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--size", choices=("default", "large"), default="default",
                    help="default (small, fine for the CPU interpreters) or large (GPU-sized)")
     p.add_argument("--seed", type=int, default=0, help="data seed (default: 0)")
+    p.add_argument("--cp", type=int, default=0, metavar="N",
+                   help="the context-parallel reproduction instead: KV sharded over N ranks (docs/spec.md 9)")
+    p.add_argument("--interleave", type=int, default=1, metavar="I",
+                   help="with --cp: KV token j on rank (j // I) %% N (default: 1)")
     p.set_defaults(func=_demo)
     return parser
 
@@ -122,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from parity import impls
 
+    cp = _cp_ranks(argv)
+    if cp and "jax" not in sys.modules:  # the CP demo's JAX side wants N devices: N CPU devices without a GPU
+        os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={cp}")
     impls.configure()
     parser = build_parser(argv)
     try:

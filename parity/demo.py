@@ -293,7 +293,13 @@ def format_demo_table(rows: list[dict]) -> str:
         return "(no rows)"
     r0 = rows[0]
     lines = []
-    if "num_chunks" in r0:
+    if "cp" in r0:
+        lines.append(f"context-parallel prefill: KV over N={r0['cp']} ranks (token j on rank (j // {r0['interleave']}) % "
+                     f"{r0['cp']}), R={r0['num_requests']} T={r0['num_tokens']} H={r0['num_heads']}, "
+                     f"{r0['empty_rank_requests']} (rank, request) pairs with context but no local KV, "
+                     f"prefill_tokens_with_context={r0['prefill_tokens_with_context']} "
+                     f"tolerance={r0['tolerance']:g} (abs, vs float64 monolithic attention)")
+    elif "num_chunks" in r0:
         lines.append(f"chunked-context prefill: R={r0['num_requests']} T={r0['num_tokens']} H={r0['num_heads']} "
                      f"chunks={r0['num_chunks']} budget={r0['budget']} has_empty={r0['has_empty']} "
                      f"prefill_tokens_with_context={r0['prefill_tokens_with_context']} "

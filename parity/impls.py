@@ -392,6 +392,28 @@ class TritonAdapter(_Adapter):
 
         return Bound(_quiet(call), results)
 
+    def bind_cp_merge(self, partial_output, partial_lse, group, *, method="gather", query_start_loc=None,
+                      cu_seq_lens=None, prefill_tokens_with_context=None, out_dtype=None, output_scale=None,
+                      return_lse=True, lse_layout="HT", lse_base=math.e, reduce_dtype=None, validate=False, **_):
+        """The context-parallel combine on `group` (call on every rank): this rank's result, all heads for
+        "gather", its H / N heads for "reduce_scatter"."""
+        T, H, D = partial_output.shape
+        heads = H if method == "gather" else H // group.size()
+        dtype = out_dtype or str(partial_output.dtype).replace("torch.", "")
+        out = poisoned((T, heads, D), dtype, partial_output.device)
+        lse_shape = (heads, T) if lse_layout == "HT" else (T, heads)
+        out_lse = poisoned(lse_shape, "float32", partial_output.device) if return_lse else None
+        call = functools.partial(self.ti.cp_merge_attn_states, out, partial_output, partial_lse, group, out_lse,
+                                 prefill_tokens_with_context, output_scale, method=method,
+                                 query_start_loc=query_start_loc, cu_seq_lens=cu_seq_lens, lse_layout=lse_layout,
+                                 lse_base=lse_base, reduce_dtype=reduce_dtype, validate=validate)
+
+        def results():
+            self.rt.sync()
+            return {"out": out, "lse": out_lse}
+
+        return Bound(_quiet(call), results)
+
 
 def _quiet(call):
     def run():
@@ -478,6 +500,18 @@ class JaxAdapter(_Adapter):
             out_dtype=self._dtype(out_dtype), output_scale=output_scale, lse_layout=lse_layout, lse_base=lse_base,
             implementation=self.implementation)
         return self._holder(lambda: _as_results(api(o, lses), return_lse))
+
+
+    def cp_merge(self, out, lse, *, axis_name, method="gather", query_start_loc=None, cu_seq_lens=None,
+                 prefill_tokens_with_context=None, out_dtype=None, output_scale=None, return_lse=True,
+                 lse_layout="HT", lse_base=math.e, reduce_dtype=None, **_) -> dict[str, Any]:
+        """The context-parallel combine over `axis_name` (inside `jax.shard_map` or a named `jax.vmap`)."""
+        r = self.pi.cp_merge_attn_states(
+            out, lse, axis_name=axis_name, method=method, query_start_loc=query_start_loc, cu_seq_lens=cu_seq_lens,
+            prefill_tokens_with_context=prefill_tokens_with_context, return_lse=return_lse,
+            out_dtype=self._dtype(out_dtype), output_scale=output_scale, lse_layout=lse_layout, lse_base=lse_base,
+            reduce_dtype=reduce_dtype, implementation=self.implementation)
+        return _as_results(r, return_lse)
 
 
 def _as_results(r, return_lse: bool) -> dict[str, Any]:

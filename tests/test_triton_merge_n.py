@@ -18,7 +18,6 @@ from triton_keys import kernel_params
 import triton_impl
 from parity import bridge, cases, compare, expected, impls, reference
 from parity.compare import assert_bitwise_equal
-from triton_impl import _common as triton_common
 from triton_impl import merge_n as merge_n_mod
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

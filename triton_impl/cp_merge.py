@@ -17,6 +17,7 @@ contraction, no flush-to-zero), `pallas_impl/cp_merge.py` statement by statement
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -187,7 +188,7 @@ def _agree(group, descriptor, error, device) -> None:
     n = len(DESCRIPTOR_FIELDS)
     mine = torch.tensor([0 if error is None else 1] + (descriptor or [-2] * n), dtype=torch.int64, device=device)
     rows = torch.empty(group.size() * (n + 1), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(rows, mine, group=group)
+    _quiet_collective(dist.all_gather_into_tensor, rows, mine, group=group)
     rows = rows.view(group.size(), n + 1).cpu().tolist()  # a host sync: validate=True only
     bad = [r for r, row in enumerate(rows) if row[0]]
     if error is not None:
@@ -199,6 +200,14 @@ def _agree(group, descriptor, error, device) -> None:
             for i, name in enumerate(DESCRIPTOR_FIELDS) if len({row[i + 1] for row in rows}) > 1]
     if diff:
         raise ValueError("cp_merge_attn_states: the ranks of the group disagree on " + "; ".join(diff))
+
+
+def _quiet_collective(fn, *args, **kwargs):
+    """torch >= 2.13 marks all_gather_into_tensor / reduce_scatter_tensor deprecated (FutureWarning) in favour of
+    `*_single` names older releases lack; the calls are the same collectives."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning)
+        return fn(*args, **kwargs)
 
 
 def _group_device(group, partial_output):
@@ -263,14 +272,17 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
     device = partial_output.device
     lse_buf_shape = (num_partials * partial_lse.shape[0], partial_lse.shape[1])
     lses = torch.empty(lse_buf_shape, dtype=torch.float32, device=device)
-    works = [dist.all_gather_into_tensor(lses, partial_lse.contiguous(), group=group, async_op=True)]
+    works = [_quiet_collective(dist.all_gather_into_tensor, lses, partial_lse.contiguous(), group=group,
+                               async_op=True)]
     cus = None
     if fused:
         cus = torch.empty(num_partials * cu_seq_lens.shape[0], dtype=torch.int32, device=device)
-        works.append(dist.all_gather_into_tensor(cus, cu_seq_lens.contiguous(), group=group, async_op=True))
+        works.append(_quiet_collective(dist.all_gather_into_tensor, cus, cu_seq_lens.contiguous(), group=group,
+                                       async_op=True))
     if method == "gather":
         outs = torch.empty((num_partials * num_tokens, num_heads, head_dim), dtype=partial_output.dtype, device=device)
-        works.append(dist.all_gather_into_tensor(outs, partial_output.contiguous(), group=group, async_op=True))
+        works.append(_quiet_collective(dist.all_gather_into_tensor, outs, partial_output.contiguous(), group=group,
+                                       async_op=True))
     for w in works:
         w.wait()
     lses = lses.view(num_partials, *partial_lse.shape)
@@ -293,8 +305,8 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
         output_lse.copy_(merged_lse[own] if lse_layout == "HT" else merged_lse[:, own])
     direct = output.dtype == rdt and output.is_contiguous()
     reduced = output if direct else torch.empty((num_tokens, heads, head_dim), dtype=rdt, device=device)
-    dist.reduce_scatter_tensor(reduced, scaled.view(num_partials * num_tokens, heads, head_dim), op=dist.ReduceOp.SUM,
-                               group=group)
+    _quiet_collective(dist.reduce_scatter_tensor, reduced, scaled.view(num_partials * num_tokens, heads, head_dim),
+                      op=dist.ReduceOp.SUM, group=group)
     if params["fp8"]:  # 4.6, after the sum: clamp(out / scale) then the cast (torch's: round to nearest even)
         output.copy_((reduced.float() / output_scale).clamp(-c.FP8_E4M3_MAX, c.FP8_E4M3_MAX))
     elif not direct:
