@@ -30,8 +30,9 @@ LOG2E = 1.4426950408889634
 # LSE; "lse": with it; "fused": the fused mask too. Not shared: chosen per framework from the H200 tile sweep in
 # docs/results.md (the tile changes which elements a program owns, never an element's arithmetic).
 MERGE_TILES = {"plain": (8192, 1, 4), "lse": (8192, 1, 4), "fused": (8192, 1, 4)}
-# The N-way merge's launch per variant, the same fields; a program reads N input tiles.
-MERGE_N_TILES = {"plain": (8192, 1, 4), "lse": (8192, 1, 4), "fused": (8192, 1, 4)}
+# The N-way merge's launch per variant, the same fields; a program reads N input tiles. From the H200 sweep at
+# N = 4 and 8 (docs/results/tuning_5_n_way_tiles.json): 4 KiB x 4 tokens for the output-LSE and fused variants.
+MERGE_N_TILES = {"plain": (8192, 1, 4), "lse": (4096, 4, 4), "fused": (4096, 4, 4)}
 MAX_PARTIALS = 64  # the N-way kernels unroll their loops over the partials at trace time
 IMPLEMENTATIONS = ("pallas", "jnp")
 
