@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 # Shared with triton_impl/_common.py (a test asserts they agree).
-MASK_BLOCK_T = 128  # query tokens per mask program (SPEC 3)
+MASK_BLOCK_T = 128  # query tokens per mask program (docs/spec.md 3)
 SCAN = 32  # request boundaries compared per scan step (one warp)
 ZERO_TILE_ELEMS = 16384  # elements of one output-zeroing store in the mask
 MASK_NUM_WARPS = 8
@@ -121,7 +121,7 @@ def filter_triton_deprecation() -> None:
 
 
 def compiler_params(num_warps: int):
-    """Pins the Pallas Triton lowering (SPEC 6); see docs/design.md for the move to Mosaic GPU."""
+    """Pins the Pallas Triton lowering (docs/spec.md 6); see docs/design.md for the move to Mosaic GPU."""
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
 
 

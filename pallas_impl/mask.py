@@ -1,4 +1,4 @@
-"""Empty-context LSE mask (SPEC 3): the Pallas GPU kernel and its functional, jit-friendly wrapper.
+"""Empty-context LSE mask (docs/spec.md 3): the Pallas GPU kernel and its functional, jit-friendly wrapper.
 
 The same algorithm as `triton_impl/mask.py`, statement by statement. Grid: one program per 128-token query
 block, worst case `T // 128 + R` programs; request r owns the programs from `qsl[r] // 128 + r` on. A program
@@ -124,7 +124,7 @@ def _mask_jit(lse, query_start_loc, cu_seq_lens, output, *, lse_layout, interpre
 
 def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, has_empty=None,
                            lse_layout="HT", interpret=None, implementation=None, validate=False):
-    """Set the LSE of every query row of a request with an empty context chunk to -inf (SPEC 3).
+    """Set the LSE of every query row of a request with an empty context chunk to -inf (docs/spec.md 3).
 
     Functional: returns new arrays. Donate the inputs for an in-place update:
     ```

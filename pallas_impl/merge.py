@@ -1,11 +1,11 @@
-"""Attention-state merge (SPEC 4): the Pallas GPU kernel and its functional, jit-friendly wrapper.
+"""Attention-state merge (docs/spec.md 4): the Pallas GPU kernel and its functional, jit-friendly wrapper.
 
 The same algorithm as `triton_impl/merge.py`, statement by statement. Grid: `(cdiv(T, block_t) *
 cdiv(H, block_h),)`, head blocks fastest; a program merges a [block_t, block_h, block_d] tile (the whole
 padded head, then as many heads and tokens as fit in the variant's budget, `_common.MERGE_TILES`). The fused
-mask (SPEC 4.5) finds each token's request with the same two-level 32-wide compare-and-sum as the mask kernel.
+mask (docs/spec.md 4.5) finds each token's request with the same two-level 32-wide compare-and-sum as the mask kernel.
 
-Float math (SPEC 5), identical to the Triton kernel in operation order: f32 throughout, `jnp.exp`/`jnp.log`
+Float math (docs/spec.md 5), identical to the Triton kernel in operation order: f32 throughout, `jnp.exp`/`jnp.log`
 (libdevice `__nv_expf`/`__nv_logf` on GPU), no FMA contraction and no flush-to-zero (XLA's Triton pipeline
 does neither), division with `/`, cast only at the store.
 """
@@ -49,7 +49,7 @@ def _merge_attn_states_kernel(
     scale_ref,  # f32[1] output scale; unused unless fp8_out
     qsl_ref,  # i32[R+1] query_start_loc; unused unless fused_mask
     cu_ref,  # i32[R+1] the prefix chunk's cu_seq_lens; unused unless fused_mask
-    ptwc_ref,  # i32[1] prefill_tokens_with_context: tokens at or past it are suffix copies (SPEC 4.4)
+    ptwc_ref,  # i32[1] prefill_tokens_with_context: tokens at or past it are suffix copies (docs/spec.md 4.4)
     # outputs
     out_ref,  # out_dtype[T, H, D]
     *out_lse_ref,  # f32 LSE of the merge, when output_lse
@@ -84,10 +84,10 @@ def _merge_attn_states_kernel(
     if lse_base2:
         p = p * c.LN2
         s = s * c.LN2
-    # SPEC 4.1: +inf (FA2's empty row) and NaN read as -inf.
+    # docs/spec.md 4.1: +inf (FA2's empty row) and NaN read as -inf.
     p = jnp.where((p == jnp.inf) | (p != p), -jnp.inf, p)
     s = jnp.where((s == jnp.inf) | (s != s), -jnp.inf, s)
-    if fused_mask:  # SPEC 4.5: a token of a request whose prefix chunk is empty has p = -inf
+    if fused_mask:  # docs/spec.md 4.5: a token of a request whose prefix chunk is empty has p = -inf
         req = c.count_keys_le(qsl_ref, t, num_requests + 1, key_div=1, key_step=0) - 1  # R: padding
         in_req = t_mask & (req < num_requests)
         req = jnp.minimum(req, num_requests - 1)
@@ -95,20 +95,20 @@ def _merge_attn_states_kernel(
         p = jnp.where(empty_t[:, None], -jnp.inf, p)
 
     m = jnp.maximum(p, s)
-    both_empty = m == -jnp.inf  # SPEC 4.2
+    both_empty = m == -jnp.inf  # docs/spec.md 4.2
     m = jnp.where(both_empty, 0.0, m)
     pe = jnp.exp(p - m)
     se = jnp.exp(s - m)
     z = pe + se
     wp = pe / z
     ws = se / z
-    # SPEC 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
+    # docs/spec.md 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
     out = (jnp.where(wp[:, :, None] > 0.0, a.astype(jnp.float32) * wp[:, :, None], 0.0)
            + jnp.where(ws[:, :, None] > 0.0, b.astype(jnp.float32) * ws[:, :, None], 0.0))
     out = jnp.where(both_empty[:, :, None], 0.0, out)
-    copy_t = t >= ptwc_ref[0]  # SPEC 4.4
+    copy_t = t >= ptwc_ref[0]  # docs/spec.md 4.4
     out_block = out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)]
-    if fp8_out:  # SPEC 4.6
+    if fp8_out:  # docs/spec.md 4.6
         out = jnp.where(copy_t[:, None, None], b.astype(jnp.float32), out)
         out = out / scale_ref[0]
         out = jnp.where(out < -c.FP8_E4M3_MAX, -c.FP8_E4M3_MAX, out)  # comparisons, not min/max: NaN stays NaN
@@ -170,7 +170,7 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
                       prefill_tokens_with_context=None, query_start_loc=None, prefix_cu_seq_lens=None,
                       return_lse=True, out_dtype=None, output_scale=None, lse_layout="HT", lse_base=math.e,
                       interpret=None, implementation=None, validate=False):
-    """Merge two attention partials by their LSEs (SPEC 4). Functional and jit-friendly.
+    """Merge two attention partials by their LSEs (docs/spec.md 4). Functional and jit-friendly.
 
     Args:
       prefix_output, suffix_output: dtype[T, H, D], fp32/fp16/bf16, one dtype. (JAX arrays have no strides:
@@ -179,10 +179,10 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
         +inf and NaN mean an empty partial.
       prefill_tokens_with_context: None (= T) or an integer scalar, traced or not. Tokens at or past it copy
         the suffix row and LSE bits. Changing it never recompiles.
-      query_start_loc, prefix_cu_seq_lens: i32[R+1] both or neither: the fused mask (SPEC 4.5). Traced.
+      query_start_loc, prefix_cu_seq_lens: i32[R+1] both or neither: the fused mask (docs/spec.md 4.5). Traced.
       return_lse: also return the merged LSE (same layout and base).
       out_dtype: None (the inputs' dtype) or float8_e4m3fn, which needs output_scale.
-      output_scale: f32 scalar or f32[1], for (and only for) an fp8 output (SPEC 4.6).
+      output_scale: f32 scalar or f32[1], for (and only for) an fp8 output (docs/spec.md 4.6).
       lse_layout: "HT" or "TH", for all LSEs.
       lse_base: math.e or 2, for all LSEs.
       interpret: None interprets on CPU and compiles on GPU.

@@ -4,10 +4,10 @@ What is measured, in this order:
 
 1. **Ceilings** of the same run: two-read-one-write `torch.add(a, b, out=c)` and write-only `c.fill_(1)` on
    2 GiB bf16 tensors (bytes = reads + writes), timed by CUDA-graph replay.
-2. **Mask** on the SPEC 7 seed workloads (`parity.cases`, tag "seed"), public API with `has_empty=True`,
+2. **Mask** on the docs/spec.md 7 seed workloads (`parity.cases`, tag "seed"), public API with `has_empty=True`,
    variants `lse` (LSE only, as upstream) and `lse+out` (the output rows are zeroed too).
    Bytes = masked tokens * H * 4 (+ masked tokens * H * D * out bytes for `lse+out`); compared with the
-   write-only ceiling and with upstream's published H200 numbers (SPEC 7, `UPSTREAM`).
+   write-only ceiling and with upstream's published H200 numbers (docs/spec.md 7, `UPSTREAM`).
 3. **Merge** over T x H x D x dtype x variant (`merge_points`): `plain` (no output LSE), `lse` (output LSE),
    `fused` (fused mask, docs/spec.md 4.5, plus output LSE; 128-token requests, every even one empty in the
    prefix). Bytes = 2*T*H*D*in + T*H*D*out + 2*T*H*4 (+ T*H*4 with an output LSE); offsets are not counted.
@@ -23,7 +23,7 @@ Two labelled numbers per point (each record carries its `method`):
   replays, each the mean of the calls in the graph). JAX via `jax.profiler` kernel time (CUPTI; the sum of
   the kernels of one call, quantiles over calls); if the trace holds no GPU kernels, back-to-back dispatches
   of the jitted call with one sync at the end, divided by N (labelled; an upper bound when the kernel is
-  shorter than a dispatch). Never a jitted `fori_loop` chain (SPEC 6: XLA copies the loop-carried buffers).
+  shorter than a dispatch). Never a jitted `fori_loop` chain (docs/spec.md 6: XLA copies the loop-carried buffers).
 - `latency`: wall clock over N back-to-back calls of the public API with one sync at the end, divided by N;
   quantiles over trials. The JAX mask is the documented in-place form, `jax.jit(..., donate_argnums=0)`,
   chained (output fed back as input; the mask is idempotent).
@@ -60,7 +60,7 @@ import numpy as np
 
 from parity import cases
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU (SPEC 6)
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU (docs/spec.md 6)
 
 SCHEMA = 1
 QUANTILES = (0.2, 0.5, 0.8)
@@ -69,9 +69,9 @@ MEMORY_CAP_BYTES = 60e9  # merge points needing more (inputs + output + LSEs) ar
 CEILING_ELEMS = 1 << 30  # 2 GiB of bf16 per tensor
 MAX_ROTATION = 16
 
-# SPEC 7: upstream's kernels measured on an H200 (and the B300 mask numbers), for comparison only.
+# docs/spec.md 7: upstream's kernels measured on an H200 (and the B300 mask numbers), for comparison only.
 UPSTREAM = {
-    "source": "SPEC section 7 (upstream vLLM kernels, H200)",
+    "source": "docs/spec.md section 7 (upstream vLLM kernels, H200)",
     "mask_gpu_time_us": {"2k_balanced": 2.0, "32k_balanced": 4.2, "131k_skewed": 9.8},
     "mask_latency_us": {"2k_balanced": 5.6, "32k_balanced": 8.2, "131k_skewed": 14.9},
     "mask_latency_b300_us": {"2k_balanced": 12.51, "32k_balanced": 12.57, "131k_skewed": 13.18},
@@ -201,7 +201,7 @@ def mask_cases(mode: str) -> list[cases.Case]:
 
 
 def masked_tokens(case: cases.Case) -> int:
-    """Query tokens of the requests whose context chunk is empty (decided from the offsets, SPEC 3)."""
+    """Query tokens of the requests whose context chunk is empty (decided from the offsets, docs/spec.md 3)."""
     qsl, cu = cases.offsets(case)
     lens, empty = np.diff(qsl), np.diff(cu) == 0
     return int(lens[empty].sum())
@@ -838,12 +838,12 @@ def format_table(doc: dict) -> str:
            f"; commit {env.get('git_commit')}; {env.get('utc_time')}",
            f"# command: {env.get('command')}",
            f"# ceilings (this run, gpu_time p50): two-read-one-write {_fmt(ceil.get('add_2r1w'), '.3f')} TB/s, "
-           f"write-only {_fmt(ceil.get('fill_w'), '.3f')} TB/s (SPEC 7 H200: {UPSTREAM['add_2r1w_tbps']} / "
+           f"write-only {_fmt(ceil.get('fill_w'), '.3f')} TB/s (docs/spec.md 7 H200: {UPSTREAM['add_2r1w_tbps']} / "
            f"{UPSTREAM['fill_w_tbps']})",
            f"# floors (this run): empty kernel {_fmt(ceil.get('noop_kernel_us'), '.2f')} us gpu_time; host latency "
            f"of an empty Triton launch {_fmt(ceil.get('noop_launch_us'), '.1f')} us, a jitted JAX dispatch "
            f"{_fmt(ceil.get('jit_dispatch_us'), '.1f')} us; mask 'floor' rows: fill_ of the same bytes",
-           f"# upstream (SPEC 7, H200): merge {UPSTREAM['merge_tbps']} TB/s; mask gpu_time "
+           f"# upstream (docs/spec.md 7, H200): merge {UPSTREAM['merge_tbps']} TB/s; mask gpu_time "
            + " / ".join(f"{v}" for v in UPSTREAM["mask_gpu_time_us"].values()) + " us, latency "
            + " / ".join(f"{v}" for v in UPSTREAM["mask_latency_us"].values()) + " us (2k / 32k / 131k)",
            f"# {FORMULAS['merge']}; %ceil vs two-read-one-write",
@@ -934,7 +934,7 @@ def plot_from_json(json_path: str, png_path: str) -> None:
     ax2.set_xticklabels(workloads, fontsize=8)
     ax2.set_yscale("log")
     ax2.set_ylabel("us per call (p50)")
-    ax2.set_title("mask (LSE only): GPU time (solid) and latency with launch (hatched); upstream from SPEC 7",
+    ax2.set_title("mask (LSE only): GPU time (solid) and latency with launch (hatched); upstream from docs/spec.md 7",
                   fontsize=9)
     ax2.legend(fontsize=7, ncol=2)
     v = env.get("versions", {})

@@ -1,4 +1,4 @@
-"""torch <-> JAX without copies, over the DLPack protocol built into both frameworks (SPEC 6).
+"""torch <-> JAX without copies, over the DLPack protocol built into both frameworks (docs/spec.md 6).
 
 The parity harness uploads each input once (numpy -> torch) and hands the same device buffer to JAX, so
 both implementations read identical bits and nothing is copied behind the caller's back. DLPack here is
@@ -10,7 +10,7 @@ Supported dtypes: int32, float32, float16, bfloat16, float8_e4m3fn (all zero-cop
 What `torch_to_jax` refuses, and why (each one is something DLPack gets wrong *silently*):
 
 - **int64** (`TypeError`). JAX without x64 imports it as a *copy* converted to int32: the JAX array
-  no longer aliases the torch tensor. Keep offsets int32 (SPEC 2) on both sides.
+  no longer aliases the torch tensor. Keep offsets int32 (docs/spec.md 2) on both sides.
 - **Other dtypes** (`TypeError`): float64 is copied to float32 the same way; the rest is not needed.
 - **Non-contiguous strides** (`ValueError`). JAX rejects broadcast or gapped strides (a V-padded
   `[T, H, 192]` buffer sliced to `[..., :128]`) and imports a transposed view as a relaid-out array.
@@ -114,7 +114,7 @@ def torch_to_jax(t: torch.Tensor) -> jax.Array:
     if t.dtype == torch.int64:
         raise TypeError(
             f"{t.dtype=}: JAX (x64 disabled) would silently copy an int64 tensor to int32, breaking the "
-            "alias; keep offsets int32 (SPEC 2) and convert on the torch side if you must")
+            "alias; keep offsets int32 (docs/spec.md 2) and convert on the torch side if you must")
     if t.dtype not in SUPPORTED_TORCH_DTYPES:
         raise TypeError(f"{t.dtype=} is not shared zero-copy; supported: {SUPPORTED_TORCH_DTYPES}")
     if not t.is_contiguous():

@@ -27,7 +27,7 @@ DTYPES = {
     "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
 }
 
-# Backend-like garbage in rows whose context is empty (SPEC 1): a finite LSE and NaN output.
+# Backend-like garbage in rows whose context is empty (docs/spec.md 1): a finite LSE and NaN output.
 _GARBAGE_LSE = 3.0
 
 
@@ -131,7 +131,7 @@ CASES: tuple[Case, ...] = (
          padding=64, tags=_FULL),
     Case("padded_v_bf16_h128", _ragged(7, 100, 300), _random_empty(7, 100), num_heads=128, head_dim=128,
          head_pad=64, prefill_tokens_with_context=9000, tags=_FULL),
-    # SPEC 7 seed workloads (64 heads).
+    # docs/spec.md 7 seed workloads (64 heads).
     Case("2k_balanced", (128,) * 16, _every_even(16), num_heads=64, head_dim=128, tags=_SEED),
     Case("32k_balanced", (128,) * 256, _every_even(256), num_heads=64, head_dim=128, tags=_SEED),
     Case("131k_skewed", (65536,) + (128,) * 510 + (256,), _every_even(512), num_heads=64, head_dim=128,

@@ -1,6 +1,6 @@
 """MLA chunked-context prefill, modelled end to end: chunk planner, backend-like attention, reference.
 
-This is the setting where the empty-context mask and the merge are used (SPEC 1; NOTES "vLLM's MLA
+This is the setting where the empty-context mask and the merge are used (docs/spec.md 1; NOTES "vLLM's MLA
 chunked-context prefill"). A batch of prefill requests, each with `context_lens[r]` cached KV tokens
 and `query_lens[r]` new tokens, is attended in two parts:
 
@@ -112,7 +112,7 @@ def prefill_tokens_with_context(context_lens: Sequence[int], query_start_loc: Se
     """Query tokens of the requests with context when those requests come first, else None.
 
     The final merge (context partial = prefix, new-token partial = suffix) copies every token at or past
-    this count straight from the suffix (SPEC 4.4). That is only right when the requests without context
+    this count straight from the suffix (docs/spec.md 4.4). That is only right when the requests without context
     are exactly the trailing ones; otherwise there is no such count and upstream passes None.
 
     Args:
@@ -170,7 +170,7 @@ def cp_shard(context_lens: Sequence[int], context_start_loc: np.ndarray, num_ran
 
 
 # --------------------------------------------------------------------------------------------------
-# What attention backends return for a query row with no KV tokens (SPEC 1)
+# What attention backends return for a query row with no KV tokens (docs/spec.md 1)
 # --------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)

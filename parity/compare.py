@@ -91,7 +91,7 @@ TOLERANCES: dict[str, Tolerance] = {
     "float8_e4m3fn": Tolerance(rtol=2.0**-4 + _F32_COMPUTE + 2.0**-24, atol=2.0**-9),
     "lse": Tolerance(rtol=2.0**-24 + _F32_COMPUTE, atol=2.0**-20),
 }
-"""Tolerances of float outputs against the float64 reference (SPEC 5: on CPU the interpreters do not
+"""Tolerances of float outputs against the float64 reference (docs/spec.md 5: on CPU the interpreters do not
 agree bitwise, so the merge is checked against float64 within these bounds; the mask is exact).
 
 Derivation. The kernels compute in f32 and round once, at the store, to the output dtype with unit

@@ -1,4 +1,4 @@
-"""End-to-end demo: the MLA chunked-context prefill corruption (SPEC 1) and its fix, in both frameworks.
+"""End-to-end demo: the MLA chunked-context prefill corruption (docs/spec.md 1) and its fix, in both frameworks.
 
 A prefill batch with cached context is attended chunk by chunk (`parity.chunked_prefill`), the chunks
 are merged, then merged with the causal attention over the new tokens, and the result is compared
@@ -11,13 +11,13 @@ with monolithic float64 attention. Each framework runs three paths over the same
 - `fused`: `merge_attn_states(..., query_start_loc=, prefix_cu_seq_lens=)`, one launch per merge. The
   fused mask reads the *prefix* operand's offsets, and the operand that can be empty is the new chunk,
   so this path passes the new chunk as the prefix and the running state as the suffix (the merge is
-  symmetric in its two partials, SPEC 4.3). A request empty in chunk 0 has no context at all; its
+  symmetric in its two partials, docs/spec.md 4.3). A request empty in chunk 0 has no context at all; its
   running state stays unmasked and the final merge neutralises it (fused mask over the whole-context
   offsets, plus `prefill_tokens_with_context`).
 
 Each is run for every backend behaviour on empty rows (`EMPTY_BEHAVIORS`). Only a *finite* LSE
 breaks the unfixed path: the merge reads -inf (FA3) as empty and normalises +inf (FA2) to -inf
-(SPEC 4.1), so those rows stay clean even without the mask. The table says so rather than hiding it.
+(docs/spec.md 4.1), so those rows stay clean even without the mask. The table says so rather than hiding it.
 
 `run_demo` is the entry point of `python -m parity demo`; `format_demo_table` renders its rows.
 """

@@ -7,7 +7,7 @@ merge: for each tile (bytes of one input tile, fewest tokens, warps) sets it for
 frameworks' `MERGE_TILES`, then times plain / output-LSE / fused merges (Triton: CUDA-graph replay; JAX: profiler
 kernel time) and reports % of a `torch.add` 2R1W ceiling measured first. The committed tuning_1..3 files
 give tiles as (elements, fewest tokens, warps) of bf16, i.e. half the bytes used here.
-mask: MASK_NUM_WARPS x MASK_TILE_H on the SPEC 7 seed workloads, both frameworks.
+mask: MASK_NUM_WARPS x MASK_TILE_H on the docs/spec.md 7 seed workloads, both frameworks.
 The floors (an empty kernel, a `fill_` of each mask workload's bytes, the host cost of an empty launch and of a
 jitted JAX dispatch) are recorded by every `python -m parity bench` run.
 """

@@ -1,7 +1,7 @@
 """triton_impl and pallas_impl agree: shared constants, tile and grid choices, and results bit for bit.
 
 The mask is bit-exact on every runtime, so its agreement (Triton's interpreter vs Pallas interpret mode) also
-runs on CPU. The merge is bit-exact Triton-vs-Pallas only when both are compiled on the GPU (SPEC 5). Inputs
+runs on CPU. The merge is bit-exact Triton-vs-Pallas only when both are compiled on the GPU (docs/spec.md 5). Inputs
 are uploaded once and shared between torch and JAX through parity.bridge (DLPack, no copy).
 """
 
@@ -134,7 +134,7 @@ def test_mask_agrees_bitwise(case, mode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CI_CASES, ids=lambda c: c.name)
 def test_merge_agrees_bitwise_gpu(case):
-    """Compiled Triton vs compiled Pallas (SPEC 5 recipe): every option the case exercises, identical bits."""
+    """Compiled Triton vs compiled Pallas (docs/spec.md 5 recipe): every option the case exercises, identical bits."""
     inp = cases.make_inputs(case)
     D, T, H = case.head_dim, case.num_tokens, case.num_heads
     t, j = bridge.share_inputs(inp, DEVICE)

@@ -1,4 +1,4 @@
-"""pallas_impl.mask_empty_context_lse (SPEC 3) against parity.reference, bit for bit.
+"""pallas_impl.mask_empty_context_lse (docs/spec.md 3) against parity.reference, bit for bit.
 
 Every test takes the `mode` fixture: "interpret" runs everywhere, "compiled" (marked gpu) on the GPU, with
 identical bodies. Interpret-mode compiles dominate the runtime, so the hand-written tests reuse a few

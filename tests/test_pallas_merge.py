@@ -1,7 +1,7 @@
-"""pallas_impl.merge_attn_states (SPEC 4) against parity.reference.
+"""pallas_impl.merge_attn_states (docs/spec.md 4) against parity.reference.
 
-Float outputs are compared within `compare.TOLERANCES` (SPEC 5: interpreters are not bitwise on CPU);
-the rows SPEC defines exactly (pass-through copies, both-empty rows, +inf/NaN read as empty) are checked bit
+Float outputs are compared within `compare.TOLERANCES` (docs/spec.md 5: interpreters are not bitwise on CPU);
+the rows docs/spec.md defines exactly (pass-through copies, both-empty rows, +inf/NaN read as empty) are checked bit
 for bit. Every test takes the `mode` fixture: "interpret" everywhere, "compiled" (marked gpu) on the GPU,
 identical bodies. Interpret-mode compiles dominate the runtime: the hand-written tests reuse the shapes
 of a few "ci" cases, and new values (offsets, prefill_tokens_with_context) never recompile.
@@ -72,7 +72,7 @@ def _check(got_out, got_lse, inp, opts, *, head_dim, case, mode, fp8=False):
     T, lse_layout = a.shape[0], opts.get("lse_layout", "HT")
     ptwc = opts.get("prefill_tokens_with_context")
     passthrough = np.arange(T) >= (T if ptwc is None else int(ptwc))
-    # SPEC 4.2: both-empty rows are exactly 0; SPEC 4.4: pass-through rows are bit copies (not across fp8).
+    # docs/spec.md 4.2: both-empty rows are exactly 0; docs/spec.md 4.4: pass-through rows are bit copies (not across fp8).
     both_empty = np.isneginf(_as_th(want_lse, lse_layout)) & ~passthrough[:, None]
     exact = np.broadcast_to((both_empty | (passthrough[:, None] & (not fp8)))[..., None], want_out.shape)
     qsl = opts.get("query_start_loc", inp["query_start_loc"])
@@ -111,7 +111,7 @@ def test_merge_matches_reference(case, mode):
 
 @pytest.mark.parametrize("case", SPECIALS_CASES, ids=lambda c: c.name)
 def test_specials_are_exact(case, mode):
-    """SPEC 4.1-4.3 from the inputs: +inf/NaN/-inf (and a masked request) are empty; both empty -> out +0 and
+    """docs/spec.md 4.1-4.3 from the inputs: +inf/NaN/-inf (and a masked request) are empty; both empty -> out +0 and
     lse -inf; one side empty -> the other side's row bit for bit; NaN garbage never reaches a merged row."""
     inp = cases.make_inputs(case)
     opts = _full_options(case, inp)
@@ -166,7 +166,7 @@ def test_fused_mask_more_than_1024_requests(mode):
 
 
 def test_passthrough_rows_are_bit_copies(mode):
-    """SPEC 4.4: tokens at or past prefill_tokens_with_context copy the suffix row and raw LSE bits."""
+    """docs/spec.md 4.4: tokens at or past prefill_tokens_with_context copy the suffix row and raw LSE bits."""
     inp = cases.make_inputs(PTWC)
     out, lse = _run(PTWC, inp, mode, **_full_options(PTWC, inp))
     n, D = PTWC.prefill_tokens_with_context, PTWC.head_dim
@@ -184,7 +184,7 @@ def test_return_lse_false(mode):
 
 
 def test_mask_then_merge_equals_fused(mode):
-    """Masking the prefix first and merging gives the fused result bit for bit (SPEC 4.5)."""
+    """Masking the prefix first and merging gives the fused result bit for bit (docs/spec.md 4.5)."""
     inp = cases.make_inputs(R33)
     D = R33.head_dim
     fused_out, fused_lse = _run(R33, inp, mode, **_full_options(R33, inp))

@@ -91,7 +91,7 @@ def test_table_and_replot_from_json(smoke_run, tmp_path, capsys):
 
 
 def test_merge_bytes_formula():
-    # SPEC-level formula: 2 reads + 1 write of [T, H, D], two LSE reads, an optional LSE write.
+    # The spec's formula: 2 reads + 1 write of [T, H, D], two LSE reads, an optional LSE write.
     T, H, D = 2048, 64, 128
     assert bench.MergePoint(T, H, D, "bfloat16", "plain").bytes == 3 * T * H * D * 2 + 2 * T * H * 4
     assert bench.MergePoint(T, H, D, "bfloat16", "lse").bytes == 3 * T * H * D * 2 + 3 * T * H * 4
@@ -103,7 +103,7 @@ def test_merge_bytes_formula():
 
 
 def test_mask_bytes_on_seed_workloads():
-    # SPEC 7: 131k_skewed masks 98,176 tokens (25.1 MB of LSE at 64 heads).
+    # docs/spec.md 7: 131k_skewed masks 98,176 tokens (25.1 MB of LSE at 64 heads).
     c = cases.by_name("131k_skewed")
     assert bench.masked_tokens(c) == 98176
     assert bench.mask_bytes(c, "lse") == 98176 * 64 * 4

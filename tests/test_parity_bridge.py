@@ -1,4 +1,4 @@
-"""parity.bridge: zero-copy torch <-> JAX over DLPack, and the refusals of what DLPack gets wrong (SPEC 6)."""
+"""parity.bridge: zero-copy torch <-> JAX over DLPack, and the refusals of what DLPack gets wrong (docs/spec.md 6)."""
 
 import ml_dtypes
 import numpy as np

@@ -338,7 +338,7 @@ def test_tolerance_table():
 
 
 def _f32_merge(case, inp, weight_dtype=jnp.float32):
-    """SPEC 4 in f32 with jnp (XLA:CPU: FMA contraction, its own exp/log); fused mask; casts at the end."""
+    """docs/spec.md 4 in f32 with jnp (XLA:CPU: FMA contraction, its own exp/log); fused mask; casts at the end."""
     D = case.head_dim
     f32 = jnp.float32
     a = jnp.asarray(inp["prefix_output"][..., :D]).astype(f32)
@@ -384,7 +384,7 @@ def _check_merge(case, inp, out, lse):
     mag = compare.merge_out_magnitude(*args, output_scale=inp.get("output_scale"), **kw)
     exact = np.zeros(case.num_tokens, dtype=bool)
     if case.prefill_tokens_with_context is not None:
-        exact[case.prefill_tokens_with_context:] = True  # SPEC 4.4: bit copies
+        exact[case.prefill_tokens_with_context:] = True  # docs/spec.md 4.4: bit copies
     out_exact = exact if case.out_dtype is None else False  # fp8 rows are scaled, not copied
     compare.assert_matches_reference(out, want_out, case=case, exact=out_exact, mag=mag, name="merge.out",
                                      seed=0, mode="jnp-f32")

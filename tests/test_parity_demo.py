@@ -247,7 +247,7 @@ def test_paths(demo_run, framework, behavior):
             assert r["requests_corrupted"] == hit and r["any_nan"]
             assert r["rows_corrupted"] == sum(batch.query_lens[i] for i in hit)
             assert r["ok"] and r["expected"] == "corrupted"
-        else:  # fixed paths always; unfixed too when the merge reads the sentinel as empty (SPEC 4.1)
+        else:  # fixed paths always; unfixed too when the merge reads the sentinel as empty (docs/spec.md 4.1)
             assert r["rows_corrupted"] == 0 and not r["any_nan"], (path, r)
             assert r["max_abs_err"] <= demo.TOLERANCE
             assert r["ok"]

@@ -1,4 +1,4 @@
-"""parity.reference against numbers computed by hand in each test (SPEC 3-4).
+"""parity.reference against numbers computed by hand in each test (docs/spec.md 3-4).
 
 The reference is the one executable definition of the semantics, so it is checked here independently:
 tiny arrays whose expected values are written out explicitly, not produced by another implementation.
@@ -31,7 +31,7 @@ def _merge(p_out, p_lse, s_out, s_lse, **kw):
 
 
 # --------------------------------------------------------------------------------------------------------
-# Mask (SPEC 3)
+# Mask (docs/spec.md 3)
 
 
 def test_empty_token_mask_by_hand():
@@ -76,7 +76,7 @@ def test_mask_bad_layout():
 
 
 # --------------------------------------------------------------------------------------------------------
-# Merge (SPEC 4)
+# Merge (docs/spec.md 4)
 
 
 def test_equal_lse_averages_and_adds_ln2():
@@ -101,7 +101,7 @@ def test_large_lse_is_stable():
 
 @pytest.mark.parametrize("empty_lse", [-INF, INF, NAN], ids=["-inf", "+inf", "nan"])
 def test_empty_prefix_returns_suffix_exactly(empty_lse):
-    # SPEC 4.1/4.3: an empty prefix (its output NaN garbage) contributes exactly nothing.
+    # docs/spec.md 4.1/4.3: an empty prefix (its output NaN garbage) contributes exactly nothing.
     out, lse = _merge(_rows(NAN), _lse(empty_lse), _rows(1.25), _lse(0.75))
     np.testing.assert_array_equal(out[0, 0], [1.25, -1.25])
     np.testing.assert_array_equal(lse, [[np.float32(0.75)]])
@@ -117,14 +117,14 @@ def test_empty_suffix_returns_prefix_exactly(empty_lse):
 @pytest.mark.parametrize("p,s", [(-INF, -INF), (INF, INF), (NAN, NAN), (INF, -INF), (NAN, INF)],
                          ids=["-inf,-inf", "+inf,+inf", "nan,nan", "+inf,-inf", "nan,+inf"])
 def test_both_empty_gives_zero_and_neg_inf(p, s):
-    # SPEC 4.2: the identity of the merge, never NaN, whatever garbage the outputs hold.
+    # docs/spec.md 4.2: the identity of the merge, never NaN, whatever garbage the outputs hold.
     out, lse = _merge(_rows(NAN), _lse(p), _rows(INF), _lse(s))
     np.testing.assert_array_equal(out[0, 0], [0.0, 0.0])
     assert lse[0, 0] == -INF
 
 
 def test_underflowed_weight_does_not_leak_nan():
-    # SPEC 4.3: a gap of 1000 makes exp(p - m) exactly 0 even in float64; the NaN prefix must not leak.
+    # docs/spec.md 4.3: a gap of 1000 makes exp(p - m) exactly 0 even in float64; the NaN prefix must not leak.
     out, lse = _merge(_rows(NAN), _lse(-990.0), _rows(2.0), _lse(10.0))
     np.testing.assert_array_equal(out[0, 0], [2.0, -2.0])
     np.testing.assert_array_equal(lse, [[10.0]])
@@ -160,7 +160,7 @@ def test_th_layout_is_the_transpose():
 
 
 def test_pass_through_rows_copy_raw_suffix():
-    # SPEC 4.4: tokens >= prefill_tokens_with_context hold the suffix row and its raw LSE (+inf stays +inf).
+    # docs/spec.md 4.4: tokens >= prefill_tokens_with_context hold the suffix row and its raw LSE (+inf stays +inf).
     a, b = _rows(1.0, 2.0, 3.0), _rows(5.0, NAN, 7.0)
     out, lse = _merge(a, _lse(0.0, 0.0, 0.0), b, _lse(0.0, INF, 4.0), prefill_tokens_with_context=1)
     np.testing.assert_allclose(out[0, 0], [3.0, -3.0], rtol=1e-15)  # token 0 is merged (equal LSEs)
@@ -197,7 +197,7 @@ def test_fused_mask_equals_mask_then_merge():
 
 
 def test_fp8_scale_and_clamp():
-    # SPEC 4.6: out / scale, clamped to +-448 (the caller casts to e4m3).
+    # docs/spec.md 4.6: out / scale, clamped to +-448 (the caller casts to e4m3).
     out, lse = _merge(_rows(10.0, 1.0), _lse(0.0, 0.0), _rows(30.0, 3.0), _lse(0.0, 0.0),
                       output_scale=np.array([0.01], np.float32))
     scale = float(np.float32(0.01))

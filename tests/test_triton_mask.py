@@ -1,4 +1,4 @@
-"""triton_impl.mask_empty_context_lse against parity.reference, bit for bit (SPEC 3).
+"""triton_impl.mask_empty_context_lse against parity.reference, bit for bit (docs/spec.md 3).
 
 Runs in the process's Triton mode (conftest): the interpreter on CPU, compiled on a GPU. The interpreter
 runs the grid's T // 128 + R programs one by one (R = 1000 takes ~20 s of CPU), so larger R is `gpu` only.

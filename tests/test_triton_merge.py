@@ -1,4 +1,4 @@
-"""triton_impl.merge_attn_states against parity.reference (SPEC 4).
+"""triton_impl.merge_attn_states against parity.reference (docs/spec.md 4).
 
 Exact bits where the result is exact (pass-through copies, rows with one or both sides empty, -inf LSEs);
 elsewhere within `parity.compare.TOLERANCES` of the float64 reference, with the magnitude of the merge's
@@ -115,7 +115,7 @@ def _merge_case(case, *, seed=0, ptwc=_DEFAULT, fused=True, output_lse=True, che
                fused_kw=fused_kw, lse_layout=case.lse_layout, lse_base=case.lse_base, case=case, tol=tol)
         # The padding columns of the output buffer keep their NaN bits.
         assert torch.equal(_bits(out_buf[..., D:]), _bits(pad_before)), "the kernel wrote past D"
-        if fused:  # SPEC 4.3: NaN garbage of empty partials never reaches a merged real token
+        if fused:  # docs/spec.md 4.3: NaN garbage of empty partials never reaches a merged real token
             merged = min(T if ptwc is None else ptwc, sum(case.query_lens))
             assert not bool(torch.isnan(out_buf[:merged, :, :D].float()).any())
     return out_buf, out_lse, inp
@@ -300,7 +300,7 @@ def test_mask_then_merge_equals_fused(case):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_pass_through_rows_are_bit_copies(dtype):
-    # SPEC 4.4: suffix rows and raw LSEs at or past prefill_tokens_with_context, NaN payloads, infinities
+    # docs/spec.md 4.4: suffix rows and raw LSEs at or past prefill_tokens_with_context, NaN payloads, infinities
     # and -0.0 included, come out bit for bit; the prefix is ignored there even when its LSE wins.
     T, H, D, ptwc = 24, 3, 16, 9
     rng = np.random.default_rng(7)
@@ -369,7 +369,7 @@ def test_all_empty_suffix_returns_prefix_values(kind):
 
 
 def test_both_empty_rows_are_zero_and_neg_inf():
-    # SPEC 4.2 with NaN/inf garbage in both partials, every pairing of the three empty encodings.
+    # docs/spec.md 4.2 with NaN/inf garbage in both partials, every pairing of the three empty encodings.
     T, H, D = 9, 2, 16
     encodings = [-np.inf, np.inf, np.nan]
     p = np.array([[e for e in encodings for _ in encodings]] * H, np.float32)

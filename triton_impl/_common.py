@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 # Shared with pallas_impl/_common.py (a test asserts they agree).
-MASK_BLOCK_T = 128  # query tokens per mask program (SPEC 3)
+MASK_BLOCK_T = 128  # query tokens per mask program (docs/spec.md 3)
 SCAN = 32  # request boundaries compared per scan step (one warp)
 ZERO_TILE_ELEMS = 16384  # elements of one output-zeroing store in the mask
 MASK_NUM_WARPS = 8
@@ -32,7 +32,7 @@ MERGE_TILES = {"plain": (8192, 1, 4), "lse": (8192, 8, 4), "fused": (8192, 8, 4)
 MERGE_N_TILES = {"plain": (8192, 1, 4), "lse": (4096, 4, 4), "fused": (4096, 4, 4)}
 MAX_PARTIALS = 64  # the N-way kernels unroll their loops over the partials at compile time
 
-# Launch options that make the float math reproducible by the Pallas port (SPEC 5).
+# Launch options that make the float math reproducible by the Pallas port (docs/spec.md 5).
 PARITY_LAUNCH = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
 OUTPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -237,7 +237,7 @@ def check_offset_values(query_start_loc, cu_seq_lens, num_tokens: int, *, cu_nam
 def n_interpret(num_keys: int) -> int:
     """The scan length as a compile-time value under the interpreter only, 0 when compiling.
 
-    Triton's interpreter cannot loop to a runtime bound with numpy >= 2.4 (SPEC 6); it compiles nothing,
+    Triton's interpreter cannot loop to a runtime bound with numpy >= 2.4 (docs/spec.md 6); it compiles nothing,
     so a constant there costs no recompilation. Compiled kernels always loop to the runtime value.
     """
     return num_keys if interpreting() else 0

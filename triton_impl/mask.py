@@ -1,4 +1,4 @@
-"""Empty-context LSE mask (SPEC 3), in place: the Triton kernel and its host wrapper.
+"""Empty-context LSE mask (docs/spec.md 3), in place: the Triton kernel and its host wrapper.
 
 Grid: one program per 128-token query block, worst case `T // 128 + R` programs; request r owns the
 programs from `qsl[r] // 128 + r` on. A program finds its request by counting, 32 request boundaries per
@@ -82,7 +82,7 @@ def _mask_empty_context_lse_kernel(
 
 def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, has_empty=None,
                            lse_layout="HT", validate=False) -> None:
-    """Set the LSE of every query row of a request with an empty context chunk to -inf (SPEC 3).
+    """Set the LSE of every query row of a request with an empty context chunk to -inf (docs/spec.md 3).
 
     Args:
       lse: f32[H, T] ([T, H] with lse_layout="TH"), any strides, natural log or base 2 (the mask writes

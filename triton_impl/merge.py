@@ -1,11 +1,11 @@
-"""Attention-state merge (SPEC 4), in place: the Triton kernel and its vLLM-compatible host wrapper.
+"""Attention-state merge (docs/spec.md 4), in place: the Triton kernel and its vLLM-compatible host wrapper.
 
 Grid: `(cdiv(T, BLOCK_T) * cdiv(H, BLOCK_H),)`, head blocks fastest; a program merges a [BLOCK_T, BLOCK_H,
 BLOCK_D] tile (the whole padded head, then as many heads and tokens as fit in the variant's budget,
-`_common.MERGE_TILES`). The fused mask (SPEC 4.5) finds each token's request with the same two-level
+`_common.MERGE_TILES`). The fused mask (docs/spec.md 4.5) finds each token's request with the same two-level
 32-wide compare-and-sum as the mask kernel.
 
-Float math (SPEC 5), identical to `pallas_impl/merge.py` in operation order: f32 throughout, exp and log from
+Float math (docs/spec.md 5), identical to `pallas_impl/merge.py` in operation order: f32 throughout, exp and log from
 libdevice (plain `tl.exp`/`tl.log` under the interpreter, which also gets an exact RNE cast), launched with `enable_fp_fusion=False` and
 `enable_reflect_ftz=False`, division with `/`, cast only at the store.
 """
@@ -67,7 +67,7 @@ def _merge_attn_states_kernel(
     stride_plse_h, stride_plse_t,
     stride_slse_h, stride_slse_t,
     num_tokens,  # T
-    prefill_tokens_with_context,  # tokens at or past it are suffix copies (SPEC 4.4); runtime value
+    prefill_tokens_with_context,  # tokens at or past it are suffix copies (docs/spec.md 4.4); runtime value
     num_requests,  # R; runtime value
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -103,10 +103,10 @@ def _merge_attn_states_kernel(
     if LSE_BASE2:
         p = p * LN2
         s = s * LN2
-    # SPEC 4.1: +inf (FA2's empty row) and NaN read as -inf.
+    # docs/spec.md 4.1: +inf (FA2's empty row) and NaN read as -inf.
     p = tl.where((p == float("inf")) | (p != p), float("-inf"), p)
     s = tl.where((s == float("inf")) | (s != s), float("-inf"), s)
-    if FUSED_MASK:  # SPEC 4.5: a token of a request whose prefix chunk is empty has p = -inf
+    if FUSED_MASK:  # docs/spec.md 4.5: a token of a request whose prefix chunk is empty has p = -inf
         req = _count_keys_le(qsl_ptr, t, num_requests + 1, 1, 0, SCAN, N_INTERPRET) - 1  # R: padding
         in_req = t_mask & (req < num_requests)
         req = tl.minimum(req, num_requests - 1)
@@ -114,20 +114,20 @@ def _merge_attn_states_kernel(
         p = tl.where(empty_t[:, None], float("-inf"), p)
 
     m = tl.maximum(p, s)
-    both_empty = m == float("-inf")  # SPEC 4.2
+    both_empty = m == float("-inf")  # docs/spec.md 4.2
     m = tl.where(both_empty, 0.0, m)
     pe = _exp(p - m, INTERPRET)
     se = _exp(s - m, INTERPRET)
     z = pe + se
     wp = pe / z
     ws = se / z
-    # SPEC 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
+    # docs/spec.md 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
     out = (tl.where(wp[:, :, None] > 0.0, a.to(tl.float32) * wp[:, :, None], 0.0)
            + tl.where(ws[:, :, None] > 0.0, b.to(tl.float32) * ws[:, :, None], 0.0))
     out = tl.where(both_empty[:, :, None], 0.0, out)
-    copy_t = t >= prefill_tokens_with_context  # SPEC 4.4
+    copy_t = t >= prefill_tokens_with_context  # docs/spec.md 4.4
     out_ptrs = out_ptr + t64[:, :, None] * stride_out_t + h64[:, :, None] * stride_out_h + d64 * stride_out_d
-    if FP8_OUT:  # SPEC 4.6
+    if FP8_OUT:  # docs/spec.md 4.6
         out = tl.where(copy_t[:, None, None], b.to(tl.float32), out)
         out = out / tl.load(scale_ptr)
         out = tl.where(out < -FP8_MAX, -FP8_MAX, out)  # comparisons, not min/max: NaN stays NaN
@@ -149,7 +149,7 @@ def _merge_attn_states_kernel(
 def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None,
                       prefill_tokens_with_context=None, output_scale=None, *, query_start_loc=None,
                       prefix_cu_seq_lens=None, lse_layout="HT", lse_base=math.e, validate=False) -> None:
-    """Merge two attention partials by their LSEs (SPEC 4), vLLM's positional signature, in place.
+    """Merge two attention partials by their LSEs (docs/spec.md 4), vLLM's positional signature, in place.
 
     Args:
       output: dtype[T, H, D] (or float8_e4m3fn with output_scale), any strides. Written in place.
@@ -161,7 +161,7 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
       prefill_tokens_with_context: int or None (= T). Tokens at or past it copy the suffix row and LSE
         bits. A runtime value: changing it never recompiles.
       output_scale: f32[1] tensor, required for (and only for) an fp8 output.
-      query_start_loc, prefix_cu_seq_lens: i32[R+1] both or neither: the fused mask (SPEC 4.5), treating
+      query_start_loc, prefix_cu_seq_lens: i32[R+1] both or neither: the fused mask (docs/spec.md 4.5), treating
         the prefix of every request whose prefix chunk is empty as empty.
       lse_layout: "HT" or "TH", for all three LSEs.
       lse_base: math.e or 2, for all three LSEs.
