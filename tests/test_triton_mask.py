@@ -292,6 +292,8 @@ def _call(**changes):
 
 
 I32 = dict(dtype=torch.int32, device=DEVICE)
+_FLAT = torch.zeros(104, device=DEVICE)
+_OVERLAPPING = (_FLAT[:12].view(2, 6), _FLAT[8:].view(6, 2, 8))  # lse and output share 4 floats
 
 ALWAYS_ERRORS = [
     ("lse_rank1", dict(lse=torch.zeros(6, device=DEVICE)), ValueError, "lse must have 2 dims"),
@@ -319,6 +321,12 @@ ALWAYS_ERRORS = [
     ("cu_other_device", dict(cu_seq_lens=torch.tensor([0, 0, 4], dtype=torch.int32, device="meta")),
      ValueError, "meta"),
     ("output_other_device", dict(output=torch.zeros(6, 2, 8, device="meta")), ValueError, "meta"),
+    # Written in place: no two elements may share memory (an expanded view would race).
+    ("lse_expanded", dict(lse=torch.zeros(1, 6, device=DEVICE).expand(2, 6)), ValueError,
+     "lse has elements that share memory"),
+    ("output_expanded", dict(output=torch.zeros(6, 1, 8, device=DEVICE).expand(6, 2, 8)), ValueError,
+     "output has elements that share memory"),
+    ("output_overlaps_lse", dict(zip(("lse", "output"), _OVERLAPPING)), ValueError, "output partially overlaps lse"),
 ]
 
 

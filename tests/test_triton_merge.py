@@ -508,6 +508,11 @@ BF16 = dict(dtype=torch.bfloat16, device=DEVICE)
 FP8_OUT = torch.zeros(6, 2, 8, device=DEVICE).to(FP8)
 SCALE = torch.ones(1, device=DEVICE)
 
+_BUF = torch.zeros(7, 2, 8, **BF16)
+_SHIFTED = (_BUF[1:], _BUF[:6])  # two [6, 2, 8] views of one buffer, one token apart
+_BUF_LSE = torch.zeros(13, device=DEVICE)
+_SHIFTED_LSE = (_BUF_LSE[1:13].view(2, 6), _BUF_LSE[0:12].view(2, 6))  # [2, 6] views one element apart
+
 ERRORS = [
     ("prefix_f64", dict(prefix_output=torch.zeros(6, 2, 8, dtype=torch.float64, device=DEVICE)), TypeError,
      "prefix_output.dtype"),
@@ -548,6 +553,15 @@ ERRORS = [
      ValueError, "meta"),
     ("lse_other_device", dict(suffix_lse=torch.zeros(2, 6, device="meta")), ValueError, "meta"),
     ("offsets_other_device", dict(query_start_loc=QSL.to("meta"), prefix_cu_seq_lens=CU), ValueError, "meta"),
+    # In-place outputs whose elements share memory would race (torch's in-place ops refuse them too).
+    ("output_expanded", dict(output=torch.zeros(1, 2, 8, **BF16).expand(6, 2, 8)), ValueError,
+     "output has elements that share memory"),
+    ("output_lse_expanded", dict(output_lse=torch.zeros(2, 1, device=DEVICE).expand(2, 6)), ValueError,
+     "output_lse has elements that share memory"),
+    ("output_overlaps_prefix", dict(zip(("output", "prefix_output"), _SHIFTED)), ValueError,
+     "output partially overlaps prefix_output"),
+    ("output_lse_overlaps_suffix_lse", dict(zip(("output_lse", "suffix_lse"), _SHIFTED_LSE)), ValueError,
+     "output_lse partially overlaps suffix_lse"),
 ]
 
 
@@ -598,6 +612,21 @@ def test_prefill_tokens_with_context_accepts_numpy_integers():
 def test_zero_tokens_is_a_no_op():
     kw = _valid(T=0)
     triton_impl.merge_attn_states(*[kw[k] for k in POSITIONAL])
+
+
+def test_output_may_be_the_prefix_itself():
+    # The same tensor (start, shape, strides) is not a partial overlap: each program reads its tile before it
+    # writes it. Merging into the prefix buffer gives the bits of merging into a separate one.
+    case = cases.by_name("padded_v_ptwc")
+    inp = cases.make_inputs(case)
+    t = {k: bridge.to_torch(v, DEVICE) for k, v in inp.items()}
+    D = case.head_dim
+    args = (t["suffix_output"][..., :D], t["suffix_lse"])
+    separate = torch.empty_like(t["prefix_output"][..., :D])
+    triton_impl.merge_attn_states(separate, t["prefix_output"][..., :D], t["prefix_lse"], *args, None, 100)
+    in_place = t["prefix_output"][..., :D]
+    triton_impl.merge_attn_states(in_place, in_place, t["prefix_lse"], *args, None, 100)
+    assert_bitwise_equal(in_place, separate, name="merge.out into the prefix buffer", case=case)
 
 
 # --------------------------------------------------------------------------------------------------------

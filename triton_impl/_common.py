@@ -154,6 +154,34 @@ def check_no_internal_overlap(name: str, x: torch.Tensor) -> None:
         span += stride * (size - 1)
 
 
+def _dense(x: torch.Tensor) -> bool:
+    """Non-overlapping and dense: the elements fill one contiguous range (any order of the dims)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(x.stride(), x.shape) if sz > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def check_no_partial_overlap(out_name: str, out: torch.Tensor, **inputs) -> None:
+    """A tensor written in place must not partially overlap one it reads, as torch's in-place ops require: the
+    same tensor (same start, shape and strides) is fine, every element being read before it is written by the
+    same program; a shifted or reshaped alias would race. Decided, as torch decides, for dense tensors only."""
+    if out.numel() == 0 or not _dense(out):
+        return
+    lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
+    for name, x in inputs.items():
+        if x is None or x.numel() == 0 or not _dense(x) or x.device != out.device:
+            continue
+        xlo, xhi = x.data_ptr(), x.data_ptr() + x.numel() * x.element_size()
+        same = (xlo == lo and tuple(x.shape) == tuple(out.shape) and x.stride() == out.stride()
+                and x.dtype == out.dtype)
+        if xlo < hi and lo < xhi and not same:
+            raise ValueError(f"{out_name} partially overlaps {name} in memory: the kernel writes {out_name} in place "
+                             f"while it reads {name}; pass separate buffers (or {name} itself)")
+
+
 def check_output(output, like: torch.Tensor, output_scale, *, name: str = "output", shape=None) -> bool:
     """The merge output and its optional fp8 scale, against the partials' tensor `like` [..., T, H, D] (or
     `shape`, when the output holds only some heads); returns whether the output is fp8."""

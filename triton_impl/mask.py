@@ -106,10 +106,13 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
     num_requests = c.check_offsets(query_start_loc, cu_seq_lens, device)
     num_heads, num_tokens = lse.shape if lse_layout == "HT" else lse.shape[::-1]
     stride_lse_h, stride_lse_t = c.lse_ht_strides("lse", lse, lse_layout, num_heads, num_tokens)
+    c.check_no_internal_overlap("lse", lse)
     if output is not None:
         c.check_tensor("output", output, ndim=3, dtypes=c.OUTPUT_DTYPES, device=device)
         if tuple(output.shape[:2]) != (num_tokens, num_heads):
             raise ValueError(f"output must be [T={num_tokens}, H={num_heads}, D]; got output.shape={tuple(output.shape)}")
+        c.check_no_internal_overlap("output", output)
+        c.check_no_partial_overlap("output", output, lse=lse)
     if validate:
         c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
     if has_empty is False or num_requests == 0 or num_tokens == 0:

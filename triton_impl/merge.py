@@ -190,6 +190,9 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
         lse_strides += c.lse_ht_strides(name, x, lse_layout, num_heads, num_tokens)
     if output_lse is not None:
         c.check_no_internal_overlap("output_lse", output_lse)
+        c.check_no_partial_overlap("output_lse", output_lse, prefix_lse=prefix_lse, suffix_lse=suffix_lse,
+                                   output=output)
+    c.check_no_partial_overlap("output", output, prefix_output=prefix_output, suffix_output=suffix_output)
     if (query_start_loc is None) != (prefix_cu_seq_lens is None):
         raise ValueError("query_start_loc and prefix_cu_seq_lens go together (the fused mask); got only "
                          + ("query_start_loc" if query_start_loc is not None else "prefix_cu_seq_lens"))

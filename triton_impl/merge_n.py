@@ -212,6 +212,8 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
         c.check_tensor("output_lse", output_lse, ndim=2, dtypes=(torch.float32,), device=device)
         olse_strides = c.lse_ht_strides("output_lse", output_lse, lse_layout, num_heads, num_tokens)
         c.check_no_internal_overlap("output_lse", output_lse)
+        c.check_no_partial_overlap("output_lse", output_lse, lses=lses, output=output)
+    c.check_no_partial_overlap("output", output, outputs=outputs)
     if (query_start_loc is None) != (cu_seq_lens is None):
         raise ValueError("query_start_loc and cu_seq_lens go together (the fused mask); got only "
                          + ("query_start_loc" if query_start_loc is not None else "cu_seq_lens"))
