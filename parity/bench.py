@@ -27,6 +27,9 @@ Two labelled numbers per point (each record carries its `method`):
 - `latency`: wall clock over N back-to-back calls of the public API with one sync at the end, divided by N;
   quantiles over trials. The JAX mask is the documented in-place form, `jax.jit(..., donate_argnums=0)`,
   chained (output fed back as input; the mask is idempotent).
+- `launch` (the Triton mask, GPU only): `triton.testing.do_bench` over back-to-back calls, the method behind
+  upstream's launch-inclusive figures, for the plain function (impl "triton") and for its `torch.library` op
+  (impl "triton-op", `torch.ops.mla_lse_merge.mask_empty_context_lse`; also its `latency`): like for like.
 
 Inputs are rotated over enough copies that one pass exceeds 3x the L2 (`L2_BYTES`) for the merge; the mask's
 working set is L2-resident on every seed workload (as in upstream's graph-replay numbers) and its records
@@ -253,6 +256,16 @@ def time_cudagraph(fn, rep_ms: float):
     q = tuple(float(x) * 1e3 for x in ms)
     return q, "triton.testing.do_bench_cudagraph: graph replay, quantiles over 10 replays (each the mean " \
               "of the calls captured in the graph)", None
+
+
+def time_do_bench(fn):
+    """Launch-inclusive time of one call: `triton.testing.do_bench` (CUDA events around each of many
+    back-to-back calls, L2 flushed in between), the method behind upstream's launch-inclusive figures."""
+    import triton.testing
+
+    ms = triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=list(QUANTILES))
+    return tuple(float(x) * 1e3 for x in ms), "triton.testing.do_bench: CUDA events around each call, calls back " \
+                                            "to back with an L2 flush between them; quantiles over calls", None
 
 
 def time_wall(call, sync, n: int, trials: int, what: str = "public API"):
@@ -571,6 +584,17 @@ class _Runner:
                     self._upstream(rec)
                     self.add(rec)
                 results["triton"] = (g, lat)
+                if self.on_gpu:  # launch-inclusive, upstream's method: the function and its torch.library op
+                    op = functools.partial(torch.ops.mla_lse_merge.mask_empty_context_lse, lse, qsl, cu, out,
+                                           has_empty=True)
+                    for impl, fn in (("triton", bound.call), ("triton-op", op)):
+                        rec = _record("mask", impl, case.name, T, H, D if with_out else None, dtype, variant,
+                                      "launch", time_do_bench(fn), nbytes, ceiling, note)
+                        self._upstream(rec)
+                        self.add(rec)
+                    rec = _record("mask", "triton-op", case.name, T, H, D if with_out else None, dtype, variant,
+                                  "latency", self.latency(op, self.sync, est), nbytes, ceiling, note)
+                    self.add(rec)
             except Exception as e:  # noqa: BLE001
                 self.error(label, "triton", e)
         if "pallas" in self.impls:
@@ -612,7 +636,7 @@ class _Runner:
     @staticmethod
     def _upstream(rec: dict) -> None:
         if rec["op"] == "mask" and rec["variant"] == "lse":
-            key = "mask_gpu_time_us" if rec["metric"] == "gpu_time" else "mask_latency_us"
+            key = "mask_gpu_time_us" if rec["metric"] == "gpu_time" else "mask_latency_us"  # latency, launch: with launch
             rec["upstream_us"] = UPSTREAM[key].get(rec["workload"])
 
     def _ratio_and_progress(self, idx: str, label: str, results: dict, nbytes: int) -> None:
