@@ -45,6 +45,7 @@ class Case:
     lse_base: float = math.e
     padding: int = 0  # tokens past query_start_loc[R]: never touched by the mask
     head_pad: int = 0  # extra head-dim columns in every output buffer (a V-padded layout)
+    suffix_head_pad: int | None = None  # the suffix buffer's own pad (None: head_pad): partials with different strides
     specials: bool = False  # inject +inf / NaN / -inf LSEs, including rows empty on both sides
     prefill_tokens_with_context: int | None = None
     out_dtype: str | None = None  # "float8_e4m3fn" for the fp8 output path
@@ -110,6 +111,9 @@ CASES: tuple[Case, ...] = (
          lse_layout="TH", specials=True, tags=_CI),
     Case("base2_specials", (50, 31, 77), (0,), num_heads=4, head_dim=96, dtype="bfloat16", lse_base=2,
          specials=True, tags=_CI),
+    # Only the prefix is V-padded: the two partials have different strides (a port must not borrow them).
+    Case("padded_prefix_only", (21, 0, 30), (0,), num_heads=3, head_dim=64, head_pad=64, suffix_head_pad=0,
+         dtype="float16", tags=_CI),
     Case("padded_v_ptwc", (40, 9, 70, 33), (1,), num_heads=4, head_dim=128, head_pad=64,
          prefill_tokens_with_context=119, padding=3, tags=_CI),
     Case("fp8_out", (40, 20, 70), (0,), num_heads=4, head_dim=64, dtype="bfloat16",
@@ -226,8 +230,8 @@ def offsets(case: Case, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def make_inputs(case: Case, seed: int = 0) -> dict[str, np.ndarray]:
     """Seeded numpy inputs of both operations.
 
-    Keys: query_start_loc, cu_seq_lens (i32[R+1]); prefix_output, suffix_output (dtype[T, H, D + head_pad],
-    the first D columns are the data); prefix_lse, suffix_lse (f32, in the case's layout and base);
+    Keys: query_start_loc, cu_seq_lens (i32[R+1]); prefix_output, suffix_output (dtype[T, H, D + head_pad]
+    and dtype[T, H, D + suffix_head_pad]; the first D columns are the data); prefix_lse, suffix_lse (f32, in the case's layout and base);
     output_scale (f32[1], only for fp8). Empty requests' prefix rows hold a finite garbage LSE and NaN
     output, as a real backend can leave them; padding tokens and padded columns hold NaN.
     """
@@ -237,8 +241,8 @@ def make_inputs(case: Case, seed: int = 0) -> dict[str, np.ndarray]:
     qsl, cu = offsets(case, seed)
     n_real = int(qsl[-1])
 
-    def outputs():
-        x = np.full((T, H, D + case.head_pad), np.nan, dtype=np.float32)
+    def outputs(pad):
+        x = np.full((T, H, D + pad), np.nan, dtype=np.float32)
         x[:n_real, :, :D] = rng.standard_normal((n_real, H, D), dtype=np.float32)
         return x.astype(dt)
 
@@ -247,7 +251,8 @@ def make_inputs(case: Case, seed: int = 0) -> dict[str, np.ndarray]:
         x[:, n_real:] = np.nan
         return x
 
-    prefix_output, suffix_output = outputs(), outputs()
+    suffix_pad = case.head_pad if case.suffix_head_pad is None else case.suffix_head_pad
+    prefix_output, suffix_output = outputs(case.head_pad), outputs(suffix_pad)
     prefix_lse, suffix_lse = lse(), lse()
 
     empty_t = np.zeros(T, dtype=bool)

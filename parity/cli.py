@@ -71,6 +71,13 @@ def _add_selection(p: argparse.ArgumentParser, default_suite: str) -> None:
     p.add_argument("--seed", type=int, default=0, help="input seed of parity.cases.make_inputs (default: 0)")
 
 
+def _impl_arg(value: str) -> str:
+    if value in ("triton", "pallas", "jnp", "reference") or ":" in value:
+        return value
+    raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (triton, pallas, jnp, reference, or "
+                                     "MODULE:FUNCTION / PATH.py:FUNCTION)")
+
+
 def _cp_ranks(argv: list[str]) -> int:
     """The N of `demo --cp N` (0 otherwise), read before JAX starts (it fixes its CPU device count then)."""
     if argv[:1] != ["demo"]:
@@ -102,9 +109,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=_export)
 
-    p = sub.add_parser("verify", help="check an implementation against golden vectors written by `export`")
+    p = sub.add_parser("verify", help="check an implementation (this project's or a port) against golden vectors")
     p.add_argument("dir", metavar="DIR", help="folder holding manifest.json and the .npz files")
-    p.add_argument("--impl", choices=("triton", "pallas", "jnp", "reference"), required=True)
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--impl", type=_impl_arg, metavar="IMPL",
+                       help="triton, pallas, jnp, reference, or a port's callable MODULE:FUNCTION / PATH.py:FUNCTION "
+                            "(docs/porting.md)")
+    which.add_argument("--outputs", metavar="OUTDIR",
+                       help="a port's results, one OUTDIR/<case>.npz per case (format: docs/porting.md)")
     p.add_argument("-k", dest="name_filter", metavar="SUBSTR", default=None,
                    help="only cases whose name contains SUBSTR")
     p.add_argument("--json", metavar="FILE", default=None, help="write the JSON report to FILE")

@@ -159,7 +159,7 @@ def case_params(case: cases_mod.Case, seed: int) -> dict[str, Any]:
     return {
         "query_lens": list(case.query_lens), "empty_requests": list(case.empty),
         "num_requests": case.num_requests, "num_tokens": T, "num_heads": H, "head_dim": D,
-        "head_pad": case.head_pad, "padding_tokens": case.padding,
+        "head_pad": case.head_pad, "suffix_head_pad": case.suffix_head_pad, "padding_tokens": case.padding,
         "dtype": case.dtype, "out_dtype": case.out_dtype or case.dtype,
         "lse_layout": case.lse_layout, "lse_shape": lse_shape, "lse_base": "2" if case.lse_base == 2 else "e",
         "output_shape": [T, H, D], "buffer_shape": [T, H, D + case.head_pad],
@@ -180,6 +180,7 @@ def case_from_params(name: str, p: dict[str, Any]) -> cases_mod.Case:
         name, tuple(p["query_lens"]), tuple(p["empty_requests"]), num_heads=p["num_heads"],
         head_dim=p["head_dim"], dtype=p["dtype"], lse_layout=p["lse_layout"],
         lse_base=2 if p["lse_base"] == "2" else math.e, padding=p["padding_tokens"], head_pad=p["head_pad"],
+        suffix_head_pad=p.get("suffix_head_pad"),
         specials=p["specials"], prefill_tokens_with_context=p["prefill_tokens_with_context"],
         out_dtype=None if p["out_dtype"] == p["dtype"] else p["out_dtype"])
 
@@ -236,7 +237,8 @@ _DESCRIPTIONS = {
     "masked_lses": "lses after the mask of each partial by its offsets (the input of merge_n; exact)",
     "prefix_output": "dtype[T, H, D + head_pad] prefix (context chunk) partial; columns >= D are padding (NaN)",
     "prefix_lse": "f32 prefix LSE in lse_layout and lse_base",
-    "suffix_output": "dtype[T, H, D + head_pad] suffix partial; columns >= D are padding (NaN)",
+    "suffix_output": "dtype[T, H, D + suffix_head_pad] suffix partial (suffix_head_pad null: head_pad); columns >= D "
+                     "are padding (NaN)",
     "suffix_lse": "f32 suffix LSE in lse_layout and lse_base",
     "output_scale": "f32[1] fp8 output scale (docs/spec.md 4.6)",
     "mask.lse": "expected prefix LSE after the mask (exact)",
@@ -383,14 +385,65 @@ def _operands(case, a: dict[str, np.ndarray], op: str) -> dict[str, np.ndarray]:
     return inputs
 
 
+PORT_INPUTS = {
+    "mask": ("lse", "query_start_loc", "cu_seq_lens", "output"),
+    "merge": ("prefix_output", "prefix_lse", "suffix_output", "suffix_lse", "query_start_loc", "output_scale"),
+    "merge_fused": ("prefix_output", "prefix_lse", "suffix_output", "suffix_lse", "query_start_loc",
+                    "prefix_cu_seq_lens", "output_scale"),
+    "merge_n": ("outputs", "lses", "query_start_loc", "output_scale"),
+    "merge_n_fused": ("outputs", "lses", "query_start_loc", "cu_seq_lens", "output_scale"),
+}
+"""The arrays a port's callable receives per op (docs/porting.md): output buffers may be wider than head_dim
+(columns past D are padding), the 2-way "merge" gets the masked prefix, "merge_n" the masked LSEs."""
+PORT_RESULTS = {"mask": ("lse", "output")}  # every merge: ("out", "lse")
+
+
+def port_inputs(case, a: dict[str, np.ndarray], op: str) -> dict[str, np.ndarray]:
+    """The numpy inputs of `op` under the names of `PORT_INPUTS` (a copy: a port may write them)."""
+    ops = _operands(case, a, op)
+    named = dict(ops, lse=ops.get("prefix_lse"), output=ops.get("prefix_output"),
+                 prefix_cu_seq_lens=ops.get("cu_seq_lens"))
+    return {k: np.array(named[k], copy=True) for k in PORT_INPUTS[op] if named.get(k) is not None}
+
+
+def _result_shapes(case, op: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    T, H, D = case.num_tokens, case.num_heads, case.head_dim
+    lse_shape = (H, T) if case.lse_layout == "HT" else (T, H)
+    if op == "mask":
+        return {"lse": (lse_shape, np.dtype(np.float32)), "output": ((T, H, D), _np_dtype(case.dtype))}
+    return {"out": ((T, H, D), _np_dtype(case.out_dtype or case.dtype)), "lse": (lse_shape, np.dtype(np.float32))}
+
+
+def _as_result(case, op: str, key: str, x) -> np.ndarray:
+    """A port's result as the typed array it must be: the right dtype, or the unsigned integers of its bits."""
+    shape, dtype = _result_shapes(case, op)[key]
+    x = np.asarray(x)
+    if x.dtype.kind == "u" and x.dtype.itemsize == dtype.itemsize:
+        x = x.view(dtype)
+    if x.dtype != dtype or tuple(x.shape) != shape:
+        raise GoldenError(f"{op}.{key} must be {dtype.name}{list(shape)} (or its bits as uint{8 * dtype.itemsize}); "
+                          f"got {x.dtype.name}{list(x.shape)}")
+    return x
+
+
 class _Runner:
-    """Runs one implementation through `parity.impls`, as `python -m parity check` does."""
+    """Runs one implementation: this project's through `parity.impls` (as `python -m parity check`), a port's
+    callable `fn(op, inputs, params) -> dict` (`impl="module:function"` or `"path/to/file.py:function"`), or a
+    port's results read from files (`outputs_dir`)."""
 
-    def __init__(self, impl: str):
-        self.impl = impl
-        self.rt = impls.HOST if impl == "reference" else impls.make_runtime()
+    def __init__(self, impl: str | None = None, *, fn=None, outputs_dir: str | None = None):
+        self.impl = impl or ("outputs" if outputs_dir else getattr(fn, "__name__", "port"))
+        self.fn, self.outputs_dir, self._files = fn, outputs_dir, {}
+        if fn is None and outputs_dir is None and impl is not None and ":" in impl:
+            self.fn = load_callable(impl)
+        self.rt = impls.HOST if impl == "reference" or self.fn or outputs_dir else impls.make_runtime()
 
-    def run(self, case, a: dict, op: str) -> dict[str, Any]:
+    def run(self, case, a: dict, op: str, params: dict | None = None) -> dict[str, Any]:
+        if self.fn is not None:
+            got = self.fn(op, port_inputs(case, a, op), dict(params or case_params(case, 0)))
+            return {k: _as_result(case, op, k, got[k]) for k in _result_shapes(case, op)}
+        if self.outputs_dir is not None:
+            return self._read(case, op)
         inputs = _operands(case, a, op)
         if self.impl == "reference":
             got = impls.run(self.rt, "reference", op, case, inputs)
@@ -402,6 +455,54 @@ class _Runner:
 
         t, j = bridge.share_inputs(inputs, self.rt.device)
         return impls.run(self.rt, self.impl, op, case, t if self.impl == "triton" else j)
+
+    def _read(self, case, op: str) -> dict[str, np.ndarray]:
+        path = os.path.join(self.outputs_dir, f"{case.name}.npz")
+        if case.name not in self._files:
+            if not os.path.exists(path):
+                raise GoldenError(f"no results file {path} for case {case.name}")
+            with np.load(path, allow_pickle=False) as z:
+                self._files[case.name] = {k: z[k] for k in z.files}
+        f = self._files[case.name]
+        missing = [f"{op}.{k}" for k in _result_shapes(case, op) if f"{op}.{k}" not in f]
+        if missing:
+            raise GoldenError(f"{path} lacks {missing}")
+        return {k: _as_result(case, op, k, f[f"{op}.{k}"]) for k in _result_shapes(case, op)}
+
+
+def load_callable(spec: str):
+    """`module:function` (importable) or `path/to/file.py:function`: a port's entry point."""
+    import importlib
+    import importlib.util
+
+    target, _, name = spec.rpartition(":")
+    if not target or not name:
+        raise GoldenError(f"--impl {spec!r}: expected MODULE:FUNCTION or PATH.py:FUNCTION")
+    if target.endswith(".py"):
+        if not os.path.exists(target):
+            raise GoldenError(f"--impl {spec!r}: no file {target}")
+        mod_spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(target))[0], target)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as e:
+            raise GoldenError(f"--impl {spec!r}: cannot import {target}: {e}") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise GoldenError(f"--impl {spec!r}: {target} has no callable {name!r}")
+    return fn
+
+
+def save_outputs(out_dir: str, case_name: str, results: dict[str, dict[str, np.ndarray]]) -> str:
+    """Write a port's results of one case as `verify --outputs` reads them: `<out_dir>/<case>.npz`, one array
+    `<op>.<result>` each, stored as the unsigned integers of its bits (docs/porting.md, "Results files")."""
+    os.makedirs(out_dir, exist_ok=True)
+    arrays = {f"{op}.{key}": to_stored(np.asarray(x))[0] for op, r in results.items() for key, x in r.items()}
+    path = os.path.join(out_dir, f"{case_name}.npz")
+    np.savez(path, **arrays)
+    return path
 
 
 def verify_case(entry: dict[str, Any], a: dict[str, np.ndarray], runner: _Runner, tolerances: dict[str, dict]):
@@ -416,7 +517,7 @@ def verify_case(entry: dict[str, Any], a: dict[str, np.ndarray], runner: _Runner
     for op in entry.get("ops", OPS):
         reports: dict[str, Any] = {}
         try:
-            got = runner.run(case, a, op)
+            got = runner.run(case, a, op, entry["params"])
             if op == "mask":
                 for key in ("lse", "output"):
                     reports[f"mask.{key}"] = compare.compare_bits(got[key], a[f"mask.{key}"], name=f"mask.{key}",
@@ -437,13 +538,19 @@ def verify_case(entry: dict[str, Any], a: dict[str, np.ndarray], runner: _Runner
     return results
 
 
-def verify(golden_dir: str, impl: str, *, name_filter: str | None = None, progress=None):
-    """Returns (rows, ok): one row per (case, op) with the reports, or the error that stopped it."""
+def verify(golden_dir: str, impl=None, *, outputs_dir: str | None = None, name_filter: str | None = None,
+           progress=None):
+    """Returns (rows, ok): one row per (case, op) with the reports, or the error that stopped it.
+
+    `impl`: "triton", "pallas", "jnp", "reference", "module:function" / "path.py:function", or a callable
+    `fn(op, inputs, params) -> dict` (docs/porting.md); or `outputs_dir`: a port's results files.
+    """
     manifest = load_manifest(golden_dir)
     entries = [e for e in manifest["cases"] if name_filter is None or name_filter in e["name"]]
     if not entries:
         raise GoldenError(f"no case in {golden_dir!r} matches -k {name_filter!r}")
-    runner = _Runner(impl)
+    runner = _Runner(None, fn=impl, outputs_dir=outputs_dir) if callable(impl) or outputs_dir else _Runner(impl)
+    impl = runner.impl
     rows = []
     total = sum(len(e.get("ops", OPS)) for e in entries)
     for entry in entries:
@@ -502,7 +609,7 @@ def format_rows(rows, impl: str) -> str:
 
 
 def export_main(args) -> int:
-    selected = cases_mod.select(args.suite, args.name_filter)
+    selected = cases_mod.select(args.suite, args.name_filter, kind="all")
     if not selected:
         print(f"error: no case in suite {args.suite!r} matches -k {args.name_filter!r}", file=sys.stderr)
         return 2
@@ -513,18 +620,19 @@ def export_main(args) -> int:
 
 
 def verify_main(args) -> int:
+    impl = args.impl or "outputs"
     try:
-        rows, ok = verify(args.dir, args.impl, name_filter=args.name_filter,
+        rows, ok = verify(args.dir, args.impl, outputs_dir=args.outputs, name_filter=args.name_filter,
                           progress=None if args.quiet else sys.stderr)
     except GoldenError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(format_rows(rows, args.impl))
+    print(format_rows(rows, impl))
     if args.json:
         from parity import check
 
         report = {"schema": "parity-golden-verify/1", "env": impls.collect_env(getattr(args, "argv", None)),
-                  "golden_dir": os.path.abspath(args.dir), "impl": args.impl, "ok": ok,
+                  "golden_dir": os.path.abspath(args.dir), "impl": impl, "outputs": args.outputs, "ok": ok,
                   "records": [{"case": r["case"], "op": r["op"], "ok": r["ok"], "error": r["error"],
                                "reports": {k: v.to_dict() for k, v in r["reports"].items()}} for r in rows]}
         with open(args.json, "w") as f:

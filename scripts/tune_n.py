@@ -1,14 +1,22 @@
 """N-way merge tile sweep (GPU): python scripts/tune_n.py OUT.json. Sets MERGE_N_TILES of both frameworks to
 each tile (bytes of one input tile, fewest tokens, warps), times the lse and fused variants at T = 32K, H = 64,
 D = 128, bf16, N in (4, 8); Triton by CUDA-graph replay, JAX by profiler kernel time; % of a torch.add 2R1W."""
-import functools, itertools, json, os, sys
+import functools
+import json
+import os
+import sys
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-import jax, torch
-import pallas_impl, triton_impl
-from pallas_impl import _common as pc
-from triton_impl import _common as tc
-from parity import bench, bridge, cases
+
+import jax  # noqa: E402
+import torch  # noqa: E402
+
+import pallas_impl  # noqa: E402
+import triton_impl  # noqa: E402
+from pallas_impl import _common as pc  # noqa: E402
+from parity import bench, bridge, cases  # noqa: E402
+from triton_impl import _common as tc  # noqa: E402
 
 TILES = [(8192, 1, 4), (4096, 1, 4), (8192, 2, 4), (8192, 4, 4), (4096, 4, 4), (8192, 1, 8), (16384, 1, 8)]
 n = bench.CEILING_ELEMS
