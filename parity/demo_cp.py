@@ -19,6 +19,8 @@ devices (one GPU), over N ranks simulated by `jax.vmap` with an axis name (the s
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from parity.chunked_prefill import (EMPTY_BEHAVIORS, PrefillBatch, attention_jax, attention_torch, bucket_size,
@@ -70,7 +72,7 @@ def _torch_rank(rank: int, world: int, group, config: dict, behavior: str, inter
 
     from parity import bridge, impls
 
-    rt = impls.make_runtime()
+    rt = impls.Runtime(device, "gpu-bitwise" if device == "cuda" else "cpu-interpreters")  # torch only: no JAX here
     a = impls.adapter(rt, "triton")
     batch = make_batch(**config)
     idx, cu_host = cp_shard(batch.context_lens, batch.context_start_loc, world, interleave)[rank]
@@ -96,7 +98,16 @@ def _cp_torch(batch_config: dict, world: int, behavior: str, interleave: int) ->
 
     use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= world
     device, backend = ("cuda", "nccl") if use_nccl else ("cpu", "gloo")
-    got = ranks.run_ranks(_torch_rank, world, batch_config, behavior, interleave, device, backend=backend)
+    saved = os.environ.get("TRITON_INTERPRET")
+    if device == "cpu":  # CPU ranks (also on a machine with fewer GPUs than ranks): Triton's interpreter
+        os.environ["TRITON_INTERPRET"] = "1"  # read by the spawned ranks when they import the kernels
+    try:
+        got = ranks.run_ranks(_torch_rank, world, batch_config, behavior, interleave, device, backend=backend)
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
     for r, res in enumerate(got):
         if res[0] != "ok":
             raise RuntimeError(f"CP rank {r} failed: {res[1]}\n{res[2]}")

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# One GPU run of everything: versions, the test suite, the full parity check, the demo and the benchmark.
+# One GPU run of everything: versions, the test suite, the full parity check, the demos and the benchmark.
 #
 #   OUT=/some/dir BENCH_ARGS="--quick" bash scripts/gpu_check.sh      # from the repository root
 #
-# Writes 8 files to $OUT (default ./out): env.txt pytest.log check.log check_full.json demo.log bench.log
-# bench.json bench.png. A failing step does not stop the next one. Each step runs under `timeout`, sized
+# Writes 8 files to $OUT (default ./out): env.txt pytest.log check.log check_full.json demo.log (both demos)
+# bench.log bench.json bench.png. A failing step does not stop the next one. Each step runs under `timeout`, sized
 # from what is left of DEADLINE_S (default 560 s), so the whole script ends in under 9.5 minutes.
 # BENCH_ARGS (default "--quick") goes to `python -m parity bench`; use "" for the full grid.
 # Exit status: 0 when every step exited 0, else 1 (124 in the summary means that step timed out).
@@ -82,7 +82,10 @@ XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
 # shellcheck disable=SC2086
 step pytest 160 250 "$OUT/pytest.log" "$PY" -m pytest -q -rs $XDIST
 step check 170 90 "$OUT/check.log" "$PY" -m parity check --suite full --json "$OUT/check_full.json"
-step demo 90 60 "$OUT/demo.log" "$PY" -m parity demo --size large
+step demo 90 100 "$OUT/demo.log" "$PY" -m parity demo --size large
+# The context-parallel demo: JAX over 4 ranks simulated by a named vmap on the one GPU, torch on 4 gloo ranks.
+step demo_cp 60 60 "$OUT/demo_cp.log" "$PY" -m parity demo --cp 4 --interleave 2
+cat "$OUT/demo_cp.log" >> "$OUT/demo.log" && rm -f "$OUT/demo_cp.log"
 
 # The bench stops starting new points 60 s before its timeout, so the JSON, table and plot still get written.
 BENCH_T=$(( $(remaining) - 5 ))
