@@ -13,7 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
+try:
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # a jax without the Pallas Triton backend: backend="mosaic_gpu" only (resolve_backend)
+    pltriton = None
 
 # Shared with triton_impl/_common.py (a test asserts they agree).
 MASK_BLOCK_T = 128  # query tokens per mask program (docs/spec.md 3)
@@ -35,6 +38,7 @@ MERGE_TILES = {"plain": (8192, 1, 4), "lse": (8192, 1, 4), "fused": (8192, 1, 4)
 MERGE_N_TILES = {"plain": (8192, 1, 4), "lse": (4096, 4, 4), "fused": (4096, 4, 4)}
 MAX_PARTIALS = 64  # the N-way kernels unroll their loops over the partials at trace time
 IMPLEMENTATIONS = ("pallas", "jnp")
+BACKENDS = ("triton", "mosaic_gpu")  # the Pallas GPU backend of implementation="pallas"; None: "triton"
 
 OUTPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -138,7 +142,7 @@ def out_struct(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, vma=frozenset().union(*(getattr(a, "vma", frozenset()) for a in avals)))
 
 
-def _varying(x) -> frozenset:
+def varying(x) -> frozenset:
     """The manual mesh axes `x` varies over (inside `jax.shard_map` with check_vma=True; empty elsewhere)."""
     aval = jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)
@@ -209,7 +213,7 @@ def sharded_call(fn, names, args, head_axes, out_head_axes, *, interpret: bool):
 
 def _local_call(fn, args, interpret: bool):
     keep = [i for i, x in enumerate(args) if x is not None and hasattr(x, "shape")]
-    if not (interpret and any(_varying(args[i]) for i in keep)):
+    if not (interpret and any(varying(args[i]) for i in keep)):
         return fn(*args)
 
     def host(*xs):
@@ -221,7 +225,7 @@ def _local_call(fn, args, interpret: bool):
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), jax.eval_shape(lambda *xs: fn(*xs), *args))
     results = jax.pure_callback(host, shapes, *[args[i] for i in keep], vmap_method="sequential")
     # A callback's results are typed invariant; they vary as the operands do.
-    axes = tuple(sorted(frozenset().union(*(_varying(args[i]) for i in keep))))
+    axes = tuple(sorted(frozenset().union(*(varying(args[i]) for i in keep))))
     return jax.tree.map(lambda r: jax.lax.pcast(r, axes, to="varying"), results)
 
 
@@ -234,23 +238,46 @@ def all_gather_replicated(x, axis_name):
         return jax.lax.all_gather(x, axis_name)
 
 
-def resolve_interpret(interpret: bool | None) -> bool:
-    """None: interpret on CPU, compile on GPU."""
+def resolve_interpret(interpret: bool | None, backend: str = "triton") -> bool:
+    """None: interpret on CPU, compile on GPU. backend="mosaic_gpu" needs jax >= 0.11 either way (its interpret
+    mode is jax's Mosaic GPU interpreter)."""
+    if backend == "mosaic_gpu":
+        from pallas_impl.mosaic import _common as mosaic
+
+        mosaic.plgpu()  # raises for a jax without plgpu.kernel(out_type=...)
     if interpret is None:
         return jax.default_backend() == "cpu"
     return bool(interpret)
 
 
-def resolve_implementation(implementation: str | None) -> str:
-    """None: the Pallas kernel on GPU, the jnp path elsewhere. An explicit choice never falls back."""
-    backend = jax.default_backend()
+def resolve_backend(backend: str | None) -> str:
+    """The Pallas GPU backend. None: "triton" while jax has the Pallas Triton backend, "mosaic_gpu" once it
+    is gone (experimental; docs/design.md, "Mosaic GPU backend")."""
+    if backend is None:
+        return "triton" if pltriton is not None else "mosaic_gpu"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend == "triton" and pltriton is None:
+        raise NotImplementedError(f"backend='triton': this jax ({jax.__version__}) has no Pallas Triton backend "
+                                  "(jax.experimental.pallas.triton): use backend='mosaic_gpu' or None")
+    return backend
+
+
+def resolve_implementation(implementation: str | None, backend: str = "triton") -> str:
+    """None: the Pallas kernel on GPU, the jnp path elsewhere; with backend="mosaic_gpu", the Pallas kernel.
+    An explicit choice never falls back."""
+    platform = jax.default_backend()
+    if backend == "mosaic_gpu":
+        if implementation == "jnp":
+            raise ValueError("backend='mosaic_gpu' selects a Pallas kernel; it does not go with implementation='jnp'")
+        implementation = "pallas"
     if implementation is None:
-        return "pallas" if backend == "gpu" else "jnp"
+        return "pallas" if platform == "gpu" else "jnp"
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
-    if implementation == "pallas" and backend not in ("gpu", "cpu"):
+    if implementation == "pallas" and platform not in ("gpu", "cpu"):
         raise NotImplementedError(
-            f"the Pallas kernels target GPUs (and the CPU interpreter); backend is {backend!r}: "
+            f"the Pallas kernels target GPUs (and the CPU interpreter); the platform is {platform!r}: "
             "use implementation='jnp'")
     return implementation
 

@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_impl import _common as c
 from pallas_impl import jnp_fallback
@@ -64,7 +63,7 @@ def _cp_rescale_kernel(
     rank = rank_ref[0]
 
     # This device's partial; the last partial's raw LSE is the pass-through LSE (8.4).
-    o = pltriton.load(part_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)], mask=thd_mask,
+    o = c.pltriton.load(part_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)], mask=thd_mask,
                       other=0.0)
     last_raw = _load_lse(lses_ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=(jnp.int32(last),))
 
@@ -93,7 +92,7 @@ def _cp_rescale_kernel(
     # 8.4: the last partial's row, exactly. The other devices add -0.0, the identity of the sum (x + -0.0 == x).
     copy_t = t >= ptwc_ref[0]
     scaled = jnp.where(copy_t[:, None, None], jnp.where(rank == last, o.astype(jnp.float32), -0.0), scaled)
-    pltriton.store(scaled_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)],
+    c.pltriton.store(scaled_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)],
                    scaled.astype(scaled_ref.dtype), mask=thd_mask)
 
     if output_lse:  # the merged LSE (of every head: the caller keeps its own)
@@ -144,7 +143,7 @@ def _axis_size(axis_name) -> int:
 def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_lens=None, method="gather",
                          prefill_tokens_with_context=None, return_lse=True, out_dtype=None, output_scale=None,
                          lse_layout="HT", lse_base=math.e, reduce_dtype=None, interpret=None, implementation=None,
-                         validate=False):
+                         backend=None, validate=False):
     """Combine the attention partials of a context-parallel mesh axis (docs/spec.md section 9).
 
     Call inside `jax.shard_map` (or `jax.vmap` with an axis name) over `axis_name`; device i of the axis holds
@@ -162,7 +161,8 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
       return_lse: also return the merged LSE ([H, T], or [H / N, T] for "reduce_scatter"; layout and base kept).
       out_dtype, output_scale: float8_e4m3fn output with its scale (4.6).
       reduce_dtype: "reduce_scatter" only: None (float32: one rounding, at the end) or the partials' dtype.
-      interpret, implementation, validate: as `merge_attn_states_n`.
+      interpret, implementation, backend, validate: as `merge_attn_states_n`; backend="mosaic_gpu" runs the
+        "gather" method's merge (the "reduce_scatter" rescale kernel has no Mosaic GPU version yet).
 
     Returns:
       (out, lse) if return_lse else out.
@@ -200,7 +200,13 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
         if validate:
             c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
     c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
-    impl = c.resolve_implementation(implementation)
+    backend = c.resolve_backend(backend)
+    impl = c.resolve_implementation(implementation, backend)
+    if backend == "mosaic_gpu":  # every refusal before the first collective is traced
+        if method != "gather":
+            raise NotImplementedError("backend='mosaic_gpu' runs method='gather' only (the reduce_scatter rescale "
+                                      "kernel has no Mosaic GPU version yet): use backend='triton'")
+        c.resolve_interpret(interpret, backend)  # jax >= 0.11
 
     gather = c.all_gather_replicated if method == "gather" else lax.all_gather
     lses = gather(lse, axis_name)
@@ -210,7 +216,7 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
             gather(out, axis_name), lses, prefill_tokens_with_context=prefill_tokens_with_context,
             query_start_loc=query_start_loc, cu_seq_lens=cus, return_lse=return_lse, out_dtype=out_dtype,
             output_scale=output_scale, lse_layout=lse_layout, lse_base=lse_base, interpret=interpret,
-            implementation=impl)
+            implementation=impl, backend=backend)
 
     rank = lax.axis_index(axis_name).astype(jnp.int32)
     rdt = jnp.dtype(reduce_dtype or jnp.float32)

@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_impl import _common as c
 from pallas_impl import jnp_fallback
@@ -30,11 +29,11 @@ def _fill_lse(lse_ref, t0, t_mask, *, num_heads: int, block_h: int, block_t: int
         h = h0 + jnp.arange(block_h, dtype=jnp.int32)
         h_mask = h < num_heads
         if lse_layout == "HT":  # whole-array refs: the layout is the index order
-            pltriton.store(lse_ref.at[pl.ds(h0, block_h), pl.ds(t0, block_t)],
+            c.pltriton.store(lse_ref.at[pl.ds(h0, block_h), pl.ds(t0, block_t)],
                            jnp.full((block_h, block_t), -jnp.inf, jnp.float32),
                            mask=h_mask[:, None] & t_mask[None, :])
         else:
-            pltriton.store(lse_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h)],
+            c.pltriton.store(lse_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h)],
                            jnp.full((block_t, block_h), -jnp.inf, jnp.float32),
                            mask=t_mask[:, None] & h_mask[None, :])
         return carry
@@ -89,7 +88,7 @@ def _mask_empty_context_lse_kernel(
                     d0 = j * block_d
                     d = d0 + jnp.arange(block_d, dtype=jnp.int32)
                     m = t_mask[:, None, None] & ho_mask[None, :, None] & (d < head_dim)[None, None, :]
-                    pltriton.store(out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_ho), pl.ds(d0, block_d)],
+                    c.pltriton.store(out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_ho), pl.ds(d0, block_d)],
                                    jnp.zeros((block_t, block_ho, block_d), out_ref.dtype), mask=m)
                     return carry
 
@@ -123,7 +122,7 @@ def _mask_jit(lse, query_start_loc, cu_seq_lens, output, *, lse_layout, interpre
 
 
 def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, has_empty=None,
-                           lse_layout="HT", interpret=None, implementation=None, validate=False):
+                           lse_layout="HT", interpret=None, implementation=None, backend=None, validate=False):
     """Set the LSE of every query row of a request with an empty context chunk to -inf (docs/spec.md 3).
 
     Functional: returns new arrays. Donate the inputs for an in-place update:
@@ -144,6 +143,8 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
       interpret: None interprets on CPU and compiles on GPU.
       implementation: None (Pallas on GPU, jnp elsewhere), "pallas" or "jnp". An explicit choice never
         falls back.
+      backend: the Pallas GPU backend of implementation="pallas": None or "triton" (the default), or
+        "mosaic_gpu" (experimental, jax >= 0.11; docs/design.md, "Mosaic GPU backend").
       validate: also check the offsets' values on the host (not under jit).
 
     Returns:
@@ -153,7 +154,8 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
       TypeError: an array of the wrong dtype.
       ValueError: wrong rank or shape, offsets of different lengths, an unknown layout; with validate=True,
         offsets not starting at 0, decreasing, or past T.
-      NotImplementedError: implementation="pallas" on a backend without Pallas GPU.
+      NotImplementedError: implementation="pallas" on a platform without Pallas GPU; backend="mosaic_gpu"
+        with jax < 0.11, or for a shape its kernel does not take.
     """
     c.check_lse_layout(lse_layout)
     c.check_array("lse", lse, ndim=2, dtypes=(jnp.float32,))
@@ -165,17 +167,24 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
             raise ValueError(f"output must be [T={num_tokens}, H={num_heads}, D]; got output.shape={tuple(output.shape)}")
     if validate:
         c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
-    impl = c.resolve_implementation(implementation)
+    backend = c.resolve_backend(backend)
+    impl = c.resolve_implementation(implementation, backend)
     if has_empty is False or num_requests == 0 or num_tokens == 0:
         return lse if output is None else (lse, output)
     if impl == "jnp":
         return jnp_fallback.mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output,
                                                    lse_layout=lse_layout)
     c.filter_triton_deprecation()
-    interpret = c.resolve_interpret(interpret)
+    interpret = c.resolve_interpret(interpret, backend)
     lse_axis = 0 if lse_layout == "HT" else 1
+    if backend == "mosaic_gpu":
+        from pallas_impl.mosaic.mask import mask_mosaic
+
+        fn = functools.partial(mask_mosaic, lse_layout=lse_layout, interpret=interpret)
+    else:
+        fn = functools.partial(_mask_jit, lse_layout=lse_layout, interpret=interpret)
     results = c.sharded_call(
-        functools.partial(_mask_jit, lse_layout=lse_layout, interpret=interpret),
+        fn,
         ("lse", "query_start_loc", "cu_seq_lens", "output"), (lse, query_start_loc, cu_seq_lens, output),
         (lse_axis, None, None, 1), (lse_axis,) if output is None else (lse_axis, 1), interpret=interpret)
     return results[0] if output is None else results

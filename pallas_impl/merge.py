@@ -18,7 +18,6 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_impl import _common as c
 from pallas_impl import jnp_fallback
@@ -28,16 +27,16 @@ def _load_lse(ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=()):
     """f32[block_t, block_h] tile of an LSE of either layout (whole-array refs: layout = index order); `lead`
     indexes leading axes first (the partial of stacked LSEs)."""
     if lse_layout == "HT":
-        return pltriton.load(ref.at[(*lead, pl.ds(h0, block_h), pl.ds(t0, block_t))], mask=th_mask.T,
+        return c.pltriton.load(ref.at[(*lead, pl.ds(h0, block_h), pl.ds(t0, block_t))], mask=th_mask.T,
                              other=-jnp.inf).T
-    return pltriton.load(ref.at[(*lead, pl.ds(t0, block_t), pl.ds(h0, block_h))], mask=th_mask, other=-jnp.inf)
+    return c.pltriton.load(ref.at[(*lead, pl.ds(t0, block_t), pl.ds(h0, block_h))], mask=th_mask, other=-jnp.inf)
 
 
 def _store_lse(ref, t0, h0, block_t, block_h, value, th_mask, lse_layout):
     if lse_layout == "HT":
-        pltriton.store(ref.at[pl.ds(h0, block_h), pl.ds(t0, block_t)], value.T, mask=th_mask.T)
+        c.pltriton.store(ref.at[pl.ds(h0, block_h), pl.ds(t0, block_t)], value.T, mask=th_mask.T)
     else:
-        pltriton.store(ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h)], value, mask=th_mask)
+        c.pltriton.store(ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h)], value, mask=th_mask)
 
 
 def _merge_attn_states_kernel(
@@ -74,9 +73,9 @@ def _merge_attn_states_kernel(
     # Issue every load first: the fused-mask scan below overlaps their latency.
     p_raw = _load_lse(prefix_lse_ref, t0, h0, block_t, block_h, th_mask, lse_layout)
     s_raw = _load_lse(suffix_lse_ref, t0, h0, block_t, block_h, th_mask, lse_layout)
-    a = pltriton.load(prefix_out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)],
+    a = c.pltriton.load(prefix_out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)],
                       mask=thd_mask, other=0.0)
-    b = pltriton.load(suffix_out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)],
+    b = c.pltriton.load(suffix_out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)],
                       mask=thd_mask, other=0.0)
 
     p = p_raw
@@ -113,9 +112,9 @@ def _merge_attn_states_kernel(
         out = out / scale_ref[0]
         out = jnp.where(out < -c.FP8_E4M3_MAX, -c.FP8_E4M3_MAX, out)  # comparisons, not min/max: NaN stays NaN
         out = jnp.where(out > c.FP8_E4M3_MAX, c.FP8_E4M3_MAX, out)
-        pltriton.store(out_block, out.astype(out_ref.dtype), mask=thd_mask)
+        c.pltriton.store(out_block, out.astype(out_ref.dtype), mask=thd_mask)
     else:
-        pltriton.store(out_block, jnp.where(copy_t[:, None, None], b, out.astype(out_ref.dtype)), mask=thd_mask)
+        c.pltriton.store(out_block, jnp.where(copy_t[:, None, None], b, out.astype(out_ref.dtype)), mask=thd_mask)
 
     if output_lse:
         lse = jnp.log(z) + m
@@ -169,7 +168,7 @@ def _merge_jit(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scal
 def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
                       prefill_tokens_with_context=None, query_start_loc=None, prefix_cu_seq_lens=None,
                       return_lse=True, out_dtype=None, output_scale=None, lse_layout="HT", lse_base=math.e,
-                      interpret=None, implementation=None, validate=False):
+                      interpret=None, implementation=None, backend=None, validate=False):
     """Merge two attention partials by their LSEs (docs/spec.md 4). Functional and jit-friendly.
 
     Args:
@@ -188,6 +187,8 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
       interpret: None interprets on CPU and compiles on GPU.
       implementation: None (Pallas on GPU, jnp elsewhere), "pallas" or "jnp"; an explicit choice never
         falls back.
+      backend: the Pallas GPU backend of implementation="pallas": None or "triton" (the default), or
+        "mosaic_gpu" (experimental, jax >= 0.11; docs/design.md, "Mosaic GPU backend").
       validate: also check offset values and prefill_tokens_with_context on the host (not under jit).
 
     Returns:
@@ -196,7 +197,8 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
     Raises:
       TypeError: an array of the wrong dtype.
       ValueError: wrong ranks or shapes, mismatched offsets, bad options.
-      NotImplementedError: implementation="pallas" on a backend without Pallas GPU.
+      NotImplementedError: implementation="pallas" on a platform without Pallas GPU; backend="mosaic_gpu"
+        with jax < 0.11, or for a shape its kernel does not take.
     """
     c.check_lse_layout(lse_layout)
     lse_base2 = c.check_lse_base(lse_base)
@@ -218,18 +220,25 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
         if validate:
             c.check_offset_values(query_start_loc, prefix_cu_seq_lens, num_tokens, cu_name="prefix_cu_seq_lens")
     c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
-    impl = c.resolve_implementation(implementation)
+    backend = c.resolve_backend(backend)
+    impl = c.resolve_implementation(implementation, backend)
     if impl == "jnp":
         return jnp_fallback.merge_attn_states(
             prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc,
             prefix_cu_seq_lens, prefill_tokens_with_context, return_lse=return_lse, out_dtype=out_dtype,
             lse_layout=lse_layout, lse_base2=lse_base2)
     c.filter_triton_deprecation()
-    interpret = c.resolve_interpret(interpret)
+    interpret = c.resolve_interpret(interpret, backend)
     lse_axis = 0 if lse_layout == "HT" else 1
+    options = dict(return_lse=return_lse, out_dtype=out_dtype, lse_layout=lse_layout, lse_base2=lse_base2)
+    if backend == "mosaic_gpu":
+        from pallas_impl.mosaic.merge import merge_mosaic
+
+        fn = functools.partial(merge_mosaic, **options, interpret=interpret)
+    else:
+        fn = functools.partial(_merge_jit, **options, interpret=interpret)
     return c.sharded_call(
-        functools.partial(_merge_jit, return_lse=return_lse, out_dtype=out_dtype, lse_layout=lse_layout,
-                          lse_base2=lse_base2, interpret=interpret),
+        fn,
         ("prefix_output", "prefix_lse", "suffix_output", "suffix_lse", "output_scale", "query_start_loc",
          "prefix_cu_seq_lens", "prefill_tokens_with_context"),
         (prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc, prefix_cu_seq_lens,

@@ -20,7 +20,6 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_impl import _common as c
 from pallas_impl import jnp_fallback
@@ -80,7 +79,7 @@ def _merge_attn_states_n_kernel(
         return outs_ref.at[jnp.int32(i), pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)]
 
     # The last partial: also the pass-through row and LSE (8.4). Its loads are issued first.
-    b = pltriton.load(tile(last), mask=thd_mask, other=0.0)
+    b = c.pltriton.load(tile(last), mask=thd_mask, other=0.0)
     last_raw = _load_lse(lses_ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=(jnp.int32(last),))
 
     req = t  # placeholders unless fused_mask
@@ -109,10 +108,10 @@ def _merge_attn_states_n_kernel(
         out = _weighted(b, w_last)
     else:
         w = jnp.exp(lse_i(0) - m) / z
-        out = _weighted(pltriton.load(tile(0), mask=thd_mask, other=0.0), w)
+        out = _weighted(c.pltriton.load(tile(0), mask=thd_mask, other=0.0), w)
         for i in range(1, num_partials - 1):
             w = jnp.exp(lse_i(i) - m) / z
-            out = out + _weighted(pltriton.load(tile(i), mask=thd_mask, other=0.0), w)
+            out = out + _weighted(c.pltriton.load(tile(i), mask=thd_mask, other=0.0), w)
         out = out + _weighted(b, w_last)
     out = jnp.where(all_empty[:, :, None], 0.0, out)
     copy_t = t >= ptwc_ref[0]  # 8.4
@@ -122,9 +121,9 @@ def _merge_attn_states_n_kernel(
         out = out / scale_ref[0]
         out = jnp.where(out < -c.FP8_E4M3_MAX, -c.FP8_E4M3_MAX, out)  # comparisons, not min/max: NaN stays NaN
         out = jnp.where(out > c.FP8_E4M3_MAX, c.FP8_E4M3_MAX, out)
-        pltriton.store(out_block, out.astype(out_ref.dtype), mask=thd_mask)
+        c.pltriton.store(out_block, out.astype(out_ref.dtype), mask=thd_mask)
     else:
-        pltriton.store(out_block, jnp.where(copy_t[:, None, None], b, out.astype(out_ref.dtype)), mask=thd_mask)
+        c.pltriton.store(out_block, jnp.where(copy_t[:, None, None], b, out.astype(out_ref.dtype)), mask=thd_mask)
 
     if output_lse:
         lse = jnp.log(z) + m
@@ -175,7 +174,8 @@ def _merge_n_jit(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pref
 
 def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, query_start_loc=None,
                         cu_seq_lens=None, return_lse=True, out_dtype=None, output_scale=None, lse_layout="HT",
-                        lse_base=math.e, interpret=None, implementation=None, validate=False):
+                        lse_base=math.e, interpret=None, implementation=None, backend=None,
+                        validate=False):
     """Merge N attention partials by their LSEs (docs/spec.md section 8). Functional and jit-friendly.
 
     Args:
@@ -195,6 +195,8 @@ def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, quer
       interpret: None interprets on CPU and compiles on GPU.
       implementation: None (Pallas on GPU, jnp elsewhere), "pallas" or "jnp"; an explicit choice never falls
         back.
+      backend: the Pallas GPU backend of implementation="pallas": None or "triton" (the default), or
+        "mosaic_gpu" (experimental, jax >= 0.11; docs/design.md, "Mosaic GPU backend").
       validate: also check offset values and prefill_tokens_with_context on the host (not under jit).
 
     Returns:
@@ -204,7 +206,8 @@ def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, quer
       TypeError: an array of the wrong dtype.
       ValueError: wrong ranks or shapes (outputs and lses disagreeing on N, cu_seq_lens not [N, R+1]), bad
         options.
-      NotImplementedError: implementation="pallas" on a backend without Pallas GPU.
+      NotImplementedError: implementation="pallas" on a platform without Pallas GPU; backend="mosaic_gpu"
+        with jax < 0.11, or for a shape its kernel does not take.
     """
     c.check_lse_layout(lse_layout)
     lse_base2 = c.check_lse_base(lse_base)
@@ -233,17 +236,24 @@ def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, quer
         if validate:
             c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
     c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
-    impl = c.resolve_implementation(implementation)
+    backend = c.resolve_backend(backend)
+    impl = c.resolve_implementation(implementation, backend)
     if impl == "jnp":
         return jnp_fallback.merge_attn_states_n(
             outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context,
             return_lse=return_lse, out_dtype=out_dtype, lse_layout=lse_layout, lse_base2=lse_base2)
     c.filter_triton_deprecation()
-    interpret = c.resolve_interpret(interpret)
+    interpret = c.resolve_interpret(interpret, backend)
     lse_axis = 0 if lse_layout == "HT" else 1
+    options = dict(return_lse=return_lse, out_dtype=out_dtype, lse_layout=lse_layout, lse_base2=lse_base2)
+    if backend == "mosaic_gpu":
+        from pallas_impl.mosaic.merge_n import merge_n_mosaic
+
+        fn = functools.partial(merge_n_mosaic, **options, interpret=interpret)
+    else:
+        fn = functools.partial(_merge_n_jit, **options, interpret=interpret)
     return c.sharded_call(
-        functools.partial(_merge_n_jit, return_lse=return_lse, out_dtype=out_dtype, lse_layout=lse_layout,
-                          lse_base2=lse_base2, interpret=interpret),
+        fn,
         ("outputs", "lses", "output_scale", "query_start_loc", "cu_seq_lens", "prefill_tokens_with_context"),
         (outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context),
         (2, lse_axis + 1, None, None, None, None), (1, lse_axis) if return_lse else 1, interpret=interpret)

@@ -7,7 +7,9 @@ module. Implementations (`IMPLS`):
 - "triton": `triton_impl` on torch tensors, in place into buffers allocated here (poisoned with NaN, so an
   element a kernel fails to write shows up);
 - "pallas": `pallas_impl` with `implementation="pallas"` (interpret mode on CPU);
-- "jnp": `pallas_impl` with `implementation="jnp"` (its plain-XLA path).
+- "jnp": `pallas_impl` with `implementation="jnp"` (its plain-XLA path);
+- "mosaic" (not in `IMPLS`: GPU and jax >= 0.11 only, run by its own tests): `pallas_impl` with
+  `backend="mosaic_gpu"`, the experimental Mosaic GPU kernels.
 
 Three layers:
 
@@ -43,6 +45,7 @@ from parity import cases as cases_mod
 from parity import reference
 
 IMPLS = ("reference", "triton", "pallas", "jnp")
+EXPERIMENTAL_IMPLS = ("mosaic",)
 KERNEL_IMPLS = ("triton", "pallas", "jnp")
 # Operations on a case's arrays. "merge" takes the masked prefix (mask then merge), "merge_fused" the raw
 # prefix with the fused mask; "merge_n" the reference-masked partials, "merge_n_fused" the raw partials with
@@ -424,16 +427,19 @@ def _quiet(call):
 
 
 class JaxAdapter(_Adapter):
-    """`pallas_impl` with one `implementation` ("pallas" or "jnp"), functional."""
+    """`pallas_impl` with one `implementation` ("pallas" or "jnp") and Pallas `backend`, functional."""
 
-    def __init__(self, rt: Runtime, implementation: str):
+    def __init__(self, rt: Runtime, implementation: str, backend: str | None = None, interpret: bool | None = None):
         import jax
         import jax.numpy as jnp
 
         import pallas_impl
 
         self.rt, self.jax, self.jnp, self.pi = rt, jax, jnp, pallas_impl
-        self.name = self.implementation = implementation
+        self.name = "mosaic" if backend == "mosaic_gpu" else implementation
+        self.kernel = dict(implementation=implementation, backend=backend)
+        if interpret is not None:
+            self.kernel["interpret"] = interpret
 
     def _dtype(self, name):
         return None if name is None else self.jnp.dtype(cases_mod.DTYPES[name])
@@ -454,7 +460,7 @@ class JaxAdapter(_Adapter):
                   has_empty=None, donate=False):
         out = None if output is None else output[..., :head_dim]
         api = functools.partial(self.pi.mask_empty_context_lse, has_empty=has_empty, lse_layout=lse_layout,
-                                implementation=self.implementation)
+                                **self.kernel)
         if not donate:
             def fn():
                 r = api(lse, query_start_loc, cu_seq_lens, out)
@@ -487,7 +493,7 @@ class JaxAdapter(_Adapter):
             self.pi.merge_attn_states, prefill_tokens_with_context=prefill_tokens_with_context,
             query_start_loc=query_start_loc, prefix_cu_seq_lens=prefix_cu_seq_lens, return_lse=return_lse,
             out_dtype=self._dtype(out_dtype), output_scale=output_scale, lse_layout=lse_layout, lse_base=lse_base,
-            implementation=self.implementation)
+            **self.kernel)
         return self._holder(lambda: _as_results(api(a, prefix_lse, b, suffix_lse), return_lse))
 
     def bind_merge_n(self, outputs, lses, *, head_dim=None, prefill_tokens_with_context=None, query_start_loc=None,
@@ -498,7 +504,7 @@ class JaxAdapter(_Adapter):
             self.pi.merge_attn_states_n, prefill_tokens_with_context=prefill_tokens_with_context,
             query_start_loc=query_start_loc, cu_seq_lens=cu_seq_lens, return_lse=return_lse,
             out_dtype=self._dtype(out_dtype), output_scale=output_scale, lse_layout=lse_layout, lse_base=lse_base,
-            implementation=self.implementation)
+            **self.kernel)
         return self._holder(lambda: _as_results(api(o, lses), return_lse))
 
 
@@ -510,7 +516,7 @@ class JaxAdapter(_Adapter):
             out, lse, axis_name=axis_name, method=method, query_start_loc=query_start_loc, cu_seq_lens=cu_seq_lens,
             prefill_tokens_with_context=prefill_tokens_with_context, return_lse=return_lse,
             out_dtype=self._dtype(out_dtype), output_scale=output_scale, lse_layout=lse_layout, lse_base=lse_base,
-            reduce_dtype=reduce_dtype, implementation=self.implementation)
+            reduce_dtype=reduce_dtype, **self.kernel)
         return _as_results(r, return_lse)
 
 
@@ -527,11 +533,15 @@ def _adapter(rt_key: tuple, impl: str) -> _Adapter:
         return TritonAdapter(rt)
     if impl in ("pallas", "jnp"):
         return JaxAdapter(rt, impl)
-    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "mosaic":
+        return JaxAdapter(rt, "pallas", backend="mosaic_gpu")
+    if impl == "mosaic-lowered":  # compiled kernels even on a CPU: for jax.export(platforms=["cuda"]) only
+        return JaxAdapter(rt, "pallas", backend="mosaic_gpu", interpret=False)
+    raise ValueError(f"impl must be one of {IMPLS + EXPERIMENTAL_IMPLS}, got {impl!r}")
 
 
 def adapter(rt: Runtime, impl: str) -> _Adapter:
-    """The adapter of `impl` ("reference", "triton", "pallas", "jnp"), imported once."""
+    """The adapter of `impl` ("reference", "triton", "pallas", "jnp", "mosaic"), imported once."""
     return _adapter((rt.device, rt.mode), impl)
 
 

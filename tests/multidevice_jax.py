@@ -8,6 +8,7 @@ records {"ok", "detail"} under its name; `python tests/multidevice_jax.py OUT.js
 import dataclasses
 import json
 import os
+import re
 import sys
 import traceback
 
@@ -25,6 +26,9 @@ from parity import cases, compare, expected, impls  # noqa: E402
 
 RESULTS = {}
 IMPLS = ("pallas", "jnp")  # "pallas": the kernels, in interpret mode on CPU
+# backend="mosaic_gpu" (jax >= 0.11) is traced compiled only: jax's Mosaic GPU interpreter keeps one global model
+# of shared memory and fails when several CPU devices run kernels at once.
+MOSAIC = tuple(int(x) for x in re.findall(r"\d+", jax.__version__)[:2]) >= (0, 11)
 
 
 def check(name):
@@ -51,6 +55,8 @@ def same_bits(got, want, what):
 
 
 def kw(impl, interpret=True):
+    if impl == "mosaic":
+        return dict(backend="mosaic_gpu", interpret=interpret)
     return dict(implementation=impl, interpret=interpret)
 
 
@@ -107,12 +113,13 @@ for op, (make, args, in_specs, out_specs) in OPS.items():
                 same_bits(got, want, f"{op} under jit with NamedSharding inputs")
                 return str(jax.tree.leaves(got)[0].sharding)
 
-    @check(f"compiled_trace_under_shard_map/{op}")
-    def _(make=make, args=args, in_specs=in_specs, out_specs=out_specs):
-        # The compiled kernels' out_shape under check_vma=True, traced on CPU (lowering needs a GPU).
-        mesh = mesh_of(jax.sharding.AxisType.Auto)
-        f = jax.shard_map(make("pallas", False), mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-        return str(jax.jit(f).trace(*args).out_info)
+    for impl in ("pallas",) + (("mosaic",) if MOSAIC else ()):
+        @check(f"compiled_trace_under_shard_map/{op}/{impl}")
+        def _(make=make, impl=impl, args=args, in_specs=in_specs, out_specs=out_specs):
+            # The compiled kernels' out_shape under check_vma=True, traced on CPU (lowering needs a GPU).
+            mesh = mesh_of(jax.sharding.AxisType.Auto)
+            f = jax.shard_map(make(impl, False), mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+            return str(jax.jit(f).trace(*args).out_info)
 
 
 @check("jit_named_sharding/token_axis_sharded_is_an_error")
@@ -173,6 +180,17 @@ for impl in IMPLS:
         out, lse = jax.vmap(f, axis_name="cp")(ON, LN, CUN)
         for r in range(4):
             same_bits((out[r], lse[r]), WANT_N[impl], f"vmap rank {r}")
+
+
+if MOSAIC:
+    @check("compiled_trace_under_shard_map/cp_gather/mosaic")
+    def _():
+        def f(o, l, q, c):
+            return pallas_impl.cp_merge_attn_states(o[0], l[0], axis_name="cp", query_start_loc=q, cu_seq_lens=c[0],
+                                                    prefill_tokens_with_context=30, **kw("mosaic", False))
+
+        g = jax.shard_map(f, mesh=MESH_CP, in_specs=(P("cp"), P("cp"), P(), P("cp")), out_specs=(P(), P()))
+        return str(jax.jit(g).trace(ON, LN, QSL_N, CUN).out_info)
 
 
 def expect_error(fn, match):

@@ -1,0 +1,110 @@
+"""Shared pieces of the Mosaic GPU kernels (`jax.experimental.pallas.mosaic_gpu`, jax >= 0.11).
+
+The Mosaic GPU kernels keep in their body only the arithmetic the Triton kernels do per element — the
+maximum, the exponentials, their sum, the weights, the weighted sum, the log — and leave the per-row
+bookkeeping to XLA around the call, as the same f32 operations in the same order (the jnp path's, which gives
+the Triton kernels' bits on the GPU):
+base-2 conversion (`x * ln2` before, `x * log2(e)` after), the empty sentinels (+inf and NaN read as -inf),
+the fused mask (per-token emptiness from the offsets, `jnp_fallback._empty_tokens`), the pass-through LSE,
+`[T, H]` layouts (transposed), and `T < 128` (padded with empty rows). Inside the kernel, pass-through rows
+of the output take the last partial's own bits from a per-token flag row.
+
+Why this split (docs/design.md, "Mosaic GPU backend"): Mosaic GPU has no masked loads or stores, its TMA copies need
+16-byte aligned rows (an `[H, T]` LSE row at an odd T is not), its Warpgroup layout inference needs tiles of
+128 rows, and it contracts a multiply feeding an add into an FMA unless a select separates them (every product
+in these kernels is behind a `jnp.where`, as in the Triton kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+
+from pallas_impl import _common as c
+
+BLOCK_T = 128  # tokens per tile: a Warpgroup row vector needs a multiple of 128 elements
+STEPS = 4  # token tiles per CTA (one emit_pipeline)
+MAX_CONCURRENT_STEPS = 2  # pipelined tiles in flight (the prototype sweep's best on the H200)
+MAX_COLS = 256  # a TMA box dimension holds at most 256 elements: wider heads are split into column chunks
+TILE_BYTES = 32 * 1024  # one [128, dc] tile: the 2-way pipeline holds 6 of them (2 in flight x 3 arrays)
+
+
+MIN_JAX = (0, 11)  # Warpgroup lowering by default, plgpu.kernel(out_type=...), the exported interpreter
+
+
+@functools.cache
+def plgpu():
+    """The Mosaic GPU Pallas module, imported on first use (the `mosaic` extra: jax >= 0.11, and absl-py for
+    jax's Mosaic GPU interpreter)."""
+    version = tuple(int(x) for x in re.findall(r"\d+", jax.__version__)[:2])
+    if version < MIN_JAX:
+        raise NotImplementedError(f"backend='mosaic_gpu' needs jax >= {'.'.join(map(str, MIN_JAX))} (its layout "
+                                  f"inference and plgpu.kernel API); this is jax {jax.__version__}: use "
+                                  "backend='triton'")
+    from jax.experimental.pallas import mosaic_gpu
+
+    return mosaic_gpu
+
+
+def kernel(body, *, interpret: bool, **kwargs):
+    """`plgpu.kernel` with this package's compiler parameters; `interpret` runs jax's Mosaic GPU interpreter (a
+    NumPy model of the kernel: its semantics, not the GPU's float bits)."""
+    m = plgpu()
+    params = m.CompilerParams(lowering_semantics=m.LoweringSemantics.Warpgroup, approx_math=False)
+    return m.kernel(body, compiler_params=params, interpret=m.InterpretGPUParams() if interpret else None, **kwargs)
+
+
+def load(ref, layout):
+    """`plgpu.load` of a whole ref into a register `layout`."""
+    return plgpu().load(ref, layout=layout)
+
+
+def column_chunk(head_dim: int, itemsize: int) -> int:
+    """Columns of one TMA tile: the largest divisor of D of 16-byte rows within MAX_COLS and TILE_BYTES."""
+    if head_dim * itemsize % 16:
+        raise NotImplementedError(f"backend='mosaic_gpu' needs D * itemsize to be a multiple of 16 bytes (TMA rows); "
+                                  f"got D={head_dim} with {itemsize}-byte elements: use backend='triton'")
+    for dc in range(min(head_dim, MAX_COLS), 0, -1):
+        if head_dim % dc == 0 and dc * itemsize % 16 == 0 and BLOCK_T * dc * itemsize <= TILE_BYTES:
+            return dc
+    raise AssertionError("unreachable: 16 bytes of columns divide D * itemsize and fit TILE_BYTES")
+
+
+def normalised_th(lse, lse_layout: str, lse_base2: bool):
+    """An LSE as natural-log f32 `[T, H]` with +inf and NaN read as -inf (docs/spec.md 4.1), in XLA."""
+    x = lse.T if lse_layout == "HT" else lse
+    if lse_base2:
+        x = x * c.LN2
+    return jnp.where((x == jnp.inf) | jnp.isnan(x), -jnp.inf, x)
+
+
+def padded_rows(x, num_tokens: int, fill):
+    """Pad the token axis (axis -2 of `[..., T, C]`) to at least BLOCK_T with `fill`; a kernel tile covers it."""
+    pad = max(0, BLOCK_T - num_tokens)
+    if not pad:
+        return x
+    widths = [(0, 0)] * (x.ndim - 2) + [(0, pad), (0, 0)]
+    return jnp.pad(x, widths, constant_values=fill)
+
+
+def finish(results, shape, copy_t, last_output, last_lse_th, output_scale, *, out_dtype, return_lse: bool,
+           lse_layout: str, lse_base2: bool):
+    """XLA after a merge kernel (docs/spec.md 4.4, 4.6, 8.4): the `[T, H, D]` output (fp8: the last partial's
+    rows copied, scaled, clamped, cast) and the merged LSE (pass-through rows from the last partial's own
+    `[T, H]` bits, base 2, the layout). `results`: the kernel's padded `[T', H * D]` output (and `[H * T']` LSE)."""
+    num_tokens, num_heads, head_dim = shape
+    out = results[0][:num_tokens].reshape(shape)
+    if output_scale is not None:
+        out = jnp.where(copy_t[:, None, None], last_output.astype(jnp.float32), out) / output_scale.reshape(-1)[0]
+        out = jnp.where(out < -c.FP8_E4M3_MAX, -c.FP8_E4M3_MAX, out)
+        out = jnp.where(out > c.FP8_E4M3_MAX, c.FP8_E4M3_MAX, out).astype(out_dtype)
+    if not return_lse:
+        return out
+    merged = results[1].reshape(num_heads, -1)[:, :num_tokens].T  # [T, H]
+    if lse_base2:
+        merged = merged * c.LOG2E
+    merged = jnp.where(copy_t[:, None], last_lse_th, merged)
+    return out, (merged.T if lse_layout == "HT" else merged)

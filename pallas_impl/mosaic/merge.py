@@ -1,0 +1,138 @@
+"""The 2-way merge (docs/spec.md 4) as a Mosaic GPU kernel: `backend="mosaic_gpu"`.
+
+Experimental (docs/design.md, "Mosaic GPU backend"): with jax 0.11.2 on a CPU, lowered for the GPU and run in jax's
+Mosaic GPU interpreter against the reference on every ci case (tests/test_pallas_mosaic.py); not yet run on a
+GPU at this commit. Its float math is that of a prototype which gave 0 differing bits against the
+Pallas-Triton merge on the H200 (jax 0.11.2; 7 shapes: odd T, D = 80 / 96 / 128 / 192, fp16 / bf16); the
+prototype wrote its output through `emit_pipeline`'s out_specs, this kernel stores as the N-way one does.
+
+Grid: (H * D / dc, token splits) CTAs; a CTA pipelines `STEPS` tiles of 128 tokens of the `[T, H * D]` views of
+the prefix and the suffix (`emit_pipeline`, TMA copies of `[128, dc]` tiles in); each merged tile leaves by a
+TMA store from shared memory. The last tile is shifted to end at T: no copy leaves the arrays, and
+overlapping tiles write identical values. The two LSE
+rows of a tile are read with per-thread loads (an `[H, T]` row may start anywhere; TMA needs 16-byte
+alignment) and relaid out through shared memory.
+
+Float math in the order of `pallas_impl/merge.py`; what runs in XLA around the kernel: `_common`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_impl import _common as c
+from pallas_impl import jnp_fallback
+from pallas_impl.mosaic import _common as mc
+
+F32 = jnp.float32
+
+
+def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *, output_lse: bool,
+            copy_rows: bool, interpret: bool):
+    """The merge of padded `[T', H * D]` prefix and suffix (T' >= 128) with normalised `[H * T']` LSEs."""
+    plgpu = mc.plgpu()
+    bt, steps = mc.BLOCK_T, mc.STEPS
+    nc = head_dim // dc
+    nsplit = pl.cdiv(pl.cdiv(num_tokens, bt), steps)
+    L = plgpu.Layout.WGMMA
+    LS = plgpu.Layout.WG_STRIDED((bt,), vec_size=1)
+
+    def body(a_g, b_g, p_g, s_g, *rest):
+        c_g, rest = (rest[0], rest[1:]) if copy_rows else (None, rest)  # f32[T']: 1 where t copies the suffix
+        o_g, rest = rest[0], rest[1:]
+        lo_g, rest = (rest[0], rest[1:]) if output_lse else (None, rest)
+        row_smem, lse_smem, o_scr = rest
+        hc = lax.axis_index("hc")
+        sp = lax.axis_index("s")
+        h = hc // nc
+
+        def t0_of(i):
+            return jnp.minimum((sp * steps + i) * bt, num_tokens - bt)
+
+        def row(ref, start):
+            row_smem[...] = plgpu.layout_cast(ref[pl.ds(start, bt)], LS)
+            return mc.load(row_smem, L.reduce(1))
+
+        tile = plgpu.BlockSpec((pl.Element(bt), dc), lambda i: (t0_of(i), hc))
+
+        def step(idx, a_s, b_s):
+            (i,) = idx
+            t0 = t0_of(i)
+            p = row(p_g, h * num_tokens + t0)
+            s = row(s_g, h * num_tokens + t0)
+            a = mc.load(a_s, L)
+            b = mc.load(b_s, L)
+            m = jnp.maximum(p, s)
+            both_empty = m == -jnp.inf  # docs/spec.md 4.2
+            m = jnp.where(both_empty, 0.0, m)
+            pe = jnp.exp(p - m)
+            se = jnp.exp(s - m)
+            z = pe + se
+            wp = pe / z
+            ws = se / z
+            wpb = jnp.broadcast_to(wp[:, None], (bt, dc))
+            wsb = jnp.broadcast_to(ws[:, None], (bt, dc))
+            # 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
+            out = jnp.where(wpb > 0, a.astype(F32) * wpb, 0.0) + jnp.where(wsb > 0, b.astype(F32) * wsb, 0.0)
+            out = jnp.where(jnp.broadcast_to(both_empty[:, None], (bt, dc)), 0.0, out)
+            if copy_rows:  # 4.4: the suffix's own bits
+                copy = jnp.broadcast_to((row(c_g, t0) > 0)[:, None], (bt, dc))
+                result = jnp.where(copy, b, out.astype(b.dtype))
+            else:
+                result = out
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read o_scr
+            o_scr[...] = result.astype(o_scr.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * dc, dc)])
+            if output_lse:
+                @pl.when(hc % nc == 0)
+                def _():
+                    lse_smem[...] = jnp.where(both_empty, -jnp.inf, jnp.log(z) + m)
+                    lo_g[pl.ds(h * num_tokens + t0, bt)] = mc.load(lse_smem, LS)  # per-thread: any alignment
+
+        plgpu.emit_pipeline(step, grid=(steps,), in_specs=[tile, tile],
+                            max_concurrent_steps=mc.MAX_CONCURRENT_STEPS)(a_g, b_g)
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [plgpu.SMEM((bt,), F32), plgpu.SMEM((bt,), F32), plgpu.SMEM((bt, dc), out_type[0].dtype)]
+    return mc.kernel(body, out_type=tuple(out_type), grid=(num_heads * nc, nsplit), grid_names=("hc", "s"),
+                        scratch_types=scratch, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2", "interpret"))
+def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc,
+                 prefix_cu_seq_lens, prefill_tokens_with_context, *, return_lse, out_dtype, lse_layout, lse_base2,
+                 interpret):
+    """`pallas_impl.merge_attn_states` with backend="mosaic_gpu" (its arguments, checked there)."""
+    num_tokens, num_heads, head_dim = prefix_output.shape
+    dc = mc.column_chunk(head_dim, jnp.dtype(prefix_output.dtype).itemsize)
+    fp8 = output_scale is not None
+    prefill = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
+    copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
+    # XLA before the kernel: natural-log LSEs with sentinels read as -inf (4.1), the fused mask (4.5).
+    p = mc.normalised_th(prefix_lse, lse_layout, lse_base2)  # [T, H]
+    s = mc.normalised_th(suffix_lse, lse_layout, lse_base2)
+    if query_start_loc is not None and query_start_loc.shape[0] > 1:
+        empty = jnp_fallback._empty_tokens(query_start_loc, prefix_cu_seq_lens, num_tokens)
+        p = jnp.where(empty[:, None], -jnp.inf, p)
+    tp = max(num_tokens, mc.BLOCK_T)
+    rows = lambda x: mc.padded_rows(x.reshape(num_tokens, num_heads * head_dim), num_tokens, 0)  # noqa: E731
+    lse_rows = lambda x: mc.padded_rows(x, num_tokens, -jnp.inf).T.reshape(-1)  # [H * T']  # noqa: E731
+    copy_rows = prefill_tokens_with_context is not None and not fp8
+    args = [rows(prefix_output), rows(suffix_output), lse_rows(p), lse_rows(s)]
+    if copy_rows:
+        args.append(mc.padded_rows(copy_t.astype(F32)[:, None], num_tokens, 0.0)[:, 0])
+    out_type = [c.out_struct((tp, num_heads * head_dim), F32 if fp8 else out_dtype, *args)]
+    if return_lse:
+        out_type.append(c.out_struct((num_heads * tp,), F32, *args))
+    results = _kernel(tp, num_heads, head_dim, dc, out_type, output_lse=return_lse, copy_rows=copy_rows,
+                      interpret=interpret)(*args)
+    # XLA after the kernel: fp8 (4.6), the pass-through LSE (4.4), base 2, the layout.
+    raw_s = suffix_lse.T if lse_layout == "HT" else suffix_lse
+    return mc.finish(results, prefix_output.shape, copy_t, suffix_output, raw_s, output_scale if fp8 else None,
+                     out_dtype=out_dtype, return_lse=return_lse, lse_layout=lse_layout, lse_base2=lse_base2)

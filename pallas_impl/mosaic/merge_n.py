@@ -1,0 +1,154 @@
+"""The N-way merge (docs/spec.md 8) as a Mosaic GPU kernel: `backend="mosaic_gpu"`.
+
+Experimental (docs/design.md, "Mosaic GPU backend"): with jax 0.11.2 on a CPU, lowered for the GPU and run in jax's
+Mosaic GPU interpreter against the reference on every ci case (tests/test_pallas_mosaic.py); not yet run on a
+GPU at this commit. The kernel design is the one a prototype measured on the H200 (jax 0.11.2):
+0 differing bits against the Pallas-Triton merge on 7 two-way and 5 N-way shapes.
+
+Grid: (H * D / dc, token splits) CTAs. A CTA pipelines `STEPS` tiles of 128 tokens of the `[T, H * D]` view
+(`emit_pipeline`: TMA copies of `[128, dc]` tiles of every partial, `MAX_CONCURRENT_STEPS` in flight) over
+(token tile, partial), carrying the f32 accumulator. The last tile is shifted to end at T, so no copy leaves
+the arrays and overlapping tiles write identical values. At partial 0 a tile's weights are computed from the
+N LSE rows (per-thread loads, any alignment) into shared memory; at partial N - 1 the tile is stored by hand
+(`emit_pipeline` writes an output block at the first step of its index, not the last).
+
+Float math, in the order of `pallas_impl/merge_n.py`: f32, `jnp.exp`/`jnp.log` (libdevice, approx_math off),
+`/` (div.full, as Triton's), every product behind a `jnp.where` (Mosaic contracts a bare multiply-add into an
+FMA), sums in index order from partial 0, one cast at the store. See `_common` for what runs in XLA around it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_impl import _common as c
+from pallas_impl import jnp_fallback
+from pallas_impl.mosaic import _common as mc
+
+F32 = jnp.float32
+
+
+def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *,
+            output_lse: bool, copy_rows: bool, interpret: bool):
+    """The merge kernel over stacked partials `[N, T', H * D]`, T' >= 128 (padded)."""
+    plgpu = mc.plgpu()
+    bt, steps = mc.BLOCK_T, mc.STEPS
+    nc = head_dim // dc
+    nsplit = pl.cdiv(pl.cdiv(num_tokens, bt), steps)
+    L = plgpu.Layout.WGMMA
+    LS = plgpu.Layout.WG_STRIDED((bt,), vec_size=1)
+
+    def body(*refs):
+        # x_g: the partials; l_g: f32[N * H * T'] normalised LSEs, flattened ((k * H + h) * T' + t)
+        x_g, l_g, rest = refs[0], refs[1], refs[2:]
+        c_g, rest = (rest[0], rest[1:]) if copy_rows else (None, rest)  # f32[T']: 1 where t copies the last partial
+        o_g, rest = rest[0], rest[1:]
+        lo_g, rest = (rest[0], rest[1:]) if output_lse else (None, rest)
+        w_smem, row_smem, o_scr = rest  # (N + 1) rows: the weights, then the all-empty flag
+        hc = lax.axis_index("hc")
+        sp = lax.axis_index("s")
+        h = hc // nc
+
+        def t0_of(i):
+            return jnp.minimum((sp * steps + i) * bt, num_tokens - bt)  # the last tile ends at T': never out of bounds
+
+        def row(ref, start):
+            """f32[bt] from GMEM with per-thread loads (an LSE row may start anywhere), in the tile's row layout."""
+            row_smem[...] = plgpu.layout_cast(ref[pl.ds(start, bt)], LS)
+            return mc.load(row_smem, L.reduce(1))
+
+        def step(idx, x_s, acc):
+            i, n = idx
+            t0 = t0_of(i)
+
+            @pl.when(n == 0)
+            def _weights():  # docs/spec.md 8.2, 8.3
+                ls = [plgpu.layout_cast(l_g[pl.ds((k * num_heads + h) * num_tokens + t0, bt)], LS)
+                      for k in range(num_partials)]
+                m = ls[0]
+                for k in range(1, num_partials):
+                    m = jnp.maximum(m, ls[k])
+                all_empty = m == -jnp.inf
+                m = jnp.where(all_empty, 0.0, m)
+                e = [jnp.exp(lk - m) for lk in ls]
+                z = e[0]
+                for k in range(1, num_partials):
+                    z = z + e[k]
+                for k in range(num_partials):
+                    w_smem[k] = e[k] / z
+                w_smem[num_partials] = jnp.where(all_empty, 1.0, 0.0)
+                if output_lse:
+                    @pl.when(hc % nc == 0)
+                    def _():
+                        lse = jnp.where(all_empty, -jnp.inf, jnp.log(z) + m)
+                        lo_g[pl.ds(h * num_tokens + t0, bt)] = lse  # per-thread stores: any alignment
+
+            w = mc.load(w_smem.at[n], L.reduce(1))
+            wb = jnp.broadcast_to(w[:, None], (bt, dc))
+            x = mc.load(x_s, L)
+            term = jnp.where(wb > 0, x.astype(F32) * wb, 0.0)  # 4.3: a zero weight gives exactly 0
+            acc = jnp.where(jnp.broadcast_to(n == 0, term.shape), term, acc + term)
+
+            @pl.when(n == num_partials - 1)
+            def _store():
+                empty = mc.load(w_smem.at[num_partials], L.reduce(1)) > 0
+                out = jnp.where(jnp.broadcast_to(empty[:, None], (bt, dc)), 0.0, acc)
+                if copy_rows:  # 8.4: the last partial's own bits (x is its tile at this step)
+                    copy = jnp.broadcast_to((row(c_g, t0) > 0)[:, None], (bt, dc))
+                    result = jnp.where(copy, x, out.astype(x.dtype))
+                else:
+                    result = out.astype(o_scr.dtype)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read o_scr
+                o_scr[...] = result.astype(o_scr.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * dc, dc)])
+
+            return acc
+
+        spec = plgpu.BlockSpec((None, pl.Element(bt), dc), lambda i, n: (n, t0_of(i), hc))
+        plgpu.emit_pipeline(step, grid=(steps, num_partials), in_specs=[spec],
+                            max_concurrent_steps=mc.MAX_CONCURRENT_STEPS,
+                            init_carry=plgpu.layout_cast(jnp.zeros((bt, dc), F32), L))(x_g)
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [plgpu.SMEM((num_partials + 1, bt), F32), plgpu.SMEM((bt,), F32),
+               plgpu.SMEM((bt, dc), out_type[0].dtype)]
+    return mc.kernel(body, out_type=tuple(out_type), grid=(num_heads * nc, nsplit), grid_names=("hc", "s"),
+                        scratch_types=scratch, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2", "interpret"))
+def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context, *,
+                   return_lse, out_dtype, lse_layout, lse_base2, interpret):
+    """`pallas_impl.merge_attn_states_n` with backend="mosaic_gpu" (its arguments, checked there)."""
+    num_partials, num_tokens, num_heads, head_dim = outputs.shape
+    dc = mc.column_chunk(head_dim, jnp.dtype(outputs.dtype).itemsize)
+    fp8 = output_scale is not None
+    prefill = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
+    copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
+    # XLA before the kernel (docs/spec.md 8.1): natural-log LSEs, sentinels read as -inf, the fused mask.
+    raw_th = jnp.swapaxes(lses, 1, 2) if lse_layout == "HT" else lses  # [N, T, H]
+    lse = jax.vmap(lambda x: mc.normalised_th(x, "TH", lse_base2))(raw_th)
+    if query_start_loc is not None and query_start_loc.shape[0] > 1:
+        empty = jax.vmap(lambda cu: jnp_fallback._empty_tokens(query_start_loc, cu, num_tokens))(cu_seq_lens)
+        lse = jnp.where(empty[:, :, None], -jnp.inf, lse)
+    tp = max(num_tokens, mc.BLOCK_T)
+    x = mc.padded_rows(outputs.reshape(num_partials, num_tokens, num_heads * head_dim), num_tokens, 0)
+    lf = jnp.swapaxes(mc.padded_rows(lse, num_tokens, -jnp.inf), 1, 2).reshape(-1)  # [N * H * T'], rows (k, h)
+    copy_rows = prefill_tokens_with_context is not None and not fp8
+    args = [x, lf]
+    if copy_rows:
+        args.append(mc.padded_rows(copy_t.astype(F32)[:, None], num_tokens, 0.0)[:, 0])
+    out_type = [c.out_struct((tp, num_heads * head_dim), F32 if fp8 else out_dtype, *args)]
+    if return_lse:
+        out_type.append(c.out_struct((num_heads * tp,), F32, *args))
+    results = _kernel(num_partials, tp, num_heads, head_dim, dc, out_type, output_lse=return_lse,
+                      copy_rows=copy_rows, interpret=interpret)(*args)
+    # XLA after the kernel: fp8 (4.6), the pass-through LSE (8.4), base 2, the layout.
+    return mc.finish(results, outputs.shape[1:], copy_t, outputs[-1], raw_th[-1], output_scale if fp8 else None,
+                     out_dtype=out_dtype, return_lse=return_lse, lse_layout=lse_layout, lse_base2=lse_base2)

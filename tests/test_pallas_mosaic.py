@@ -1,0 +1,239 @@
+"""pallas_impl with backend="mosaic_gpu" (experimental; docs/design.md, "Mosaic GPU").
+
+What runs where:
+- the backend's argument checks and shape limits: everywhere;
+- the kernels on the ci cases against the float64 reference (every operation of `parity.impls.ops_of`): with
+  jax >= 0.11, in jax's Mosaic GPU interpreter on CPU and compiled on the GPU;
+- lowering every ci case for the GPU (`jax.export`, platforms=["cuda"]): with jax >= 0.11, on any machine (it
+  catches what the interpreter cannot: layout inference, shared-memory budgets, TMA shapes);
+- bit agreement with the Triton backend: on the GPU.
+On a jax without `plgpu.kernel(out_type=...)` (0.10 and older) the kernel tests skip and the backend refuses
+with NotImplementedError, which a test asserts.
+"""
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import pallas_impl
+from pallas_impl import _common as pallas_common
+from parity import cases, compare, expected, impls
+
+
+def _has_mosaic() -> bool:
+    """jax >= 0.11: 0.10 has plgpu.kernel, but its layout inference rejects these kernels."""
+    return tuple(int(x) for x in re.findall(r"\d+", jax.__version__)[:2]) >= (0, 11)
+
+
+HAS_MOSAIC = _has_mosaic()
+needs_mosaic = pytest.mark.skipif(not HAS_MOSAIC, reason=f"backend='mosaic_gpu' needs jax >= 0.11; this is jax "
+                                                         f"{jax.__version__}")
+CI_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in cases.select("ci", kind="all")
+          for op in impls.ops_of(case)]
+RT = impls.Runtime("cuda" if jax.default_backend() == "gpu" else "cpu",
+                   "gpu-bitwise" if jax.default_backend() == "gpu" else "cpu-interpreters")
+
+
+def _operands(case, op):
+    """numpy operands of `op` as `parity.check` builds them: the reference-masked prefix for "merge", the
+    reference-masked LSEs for "merge_n" (the mask is exact)."""
+    if case.n_way:
+        inputs = cases.make_inputs_n(case)
+        if op == "merge_n":
+            inputs["lses"] = impls.masked_lses(case, inputs)
+        return inputs
+    inputs = cases.make_inputs(case)
+    if op == "merge":
+        masked = impls.run(impls.HOST, "reference", "mask", case, inputs)
+        inputs.update(prefix_output=masked["output"], prefix_lse=masked["lse"])
+    return inputs
+
+
+def _device(inputs):
+    return {k: jnp.asarray(v) for k, v in inputs.items()}
+
+
+def _check_against_reference(case, op, inputs, got):
+    ref = impls.run(impls.HOST, "reference", op, case, inputs)
+    loc = dict(case=case, mode="mosaic", query_start_loc=inputs["query_start_loc"])
+    if op == "mask":
+        compare.assert_bitwise_equal(got["lse"], ref["lse"], name="mask.lse", layout=case.lse_layout, **loc)
+        compare.assert_bitwise_equal(got["output"], ref["output"], name="mask.output", **loc)
+        return
+    w = expected.merge_weights(case, op, inputs)
+    mag = expected.magnitude(case, op, inputs, w)
+    out_exact, lse_exact = expected.exact_masks(case, w)
+    compare.assert_matches_reference(got["out"], ref["out"], exact=np.broadcast_to(out_exact[..., None], mag.shape),
+                                     mag=mag, name=f"{op}.out", **loc)
+    compare.assert_matches_reference(got["lse"], ref["lse"], exact=lse_exact, name=f"{op}.lse",
+                                     layout=case.lse_layout, **loc)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("case, op", CI_OPS)
+def test_ci_cases_match_reference(case, op):
+    inputs = _operands(case, op)
+    got = impls.run(RT, "mosaic", op, case, _device(inputs))
+    _check_against_reference(case, op, inputs, got)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("case, op", CI_OPS)
+def test_ci_cases_lower_for_the_gpu(case, op):
+    inputs = _operands(case, op)
+    keys = sorted(inputs)
+
+    def run(*xs):
+        got = impls.run(RT, "mosaic-lowered", op, case, dict(zip(keys, xs)))
+        return {k: v for k, v in got.items() if v is not None}
+
+    exported = jax.export.export(jax.jit(run), platforms=["cuda"])(
+        *[jax.ShapeDtypeStruct(inputs[k].shape, inputs[k].dtype) for k in keys])
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
+@pytest.mark.gpu
+@needs_mosaic
+@pytest.mark.parametrize("case, op", CI_OPS)
+def test_ci_cases_bits_match_the_triton_backend(case, op):
+    arrays = _device(_operands(case, op))
+    got = impls.run(RT, "mosaic", op, case, arrays)
+    want = impls.run(RT, "pallas", op, case, arrays)
+    assert set(got) == set(want)
+    for key, w in want.items():
+        if w is not None:
+            compare.assert_bitwise_equal(got[key], w, name=f"{op}.{key}", case=case, mode="mosaic vs triton")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Choosing the backend
+
+
+def _small():
+    o = jnp.zeros((3, 130, 2, 64), jnp.bfloat16)
+    lse = jnp.zeros((3, 2, 130), jnp.float32)
+    qsl = jnp.asarray([0, 100, 130], jnp.int32)
+    cu = jnp.asarray([0, 0, 5], jnp.int32)
+    return o, lse, qsl, cu
+
+
+CALLS = {
+    "mask": lambda o, lse, qsl, cu, **kw: pallas_impl.mask_empty_context_lse(lse[0], qsl, cu, o[0], **kw),
+    "merge": lambda o, lse, qsl, cu, **kw: pallas_impl.merge_attn_states(o[0], lse[0], o[1], lse[1], **kw),
+    "merge_n": lambda o, lse, qsl, cu, **kw: pallas_impl.merge_attn_states_n(o, lse, **kw),
+}
+
+
+@pytest.mark.parametrize("fn", CALLS)
+def test_an_unknown_backend_is_refused(fn):
+    with pytest.raises(ValueError, match=r"backend must be one of \('triton', 'mosaic_gpu'\)"):
+        CALLS[fn](*_small(), backend="mosaic")
+
+
+@pytest.mark.parametrize("fn", CALLS)
+def test_mosaic_gpu_does_not_go_with_the_jnp_path(fn):
+    with pytest.raises(ValueError, match="backend='mosaic_gpu' selects a Pallas kernel"):
+        CALLS[fn](*_small(), backend="mosaic_gpu", implementation="jnp")
+
+
+@pytest.mark.skipif(HAS_MOSAIC, reason="this jax has the Mosaic GPU kernel API")
+@pytest.mark.parametrize("fn", CALLS)
+def test_mosaic_gpu_needs_jax_0_11(fn):
+    with pytest.raises(NotImplementedError, match=r"needs jax >= 0.11"):
+        CALLS[fn](*_small(), backend="mosaic_gpu")
+
+
+def test_cp_reduce_scatter_has_no_mosaic_kernel():
+    o, lse, _, _ = _small()
+
+    def combine(out, lse):
+        return pallas_impl.cp_merge_attn_states(out, lse, axis_name="cp", method="reduce_scatter",
+                                                backend="mosaic_gpu")
+
+    with pytest.raises(NotImplementedError, match="method='gather' only"):
+        jax.vmap(combine, axis_name="cp")(o[:2], lse[:2])
+
+
+def test_the_default_backend_is_triton():
+    assert pallas_common.resolve_backend(None) == "triton"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shape limits of the Mosaic GPU kernels (pure functions: no GPU, any jax)
+
+
+@pytest.mark.parametrize("head_dim, itemsize, cols", [
+    (64, 2, 64), (80, 2, 80), (128, 2, 128), (192, 2, 96), (256, 2, 128), (512, 2, 128),  # <= 32 KiB tiles of 128 rows
+    (32, 4, 32), (64, 4, 64), (80, 4, 40), (96, 4, 48), (512, 4, 64), (16, 4, 16), (48, 2, 48)])
+def test_column_chunks_divide_the_head_in_16_byte_rows_within_the_tile_budget(head_dim, itemsize, cols):
+    from pallas_impl.mosaic import _common as mc
+
+    assert mc.column_chunk(head_dim, itemsize) == cols
+
+
+@pytest.mark.parametrize("head_dim, itemsize", [(20, 2), (3, 4), (33, 2)])
+def test_heads_of_rows_not_a_multiple_of_16_bytes_are_refused(head_dim, itemsize):
+    from pallas_impl.mosaic import _common as mc
+
+    with pytest.raises(NotImplementedError, match=f"got D={head_dim} with {itemsize}-byte elements"):
+        mc.column_chunk(head_dim, itemsize)
+
+
+@pytest.mark.parametrize("row_elems, itemsize, tile", [
+    (4 * 64, 2, (1, 256)), (16 * 128, 2, (8, 256)), (1 * 512, 4, (2, 256)), (20 * 16, 4, (2, 160)),
+    (5 * 96, 2, (2, 240)), (128 * 128, 2, (64, 256))])
+def test_mask_zero_tiles_cover_one_output_row(row_elems, itemsize, tile):
+    from pallas_impl.mosaic import mask
+
+    assert mask._zero_tile(row_elems, itemsize) == tile
+    assert math.prod(tile) == row_elems
+
+
+@pytest.mark.parametrize("row_elems, itemsize, match", [
+    (5 * 3, 2, "multiple of 16 bytes"), (128 * 512, 2, "from one tile in shared memory")])
+def test_mask_output_rows_the_kernel_cannot_zero_are_refused(row_elems, itemsize, match):
+    from pallas_impl.mosaic import mask
+
+    with pytest.raises(NotImplementedError, match=match):
+        mask._zero_tile(row_elems, itemsize)
+
+
+NO_TRITON = """
+import importlib.abc, sys
+
+class NoPallasTriton(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "jax.experimental.pallas.triton":
+            raise ImportError("this jax has no Pallas Triton backend")
+        return None
+
+sys.meta_path.insert(0, NoPallasTriton())
+import pallas_impl
+from pallas_impl import _common as c
+
+print(c.pltriton is None, c.resolve_backend(None))
+try:
+    c.resolve_backend("triton")
+except NotImplementedError as e:
+    print(e)
+"""
+
+
+def test_without_the_pallas_triton_backend_the_default_is_mosaic_gpu():
+    # A future jax without jax.experimental.pallas.triton: pallas_impl still imports and defaults to Mosaic GPU;
+    # asking for the Triton backend says why it cannot run.
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    r = subprocess.run([sys.executable, "-c", NO_TRITON], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    first, second = r.stdout.strip().splitlines()
+    assert first == "True mosaic_gpu"
+    assert "has no Pallas Triton backend" in second and "use backend='mosaic_gpu'" in second
