@@ -71,6 +71,12 @@ def _add_selection(p: argparse.ArgumentParser, default_suite: str) -> None:
     p.add_argument("--seed", type=int, default=0, help="input seed of parity.cases.make_inputs (default: 0)")
 
 
+def _add_pallas_backend(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pallas-backend", choices=("triton", "mosaic_gpu"), default=None,
+                   help="the Pallas GPU backend of the pallas implementation (pallas_impl's backend=; default: "
+                        "pallas_impl's own, the Triton backend while jax has it)")
+
+
 def _impl_arg(value: str) -> str:
     if value in ("triton", "pallas", "jnp", "reference") or ":" in value:
         return value
@@ -101,6 +107,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _add_selection(p, "default")
     p.add_argument("--json", metavar="FILE", default=None, help="write the JSON report to FILE")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    _add_pallas_backend(p)
     p.set_defaults(func=_check)
 
     p = sub.add_parser("export", help="write golden vectors (inputs + float64-reference expectations)")
@@ -121,6 +128,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    help="only cases whose name contains SUBSTR")
     p.add_argument("--json", metavar="FILE", default=None, help="write the JSON report to FILE")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    _add_pallas_backend(p)
     p.set_defaults(func=_verify)
 
     # bench defines its own options; import it only when it is the command being parsed.
@@ -131,6 +139,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             from parity import bench
 
             bench.add_bench_arguments(p)
+            _add_pallas_backend(p)
         except ImportError as e:
             p.set_defaults(_bench_import_error=e)
             p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -147,6 +156,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    help="the context-parallel reproduction instead: KV sharded over N ranks (docs/spec.md 9)")
     p.add_argument("--interleave", type=int, default=1, metavar="I",
                    help="with --cp: KV token j on rank (j // I) %% N (default: 1)")
+    _add_pallas_backend(p)
     p.set_defaults(func=_demo)
     return parser
 
@@ -166,4 +176,5 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse: 2 for a usage error, 0 after --help
         return int(e.code or 0) if not isinstance(e.code, str) else EXIT_USAGE
     args.argv = argv
+    impls.set_pallas_backend(getattr(args, "pallas_backend", None))
     return int(args.func(args))

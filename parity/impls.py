@@ -6,7 +6,8 @@ module. Implementations (`IMPLS`):
 - "reference": `parity.reference`, float64 numpy, in token chunks (every token is independent);
 - "triton": `triton_impl` on torch tensors, in place into buffers allocated here (poisoned with NaN, so an
   element a kernel fails to write shows up);
-- "pallas": `pallas_impl` with `implementation="pallas"` (interpret mode on CPU);
+- "pallas": `pallas_impl` with `implementation="pallas"` (interpret mode on CPU) and the Pallas backend of
+  `set_pallas_backend` (the CLI's `--pallas-backend`; None: `pallas_impl`'s default);
 - "jnp": `pallas_impl` with `implementation="jnp"` (its plain-XLA path);
 - "mosaic" (not in `IMPLS`: GPU and jax >= 0.11 only, run by its own tests): `pallas_impl` with
   `backend="mosaic_gpu"`, the experimental Mosaic GPU kernels.
@@ -51,6 +52,7 @@ KERNEL_IMPLS = ("triton", "pallas", "jnp")
 # prefix with the fused mask; "merge_n" the reference-masked partials, "merge_n_fused" the raw partials with
 # their offsets (docs/spec.md section 8).
 OPS = ("mask", "merge", "merge_fused", "merge_n", "merge_n_fused")
+_PALLAS_BACKEND: list[str | None] = [None]  # the "pallas" implementation's `backend=` (set_pallas_backend)
 REF_CHUNK_ELEMS = 1 << 23  # T*H*D elements per token chunk of the float64 reference: bounds its temporaries
 
 
@@ -178,6 +180,12 @@ def collect_env(argv: list[str] | None = None) -> dict[str, Any]:
         env["devices"]["jax"] = [f"{d.platform}:{getattr(d, 'device_kind', '')}" for d in jax.devices()]
     except Exception as e:  # noqa: BLE001 - informational only
         env["jax_backend"] = f"unavailable: {type(e).__name__}: {e}"
+    try:
+        from pallas_impl import _common as pallas_common
+
+        env["pallas_backend"] = pallas_common.resolve_backend(pallas_backend())
+    except Exception as e:  # noqa: BLE001 - informational only
+        env["pallas_backend"] = f"unavailable: {type(e).__name__}: {e}"
     env["git_commit"] = git_commit()
     env["utc_time"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     env["command"] = ("python -m parity " + shlex.join(argv)) if argv is not None else shlex.join(sys.argv)
@@ -524,14 +532,25 @@ def _as_results(r, return_lse: bool) -> dict[str, Any]:
     return {"out": r[0], "lse": r[1]} if return_lse else {"out": r, "lse": None}
 
 
+def set_pallas_backend(backend: str | None) -> None:
+    """The `backend=` of every later "pallas" run: None (pallas_impl's default), "triton" or "mosaic_gpu"."""
+    _PALLAS_BACKEND[0] = backend
+
+
+def pallas_backend() -> str | None:
+    return _PALLAS_BACKEND[0]
+
+
 @functools.cache
-def _adapter(rt_key: tuple, impl: str) -> _Adapter:
+def _adapter(rt_key: tuple, impl: str, backend: str | None) -> _Adapter:
     rt = Runtime(*rt_key)
     if impl == "reference":
         return ReferenceAdapter()
     if impl == "triton":
         return TritonAdapter(rt)
-    if impl in ("pallas", "jnp"):
+    if impl == "pallas":
+        return JaxAdapter(rt, impl, backend=backend)
+    if impl == "jnp":
         return JaxAdapter(rt, impl)
     if impl == "mosaic":
         return JaxAdapter(rt, "pallas", backend="mosaic_gpu")
@@ -542,7 +561,7 @@ def _adapter(rt_key: tuple, impl: str) -> _Adapter:
 
 def adapter(rt: Runtime, impl: str) -> _Adapter:
     """The adapter of `impl` ("reference", "triton", "pallas", "jnp", "mosaic"), imported once."""
-    return _adapter((rt.device, rt.mode), impl)
+    return _adapter((rt.device, rt.mode), impl, _PALLAS_BACKEND[0] if impl == "pallas" else None)
 
 
 # ---------------------------------------------------------------------------------------------------------

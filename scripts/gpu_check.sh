@@ -7,6 +7,7 @@
 # bench.log bench.json bench.png. A failing step does not stop the next one. Each step runs under `timeout`, sized
 # from what is left of DEADLINE_S (default 560 s), so the whole script ends in under 9.5 minutes.
 # BENCH_ARGS (default "--quick") goes to `python -m parity bench`; use "" for the full grid.
+# PLAN=mosaic runs the Mosaic GPU backend's steps instead (see below).
 # Exit status: 0 when every step exited 0, else 1 (124 in the summary means that step timed out).
 
 set -u -o pipefail
@@ -79,6 +80,23 @@ EOF
 
 # pytest-xdist (in the device image) spreads the kernel compiles over 4 workers; without it, one process.
 XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
+
+if [ "${PLAN:-main}" = mosaic ]; then
+    # PLAN=mosaic: the experimental Mosaic GPU backend of pallas_impl only (docs/design.md, "Mosaic GPU backend"):
+    # its tests (bits against the Triton backend), the full parity check with Pallas on Mosaic GPU, and the
+    # bench of the Pallas merges and mask at T = 32K on each backend (each run with its own ceilings).
+    # shellcheck disable=SC2086
+    step pytest 150 300 "$OUT/pytest.log" "$PY" -m pytest -q -rs $XDIST tests/test_pallas_mosaic.py
+    step check 150 150 "$OUT/check.log" "$PY" -m parity check --suite full --pallas-backend mosaic_gpu \
+        --json "$OUT/check_full.json"
+    for backend in triton mosaic_gpu; do
+        step "bench_$backend" 70 5 "$OUT/bench_$backend.log" "$PY" -m parity bench --quick --impl pallas \
+            --tokens 32768 --budget-s 50 --pallas-backend "$backend" --json "$OUT/bench_$backend.json"
+    done
+    echo "== summary ($(( $(date +%s) - START ))s of ${DEADLINE_S}s)"
+    printf '%s' "$SUMMARY"
+    exit "$FAILED"
+fi
 # shellcheck disable=SC2086
 step pytest 160 250 "$OUT/pytest.log" "$PY" -m pytest -q -rs $XDIST
 step check 170 90 "$OUT/check.log" "$PY" -m parity check --suite full --json "$OUT/check_full.json"

@@ -117,3 +117,26 @@ def test_planted_failure_exits_1(plant, monkeypatch, tmp_path, capsys):
            for rep in r["comparisons"][kind].values() if not rep["ok"]]
     assert bad and all(rep["n_diff"] >= 1 for rep in bad)
     assert any("req 0" in line for rep in bad for line in rep["first_mismatches"])  # located via the offsets
+
+
+def test_check_runs_the_pallas_implementation_on_the_chosen_backend(tmp_path, capsys):
+    # --pallas-backend mosaic_gpu: with jax >= 0.11 the Mosaic GPU kernels (the interpreter on CPU) pass the
+    # check; with an older jax every Pallas record says why it cannot run, and the check fails.
+    import re
+
+    import jax
+
+    from parity import impls
+
+    try:
+        rc, report = _run_check(tmp_path, "--pallas-backend", "mosaic_gpu")
+    finally:
+        impls.set_pallas_backend(None)
+    captured = capsys.readouterr()
+    assert report["env"]["pallas_backend"] == "mosaic_gpu"
+    if tuple(int(x) for x in re.findall(r"\d+", jax.__version__)[:2]) >= (0, 11):
+        assert rc == 0 and report["summary"]["ok"], captured.out
+    else:
+        assert rc == 1 and all(r["status"] == "error" for r in report["records"])
+        assert "needs jax >= 0.11" in report["records"][0]["error"]  # the mask (mask-then-merge has no input)
+        assert "needs jax >= 0.11" in report["records"][2]["error"]  # the fused merge
