@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import warnings
 
 import jax
@@ -38,7 +39,8 @@ MERGE_TILES = {"plain": (8192, 1, 4), "lse": (8192, 1, 4), "fused": (8192, 1, 4)
 MERGE_N_TILES = {"plain": (8192, 1, 4), "lse": (4096, 4, 4), "fused": (4096, 4, 4)}
 MAX_PARTIALS = 64  # the N-way kernels unroll their loops over the partials at trace time
 IMPLEMENTATIONS = ("pallas", "jnp")
-BACKENDS = ("triton", "mosaic_gpu")  # the Pallas GPU backend of implementation="pallas"; None: "triton"
+BACKENDS = ("triton", "mosaic_gpu")  # the Pallas GPU backend of implementation="pallas" (resolve_backend)
+BACKEND_ENV = "PALLAS_IMPL_BACKEND"  # the process-wide default of backend=None
 
 OUTPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -251,10 +253,13 @@ def resolve_interpret(interpret: bool | None, backend: str = "triton") -> bool:
 
 
 def resolve_backend(backend: str | None) -> str:
-    """The Pallas GPU backend. None: "triton" while jax has the Pallas Triton backend, "mosaic_gpu" once it
-    is gone (experimental; docs/design.md, "Mosaic GPU backend")."""
+    """The Pallas GPU backend. None: the environment's `PALLAS_IMPL_BACKEND` if set, else "triton" while jax has
+    the Pallas Triton backend and "mosaic_gpu" once it is gone (experimental; docs/design.md, "Mosaic GPU
+    backend")."""
     if backend is None:
-        return "triton" if pltriton is not None else "mosaic_gpu"
+        backend = os.environ.get(BACKEND_ENV) or ("triton" if pltriton is not None else "mosaic_gpu")
+        if backend not in BACKENDS:
+            raise ValueError(f"{BACKEND_ENV} must be one of {BACKENDS} or unset, got {backend!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     if backend == "triton" and pltriton is None:
@@ -263,10 +268,12 @@ def resolve_backend(backend: str | None) -> str:
     return backend
 
 
-def resolve_implementation(implementation: str | None, backend: str = "triton") -> str:
-    """None: the Pallas kernel on GPU, the jnp path elsewhere; with backend="mosaic_gpu", the Pallas kernel.
-    An explicit choice never falls back."""
+def resolve_implementation(implementation: str | None, backend: str | None = None) -> str:
+    """None: the Pallas kernel on GPU, the jnp path elsewhere; with an explicit backend="mosaic_gpu" (the
+    caller's argument, not the environment's default), the Pallas kernel. An explicit choice never falls back."""
     platform = jax.default_backend()
+    if backend is not None:
+        resolve_backend(backend)  # an unknown name is refused first
     if backend == "mosaic_gpu":
         if implementation == "jnp":
             raise ValueError("backend='mosaic_gpu' selects a Pallas kernel; it does not go with implementation='jnp'")

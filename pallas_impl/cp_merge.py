@@ -200,8 +200,8 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
         if validate:
             c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
     c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
-    backend = c.resolve_backend(backend)
     impl = c.resolve_implementation(implementation, backend)
+    backend = c.resolve_backend(backend)
     if backend == "mosaic_gpu":  # every refusal before the first collective is traced
         if method != "gather":
             raise NotImplementedError("backend='mosaic_gpu' runs method='gather' only (the reduce_scatter rescale "

@@ -167,8 +167,8 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
             raise ValueError(f"output must be [T={num_tokens}, H={num_heads}, D]; got output.shape={tuple(output.shape)}")
     if validate:
         c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
-    backend = c.resolve_backend(backend)
     impl = c.resolve_implementation(implementation, backend)
+    backend = c.resolve_backend(backend)
     if has_empty is False or num_requests == 0 or num_tokens == 0:
         return lse if output is None else (lse, output)
     if impl == "jnp":

@@ -220,8 +220,8 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
         if validate:
             c.check_offset_values(query_start_loc, prefix_cu_seq_lens, num_tokens, cu_name="prefix_cu_seq_lens")
     c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
-    backend = c.resolve_backend(backend)
     impl = c.resolve_implementation(implementation, backend)
+    backend = c.resolve_backend(backend)
     if impl == "jnp":
         return jnp_fallback.merge_attn_states(
             prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc,

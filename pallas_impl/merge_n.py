@@ -236,8 +236,8 @@ def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, quer
         if validate:
             c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
     c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
-    backend = c.resolve_backend(backend)
     impl = c.resolve_implementation(implementation, backend)
+    backend = c.resolve_backend(backend)
     if impl == "jnp":
         return jnp_fallback.merge_attn_states_n(
             outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context,

@@ -83,10 +83,12 @@ XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
 
 if [ "${PLAN:-main}" = mosaic ]; then
     # PLAN=mosaic: the experimental Mosaic GPU backend of pallas_impl only (docs/design.md, "Mosaic GPU backend"):
-    # its tests (bits against the Triton backend), the full parity check with Pallas on Mosaic GPU, and the
-    # bench of the Pallas merges and mask at T = 32K on each backend (each run with its own ceilings).
+    # the Pallas test suite with that backend as the default (PALLAS_IMPL_BACKEND) and its own tests (bits against
+    # the Triton backend), the full parity check with Pallas on Mosaic GPU, and the bench of the Pallas merges and
+    # mask at T = 32K on each backend (each run with its own ceilings).
     # shellcheck disable=SC2086
-    step pytest 150 300 "$OUT/pytest.log" "$PY" -m pytest -q -rs $XDIST tests/test_pallas_mosaic.py
+    step pytest 150 300 "$OUT/pytest.log" env PALLAS_IMPL_BACKEND=mosaic_gpu "$PY" -m pytest -q -rs $XDIST \
+        tests/test_pallas_mask.py tests/test_pallas_merge.py tests/test_pallas_merge_n.py tests/test_pallas_mosaic.py
     step check 150 150 "$OUT/check.log" "$PY" -m parity check --suite full --pallas-backend mosaic_gpu \
         --json "$OUT/check_full.json"
     for backend in triton mosaic_gpu; do

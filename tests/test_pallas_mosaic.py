@@ -107,7 +107,11 @@ def test_ci_cases_lower_for_the_gpu(case, op):
 def test_ci_cases_bits_match_the_triton_backend(case, op):
     arrays = _device(_operands(case, op))
     got = impls.run(RT, "mosaic", op, case, arrays)
-    want = impls.run(RT, "pallas", op, case, arrays)
+    impls.set_pallas_backend("triton")  # whatever PALLAS_IMPL_BACKEND says
+    try:
+        want = impls.run(RT, "pallas", op, case, arrays)
+    finally:
+        impls.set_pallas_backend(None)
     assert set(got) == set(want)
     for key, w in want.items():
         if w is not None:
@@ -163,8 +167,21 @@ def test_cp_reduce_scatter_has_no_mosaic_kernel():
         jax.vmap(combine, axis_name="cp")(o[:2], lse[:2])
 
 
-def test_the_default_backend_is_triton():
+def test_the_default_backend_is_triton_unless_the_environment_says_otherwise(monkeypatch):
+    monkeypatch.delenv("PALLAS_IMPL_BACKEND", raising=False)
     assert pallas_common.resolve_backend(None) == "triton"
+    monkeypatch.setenv("PALLAS_IMPL_BACKEND", "mosaic_gpu")
+    assert pallas_common.resolve_backend(None) == "mosaic_gpu"
+    assert pallas_common.resolve_backend("triton") == "triton"  # an explicit argument wins
+    # The environment picks the Pallas kernels' backend only: the jnp path stays available.
+    o, lse, qsl, cu = _small()
+    want = pallas_impl.merge_attn_states_n(o, lse, implementation="jnp", backend=None)
+    monkeypatch.setenv("PALLAS_IMPL_BACKEND", "cuda")
+    with pytest.raises(ValueError, match=r"PALLAS_IMPL_BACKEND must be one of \('triton', 'mosaic_gpu'\)"):
+        pallas_common.resolve_backend(None)
+    monkeypatch.delenv("PALLAS_IMPL_BACKEND")
+    got = pallas_impl.merge_attn_states_n(o, lse, implementation="jnp")
+    assert all(np.array_equal(np.asarray(g), np.asarray(w), equal_nan=True) for g, w in zip(got, want))
 
 
 # ---------------------------------------------------------------------------------------------------------
