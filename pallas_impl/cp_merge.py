@@ -26,8 +26,8 @@ from jax.experimental import pallas as pl
 
 from pallas_impl import _common as c
 from pallas_impl import jnp_fallback
-from pallas_impl.merge import _load_lse, _store_lse
-from pallas_impl.merge_n import _partial_lse, _weighted, merge_attn_states_n
+from pallas_impl.merge import _load_lse, _merged_lse, _store_lse, _token_requests
+from pallas_impl.merge_n import _max_and_sum, _partial_lse, _weighted, merge_attn_states_n
 
 METHODS = ("gather", "reduce_scatter")
 
@@ -67,25 +67,13 @@ def _cp_rescale_kernel(
                       other=0.0)
     last_raw = _load_lse(lses_ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=(jnp.int32(last),))
 
-    req = t  # placeholders unless fused_mask
-    in_req = t_mask
-    if fused_mask:
-        req = c.count_keys_le(qsl_ref, t, num_requests + 1, key_div=1, key_step=0) - 1  # R: padding
-        in_req = t_mask & (req < num_requests)
-        req = jnp.minimum(req, num_requests - 1)
+    req, in_req = _token_requests(qsl_ref, t, t_mask, num_requests, fused_mask)
     lse_i = functools.partial(_partial_lse, lses_ref, t0=t0, h0=h0, block_t=block_t, block_h=block_h,
                               th_mask=th_mask, cu_ref=cu_ref, cu_row=num_requests + 1, req=req, in_req=in_req,
                               lse_layout=lse_layout, lse_base2=lse_base2, fused_mask=fused_mask)
 
     # The N-way merge's weights (8.2, 8.3), for partial `rank` only.
-    m = lse_i(0)
-    for i in range(1, num_partials):
-        m = jnp.maximum(m, lse_i(i))
-    all_empty = m == -jnp.inf
-    m = jnp.where(all_empty, 0.0, m)
-    z = jnp.exp(lse_i(0) - m)
-    for i in range(1, num_partials):
-        z = z + jnp.exp(lse_i(i) - m)
+    m, all_empty, z = _max_and_sum(lse_i, num_partials)
     w = jnp.exp(lse_i(rank) - m) / z
     scaled = _weighted(o, w)
     scaled = jnp.where(all_empty[:, :, None], 0.0, scaled)
@@ -96,11 +84,7 @@ def _cp_rescale_kernel(
                    scaled.astype(scaled_ref.dtype), mask=thd_mask)
 
     if output_lse:  # the merged LSE (of every head: the caller keeps its own)
-        lse = jnp.log(z) + m
-        lse = jnp.where(all_empty, -jnp.inf, lse)
-        if lse_base2:
-            lse = lse * c.LOG2E
-        lse = jnp.where(copy_t[:, None], last_raw, lse)
+        lse = _merged_lse(z, m, all_empty, copy_t, last_raw, lse_base2)
         _store_lse(out_lse_ref[0], t0, h0, block_t, block_h, lse, th_mask, lse_layout)
 
 

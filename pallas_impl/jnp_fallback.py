@@ -37,6 +37,14 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ls
     return lse, jnp.where(empty[:, None, None], jnp.zeros((), output.dtype), output)
 
 
+def _merged_lse(z, m, empty, copy_t, passthrough, lse_base2):
+    """The merge's LSE (docs/spec.md 4.2, 4.4, 8.4), `[T, H]`."""
+    lse = jnp.where(empty, -jnp.inf, jnp.log(z) + m)
+    if lse_base2:
+        lse = lse * c.LOG2E
+    return jnp.where(copy_t[:, None], passthrough, lse)
+
+
 @functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2"))
 def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc,
                       prefix_cu_seq_lens, prefill_tokens_with_context, *, return_lse, out_dtype, lse_layout,
@@ -71,18 +79,13 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, outp
         out = jnp.where(copy_t[:, None, None], suffix_output, out.astype(out_dtype))
     if not return_lse:
         return out
-    lse = jnp.where(both_empty, -jnp.inf, jnp.log(z) + m)
-    if lse_base2:
-        lse = lse * c.LOG2E
-    lse = jnp.where(copy_t[:, None], s_raw, lse)
+    lse = _merged_lse(z, m, both_empty, copy_t, s_raw, lse_base2)
     return out, (lse.T if lse_layout == "HT" else lse)
 
 
-@functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2"))
-def merge_attn_states_n(outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context, *,
-                        return_lse, out_dtype, lse_layout, lse_base2):
-    num_partials, num_tokens = outputs.shape[:2]
-    prefill_tokens = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
+def _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout, lse_base2):
+    """(raw [N, T, H] LSEs, e_i = exp(lse_i - m), m, all_empty, z) of the N-way merge (8.1-8.3), in index order."""
+    num_partials = lses.shape[0]
     l_raw = jnp.swapaxes(lses, 1, 2) if lse_layout == "HT" else lses  # [N, T, H]
     lse = l_raw * c.LN2 if lse_base2 else l_raw
     lse = jnp.where((lse == jnp.inf) | jnp.isnan(lse), -jnp.inf, lse)
@@ -98,6 +101,15 @@ def merge_attn_states_n(outputs, lses, output_scale, query_start_loc, cu_seq_len
     z = e[0]
     for i in range(1, num_partials):  # index order, as the kernels
         z = z + e[i]
+    return l_raw, e, m, all_empty, z
+
+
+@functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2"))
+def merge_attn_states_n(outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context, *,
+                        return_lse, out_dtype, lse_layout, lse_base2):
+    num_partials, num_tokens = outputs.shape[:2]
+    prefill_tokens = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
+    l_raw, e, m, all_empty, z = _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout, lse_base2)
     w = (e / z)[..., None]
     o = outputs.astype(jnp.float32)
     out = jnp.where(w[0] > 0, o[0] * w[0], 0.0)
@@ -113,10 +125,7 @@ def merge_attn_states_n(outputs, lses, output_scale, query_start_loc, cu_seq_len
         out = jnp.where(copy_t[:, None, None], outputs[-1], out.astype(out_dtype))
     if not return_lse:
         return out
-    lse_out = jnp.where(all_empty, -jnp.inf, jnp.log(z) + m)
-    if lse_base2:
-        lse_out = lse_out * c.LOG2E
-    lse_out = jnp.where(copy_t[:, None], l_raw[-1], lse_out)
+    lse_out = _merged_lse(z, m, all_empty, copy_t, l_raw[-1], lse_base2)
     return out, (lse_out.T if lse_layout == "HT" else lse_out)
 
 
@@ -126,22 +135,8 @@ def cp_rescale(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with_con
     """The context-parallel rescale (pallas_impl/cp_merge.py) in jnp: (scaled reduce_dtype[T, H, D], merged LSE)."""
     num_partials, num_tokens = lses.shape[0], part.shape[0]
     prefill_tokens = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
-    l_raw = jnp.swapaxes(lses, 1, 2) if lse_layout == "HT" else lses  # [N, T, H]
-    lse = l_raw * c.LN2 if lse_base2 else l_raw
-    lse = jnp.where((lse == jnp.inf) | jnp.isnan(lse), -jnp.inf, lse)
-    if query_start_loc is not None:
-        empty = jax.vmap(lambda cu: _empty_tokens(query_start_loc, cu, num_tokens))(cu_seq_lens)  # [N, T]
-        lse = jnp.where(empty[:, :, None], -jnp.inf, lse)
-    m = lse[0]
-    for i in range(1, num_partials):
-        m = jnp.maximum(m, lse[i])
-    all_empty = m == -jnp.inf
-    m = jnp.where(all_empty, 0.0, m)
-    e = jnp.exp(lse - m)
-    z = e[0]
-    for i in range(1, num_partials):
-        z = z + e[i]
-    w = (jnp.exp(lse[rank] - m) / z)[..., None]
+    l_raw, e, m, all_empty, z = _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout, lse_base2)
+    w = (e[rank] / z)[..., None]
     o = part.astype(jnp.float32)
     scaled = jnp.where(w > 0, o * w, 0.0)
     scaled = jnp.where(all_empty[..., None], 0.0, scaled)
@@ -149,8 +144,5 @@ def cp_rescale(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with_con
     scaled = jnp.where(copy_t, jnp.where(rank == num_partials - 1, o, -0.0), scaled).astype(reduce_dtype)
     if not return_lse:
         return scaled, None
-    merged = jnp.where(all_empty, -jnp.inf, jnp.log(z) + m)
-    if lse_base2:
-        merged = merged * c.LOG2E
-    merged = jnp.where(copy_t[:, :, 0], l_raw[-1], merged)
+    merged = _merged_lse(z, m, all_empty, copy_t[:, 0, 0], l_raw[-1], lse_base2)
     return scaled, (merged.T if lse_layout == "HT" else merged)

@@ -39,6 +39,26 @@ def _store_lse(ref, t0, h0, block_t, block_h, value, th_mask, lse_layout):
         c.pltriton.store(ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h)], value, mask=th_mask)
 
 
+def _token_requests(qsl_ref, t, t_mask, num_requests, fused_mask):
+    """(req, in_req) of the fused mask: each token's request (clamped to R - 1) and whether it is in one."""
+    req = t  # placeholders unless fused_mask
+    in_req = t_mask
+    if fused_mask:
+        req = c.count_keys_le(qsl_ref, t, num_requests + 1, key_div=1, key_step=0) - 1  # R: padding
+        in_req = t_mask & (req < num_requests)
+        req = jnp.minimum(req, num_requests - 1)
+    return req, in_req
+
+
+def _merged_lse(z, m, empty, copy_t, passthrough, lse_base2):
+    """The merge's LSE tile (docs/spec.md 4.2, 4.4, 8.4)."""
+    lse = jnp.log(z) + m
+    lse = jnp.where(empty, -jnp.inf, lse)
+    if lse_base2:
+        lse = lse * c.LOG2E
+    return jnp.where(copy_t[:, None], passthrough, lse)
+
+
 def _merge_attn_states_kernel(
     # inputs
     prefix_out_ref,  # dtype[T, H, D]
@@ -87,9 +107,7 @@ def _merge_attn_states_kernel(
     p = jnp.where((p == jnp.inf) | (p != p), -jnp.inf, p)
     s = jnp.where((s == jnp.inf) | (s != s), -jnp.inf, s)
     if fused_mask:  # docs/spec.md 4.5: a token of a request whose prefix chunk is empty has p = -inf
-        req = c.count_keys_le(qsl_ref, t, num_requests + 1, key_div=1, key_step=0) - 1  # R: padding
-        in_req = t_mask & (req < num_requests)
-        req = jnp.minimum(req, num_requests - 1)
+        req, in_req = _token_requests(qsl_ref, t, t_mask, num_requests, fused_mask)
         empty_t = in_req & (cu_ref[req + 1] == cu_ref[req])
         p = jnp.where(empty_t[:, None], -jnp.inf, p)
 
@@ -117,11 +135,7 @@ def _merge_attn_states_kernel(
         c.pltriton.store(out_block, jnp.where(copy_t[:, None, None], b, out.astype(out_ref.dtype)), mask=thd_mask)
 
     if output_lse:
-        lse = jnp.log(z) + m
-        lse = jnp.where(both_empty, -jnp.inf, lse)
-        if lse_base2:
-            lse = lse * c.LOG2E
-        lse = jnp.where(copy_t[:, None], s_raw, lse)
+        lse = _merged_lse(z, m, both_empty, copy_t, s_raw, lse_base2)
         _store_lse(out_lse_ref[0], t0, h0, block_t, block_h, lse, th_mask, lse_layout)
 
 

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 
 from pallas_impl import _common as c
 from pallas_impl import jnp_fallback
-from pallas_impl.merge import _load_lse, _store_lse
+from pallas_impl.merge import _load_lse, _merged_lse, _store_lse, _token_requests
 
 
 def _partial_lse(lses_ref, i, t0, h0, block_t, block_h, th_mask, cu_ref, cu_row, req, in_req, *, lse_layout,
@@ -38,6 +38,20 @@ def _partial_lse(lses_ref, i, t0, h0, block_t, block_h, th_mask, cu_ref, cu_row,
         empty_t = in_req & (cu_ref[base + req + 1] == cu_ref[base + req])
         lse = jnp.where(empty_t[:, None], -jnp.inf, lse)
     return lse
+
+
+def _max_and_sum(lse_i, num_partials):
+    """(m, all_empty, z) of the N-way weights (8.2, 8.3): the largest LSE (0 where every partial is empty) and
+    z = e_0 + ... + e_{N-1} in index order. `lse_i(i)`: partial i's LSE tile (`_partial_lse`)."""
+    m = lse_i(0)
+    for i in range(1, num_partials):
+        m = jnp.maximum(m, lse_i(i))
+    all_empty = m == -jnp.inf
+    m = jnp.where(all_empty, 0.0, m)
+    z = jnp.exp(lse_i(0) - m)
+    for i in range(1, num_partials):
+        z = z + jnp.exp(lse_i(i) - m)
+    return m, all_empty, z
 
 
 def _weighted(x, w):
@@ -82,26 +96,12 @@ def _merge_attn_states_n_kernel(
     b = c.pltriton.load(tile(last), mask=thd_mask, other=0.0)
     last_raw = _load_lse(lses_ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=(jnp.int32(last),))
 
-    req = t  # placeholders unless fused_mask
-    in_req = t_mask
-    if fused_mask:  # the request of each token, once for every partial
-        req = c.count_keys_le(qsl_ref, t, num_requests + 1, key_div=1, key_step=0) - 1  # R: padding
-        in_req = t_mask & (req < num_requests)
-        req = jnp.minimum(req, num_requests - 1)
+    req, in_req = _token_requests(qsl_ref, t, t_mask, num_requests, fused_mask)  # once for every partial
     lse_i = functools.partial(_partial_lse, lses_ref, t0=t0, h0=h0, block_t=block_t, block_h=block_h,
                               th_mask=th_mask, cu_ref=cu_ref, cu_row=num_requests + 1, req=req, in_req=in_req,
                               lse_layout=lse_layout, lse_base2=lse_base2, fused_mask=fused_mask)
 
-    # 8.2: the largest LSE; every partial empty gives out 0, LSE -inf.
-    m = lse_i(0)
-    for i in range(1, num_partials):
-        m = jnp.maximum(m, lse_i(i))
-    all_empty = m == -jnp.inf
-    m = jnp.where(all_empty, 0.0, m)
-    # 8.3: z = e_0 + e_1 + ... + e_{N-1} in index order.
-    z = jnp.exp(lse_i(0) - m)
-    for i in range(1, num_partials):
-        z = z + jnp.exp(lse_i(i) - m)
+    m, all_empty, z = _max_and_sum(lse_i, num_partials)  # 8.2, 8.3
     # out = sum_i w_i * o_i in index order, w_i = e_i / z.
     w_last = jnp.exp(lse_i(last) - m) / z
     if num_partials == 1:
@@ -126,11 +126,7 @@ def _merge_attn_states_n_kernel(
         c.pltriton.store(out_block, jnp.where(copy_t[:, None, None], b, out.astype(out_ref.dtype)), mask=thd_mask)
 
     if output_lse:
-        lse = jnp.log(z) + m
-        lse = jnp.where(all_empty, -jnp.inf, lse)
-        if lse_base2:
-            lse = lse * c.LOG2E
-        lse = jnp.where(copy_t[:, None], last_raw, lse)
+        lse = _merged_lse(z, m, all_empty, copy_t, last_raw, lse_base2)
         _store_lse(out_lse_ref[0], t0, h0, block_t, block_h, lse, th_mask, lse_layout)
 
 

@@ -25,11 +25,10 @@ import triton
 import triton.language as tl
 
 from triton_impl import _common as c
-from triton_impl._common import _cast_rne, _count_keys_le
-from triton_impl.merge import _exp, _log
-from triton_impl.merge_n import _lses_strides, _partial_lse, _weighted, merge_attn_states_n
+from triton_impl._common import _cast_rne
+from triton_impl.merge import _exp, _merged_lse, _token_requests
+from triton_impl.merge_n import _lses_strides, _max_and_sum, _partial_lse, _weighted, merge_attn_states_n
 
-LOG2E = tl.constexpr(c.LOG2E)
 METHODS = ("gather", "reduce_scatter")
 
 
@@ -75,24 +74,10 @@ def _cp_rescale_kernel(
                 mask=thd_mask, other=0.0)
     last_raw = tl.load(lses_ptr + last * stride_lse_n + lse_offs, mask=th_mask, other=float("-inf"))
 
-    req = t  # placeholders unless FUSED_MASK
-    in_req = t_mask
-    if FUSED_MASK:
-        req = _count_keys_le(qsl_ptr, t, num_requests + 1, 1, 0, SCAN, N_INTERPRET) - 1  # R: padding
-        in_req = t_mask & (req < num_requests)
-        req = tl.minimum(req, num_requests - 1)
-
     # The N-way merge's weights (8.2, 8.3), for partial `rank` only.
-    m = _partial_lse(lses_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2, FUSED_MASK)
-    for i in tl.static_range(1, NUM_PARTIALS):
-        m = tl.maximum(m, _partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n,
-                                       req, in_req, LSE_BASE2, FUSED_MASK))
-    all_empty = m == float("-inf")
-    m = tl.where(all_empty, 0.0, m)
-    z = _exp(_partial_lse(lses_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2, FUSED_MASK) - m, INTERPRET)
-    for i in tl.static_range(1, NUM_PARTIALS):
-        z = z + _exp(_partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n,
-                                  req, in_req, LSE_BASE2, FUSED_MASK) - m, INTERPRET)
+    req, in_req = _token_requests(qsl_ptr, t, t_mask, num_requests, SCAN, N_INTERPRET, FUSED_MASK)
+    m, all_empty, z = _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
+                                   NUM_PARTIALS, LSE_BASE2, FUSED_MASK, INTERPRET)
     w = _exp(_partial_lse(lses_ptr + rank * stride_lse_n, lse_offs, th_mask, cu_ptr + rank * stride_cu_n,
                           req, in_req, LSE_BASE2, FUSED_MASK) - m, INTERPRET) / z
     scaled = _weighted(o, w)
@@ -108,11 +93,7 @@ def _cp_rescale_kernel(
     tl.store(s_ptrs, _cast_rne(scaled, scaled_ptr.dtype.element_ty, INTERPRET), mask=thd_mask)
 
     if OUTPUT_LSE:  # the merged LSE (of every head: the caller keeps its own)
-        lse = _log(z, INTERPRET) + m
-        lse = tl.where(all_empty, float("-inf"), lse)
-        if LSE_BASE2:
-            lse = lse * LOG2E
-        lse = tl.where(copy_t[:, None], last_raw, lse)
+        lse = _merged_lse(z, m, all_empty, copy_t, last_raw, LSE_BASE2, INTERPRET)
         tl.store(out_lse_ptr + h64 * stride_olse_h + t64 * stride_olse_t, lse, mask=th_mask)
 
 

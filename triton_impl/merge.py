@@ -46,6 +46,29 @@ def _log(x, INTERPRET: tl.constexpr):
         return libdevice.log(x)
 
 
+@triton.jit
+def _token_requests(qsl_ptr, t, t_mask, num_requests, SCAN: tl.constexpr, N_INTERPRET: tl.constexpr,
+                    FUSED_MASK: tl.constexpr):
+    """(req, in_req) of the fused mask: each token's request (clamped to R - 1) and whether it is in one."""
+    req = t  # placeholders unless FUSED_MASK
+    in_req = t_mask
+    if FUSED_MASK:
+        req = _count_keys_le(qsl_ptr, t, num_requests + 1, 1, 0, SCAN, N_INTERPRET) - 1  # R: padding
+        in_req = t_mask & (req < num_requests)
+        req = tl.minimum(req, num_requests - 1)
+    return req, in_req
+
+
+@triton.jit
+def _merged_lse(z, m, empty, copy_t, passthrough, LSE_BASE2: tl.constexpr, INTERPRET: tl.constexpr):
+    """The merge's LSE tile (docs/spec.md 4.2, 4.4, 8.4)."""
+    lse = _log(z, INTERPRET) + m
+    lse = tl.where(empty, float("-inf"), lse)
+    if LSE_BASE2:
+        lse = lse * LOG2E
+    return tl.where(copy_t[:, None], passthrough, lse)
+
+
 # Runtime values, never specialised: token counts, offsets, and the LSE head strides (= T in [H, T] layout).
 # The LSE token strides stay specialised: 1 in [H, T] layout, which vectorises the LSE accesses.
 @triton.jit(do_not_specialize=["num_tokens", "prefill_tokens_with_context", "num_requests",
@@ -107,9 +130,7 @@ def _merge_attn_states_kernel(
     p = tl.where((p == float("inf")) | (p != p), float("-inf"), p)
     s = tl.where((s == float("inf")) | (s != s), float("-inf"), s)
     if FUSED_MASK:  # docs/spec.md 4.5: a token of a request whose prefix chunk is empty has p = -inf
-        req = _count_keys_le(qsl_ptr, t, num_requests + 1, 1, 0, SCAN, N_INTERPRET) - 1  # R: padding
-        in_req = t_mask & (req < num_requests)
-        req = tl.minimum(req, num_requests - 1)
+        req, in_req = _token_requests(qsl_ptr, t, t_mask, num_requests, SCAN, N_INTERPRET, FUSED_MASK)
         empty_t = in_req & (tl.load(cu_ptr + req + 1) == tl.load(cu_ptr + req))
         p = tl.where(empty_t[:, None], float("-inf"), p)
 
@@ -138,11 +159,7 @@ def _merge_attn_states_kernel(
                  mask=thd_mask)
 
     if OUTPUT_LSE:
-        lse = _log(z, INTERPRET) + m
-        lse = tl.where(both_empty, float("-inf"), lse)
-        if LSE_BASE2:
-            lse = lse * LOG2E
-        lse = tl.where(copy_t[:, None], s_raw, lse)
+        lse = _merged_lse(z, m, both_empty, copy_t, s_raw, LSE_BASE2, INTERPRET)
         tl.store(out_lse_ptr + h64 * stride_olse_h + t64 * stride_olse_t, lse, mask=th_mask)
 
 

@@ -23,13 +23,8 @@ import triton
 import triton.language as tl
 
 from triton_impl import _common as c
-from triton_impl._common import _cast_rne, _count_keys_le
-from triton_impl.merge import _exp, _log
-
-LN2 = tl.constexpr(c.LN2)
-LOG2E = tl.constexpr(c.LOG2E)
-FP8_MAX = tl.constexpr(c.FP8_E4M3_MAX)
-
+from triton_impl._common import _cast_rne
+from triton_impl.merge import FP8_MAX, LN2, _exp, _merged_lse, _token_requests
 
 @triton.jit
 def _partial_lse(lse_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2: tl.constexpr,
@@ -43,6 +38,25 @@ def _partial_lse(lse_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2: tl.
         empty_t = in_req & (tl.load(cu_ptr + req + 1) == tl.load(cu_ptr + req))
         lse = tl.where(empty_t[:, None], float("-inf"), lse)
     return lse
+
+
+@triton.jit
+def _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
+                 NUM_PARTIALS: tl.constexpr, LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """(m, all_empty, z) of the N-way weights (8.2, 8.3): the largest LSE (0 where every partial is empty) and
+    z = e_0 + ... + e_{N-1} in index order."""
+    m = _partial_lse(lses_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2, FUSED_MASK)
+    for i in tl.static_range(1, NUM_PARTIALS):
+        m = tl.maximum(m, _partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n,
+                                       req, in_req, LSE_BASE2, FUSED_MASK))
+    all_empty = m == float("-inf")
+    m = tl.where(all_empty, 0.0, m)
+    z = _exp(_partial_lse(lses_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2, FUSED_MASK) - m, INTERPRET)
+    for i in tl.static_range(1, NUM_PARTIALS):
+        z = z + _exp(_partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n,
+                                  req, in_req, LSE_BASE2, FUSED_MASK) - m, INTERPRET)
+    return m, all_empty, z
 
 
 @triton.jit
@@ -100,25 +114,10 @@ def _merge_attn_states_n_kernel(
     b = tl.load(outs_ptr + last * stride_o_n + o_offs, mask=thd_mask, other=0.0)
     last_raw = tl.load(lses_ptr + last * stride_lse_n + lse_offs, mask=th_mask, other=float("-inf"))
 
-    req = t  # placeholders unless FUSED_MASK
-    in_req = t_mask
-    if FUSED_MASK:  # the request of each token, once for every partial
-        req = _count_keys_le(qsl_ptr, t, num_requests + 1, 1, 0, SCAN, N_INTERPRET) - 1  # R: padding
-        in_req = t_mask & (req < num_requests)
-        req = tl.minimum(req, num_requests - 1)
-
-    # 8.2: the largest LSE; every partial empty gives out 0, LSE -inf.
-    m = _partial_lse(lses_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2, FUSED_MASK)
-    for i in tl.static_range(1, NUM_PARTIALS):
-        m = tl.maximum(m, _partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n,
-                                       req, in_req, LSE_BASE2, FUSED_MASK))
-    all_empty = m == float("-inf")
-    m = tl.where(all_empty, 0.0, m)
-    # 8.3: z = e_0 + e_1 + ... + e_{N-1} in index order.
-    z = _exp(_partial_lse(lses_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2, FUSED_MASK) - m, INTERPRET)
-    for i in tl.static_range(1, NUM_PARTIALS):
-        z = z + _exp(_partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n,
-                                  req, in_req, LSE_BASE2, FUSED_MASK) - m, INTERPRET)
+    # The request of each token, once for every partial; m and z (8.2, 8.3).
+    req, in_req = _token_requests(qsl_ptr, t, t_mask, num_requests, SCAN, N_INTERPRET, FUSED_MASK)
+    m, all_empty, z = _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
+                                   NUM_PARTIALS, LSE_BASE2, FUSED_MASK, INTERPRET)
     # out = sum_i w_i * o_i in index order, w_i = e_i / z.
     w_last = _exp(_partial_lse(lses_ptr + last * stride_lse_n, lse_offs, th_mask, cu_ptr + last * stride_cu_n,
                                req, in_req, LSE_BASE2, FUSED_MASK) - m, INTERPRET) / z
@@ -147,11 +146,7 @@ def _merge_attn_states_n_kernel(
                  mask=thd_mask)
 
     if OUTPUT_LSE:
-        lse = _log(z, INTERPRET) + m
-        lse = tl.where(all_empty, float("-inf"), lse)
-        if LSE_BASE2:
-            lse = lse * LOG2E
-        lse = tl.where(copy_t[:, None], last_raw, lse)
+        lse = _merged_lse(z, m, all_empty, copy_t, last_raw, LSE_BASE2, INTERPRET)
         tl.store(out_lse_ptr + h64 * stride_olse_h + t64 * stride_olse_t, lse, mask=th_mask)
 
 
