@@ -1,12 +1,15 @@
 """The sweeps behind the tile choices in docs/results.md. GPU only; run from the repository root:
 
     python scripts/tune.py merge --tiles 8192,1,4 8192,8,4 --tokens 32768 131072 --json merge.json
+    python scripts/tune.py merge_n --tiles 8192,1,4 4096,4,4 --partials 4 8 --json merge_n.json
     python scripts/tune.py mask --json mask.json
 
 merge: for each tile (bytes of one input tile, fewest tokens, warps) sets it for every variant of both
 frameworks' `MERGE_TILES`, then times plain / output-LSE / fused merges (Triton: CUDA-graph replay; JAX: profiler
 kernel time) and reports % of a `torch.add` 2R1W ceiling measured first. The committed tuning_1..3 files
 give tiles as (elements, fewest tokens, warps) of bf16, i.e. half the bytes used here.
+merge_n: the same for the N-way merge's `MERGE_N_TILES` (N stacked partials), plain / output-LSE / fused,
+with the N = 4 chain of three 2-way output-LSE merges once per N for the speed-up.
 mask: MASK_NUM_WARPS x MASK_TILE_H on the docs/spec.md 7 seed workloads, both frameworks.
 The floors (an empty kernel, a `fill_` of each mask workload's bytes, the host cost of an empty launch and of a
 jitted JAX dispatch) are recorded by every `python -m parity bench` run.
@@ -20,6 +23,7 @@ import itertools
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -46,18 +50,21 @@ def gpu_us_jax(call, sync, n: int = 20) -> float:
     return got[0][1] if got else float("nan")
 
 
-def set_merge_tiles(tile) -> None:
+def set_merge_tiles(tile, table: str = "MERGE_TILES") -> None:
     for common in (tc, pc):
-        common.MERGE_TILES = {variant: tuple(tile) for variant in common.MERGE_TILES}
+        setattr(common, table, {variant: tuple(tile) for variant in getattr(common, table)})
         common.merge_tiles.cache_clear()
     jax.clear_caches()  # the Pallas wrapper's jit cache holds traced tiles
 
 
-def merge_sweep(args) -> list[dict]:
+def ceiling_tbps() -> float:
     n = bench.CEILING_ELEMS
     a, b, c = (torch.ones(n, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-    ceiling = 6 * n / gpu_us_triton(lambda: torch.add(a, b, out=c)) / 1e6
-    a = b = c = None  # free the 6 GiB before the sweep
+    return 6 * n / gpu_us_triton(lambda: torch.add(a, b, out=c)) / 1e6
+
+
+def merge_sweep(args) -> list[dict]:
+    ceiling = ceiling_tbps()
     out = []
     for dtype, H, D, T in itertools.product(args.dtypes, args.heads, args.dims, args.tokens):
         tdt = getattr(torch, dtype)
@@ -71,6 +78,8 @@ def merge_sweep(args) -> list[dict]:
         joffs = dict(query_start_loc=jax.device_put(qsl_np), prefix_cu_seq_lens=jax.device_put(cu_np))
         jx = tuple(bridge.torch_to_jax(x[k]) for k in ("a", "pl", "b", "sl"))
         for tile in args.tiles:
+            if time.monotonic() > args.deadline:
+                break
             set_merge_tiles(tile)
             row = {"dtype": dtype, "T": T, "H": H, "D": D, "tile": list(tile)}
             for variant in ("plain", "lse", "fused"):
@@ -94,7 +103,47 @@ def merge_sweep(args) -> list[dict]:
             out.append(row)
         x = o = olse = jx = None
         torch.cuda.empty_cache()
-    return out
+    return [{"ceiling_tbps": ceiling}] + out
+
+
+def merge_n_sweep(args) -> list[dict]:
+    ceiling = ceiling_tbps()
+    out = []
+    for N, dtype, H, D, T in itertools.product(args.partials, args.dtypes, args.heads, args.dims, args.tokens):
+        tdt = getattr(torch, dtype)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        o = torch.randn(N, T, H, D, generator=g, device="cuda", dtype=tdt)
+        lse = torch.randn(N, H, T, generator=g, device="cuda") * 3 + 4
+        out_t, olse = torch.empty(T, H, D, dtype=tdt, device="cuda"), torch.empty(H, T, device="cuda")
+        q_np, cu_np = cases.offsets_n(bench.MergePoint(T, H, D, dtype, "fused", N).fused_case())
+        offs = dict(query_start_loc=torch.from_numpy(q_np).cuda(), cu_seq_lens=torch.from_numpy(cu_np).cuda())
+        joffs = dict(query_start_loc=jax.device_put(q_np), cu_seq_lens=jax.device_put(cu_np))
+        jo, jl = bridge.torch_to_jax(o), bridge.torch_to_jax(lse)
+        for tile in args.tiles:
+            if time.monotonic() > args.deadline:
+                break
+            set_merge_tiles(tile, "MERGE_N_TILES")
+            row = {"N": N, "dtype": dtype, "T": T, "H": H, "D": D, "tile": list(tile)}
+            for variant in args.variants:
+                kw = offs if variant == "fused" else {}
+                us = gpu_us_triton(functools.partial(triton_impl.merge_attn_states_n, out_t, o, lse,
+                                                     None if variant == "plain" else olse, **kw))
+                f = jax.jit(functools.partial(pallas_impl.merge_attn_states_n, return_lse=variant != "plain"))
+                last = [None]
+
+                def call(f=f, jkw=joffs if variant == "fused" else {}):
+                    last[0] = f(jo, jl, **jkw)
+
+                pus = gpu_us_jax(call, lambda: jax.block_until_ready(last[0]))
+                nbytes = bench.MergePoint(T, H, D, dtype, variant, N).bytes
+                for impl, t_us in (("triton", us), ("pallas", pus)):
+                    row[f"{impl}_{variant}_us"] = round(t_us, 2)
+                    row[f"{impl}_{variant}_pct"] = round(100 * nbytes / t_us / 1e6 / ceiling, 1)
+            print(json.dumps(row), flush=True)
+            out.append(row)
+        o = lse = out_t = olse = jo = jl = None
+        torch.cuda.empty_cache()
+    return [{"ceiling_tbps": ceiling}] + out
 
 
 def mask_sweep(args) -> list[dict]:
@@ -126,10 +175,13 @@ def mask_sweep(args) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=("merge", "mask"))
+    p.add_argument("what", choices=("merge", "merge_n", "mask"))
     p.add_argument("--tiles", nargs="+", default=["8192,1,4", "8192,8,4", "16384,8,8", "4096,1,2"],
                    type=lambda s: tuple(int(v) for v in s.split(",")), help="bytes,fewest_tokens,warps")
     p.add_argument("--tokens", nargs="+", type=int, default=[32768, 131072])
+    p.add_argument("--partials", nargs="+", type=int, default=[4, 8], help="merge_n: N")
+    p.add_argument("--variants", nargs="+", default=["plain", "lse", "fused"], help="merge_n: variants timed")
+    p.add_argument("--budget-s", type=float, default=1e9, help="start no new tile after this many seconds")
     p.add_argument("--heads", nargs="+", type=int, default=[64])
     p.add_argument("--dims", nargs="+", type=int, default=[128])
     p.add_argument("--dtypes", nargs="+", default=["bfloat16"])
@@ -138,10 +190,11 @@ def main(argv=None) -> int:
     p.add_argument("--workloads", nargs="+", default=list(SEEDS))
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    args.deadline = time.monotonic() + args.budget_s
     if not torch.cuda.is_available():
         print("scripts/tune.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    rows = {"merge": merge_sweep, "mask": mask_sweep}[args.what](args)
+    rows = {"merge": merge_sweep, "merge_n": merge_n_sweep, "mask": mask_sweep}[args.what](args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"what": args.what, "argv": sys.argv[1:], "rows": rows}, f, indent=1)
