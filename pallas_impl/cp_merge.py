@@ -30,6 +30,9 @@ from pallas_impl.merge import _load_lse, _merged_lse, _store_lse, _token_request
 from pallas_impl.merge_n import _max_and_sum, _partial_lse, _weighted, merge_attn_states_n
 
 METHODS = ("gather", "reduce_scatter")
+# The rescale kernel reads one partial's tile and writes one: it takes the N-way tile of two partials (the 2-way
+# merge's bytes per tile).
+RESCALE_TILE_PARTIALS = 2
 
 
 def _cp_rescale_kernel(
@@ -96,7 +99,7 @@ def _rescale_jit(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with_c
     fused = query_start_loc is not None and query_start_loc.shape[0] > 1
     variant = c.merge_variant(return_lse, fused)
     itemsize = jnp.dtype(part.dtype).itemsize
-    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize, "nway")
+    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize, RESCALE_TILE_PARTIALS)
     kernel = functools.partial(
         _cp_rescale_kernel, num_partials=num_partials, num_tokens=num_tokens, num_heads=num_heads, head_dim=head_dim,
         num_requests=query_start_loc.shape[0] - 1 if fused else 0, block_t=block_t, block_h=block_h,
@@ -108,8 +111,9 @@ def _rescale_jit(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with_c
     dummy = jnp.zeros((1,), jnp.int32)
     results = pl.pallas_call(
         kernel, out_shape=out_shape,
-        grid=c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize, "nway"),
-        interpret=interpret, compiler_params=c.compiler_params(num_warps=c.merge_num_warps(variant, "nway")),
+        grid=c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize, RESCALE_TILE_PARTIALS),
+        interpret=interpret,
+        compiler_params=c.compiler_params(num_warps=c.merge_num_warps(variant, RESCALE_TILE_PARTIALS)),
         name="cp_rescale",
     )(part, lses, query_start_loc if fused else dummy, cu_seq_lens.reshape(-1) if fused else dummy,
       c.prefill_tokens_array(prefill_tokens_with_context, num_tokens), rank.reshape(1))

@@ -147,7 +147,7 @@ def _merge_n_jit(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pref
     dummy_i32 = jnp.zeros((1,), jnp.int32)
     variant = c.merge_variant(return_lse, fused)
     itemsize = jnp.dtype(outputs.dtype).itemsize
-    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize, "nway")
+    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize, num_partials)
     kernel = functools.partial(
         _merge_attn_states_n_kernel, num_partials=num_partials, num_tokens=num_tokens, num_heads=num_heads,
         head_dim=head_dim, num_requests=query_start_loc.shape[0] - 1 if fused else 0,
@@ -159,9 +159,9 @@ def _merge_n_jit(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pref
     results = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize, "nway"),
+        grid=c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize, num_partials),
         interpret=interpret,
-        compiler_params=c.compiler_params(num_warps=c.merge_num_warps(variant, "nway")),
+        compiler_params=c.compiler_params(num_warps=c.merge_num_warps(variant, num_partials)),
         name="merge_attn_states_n",
     )(outputs, lses, output_scale.reshape(1) if fp8 else jnp.ones((1,), jnp.float32),
       query_start_loc if fused else dummy_i32, cu_seq_lens.reshape(-1) if fused else dummy_i32, prefill_tokens)

@@ -8,8 +8,8 @@ merge: for each tile (bytes of one input tile, fewest tokens, warps) sets it for
 frameworks' `MERGE_TILES`, then times plain / output-LSE / fused merges (Triton: CUDA-graph replay; JAX: profiler
 kernel time) and reports % of a `torch.add` 2R1W ceiling measured first. The committed tuning_1..3 files
 give tiles as (elements, fewest tokens, warps) of bf16, i.e. half the bytes used here.
-merge_n: the same for the N-way merge's `MERGE_N_TILES` (N stacked partials), plain / output-LSE / fused,
-with the N = 4 chain of three 2-way output-LSE merges once per N for the speed-up.
+merge_n: the same for the N-way merge's `MERGE_N_TILES` (N stacked partials; a tile's bytes are those of the
+program's N input tiles together, `partial_tile_bytes`), plain / output-LSE / fused.
 mask: MASK_NUM_WARPS x MASK_TILE_H on the docs/spec.md 7 seed workloads, both frameworks.
 The floors (an empty kernel, a `fill_` of each mask workload's bytes, the host cost of an empty launch and of a
 jitted JAX dispatch) are recorded by every `python -m parity bench` run.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import itertools
 import json
 import os
@@ -42,7 +43,14 @@ SEEDS = {c.name: c for c in cases.select("seed")}
 
 
 def gpu_us_triton(fn) -> float:
-    return bench.time_cudagraph(fn, 20)[0][1]
+    fn()  # compile outside the graph capture
+    torch.cuda.synchronize()
+    try:
+        return bench.time_cudagraph(fn, 20)[0][1]
+    except (RuntimeError, torch.AcceleratorError) as e:  # a capture invalidated from outside (seen once): retry
+        print(f"capture failed ({type(e).__name__}), retrying once", file=sys.stderr, flush=True)
+        torch.cuda.synchronize()
+        return bench.time_cudagraph(fn, 20)[0][1]
 
 
 def gpu_us_jax(call, sync, n: int = 20) -> float:
@@ -55,6 +63,9 @@ def set_merge_tiles(tile, table: str = "MERGE_TILES") -> None:
         setattr(common, table, {variant: tuple(tile) for variant in getattr(common, table)})
         common.merge_tiles.cache_clear()
     jax.clear_caches()  # the Pallas wrapper's jit cache holds traced tiles
+    gc.collect()  # the dropped executables go now, not during a CUDA-graph capture
+    jax.effects_barrier()
+    torch.cuda.synchronize()
 
 
 def ceiling_tbps() -> float:

@@ -162,13 +162,23 @@ def test_merge_agrees_bitwise_gpu(case):
 @pytest.mark.parametrize("num_heads", [1, 3, 5, 64])
 def test_n_way_tiles_are_powers_of_two_within_budget(num_heads):
     for common, variant, itemsize in itertools.product((triton_common, pallas_common), common_variants(), (2, 4)):
-        tile_bytes, _, num_warps = common.MERGE_N_TILES[variant]
-        for head_dim in (32, 64, 80, 128, 512):
-            block_t, block_h, block_d = common.merge_tiles(num_heads, head_dim, variant, itemsize, "nway")
+        total, _, num_warps = common.MERGE_N_TILES[variant]
+        for num_partials, head_dim in itertools.product((1, 2, 3, 4, 8, 16, 64), (32, 64, 80, 128, 512)):
+            tile_bytes = common.partial_tile_bytes(total, num_partials)
+            assert common.N_TILE_BYTES[0] <= tile_bytes <= common.N_TILE_BYTES[1]
+            assert tile_bytes <= total // num_partials < 2 * tile_bytes or tile_bytes in common.N_TILE_BYTES
+            block_t, block_h, block_d = common.merge_tiles(num_heads, head_dim, variant, itemsize, num_partials)
             assert all(_pow2(b) for b in (block_t, block_h, block_d, num_warps))
             assert block_d >= head_dim and block_t * block_h * block_d <= max(tile_bytes // itemsize, block_d)
-            grid = common.merge_grid(1000, num_heads, head_dim, variant, itemsize, "nway")
+            grid = common.merge_grid(1000, num_heads, head_dim, variant, itemsize, num_partials)
             assert grid == (math.ceil(1000 / block_t) * math.ceil(num_heads / block_h),)
+
+
+def test_n_way_tiles_shrink_as_partials_grow():
+    """A program's N input tiles share one budget: 4 partials get half the bytes of 2, down to the floor."""
+    for common, variant in itertools.product((triton_common, pallas_common), common_variants()):
+        sizes = [common.partial_tile_bytes(common.MERGE_N_TILES[variant][0], n) for n in (1, 2, 4, 8, 16, 64)]
+        assert sizes == sorted(sizes, reverse=True) and sizes[-1] == common.N_TILE_BYTES[0]
 
 
 @pytest.mark.gpu

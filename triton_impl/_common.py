@@ -27,9 +27,12 @@ LOG2E = 1.4426950408889634
 # LSE; "lse": with it; "fused": the fused mask too. Not shared: chosen per framework from the H200 tile sweep in
 # docs/results.md (the tile changes which elements a program owns, never an element's arithmetic).
 MERGE_TILES = {"plain": (8192, 1, 4), "lse": (8192, 8, 4), "fused": (8192, 8, 4)}
-# The N-way merge's launch per variant, the same fields; a program reads N input tiles. From the H200 sweep at
-# N = 4 and 8 (docs/results/tuning_5_n_way_tiles.json): 4 KiB x 4 tokens for the output-LSE and fused variants.
-MERGE_N_TILES = {"plain": (8192, 1, 4), "lse": (4096, 4, 4), "fused": (4096, 4, 4)}
+# The N-way merge's launch per variant: (bytes of a program's N input tiles together, fewest tokens, warps).
+# Each partial's tile gets total // N bytes (a power of two), within N_TILE_BYTES: a program's loads stay about
+# the same as N grows, and never below one 16-byte vector per thread of 4 warps. From the H200 sweep at N = 2, 4, 8
+# (docs/results.md, "N-way merge"; `scripts/tune.py merge_n`).
+MERGE_N_TILES = {"plain": (16384, 1, 4), "lse": (16384, 1, 4), "fused": (16384, 4, 4)}
+N_TILE_BYTES = (2048, 8192)  # (fewest, most) bytes of one partial's tile in the N-way merge
 MAX_PARTIALS = 64  # the N-way kernels unroll their loops over the partials at compile time
 
 # Launch options that make the float math reproducible by the Pallas port (docs/spec.md 5).
@@ -57,11 +60,15 @@ def mask_tiles(num_heads: int, head_dim: int) -> tuple[int, int, int]:
 
 @functools.lru_cache(maxsize=None)
 def merge_tiles(num_heads: int, head_dim: int, variant: str = "plain",
-                itemsize: int = 2, tiles: str = "2way") -> tuple[int, int, int]:
+                itemsize: int = 2, num_partials: int = 0) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_H, BLOCK_D) of a merge program: the whole (padded) head, the variant's fewest tokens, then
-    heads, then more tokens, up to the variant's byte budget (`MERGE_TILES`, or `MERGE_N_TILES` for
-    tiles="nway") of `itemsize`-byte inputs."""
-    tile_bytes, min_block_t, _ = (MERGE_TILES if tiles == "2way" else MERGE_N_TILES)[variant]
+    heads, then more tokens, up to the byte budget of one `itemsize`-byte input tile: `MERGE_TILES` for the 2-way
+    merge (num_partials=0), else `partial_tile_bytes` of `MERGE_N_TILES`."""
+    if num_partials:
+        total, min_block_t, _ = MERGE_N_TILES[variant]
+        tile_bytes = partial_tile_bytes(total, num_partials)
+    else:
+        tile_bytes, min_block_t, _ = MERGE_TILES[variant]
     elems = max(1, tile_bytes // itemsize)
     block_d = next_pow2(head_dim)
     rest = max(1, elems // block_d)
@@ -70,8 +77,15 @@ def merge_tiles(num_heads: int, head_dim: int, variant: str = "plain",
     return block_t, block_h, block_d
 
 
-def merge_num_warps(variant: str, tiles: str = "2way") -> int:
-    return (MERGE_TILES if tiles == "2way" else MERGE_N_TILES)[variant][2]
+def partial_tile_bytes(total: int, num_partials: int) -> int:
+    """Bytes of one partial's tile in an N-way program whose N tiles share `total` bytes: a power of two, within
+    `N_TILE_BYTES`."""
+    share = 1 << ((total // num_partials).bit_length() - 1)
+    return min(max(share, N_TILE_BYTES[0]), N_TILE_BYTES[1])
+
+
+def merge_num_warps(variant: str, num_partials: int = 0) -> int:
+    return (MERGE_N_TILES if num_partials else MERGE_TILES)[variant][2]
 
 
 def merge_variant(output_lse: bool, fused: bool) -> str:
@@ -84,9 +98,9 @@ def mask_grid(num_tokens: int, num_requests: int) -> tuple[int]:
 
 
 def merge_grid(num_tokens: int, num_heads: int, head_dim: int, variant: str = "plain",
-               itemsize: int = 2, tiles: str = "2way") -> tuple[int]:
+               itemsize: int = 2, num_partials: int = 0) -> tuple[int]:
     # One axis (no 65535 limit), head blocks fastest: program = token block * head blocks + head block.
-    block_t, block_h, _ = merge_tiles(num_heads, head_dim, variant, itemsize, tiles)
+    block_t, block_h, _ = merge_tiles(num_heads, head_dim, variant, itemsize, num_partials)
     return (math.ceil(num_tokens / block_t) * math.ceil(num_heads / block_h),)
 
 

@@ -30,6 +30,9 @@ from triton_impl.merge import _exp, _merged_lse, _token_requests
 from triton_impl.merge_n import _lses_strides, _max_and_sum, _partial_lse, _weighted, merge_attn_states_n
 
 METHODS = ("gather", "reduce_scatter")
+# The rescale kernel reads one partial's tile and writes one: it takes the N-way tile of two partials (the 2-way
+# merge's bytes per tile).
+RESCALE_TILE_PARTIALS = 2
 
 
 @triton.jit(do_not_specialize=["num_tokens", "prefill_tokens_with_context", "num_requests", "rank",
@@ -303,12 +306,12 @@ def _rescale(scaled, merged_lse, partial_output, lses, qsl, cus, rank, params, l
     output_lse = merged_lse
     variant = c.merge_variant(output_lse is not None, fused)
     itemsize = partial_output.element_size()
-    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize, "nway")
+    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize, RESCALE_TILE_PARTIALS)
     stride_lse_n, stride_lse_h, stride_lse_t = _lses_strides(lses, lse_layout, num_partials, num_heads, num_tokens)
     olse_strides = (0, 0) if output_lse is None else c.lse_ht_strides("merged_lse", output_lse, lse_layout, num_heads,
                                                                       num_tokens)
     placeholder = lses
-    _cp_rescale_kernel[c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize, "nway")](
+    _cp_rescale_kernel[c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize, RESCALE_TILE_PARTIALS)](
         scaled, output_lse if output_lse is not None else placeholder, partial_output, lses,
         qsl if fused else placeholder, cus if fused else placeholder,
         scaled.stride(0), scaled.stride(1), scaled.stride(2), scaled.stride(3),
@@ -320,5 +323,5 @@ def _rescale(scaled, merged_lse, partial_output, lses, qsl, cus, rank, params, l
         SCAN=c.SCAN, N_INTERPRET=c.n_interpret(max(params["num_requests"], 0) + 1),
         LSE_BASE2=params["base2"], OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused,
         INTERPRET=c.interpreting(),
-        num_warps=c.merge_num_warps(variant, "nway"), **c.PARITY_LAUNCH,
+        num_warps=c.merge_num_warps(variant, RESCALE_TILE_PARTIALS), **c.PARITY_LAUNCH,
     )

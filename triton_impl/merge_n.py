@@ -234,9 +234,9 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
 
     variant = c.merge_variant(output_lse is not None, fused)
     itemsize = outputs.element_size()
-    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize, "nway")
+    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize, num_partials)
     placeholder = lses
-    _merge_attn_states_n_kernel[c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize, "nway")](
+    _merge_attn_states_n_kernel[c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize, num_partials)](
         output, output_lse if output_lse is not None else placeholder, outputs, lses,
         output_scale if fp8 else placeholder,
         query_start_loc if fused else placeholder, cu_seq_lens if fused else placeholder,
@@ -248,5 +248,5 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
         SCAN=c.SCAN, N_INTERPRET=c.n_interpret(num_requests + 1),
         LSE_BASE2=base2, OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused, FP8_OUT=fp8,
         INTERPRET=c.interpreting(),
-        num_warps=c.merge_num_warps(variant, "nway"), **c.PARITY_LAUNCH,
+        num_warps=c.merge_num_warps(variant, num_partials), **c.PARITY_LAUNCH,
     )
