@@ -19,7 +19,6 @@ devices (one GPU), over N ranks simulated by `jax.vmap` with an axis name (the s
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
@@ -98,16 +97,8 @@ def _cp_torch(batch_config: dict, world: int, behavior: str, interleave: int) ->
 
     use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= world
     device, backend = ("cuda", "nccl") if use_nccl else ("cpu", "gloo")
-    saved = os.environ.get("TRITON_INTERPRET")
-    if device == "cpu":  # CPU ranks (also on a machine with fewer GPUs than ranks): Triton's interpreter
-        os.environ["TRITON_INTERPRET"] = "1"  # read by the spawned ranks when they import the kernels
-    try:
-        got = ranks.run_ranks(_torch_rank, world, batch_config, behavior, interleave, device, backend=backend)
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
+    # CPU ranks (also on a machine with fewer GPUs than ranks) run Triton's interpreter (ranks.run_ranks).
+    got = ranks.run_ranks(_torch_rank, world, batch_config, behavior, interleave, device, backend=backend)
     for r, res in enumerate(got):
         if res[0] != "ok":
             raise RuntimeError(f"CP rank {r} failed: {res[1]}\n{res[2]}")

@@ -39,16 +39,26 @@ def run_ranks(fn, world_size: int, *args, backend: str = "gloo", timeout_s: floa
     `fn` must be importable by name (module level) and its results picklable (numpy arrays, not tensors).
     Exceptions inside `fn` come back as ("error", message, traceback) entries rather than failing the launch, so
     a test can assert that every rank raised the same error. NCCL needs one GPU per rank (NCCL refuses two ranks
-    on one GPU). Environment variables (TRITON_INTERPRET, NCCL_*) are inherited by the ranks.
+    on one GPU). gloo ranks run Triton in its interpreter (TRITON_INTERPRET=1); other environment variables
+    (NCCL_*) are inherited by the ranks.
     """
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory(prefix="parity_ranks_") as tmp:
-        init_file = os.path.join(tmp, "pg")
-        mp.spawn(_entry, args=(world_size, backend, init_file, tmp, timeout_s, fn, args), nprocs=world_size,
-                 join=True)
-        results = []
-        for rank in range(world_size):
-            with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
+    saved = os.environ.get("TRITON_INTERPRET")
+    if backend == "gloo":  # CPU ranks hold CPU tensors, which Triton runs only in its interpreter
+        os.environ["TRITON_INTERPRET"] = "1"  # read by the spawned ranks when they import the kernels
+    try:
+        with tempfile.TemporaryDirectory(prefix="parity_ranks_") as tmp:
+            init_file = os.path.join(tmp, "pg")
+            mp.spawn(_entry, args=(world_size, backend, init_file, tmp, timeout_s, fn, args), nprocs=world_size,
+                     join=True)
+            results = []
+            for rank in range(world_size):
+                with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:
+                    results.append(pickle.load(f))
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
     return results

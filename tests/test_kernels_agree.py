@@ -202,3 +202,27 @@ def test_merge_n_agrees_bitwise_gpu(case, fused):
                                      case=case, mode="compiled")
         compare.assert_bitwise_equal(got["pallas"][key], got["jnp"][key], name=f"{op}.{key} pallas vs jnp",
                                      case=case, mode="compiled")
+
+
+@pytest.mark.gpu
+def test_merge_n_past_2_31_stacked_elements_gpu():
+    """Stacked partials of N * T * H * D > 2^31 elements (each partial below it): the last partial's offsets need
+    64 bits. Triton and Pallas agree bit for bit, and the last tokens match the float64 reference."""
+    N, T, H, D = 3, 131072, 64, 128  # 3 x 2^30 bf16 elements: 6 GiB of partials
+    g = torch.Generator(device="cuda").manual_seed(0)
+    outs = torch.randn(N, T, H, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    lses = torch.randn(N, H, T, generator=g, device="cuda") * 3
+    out_t, lse_t = torch.empty(T, H, D, dtype=torch.bfloat16, device="cuda"), torch.empty(H, T, device="cuda")
+    triton_impl.merge_attn_states_n(out_t, outs, lses, lse_t)
+    out_p, lse_p = pallas_impl.merge_attn_states_n(bridge.torch_to_jax(outs), bridge.torch_to_jax(lses),
+                                                   implementation="pallas", interpret=False)
+    jax.block_until_ready((out_p, lse_p))
+    torch.cuda.synchronize()
+    compare.assert_bitwise_equal(out_t, out_p, name="merge_n.out", case=None, mode="compiled")
+    compare.assert_bitwise_equal(lse_t, lse_p, name="merge_n.lse", case=None, mode="compiled")
+    tail = slice(T - 64, T)  # rows each partial reaches only past 2^31 elements into the stack
+    outs_tail, lses_tail = bridge.to_numpy(outs[:, tail]), bridge.to_numpy(lses[:, :, tail])
+    want_out, want_lse = reference.merge_attn_states_n(outs_tail, lses_tail)
+    mag = compare.merge_magnitude(outs_tail, reference.merge_weights_n(lses_tail))
+    compare.assert_matches_reference(out_t[tail], want_out, mag=mag, tol="bfloat16", name="merge_n.out[tail]")
+    compare.assert_matches_reference(lse_t[:, tail], want_lse, tol="lse", name="merge_n.lse[tail]", layout="HT")

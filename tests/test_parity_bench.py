@@ -59,7 +59,7 @@ def test_smoke_json_schema(smoke_run):
         for key in NUMERIC_FIELDS:
             assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] >= 0, (key, r)
         assert r["p20"] <= r["p50"] <= r["p80"], r
-        assert r["unit"] == "us" and r["metric"] in ("gpu_time", "latency")
+        assert r["unit"] == "us" and r["metric"] in ("gpu_time", "latency", "launch")
         for key in ("T", "H", "D", "dtype", "frac_ceiling"):
             assert key in r
     assert {"torch", "triton", "jax"} <= set(doc["env"]["versions"])

@@ -71,6 +71,9 @@ def _cp_rescale_kernel(
     d64 = d.to(tl.int64)[None, None, :]
     lse_offs = h64 * stride_lse_h + t64 * stride_lse_t
     last = NUM_PARTIALS - 1
+    # A partial's offset (index x stride) may pass 2^31 elements: 64-bit, like the others.
+    stride_lse_n = tl.cast(stride_lse_n, tl.int64)
+    stride_cu_n = tl.cast(stride_cu_n, tl.int64)
 
     # This rank's partial; the last partial's raw LSE is the pass-through LSE (8.4).
     o = tl.load(part_ptr + t64[:, :, None] * stride_p_t + h64[:, :, None] * stride_p_h + d64 * stride_p_d,

@@ -109,6 +109,10 @@ def _merge_attn_states_n_kernel(
     lse_offs = h64 * stride_lse_h + t64 * stride_lse_t
     o_offs = t64[:, :, None] * stride_o_t + h64[:, :, None] * stride_o_h + d64 * stride_o_d
     last = NUM_PARTIALS - 1
+    # A partial's offset (index x stride) passes 2^31 elements in the stacked buffers: 64-bit, like the others.
+    stride_o_n = tl.cast(stride_o_n, tl.int64)
+    stride_lse_n = tl.cast(stride_lse_n, tl.int64)
+    stride_cu_n = tl.cast(stride_cu_n, tl.int64)
 
     # The last partial: also the pass-through row and LSE (8.4). Its loads are issued first.
     b = tl.load(outs_ptr + last * stride_o_n + o_offs, mask=thd_mask, other=0.0)
