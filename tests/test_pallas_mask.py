@@ -7,6 +7,8 @@ static shapes (`BUCKET_*`): new offset values never recompile, new shapes do.
 
 import dataclasses
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -288,7 +290,10 @@ def test_lowering_declares_the_donated_aliases(mode):
     step = jax.jit(lambda lse, q, c, out: _mask(lse, q, c, out, mode=mode), donate_argnums=(0, 3))
     text = step.lower(jnp.zeros((2, 8), jnp.float32), jnp.asarray(qsl), jnp.asarray(cu),
                       jnp.zeros((8, 2, 16), jnp.bfloat16)).as_text()
-    assert "tf.aliasing_output = 0" in text and "tf.aliasing_output = 1" in text, text[:2000]
+    # The donated arguments carry an alias to a result (its index shifts when the module also returns a token:
+    # the Mosaic GPU interpreter's callback is an ordered effect).
+    aliased = re.findall(r"tensor<([0-9a-z]+)> \{[^}]*tf\.aliasing_output = \d+", text)
+    assert "2x8xf32" in aliased and "8x2x16xbf16" in aliased, text[:2000]
 
 
 def test_donated_lse_is_updated_in_place(mode):

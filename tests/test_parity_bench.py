@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from parity import bench, cases
 
@@ -68,6 +69,9 @@ def test_smoke_json_schema(smoke_run):
             for op, variants in (("mask", ("lse",)), ("merge", bench.MERGE_VARIANTS),
                                  ("merge_n", bench.N_WAY_VARIANTS)) for v in variants}
     want.add(("mask", "torch", "lse floor", "gpu_time"))  # the same bytes written by fill_
+    if torch.cuda.is_available():  # the launch-inclusive cost of the Triton mask, as a function and as its op
+        want |= {("mask", "triton", "lse", "launch"), ("mask", "triton-op", "lse", "latency"),
+                 ("mask", "triton-op", "lse", "launch")}
     assert got == want
     # Effective bandwidth is the stated bytes over the p50 time.
     for r in recs:
