@@ -360,9 +360,15 @@ def count_ops(selected) -> int:
     return sum(len(impls.ops_of(c)) for c in selected)
 
 
-def run_check(*, suite: str, name_filter: str | None, seed: int, quiet: bool = False,
-              progress=None) -> tuple[impls.Runtime, list[OpRecord]]:
+def select(suite: str, name_filter: str | None, shard: tuple[int, int] | None = None) -> list:
+    """The cases of a check run: the suite's, filtered by name, then every N-th from the K-th with shard=(K, N)."""
     selected = cases_mod.select(suite, name_filter, kind="all")
+    return selected if shard is None else selected[shard[0]::shard[1]]
+
+
+def run_check(*, suite: str, name_filter: str | None, seed: int, quiet: bool = False, shard=None,
+              progress=None) -> tuple[impls.Runtime, list[OpRecord]]:
+    selected = select(suite, name_filter, shard)
     rt = impls.make_runtime()
     total = count_ops(selected)
     records: list[OpRecord] = []
@@ -380,7 +386,7 @@ def run_check(*, suite: str, name_filter: str | None, seed: int, quiet: bool = F
 
 
 def build_report(rt: impls.Runtime, records: list[OpRecord], *, suite: str, name_filter, seed: int,
-                 argv: list[str] | None) -> dict[str, Any]:
+                 argv: list[str] | None, shard: tuple[int, int] | None = None) -> dict[str, Any]:
     from parity import compare
 
     n_fail = sum(not r.ok for r in records)
@@ -392,6 +398,7 @@ def build_report(rt: impls.Runtime, records: list[OpRecord], *, suite: str, name
         "tolerances": {k: v.describe() for k, v in compare.TOLERANCES.items()},
         "suite": suite,
         "filter": name_filter,
+        "shard": None if shard is None else f"{shard[0]}/{shard[1]}",
         "seed": seed,
         "summary": {"records": len(records), "failed": n_fail, "ok": n_fail == 0,
                     "cases": len({r.case.name for r in records})},
@@ -401,17 +408,20 @@ def build_report(rt: impls.Runtime, records: list[OpRecord], *, suite: str, name
 
 def main(args) -> int:
     """Handler of `python -m parity check` (args from parity.cli)."""
-    selected = cases_mod.select(args.suite, args.name_filter, kind="all")
+    shard = getattr(args, "shard", None)
+    selected = select(args.suite, args.name_filter, shard)
     if not selected:
-        print(f"error: no case in suite {args.suite!r} matches -k {args.name_filter!r}", file=sys.stderr)
+        print(f"error: no case in suite {args.suite!r} matches -k {args.name_filter!r}"
+              + (f" in shard {shard[0]}/{shard[1]}" if shard else ""), file=sys.stderr)
         return 2
-    rt, records = run_check(suite=args.suite, name_filter=args.name_filter, seed=args.seed, quiet=args.quiet)
+    rt, records = run_check(suite=args.suite, name_filter=args.name_filter, seed=args.seed, quiet=args.quiet,
+                            shard=shard)
     print(format_table(records))
     ok = all(r.ok for r in records)
     print(f"{rt.mode}: {sum(r.ok for r in records)}/{len(records)} ok" + ("" if ok else " -- PARITY FAILURE"))
     if args.json:
         report = build_report(rt, records, suite=args.suite, name_filter=args.name_filter, seed=args.seed,
-                              argv=getattr(args, "argv", None))
+                              argv=getattr(args, "argv", None), shard=shard)
         with open(args.json, "w") as f:
             json.dump(jsonable(report), f, indent=1)
             f.write("\n")

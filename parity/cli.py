@@ -63,6 +63,16 @@ def _demo(args) -> int:
     return EXIT_OK if ok else EXIT_FAIL
 
 
+def _shard_arg(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard takes K/N, e.g. 0/3; got {text!r}") from None
+    if not 0 <= k < n:
+        raise argparse.ArgumentTypeError(f"--shard K/N needs 0 <= K < N; got {text!r}")
+    return k, n
+
+
 def _add_selection(p: argparse.ArgumentParser, default_suite: str) -> None:
     p.add_argument("--suite", choices=SUITES, default=default_suite,
                    help=f"tag of parity.cases to run (default: {default_suite})")
@@ -105,6 +115,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="run both implementations on a suite and compare them bit for bit "
                                      "and with the float64 reference")
     _add_selection(p, "default")
+    p.add_argument("--shard", type=_shard_arg, metavar="K/N", default=None,
+                   help="only every N-th selected case, starting at the K-th (0 <= K < N): N processes with "
+                        "K = 0..N-1 run the suite between them")
     p.add_argument("--json", metavar="FILE", default=None, help="write the JSON report to FILE")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     _add_pallas_backend(p)

@@ -140,3 +140,24 @@ def test_check_runs_the_pallas_implementation_on_the_chosen_backend(tmp_path, ca
         assert rc == 1 and all(r["status"] == "error" for r in report["records"])
         assert "needs jax >= 0.11" in report["records"][0]["error"]  # the mask (mask-then-merge has no input)
         assert "needs jax >= 0.11" in report["records"][2]["error"]  # the fused merge
+
+
+def test_check_shards_split_the_suite_between_them():
+    """--shard K/N: N runs with K = 0..N-1 cover the selected cases once each, in suite order."""
+    from parity import check
+
+    every = [c.name for c in check.select("full", None)]
+    shards = [[c.name for c in check.select("full", None, (k, 3))] for k in range(3)]
+    assert sorted(sum(shards, [])) == sorted(every) and len(sum(shards, [])) == len(every)
+    assert all(s == [n for n in every if n in s] for s in shards)
+
+
+@pytest.mark.parametrize("bad", ["3/3", "-1/2", "1", "a/b"])
+def test_check_refuses_a_bad_shard(bad, capsys):
+    assert cli.main(["check", "--shard", bad]) == 2  # argparse's usage error
+    assert "--shard" in capsys.readouterr().err
+
+
+def test_check_runs_one_shard(tmp_path):
+    rc, report = _run_check(tmp_path, "--shard", "0/1")
+    assert rc == 0 and report["shard"] == "0/1" and report["summary"]["cases"] == 1
