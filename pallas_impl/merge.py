@@ -39,6 +39,22 @@ def _store_lse(ref, t0, h0, block_t, block_h, value, th_mask, lse_layout):
         c.pltriton.store(ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h)], value, mask=th_mask)
 
 
+def _program_tile(num_tokens, num_heads, head_dim, block_t, block_h, block_d):
+    """This program's [block_t, block_h, block_d] tile, head blocks fastest (consecutive programs sweep the
+    [T, H, D] buffers front to back): its first token t0 and head h0, its tokens t, and the masks."""
+    num_h_blocks = pl.cdiv(num_heads, block_h)
+    pid = pl.program_id(0)
+    t0 = (pid // num_h_blocks) * block_t
+    h0 = (pid % num_h_blocks) * block_h
+    t = t0 + jnp.arange(block_t, dtype=jnp.int32)
+    h = h0 + jnp.arange(block_h, dtype=jnp.int32)
+    d = jnp.arange(block_d, dtype=jnp.int32)
+    t_mask = t < num_tokens
+    th_mask = t_mask[:, None] & (h < num_heads)[None, :]
+    thd_mask = th_mask[:, :, None] & (d < head_dim)[None, None, :]
+    return t0, h0, t, t_mask, th_mask, thd_mask
+
+
 def _token_requests(qsl_ref, t, t_mask, num_requests, fused_mask):
     """(req, in_req) of the fused mask: each token's request (clamped to R - 1) and whether it is in one."""
     req = t  # placeholders unless fused_mask
@@ -76,19 +92,7 @@ def _merge_attn_states_kernel(
     block_t: int, block_h: int, block_d: int,
     lse_layout: str, lse_base2: bool, output_lse: bool, fused_mask: bool, fp8_out: bool,
 ):
-    # Head blocks vary fastest: consecutive programs sweep the [T, H, D] buffers front to back.
-    num_h_blocks = pl.cdiv(num_heads, block_h)
-    pid = pl.program_id(0)
-    t0 = (pid // num_h_blocks) * block_t
-    h0 = (pid % num_h_blocks) * block_h
-    t = t0 + jnp.arange(block_t, dtype=jnp.int32)
-    h = h0 + jnp.arange(block_h, dtype=jnp.int32)
-    d = jnp.arange(block_d, dtype=jnp.int32)
-    t_mask = t < num_tokens
-    h_mask = h < num_heads
-    d_mask = d < head_dim
-    th_mask = t_mask[:, None] & h_mask[None, :]
-    thd_mask = th_mask[:, :, None] & d_mask[None, None, :]
+    t0, h0, t, t_mask, th_mask, thd_mask = _program_tile(num_tokens, num_heads, head_dim, block_t, block_h, block_d)
 
     # Issue every load first: the fused-mask scan below overlaps their latency.
     p_raw = _load_lse(prefix_lse_ref, t0, h0, block_t, block_h, th_mask, lse_layout)

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 
 from pallas_impl import _common as c
 from pallas_impl import jnp_fallback
-from pallas_impl.merge import _load_lse, _merged_lse, _store_lse, _token_requests
+from pallas_impl.merge import _load_lse, _merged_lse, _program_tile, _store_lse, _token_requests
 
 
 def _partial_lse(lses_ref, i, t0, h0, block_t, block_h, th_mask, cu_ref, cu_row, req, in_req, *, lse_layout,
@@ -74,19 +74,7 @@ def _merge_attn_states_n_kernel(
     block_t: int, block_h: int, block_d: int,
     lse_layout: str, lse_base2: bool, output_lse: bool, fused_mask: bool, fp8_out: bool,
 ):
-    # Head blocks vary fastest: consecutive programs sweep the [T, H, D] buffers front to back.
-    num_h_blocks = pl.cdiv(num_heads, block_h)
-    pid = pl.program_id(0)
-    t0 = (pid // num_h_blocks) * block_t
-    h0 = (pid % num_h_blocks) * block_h
-    t = t0 + jnp.arange(block_t, dtype=jnp.int32)
-    h = h0 + jnp.arange(block_h, dtype=jnp.int32)
-    d = jnp.arange(block_d, dtype=jnp.int32)
-    t_mask = t < num_tokens
-    h_mask = h < num_heads
-    d_mask = d < head_dim
-    th_mask = t_mask[:, None] & h_mask[None, :]
-    thd_mask = th_mask[:, :, None] & d_mask[None, None, :]
+    t0, h0, t, t_mask, th_mask, thd_mask = _program_tile(num_tokens, num_heads, head_dim, block_t, block_h, block_d)
     last = num_partials - 1
 
     def tile(i):

@@ -69,6 +69,22 @@ def _merged_lse(z, m, empty, copy_t, passthrough, LSE_BASE2: tl.constexpr, INTER
     return tl.where(copy_t[:, None], passthrough, lse)
 
 
+@triton.jit
+def _program_tile(num_tokens, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's [BLOCK_T, BLOCK_H, BLOCK_D] tile, head blocks fastest (consecutive programs sweep the
+    [T, H, D] buffers front to back): its tokens t, the masks, and 64-bit index columns t64, h64, d64."""
+    num_h_blocks: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
+    pid = tl.program_id(0)
+    t = (pid // num_h_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = (pid % num_h_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    t_mask = t < num_tokens
+    th_mask = t_mask[:, None] & (h < NUM_HEADS)[None, :]
+    thd_mask = th_mask[:, :, None] & (d < HEAD_DIM)[None, None, :]
+    return t, t_mask, th_mask, thd_mask, t.to(tl.int64)[:, None], h.to(tl.int64)[None, :], d.to(tl.int64)[None, None, :]
+
+
 # Runtime values, never specialised: token counts, offsets, and the LSE head strides (= T in [H, T] layout).
 # The LSE token strides stay specialised: 1 in [H, T] layout, which vectorises the LSE accesses.
 @triton.jit(do_not_specialize=["num_tokens", "prefill_tokens_with_context", "num_requests",
@@ -98,20 +114,8 @@ def _merge_attn_states_kernel(
     LSE_BASE2: tl.constexpr, OUTPUT_LSE: tl.constexpr, FUSED_MASK: tl.constexpr, FP8_OUT: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    # Head blocks vary fastest: consecutive programs sweep the [T, H, D] buffers front to back.
-    num_h_blocks: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
-    pid = tl.program_id(0)
-    t = (pid // num_h_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = (pid % num_h_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    t_mask = t < num_tokens
-    h_mask = h < NUM_HEADS
-    d_mask = d < HEAD_DIM
-    th_mask = t_mask[:, None] & h_mask[None, :]
-    thd_mask = th_mask[:, :, None] & d_mask[None, None, :]
-    t64 = t.to(tl.int64)[:, None]
-    h64 = h.to(tl.int64)[None, :]
-    d64 = d.to(tl.int64)[None, None, :]
+    t, t_mask, th_mask, thd_mask, t64, h64, d64 = _program_tile(num_tokens, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H,
+                                                                  BLOCK_D)
 
     # Issue every load first: the fused-mask scan below overlaps their latency.
     p_raw = tl.load(prefix_lse_ptr + h64 * stride_plse_h + t64 * stride_plse_t, mask=th_mask, other=float("-inf"))

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from triton_impl import _common as c
 from triton_impl._common import _cast_rne
-from triton_impl.merge import FP8_MAX, LN2, _exp, _merged_lse, _token_requests
+from triton_impl.merge import FP8_MAX, LN2, _exp, _merged_lse, _program_tile, _token_requests
 
 @triton.jit
 def _partial_lse(lse_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2: tl.constexpr,
@@ -92,20 +92,8 @@ def _merge_attn_states_n_kernel(
     LSE_BASE2: tl.constexpr, OUTPUT_LSE: tl.constexpr, FUSED_MASK: tl.constexpr, FP8_OUT: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    # Head blocks vary fastest: consecutive programs sweep the [T, H, D] buffers front to back.
-    num_h_blocks: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
-    pid = tl.program_id(0)
-    t = (pid // num_h_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = (pid % num_h_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    t_mask = t < num_tokens
-    h_mask = h < NUM_HEADS
-    d_mask = d < HEAD_DIM
-    th_mask = t_mask[:, None] & h_mask[None, :]
-    thd_mask = th_mask[:, :, None] & d_mask[None, None, :]
-    t64 = t.to(tl.int64)[:, None]
-    h64 = h.to(tl.int64)[None, :]
-    d64 = d.to(tl.int64)[None, None, :]
+    t, t_mask, th_mask, thd_mask, t64, h64, d64 = _program_tile(num_tokens, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H,
+                                                                  BLOCK_D)
     lse_offs = h64 * stride_lse_h + t64 * stride_lse_t
     o_offs = t64[:, :, None] * stride_o_t + h64[:, :, None] * stride_o_h + d64 * stride_o_d
     last = NUM_PARTIALS - 1
