@@ -66,6 +66,18 @@ def _token_requests(qsl_ref, t, t_mask, num_requests, fused_mask):
     return req, in_req
 
 
+def _two_way_weights(p, s):
+    """(m, both_empty, z, wp, ws) of two natural-log LSE tiles whose empty rows are -inf (docs/spec.md 4.2, 4.3):
+    m is 0 where both are empty, z = e_p + e_s. Shared by the Triton-backend and Mosaic GPU kernels."""
+    m = jnp.maximum(p, s)
+    both_empty = m == -jnp.inf
+    m = jnp.where(both_empty, 0.0, m)
+    pe = jnp.exp(p - m)
+    se = jnp.exp(s - m)
+    z = pe + se
+    return m, both_empty, z, pe / z, se / z
+
+
 def _merged_lse(z, m, empty, copy_t, passthrough, lse_base2):
     """The merge's LSE tile (docs/spec.md 4.2, 4.4, 8.4)."""
     lse = jnp.log(z) + m
@@ -115,14 +127,7 @@ def _merge_attn_states_kernel(
         empty_t = in_req & (cu_ref[req + 1] == cu_ref[req])
         p = jnp.where(empty_t[:, None], -jnp.inf, p)
 
-    m = jnp.maximum(p, s)
-    both_empty = m == -jnp.inf  # docs/spec.md 4.2
-    m = jnp.where(both_empty, 0.0, m)
-    pe = jnp.exp(p - m)
-    se = jnp.exp(s - m)
-    z = pe + se
-    wp = pe / z
-    ws = se / z
+    m, both_empty, z, wp, ws = _two_way_weights(p, s)
     # docs/spec.md 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
     out = (jnp.where(wp[:, :, None] > 0.0, a.astype(jnp.float32) * wp[:, :, None], 0.0)
            + jnp.where(ws[:, :, None] > 0.0, b.astype(jnp.float32) * ws[:, :, None], 0.0))

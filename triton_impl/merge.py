@@ -60,6 +60,19 @@ def _token_requests(qsl_ptr, t, t_mask, num_requests, SCAN: tl.constexpr, N_INTE
 
 
 @triton.jit
+def _two_way_weights(p, s, INTERPRET: tl.constexpr):
+    """(m, both_empty, z, wp, ws) of two natural-log LSE tiles whose empty rows are -inf (docs/spec.md 4.2, 4.3):
+    m is 0 where both are empty, z = e_p + e_s."""
+    m = tl.maximum(p, s)
+    both_empty = m == float("-inf")
+    m = tl.where(both_empty, 0.0, m)
+    pe = _exp(p - m, INTERPRET)
+    se = _exp(s - m, INTERPRET)
+    z = pe + se
+    return m, both_empty, z, pe / z, se / z
+
+
+@triton.jit
 def _merged_lse(z, m, empty, copy_t, passthrough, LSE_BASE2: tl.constexpr, INTERPRET: tl.constexpr):
     """The merge's LSE tile (docs/spec.md 4.2, 4.4, 8.4)."""
     lse = _log(z, INTERPRET) + m
@@ -138,14 +151,7 @@ def _merge_attn_states_kernel(
         empty_t = in_req & (tl.load(cu_ptr + req + 1) == tl.load(cu_ptr + req))
         p = tl.where(empty_t[:, None], float("-inf"), p)
 
-    m = tl.maximum(p, s)
-    both_empty = m == float("-inf")  # docs/spec.md 4.2
-    m = tl.where(both_empty, 0.0, m)
-    pe = _exp(p - m, INTERPRET)
-    se = _exp(s - m, INTERPRET)
-    z = pe + se
-    wp = pe / z
-    ws = se / z
+    m, both_empty, z, wp, ws = _two_way_weights(p, s, INTERPRET)
     # docs/spec.md 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
     out = (tl.where(wp[:, :, None] > 0.0, a.to(tl.float32) * wp[:, :, None], 0.0)
            + tl.where(ws[:, :, None] > 0.0, b.to(tl.float32) * ws[:, :, None], 0.0))

@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 
 from pallas_impl import _common as c
 from pallas_impl import jnp_fallback
+from pallas_impl.merge import _two_way_weights
 from pallas_impl.mosaic import _common as mc
 
 F32 = jnp.float32
@@ -67,14 +68,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             s = row(s_g, h * num_tokens + t0)
             a = mc.load(a_s, L)
             b = mc.load(b_s, L)
-            m = jnp.maximum(p, s)
-            both_empty = m == -jnp.inf  # docs/spec.md 4.2
-            m = jnp.where(both_empty, 0.0, m)
-            pe = jnp.exp(p - m)
-            se = jnp.exp(s - m)
-            z = pe + se
-            wp = pe / z
-            ws = se / z
+            m, both_empty, z, wp, ws = _two_way_weights(p, s)
             wpb = jnp.broadcast_to(wp[:, None], (bt, dc))
             wsb = jnp.broadcast_to(ws[:, None], (bt, dc))
             # 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
