@@ -45,12 +45,7 @@ SEEDS = {c.name: c for c in cases.select("seed")}
 def gpu_us_triton(fn) -> float:
     fn()  # compile outside the graph capture
     torch.cuda.synchronize()
-    try:
-        return bench.time_cudagraph(fn, 20)[0][1]
-    except (RuntimeError, torch.AcceleratorError) as e:  # a capture invalidated from outside (seen once): retry
-        print(f"capture failed ({type(e).__name__}), retrying once", file=sys.stderr, flush=True)
-        torch.cuda.synchronize()
-        return bench.time_cudagraph(fn, 20)[0][1]
+    return bench.time_cudagraph(fn, 20)[0][1]
 
 
 def gpu_us_jax(call, sync, n: int = 20) -> float:
