@@ -22,6 +22,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from pallas_impl import _common as c
 
@@ -60,6 +61,30 @@ def kernel(body, *, interpret: bool, **kwargs):
 def load(ref, layout):
     """`plgpu.load` of a whole ref into a register `layout`."""
     return plgpu().load(ref, layout=layout)
+
+
+def tile_start(split, i, num_tokens: int):
+    """First token of a CTA's tile `i` (STEPS tiles of BLOCK_T tokens per token split): the last tile of the
+    padded `T' >= BLOCK_T` rows is shifted back to end at T', so no copy leaves the arrays."""
+    return jnp.minimum((split * STEPS + i) * BLOCK_T, num_tokens - BLOCK_T)
+
+
+def load_row(ref, start, row_smem):
+    """f32[BLOCK_T] of a flat GMEM `ref` from `start`, by per-thread loads (an LSE row may start anywhere; TMA
+    needs 16-byte alignment), relaid out through `row_smem` into the row layout of a `[BLOCK_T, dc]` tile."""
+    m = plgpu()
+    row_smem[...] = m.layout_cast(ref[pl.ds(start, BLOCK_T)], m.Layout.WG_STRIDED((BLOCK_T,), vec_size=1))
+    return load(row_smem, m.Layout.WGMMA.reduce(1))
+
+
+def store_tile(result, o_scr, dst) -> None:
+    """A finished `[BLOCK_T, dc]` tile to GMEM `dst` by a TMA store from `o_scr`, once the previous tile's store
+    has read `o_scr`."""
+    m = plgpu()
+    m.wait_smem_to_gmem(0, wait_read_only=True)
+    o_scr[...] = result.astype(o_scr.dtype)
+    m.commit_smem()
+    m.copy_smem_to_gmem(o_scr, dst)
 
 
 def column_chunk(head_dim: int, itemsize: int) -> int:

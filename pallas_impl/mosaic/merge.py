@@ -52,20 +52,13 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
         sp = lax.axis_index("s")
         h = hc // nc
 
-        def t0_of(i):
-            return jnp.minimum((sp * steps + i) * bt, num_tokens - bt)
-
-        def row(ref, start):
-            row_smem[...] = plgpu.layout_cast(ref[pl.ds(start, bt)], LS)
-            return mc.load(row_smem, L.reduce(1))
-
-        tile = plgpu.BlockSpec((pl.Element(bt), dc), lambda i: (t0_of(i), hc))
+        tile = plgpu.BlockSpec((pl.Element(bt), dc), lambda i: (mc.tile_start(sp, i, num_tokens), hc))
 
         def step(idx, a_s, b_s):
             (i,) = idx
-            t0 = t0_of(i)
-            p = row(p_g, h * num_tokens + t0)
-            s = row(s_g, h * num_tokens + t0)
+            t0 = mc.tile_start(sp, i, num_tokens)
+            p = mc.load_row(p_g, h * num_tokens + t0, row_smem)
+            s = mc.load_row(s_g, h * num_tokens + t0, row_smem)
             a = mc.load(a_s, L)
             b = mc.load(b_s, L)
             m, both_empty, z, wp, ws = _two_way_weights(p, s)
@@ -75,14 +68,11 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             out = jnp.where(wpb > 0, a.astype(F32) * wpb, 0.0) + jnp.where(wsb > 0, b.astype(F32) * wsb, 0.0)
             out = jnp.where(jnp.broadcast_to(both_empty[:, None], (bt, dc)), 0.0, out)
             if copy_rows:  # 4.4: the suffix's own bits
-                copy = jnp.broadcast_to((row(c_g, t0) > 0)[:, None], (bt, dc))
+                copy = jnp.broadcast_to((mc.load_row(c_g, t0, row_smem) > 0)[:, None], (bt, dc))
                 result = jnp.where(copy, b, out.astype(b.dtype))
             else:
                 result = out
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read o_scr
-            o_scr[...] = result.astype(o_scr.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * dc, dc)])
+            mc.store_tile(result, o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * dc, dc)])
             if output_lse:
                 @pl.when(hc % nc == 0)
                 def _():

@@ -54,17 +54,9 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
         sp = lax.axis_index("s")
         h = hc // nc
 
-        def t0_of(i):
-            return jnp.minimum((sp * steps + i) * bt, num_tokens - bt)  # the last tile ends at T': never out of bounds
-
-        def row(ref, start):
-            """f32[bt] from GMEM with per-thread loads (an LSE row may start anywhere), in the tile's row layout."""
-            row_smem[...] = plgpu.layout_cast(ref[pl.ds(start, bt)], LS)
-            return mc.load(row_smem, L.reduce(1))
-
         def step(idx, x_s, acc):
             i, n = idx
-            t0 = t0_of(i)
+            t0 = mc.tile_start(sp, i, num_tokens)
 
             @pl.when(n == 0)
             def _weights():  # docs/spec.md 8.2, 8.3
@@ -99,18 +91,15 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                 empty = mc.load(w_smem.at[num_partials], L.reduce(1)) > 0
                 out = jnp.where(jnp.broadcast_to(empty[:, None], (bt, dc)), 0.0, acc)
                 if copy_rows:  # 8.4: the last partial's own bits (x is its tile at this step)
-                    copy = jnp.broadcast_to((row(c_g, t0) > 0)[:, None], (bt, dc))
+                    copy = jnp.broadcast_to((mc.load_row(c_g, t0, row_smem) > 0)[:, None], (bt, dc))
                     result = jnp.where(copy, x, out.astype(x.dtype))
                 else:
                     result = out.astype(o_scr.dtype)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read o_scr
-                o_scr[...] = result.astype(o_scr.dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * dc, dc)])
+                mc.store_tile(result, o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * dc, dc)])
 
             return acc
 
-        spec = plgpu.BlockSpec((None, pl.Element(bt), dc), lambda i, n: (n, t0_of(i), hc))
+        spec = plgpu.BlockSpec((None, pl.Element(bt), dc), lambda i, n: (n, mc.tile_start(sp, i, num_tokens), hc))
         plgpu.emit_pipeline(step, grid=(steps, num_partials), in_specs=[spec],
                             max_concurrent_steps=mc.MAX_CONCURRENT_STEPS,
                             init_carry=plgpu.layout_cast(jnp.zeros((bt, dc), F32), L))(x_g)
