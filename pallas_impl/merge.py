@@ -78,6 +78,19 @@ def _two_way_weights(p, s):
     return m, both_empty, z, pe / z, se / z
 
 
+def _store_output(out_block, out, last, copy_t, scale_ref, thd_mask, fp8_out):
+    """The merged f32 tile `out` to `out_block` (docs/spec.md 4.4, 4.6): pass-through tokens take `last` (the
+    suffix, or the last partial) bit for bit, or with an fp8 output through the scale and clamp of a merged row."""
+    if fp8_out:
+        out = jnp.where(copy_t[:, None, None], last.astype(jnp.float32), out)
+        out = out / scale_ref[0]
+        out = jnp.where(out < -c.FP8_E4M3_MAX, -c.FP8_E4M3_MAX, out)  # comparisons, not min/max: NaN stays NaN
+        out = jnp.where(out > c.FP8_E4M3_MAX, c.FP8_E4M3_MAX, out)
+        c.pltriton.store(out_block, out.astype(out_block.dtype), mask=thd_mask)
+    else:
+        c.pltriton.store(out_block, jnp.where(copy_t[:, None, None], last, out.astype(out_block.dtype)), mask=thd_mask)
+
+
 def _merged_lse(z, m, empty, copy_t, passthrough, lse_base2):
     """The merge's LSE tile (docs/spec.md 4.2, 4.4, 8.4)."""
     lse = jnp.log(z) + m
@@ -133,15 +146,8 @@ def _merge_attn_states_kernel(
            + jnp.where(ws[:, :, None] > 0.0, b.astype(jnp.float32) * ws[:, :, None], 0.0))
     out = jnp.where(both_empty[:, :, None], 0.0, out)
     copy_t = t >= ptwc_ref[0]  # docs/spec.md 4.4
-    out_block = out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)]
-    if fp8_out:  # docs/spec.md 4.6
-        out = jnp.where(copy_t[:, None, None], b.astype(jnp.float32), out)
-        out = out / scale_ref[0]
-        out = jnp.where(out < -c.FP8_E4M3_MAX, -c.FP8_E4M3_MAX, out)  # comparisons, not min/max: NaN stays NaN
-        out = jnp.where(out > c.FP8_E4M3_MAX, c.FP8_E4M3_MAX, out)
-        c.pltriton.store(out_block, out.astype(out_ref.dtype), mask=thd_mask)
-    else:
-        c.pltriton.store(out_block, jnp.where(copy_t[:, None, None], b, out.astype(out_ref.dtype)), mask=thd_mask)
+    _store_output(out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)], out, b, copy_t, scale_ref,
+                  thd_mask, fp8_out)
 
     if output_lse:
         lse = _merged_lse(z, m, both_empty, copy_t, s_raw, lse_base2)

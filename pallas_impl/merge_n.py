@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 
 from pallas_impl import _common as c
 from pallas_impl import jnp_fallback
-from pallas_impl.merge import _load_lse, _merged_lse, _program_tile, _store_lse, _token_requests
+from pallas_impl.merge import _load_lse, _merged_lse, _program_tile, _store_lse, _store_output, _token_requests
 
 
 def _partial_lse(lses_ref, i, t0, h0, block_t, block_h, th_mask, cu_ref, cu_row, req, in_req, *, lse_layout,
@@ -103,15 +103,8 @@ def _merge_attn_states_n_kernel(
         out = out + _weighted(b, w_last)
     out = jnp.where(all_empty[:, :, None], 0.0, out)
     copy_t = t >= ptwc_ref[0]  # 8.4
-    out_block = out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)]
-    if fp8_out:  # 4.6
-        out = jnp.where(copy_t[:, None, None], b.astype(jnp.float32), out)
-        out = out / scale_ref[0]
-        out = jnp.where(out < -c.FP8_E4M3_MAX, -c.FP8_E4M3_MAX, out)  # comparisons, not min/max: NaN stays NaN
-        out = jnp.where(out > c.FP8_E4M3_MAX, c.FP8_E4M3_MAX, out)
-        c.pltriton.store(out_block, out.astype(out_ref.dtype), mask=thd_mask)
-    else:
-        c.pltriton.store(out_block, jnp.where(copy_t[:, None, None], b, out.astype(out_ref.dtype)), mask=thd_mask)
+    _store_output(out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)], out, b, copy_t, scale_ref,
+                  thd_mask, fp8_out)
 
     if output_lse:
         lse = _merged_lse(z, m, all_empty, copy_t, last_raw, lse_base2)

@@ -73,6 +73,22 @@ def _two_way_weights(p, s, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _store_output(out_ptr, out_ptrs, out, last, copy_t, scale_ptr, thd_mask, FP8_OUT: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """The merged f32 tile `out` to `out_ptrs` (docs/spec.md 4.4, 4.6): pass-through tokens take `last` (the
+    suffix, or the last partial) bit for bit, or with an fp8 output through the scale and clamp of a merged row."""
+    if FP8_OUT:
+        out = tl.where(copy_t[:, None, None], last.to(tl.float32), out)
+        out = out / tl.load(scale_ptr)
+        out = tl.where(out < -FP8_MAX, -FP8_MAX, out)  # comparisons, not min/max: NaN stays NaN
+        out = tl.where(out > FP8_MAX, FP8_MAX, out)
+        tl.store(out_ptrs, _cast_rne(out, out_ptr.dtype.element_ty, INTERPRET), mask=thd_mask)
+    else:
+        tl.store(out_ptrs, tl.where(copy_t[:, None, None], last, _cast_rne(out, out_ptr.dtype.element_ty, INTERPRET)),
+                 mask=thd_mask)
+
+
+@triton.jit
 def _merged_lse(z, m, empty, copy_t, passthrough, LSE_BASE2: tl.constexpr, INTERPRET: tl.constexpr):
     """The merge's LSE tile (docs/spec.md 4.2, 4.4, 8.4)."""
     lse = _log(z, INTERPRET) + m
@@ -158,15 +174,7 @@ def _merge_attn_states_kernel(
     out = tl.where(both_empty[:, :, None], 0.0, out)
     copy_t = t >= prefill_tokens_with_context  # docs/spec.md 4.4
     out_ptrs = out_ptr + t64[:, :, None] * stride_out_t + h64[:, :, None] * stride_out_h + d64 * stride_out_d
-    if FP8_OUT:  # docs/spec.md 4.6
-        out = tl.where(copy_t[:, None, None], b.to(tl.float32), out)
-        out = out / tl.load(scale_ptr)
-        out = tl.where(out < -FP8_MAX, -FP8_MAX, out)  # comparisons, not min/max: NaN stays NaN
-        out = tl.where(out > FP8_MAX, FP8_MAX, out)
-        tl.store(out_ptrs, _cast_rne(out, out_ptr.dtype.element_ty, INTERPRET), mask=thd_mask)
-    else:
-        tl.store(out_ptrs, tl.where(copy_t[:, None, None], b, _cast_rne(out, out_ptr.dtype.element_ty, INTERPRET)),
-                 mask=thd_mask)
+    _store_output(out_ptr, out_ptrs, out, b, copy_t, scale_ptr, thd_mask, FP8_OUT, INTERPRET)
 
     if OUTPUT_LSE:
         lse = _merged_lse(z, m, both_empty, copy_t, s_raw, LSE_BASE2, INTERPRET)

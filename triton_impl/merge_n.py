@@ -23,8 +23,7 @@ import triton
 import triton.language as tl
 
 from triton_impl import _common as c
-from triton_impl._common import _cast_rne
-from triton_impl.merge import FP8_MAX, LN2, _exp, _merged_lse, _program_tile, _token_requests
+from triton_impl.merge import LN2, _exp, _merged_lse, _program_tile, _store_output, _token_requests
 
 @triton.jit
 def _partial_lse(lse_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2: tl.constexpr,
@@ -127,15 +126,7 @@ def _merge_attn_states_n_kernel(
     out = tl.where(all_empty[:, :, None], 0.0, out)
     copy_t = t >= prefill_tokens_with_context  # 8.4
     out_ptrs = out_ptr + t64[:, :, None] * stride_out_t + h64[:, :, None] * stride_out_h + d64 * stride_out_d
-    if FP8_OUT:  # 4.6
-        out = tl.where(copy_t[:, None, None], b.to(tl.float32), out)
-        out = out / tl.load(scale_ptr)
-        out = tl.where(out < -FP8_MAX, -FP8_MAX, out)  # comparisons, not min/max: NaN stays NaN
-        out = tl.where(out > FP8_MAX, FP8_MAX, out)
-        tl.store(out_ptrs, _cast_rne(out, out_ptr.dtype.element_ty, INTERPRET), mask=thd_mask)
-    else:
-        tl.store(out_ptrs, tl.where(copy_t[:, None, None], b, _cast_rne(out, out_ptr.dtype.element_ty, INTERPRET)),
-                 mask=thd_mask)
+    _store_output(out_ptr, out_ptrs, out, b, copy_t, scale_ptr, thd_mask, FP8_OUT, INTERPRET)
 
     if OUTPUT_LSE:
         lse = _merged_lse(z, m, all_empty, copy_t, last_raw, LSE_BASE2, INTERPRET)
