@@ -26,8 +26,8 @@ import triton.language as tl
 
 from triton_impl import _common as c
 from triton_impl._common import _cast_rne
-from triton_impl.merge import _exp, _merged_lse, _program_tile, _token_requests
-from triton_impl.merge_n import _lses_strides, _max_and_sum, _partial_lse, _weighted, merge_attn_states_n
+from triton_impl.merge import _merged_lse, _program_tile, _token_requests
+from triton_impl.merge_n import _lses_strides, _max_and_sum, _partial_exp, _weighted, merge_attn_states_n
 
 METHODS = ("gather", "reduce_scatter")
 # The rescale kernel reads one partial's tile and writes one: it takes the N-way tile of two partials (the 2-way
@@ -73,8 +73,8 @@ def _cp_rescale_kernel(
     req, in_req = _token_requests(qsl_ptr, t, t_mask, num_requests, SCAN, N_INTERPRET, FUSED_MASK)
     m, all_empty, z = _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
                                    NUM_PARTIALS, LSE_BASE2, FUSED_MASK, INTERPRET)
-    w = _exp(_partial_lse(lses_ptr + rank * stride_lse_n, lse_offs, th_mask, cu_ptr + rank * stride_cu_n,
-                          req, in_req, LSE_BASE2, FUSED_MASK) - m, INTERPRET) / z
+    w = _partial_exp(lses_ptr, stride_lse_n, rank, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
+                     LSE_BASE2, FUSED_MASK, INTERPRET) / z
     scaled = _weighted(o, w)
     scaled = tl.where(all_empty[:, :, None], 0.0, scaled)
     # 8.4: the last partial's row, exactly. The other ranks add -0.0, the identity of the sum (x + -0.0 == x).

@@ -51,11 +51,20 @@ def _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n,
                                        req, in_req, LSE_BASE2, FUSED_MASK))
     all_empty = m == float("-inf")
     m = tl.where(all_empty, 0.0, m)
-    z = _exp(_partial_lse(lses_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2, FUSED_MASK) - m, INTERPRET)
+    z = _partial_exp(lses_ptr, stride_lse_n, 0, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, LSE_BASE2,
+                     FUSED_MASK, INTERPRET)
     for i in tl.static_range(1, NUM_PARTIALS):
-        z = z + _exp(_partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n,
-                                  req, in_req, LSE_BASE2, FUSED_MASK) - m, INTERPRET)
+        z = z + _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
+                             LSE_BASE2, FUSED_MASK, INTERPRET)
     return m, all_empty, z
+
+
+@triton.jit
+def _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
+                 LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr, INTERPRET: tl.constexpr):
+    """e_i = exp(lse_i - m) of partial i (8.3); its weight is e_i / z."""
+    return _exp(_partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n, req, in_req,
+                             LSE_BASE2, FUSED_MASK) - m, INTERPRET)
 
 
 @triton.jit
@@ -110,17 +119,17 @@ def _merge_attn_states_n_kernel(
     m, all_empty, z = _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
                                    NUM_PARTIALS, LSE_BASE2, FUSED_MASK, INTERPRET)
     # out = sum_i w_i * o_i in index order, w_i = e_i / z.
-    w_last = _exp(_partial_lse(lses_ptr + last * stride_lse_n, lse_offs, th_mask, cu_ptr + last * stride_cu_n,
-                               req, in_req, LSE_BASE2, FUSED_MASK) - m, INTERPRET) / z
+    w_last = _partial_exp(lses_ptr, stride_lse_n, last, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
+                          LSE_BASE2, FUSED_MASK, INTERPRET) / z
     if NUM_PARTIALS == 1:
         out = _weighted(b, w_last)
     else:
-        w = _exp(_partial_lse(lses_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2, FUSED_MASK) - m,
-                 INTERPRET) / z
+        w = _partial_exp(lses_ptr, stride_lse_n, 0, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
+                         LSE_BASE2, FUSED_MASK, INTERPRET) / z
         out = _weighted(tl.load(outs_ptr + o_offs, mask=thd_mask, other=0.0), w)
         for i in tl.static_range(1, NUM_PARTIALS - 1):
-            w = _exp(_partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n,
-                                  req, in_req, LSE_BASE2, FUSED_MASK) - m, INTERPRET) / z
+            w = _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
+                             LSE_BASE2, FUSED_MASK, INTERPRET) / z
             out = out + _weighted(tl.load(outs_ptr + i * stride_o_n + o_offs, mask=thd_mask, other=0.0), w)
         out = out + _weighted(b, w_last)
     out = tl.where(all_empty[:, :, None], 0.0, out)
