@@ -192,6 +192,24 @@ def compare_rows(got: np.ndarray, want: np.ndarray, query_start_loc: np.ndarray,
         any_nan=bool(nan.any()))
 
 
+def judge_row(row: dict, got: np.ndarray, want: np.ndarray, new_out: np.ndarray, query_start_loc: np.ndarray,
+              ptwc: int | None, expected: str | None, *, tolerance: float = TOLERANCE) -> dict:
+    """Fill one table row: the comparison with the reference, the pass-through check, and whether the path did
+    what it must (`expected`: "clean", "corrupted", or None for informational rows)."""
+    row.update(compare_rows(got, want, query_start_loc, tolerance=tolerance))
+    row["passthrough_exact"] = _passthrough_exact(got, new_out, ptwc)
+    clean = row["rows_corrupted"] == 0 and not row["any_nan"] and row["passthrough_exact"] is not False
+    row["expected"] = expected
+    row["ok"] = (expected is None or (expected == "clean" and clean)
+                 or (expected == "corrupted" and row["rows_corrupted"] > 0))
+    return row
+
+
+def verdict(rows: list[dict]) -> bool:
+    """Every row did what it must, and the demo showed the bug: some row was expected to be corrupted."""
+    return all(r["ok"] for r in rows) and any(r["expected"] == "corrupted" for r in rows)
+
+
 def _passthrough_exact(got: np.ndarray, new_out: np.ndarray, ptwc: int | None) -> bool | None:
     """Rows past `prefill_tokens_with_context` (requests without context) equal the new-token partial's bits."""
     if ptwc is None or ptwc >= got.shape[0]:
@@ -245,19 +263,12 @@ def run_batch(batch: PrefillBatch, *, framework: str = "both", device=None, tole
             for path in PATHS:
                 row = dict(framework=fw, device=fw_device, empty_behavior=behavior, path=path,
                            fixed=path in FIXED_PATHS)
-                row.update(compare_rows(results[path], want, batch.query_start_loc, tolerance=tolerance))
-                row["passthrough_exact"] = _passthrough_exact(results[path], new_out, ptwc)
-                expected = _expected(behavior, path)
-                clean = row["rows_corrupted"] == 0 and not row["any_nan"] and row["passthrough_exact"] is not False
-                row["expected"] = expected
-                row["ok"] = (expected is None or (expected == "clean" and clean)
-                             or (expected == "corrupted" and row["rows_corrupted"] > 0))
+                judge_row(row, results[path], want, new_out, batch.query_start_loc, ptwc, _expected(behavior, path),
+                          tolerance=tolerance)
                 row.update(meta)
                 rows.append(row)
-    ok = all(r["ok"] for r in rows)
     # The demo must show the bug: the finite-garbage behaviour has to be among those run.
-    ok = ok and any(r["expected"] == "corrupted" for r in rows)
-    return rows, ok
+    return rows, verdict(rows)
 
 
 def run_demo(*, framework: str = "both", device=None, size: str = "default", seed: int = 0) -> tuple[list[dict], bool]:

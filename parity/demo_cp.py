@@ -24,7 +24,7 @@ import numpy as np
 
 from parity.chunked_prefill import (EMPTY_BEHAVIORS, PrefillBatch, attention_jax, attention_torch, bucket_size,
                                     cp_shard, make_batch, reference_prefill)
-from parity.demo import CORRUPTING_BEHAVIOR, FRAMEWORKS, TOLERANCE, _passthrough_exact, compare_rows
+from parity.demo import CORRUPTING_BEHAVIOR, FRAMEWORKS, TOLERANCE, judge_row, verdict
 
 CP_PATHS = ("no_mask", "gather", "reduce_scatter")
 CP_FIXED = ("gather", "reduce_scatter")
@@ -233,14 +233,9 @@ def run_cp_demo(*, cp: int = 4, interleave: int = 1, framework: str = "both", si
                 for path in CP_PATHS:
                     got, new_out = _final(fw, batch, path, *combined[path], jax_impl)
                     row = dict(framework=fw, device=where, empty_behavior=behavior, path=path, fixed=path in CP_FIXED)
-                    row.update(compare_rows(got, want, batch.query_start_loc))
-                    row["passthrough_exact"] = _passthrough_exact(got, new_out, batch.prefill_tokens_with_context())
                     expected = "clean" if path in CP_FIXED else ("corrupted" if behavior == CORRUPTING_BEHAVIOR else None)
-                    clean = row["rows_corrupted"] == 0 and not row["any_nan"] and row["passthrough_exact"] is not False
-                    row["expected"] = expected
-                    row["ok"] = (expected is None or (expected == "clean" and clean)
-                                 or (expected == "corrupted" and row["rows_corrupted"] > 0))
+                    judge_row(row, got, want, new_out, batch.query_start_loc, batch.prefill_tokens_with_context(),
+                              expected)
                     row.update(meta)
                     rows.append(row)
-    ok = all(r["ok"] for r in rows) and any(r["expected"] == "corrupted" for r in rows)
-    return rows, ok
+    return rows, verdict(rows)
