@@ -10,13 +10,14 @@ import math
 
 import numpy as np
 import pytest
+from merge_checks import assert_merge_matches_reference
 
 import jax
 import jax.numpy as jnp
 
 import pallas_impl
 from pallas_impl import merge_n as pallas_merge_n
-from parity import cases, compare, expected, impls, reference
+from parity import cases, compare, impls, reference
 
 CI_N = cases.select("ci", kind="n_way")
 IMPLS = ["pallas-interpret", pytest.param("pallas-compiled", marks=pytest.mark.gpu), "jnp"]
@@ -44,15 +45,7 @@ def _run(case, inp, impl, *, fused=True, lses=None, ptwc=None):
 def _check(case, inp, out, lse, *, op, ptwc=None, lses=None, impl=""):
     case = dataclasses.replace(case, prefill_tokens_with_context=ptwc)
     arrays = dict(inp, lses=inp["lses"] if lses is None else lses)
-    ref = impls.run(impls.HOST, "reference", op, case, arrays)
-    w = expected.merge_weights(case, op, arrays)
-    mag = expected.magnitude(case, op, arrays, w)
-    out_exact, lse_exact = expected.exact_masks(case, w)
-    loc = dict(case=case, mode=impl, query_start_loc=inp["query_start_loc"])
-    compare.assert_matches_reference(out, ref["out"], exact=np.broadcast_to(out_exact[..., None], mag.shape),
-                                     mag=mag, name="merge_n.out", **loc)
-    compare.assert_matches_reference(lse, ref["lse"], exact=lse_exact, name="merge_n.lse", layout=case.lse_layout,
-                                     **loc)
+    assert_merge_matches_reference(case, op, arrays, out, lse, mode=impl, name="merge_n")
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -20,13 +20,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from merge_checks import assert_merge_matches_reference
 
 import jax
 import jax.numpy as jnp
 
 import pallas_impl
 from pallas_impl import _common as pallas_common
-from parity import cases, compare, expected, impls
+from parity import cases, compare, impls
 
 
 def _has_mosaic() -> bool:
@@ -69,13 +70,7 @@ def _check_against_reference(case, op, inputs, got):
         compare.assert_bitwise_equal(got["lse"], ref["lse"], name="mask.lse", layout=case.lse_layout, **loc)
         compare.assert_bitwise_equal(got["output"], ref["output"], name="mask.output", **loc)
         return
-    w = expected.merge_weights(case, op, inputs)
-    mag = expected.magnitude(case, op, inputs, w)
-    out_exact, lse_exact = expected.exact_masks(case, w)
-    compare.assert_matches_reference(got["out"], ref["out"], exact=np.broadcast_to(out_exact[..., None], mag.shape),
-                                     mag=mag, name=f"{op}.out", **loc)
-    compare.assert_matches_reference(got["lse"], ref["lse"], exact=lse_exact, name=f"{op}.lse",
-                                     layout=case.lse_layout, **loc)
+    assert_merge_matches_reference(case, op, inputs, got["out"], got["lse"], mode="mosaic")
 
 
 @needs_mosaic

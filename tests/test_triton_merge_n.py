@@ -8,15 +8,15 @@ terms. Runs in the process's Triton mode (conftest): the interpreter on CPU, com
 import dataclasses
 import math
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from merge_checks import assert_merge_matches_reference
 from triton_keys import kernel_params
 
 import triton_impl
-from parity import bridge, cases, compare, expected, impls, reference
+from parity import bridge, cases, compare, impls, reference
 from parity.compare import assert_bitwise_equal
 from triton_impl import merge_n as merge_n_mod
 
@@ -54,16 +54,7 @@ def _check(case, inp, out, out_lse, *, op="merge_n_fused", ptwc=None, lses=None)
     """Against the float64 reference of the same operands: exact rows bit for bit, the rest within tolerance."""
     case = dataclasses.replace(case, prefill_tokens_with_context=ptwc)
     arrays = dict(inp, lses=inp["lses"] if lses is None else lses)
-    ref = impls.run(impls.HOST, "reference", op, case, arrays)
-    w = expected.merge_weights(case, op, arrays)
-    mag = expected.magnitude(case, op, arrays, w)
-    out_exact, lse_exact = expected.exact_masks(case, w)
-    loc = dict(case=case, query_start_loc=inp["query_start_loc"])
-    compare.assert_matches_reference(out, ref["out"], exact=np.broadcast_to(out_exact[..., None], mag.shape),
-                                     mag=mag, name="merge_n.out", **loc)
-    if out_lse is not None:
-        compare.assert_matches_reference(out_lse, ref["lse"], exact=lse_exact, name="merge_n.lse",
-                                         layout=case.lse_layout, **loc)
+    assert_merge_matches_reference(case, op, arrays, out, out_lse, name="merge_n")
 
 
 # --------------------------------------------------------------------------------------------------------
