@@ -58,7 +58,8 @@ def _demo(args) -> int:
         rows, ok = demo_cp.run_cp_demo(cp=args.cp, interleave=args.interleave, framework=args.framework,
                                        size=args.size, seed=args.seed)
     else:
-        rows, ok = demo.run_demo(framework=args.framework, device=args.device, size=args.size, seed=args.seed)
+        rows, ok = demo.run_demo(framework=args.framework, device=args.device, size=args.size, seed=args.seed,
+                                 backend=args.backend)
     print(demo.format_demo_table(rows))
     return EXIT_OK if ok else EXIT_FAIL
 
@@ -162,8 +163,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    help="torch (Triton kernels), jax (Pallas kernels) or both (default)")
     p.add_argument("--device", default=None,
                    help="torch device (default: cuda when available, else cpu with Triton's interpreter)")
-    p.add_argument("--size", choices=("default", "large"), default="default",
-                   help="default (small, fine for the CPU interpreters) or large (GPU-sized)")
+    p.add_argument("--size", choices=("default", "large", "real"), default="default",
+                   help="default (small, fine for the CPU interpreters), large (GPU-sized) or real (40 requests, one "
+                        "without context among them: for --backend)")
+    p.add_argument("--backend", choices=("modelled", "torch-flash", "jax-cudnn", "jax-xla"), default="modelled",
+                   help="where the attention partials come from: modelled backends (every empty-row behaviour, "
+                        "default), or a real kernel: torch-flash (PyTorch's FlashAttention-2, GPU), jax-cudnn "
+                        "(cuDNN via jax.nn.dot_product_attention, GPU), jax-xla (its XLA implementation, any device)")
     p.add_argument("--seed", type=int, default=0, help="data seed (default: 0)")
     p.add_argument("--cp", type=int, default=0, metavar="N",
                    help="the context-parallel reproduction instead: KV sharded over N ranks (docs/spec.md 9)")

@@ -24,19 +24,28 @@ breaks the unfixed path: the merge reads -inf (FA3) as empty and normalises +inf
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 
-from parity.chunked_prefill import (EMPTY_BEHAVIORS, ChunkPlan, PrefillBatch, attention_jax, attention_torch,
-                                    bucket_size, chunk_gather_index, make_batch, reference_prefill)
+from parity.chunked_prefill import (EMPTY_BEHAVIORS, REAL_BACKENDS, ChunkPlan, PrefillBatch, attention_jax,
+                                    attention_real, attention_torch, bucket_size, chunk_gather_index,
+                                    empty_row_classes, make_batch, real_backend, reference_prefill)
 
 FRAMEWORKS = ("torch", "jax")
 PATHS = ("no_mask", "mask_then_merge", "fused")
 FIXED_PATHS = ("mask_then_merge", "fused")
-SIZES = ("default", "large")
+# With a real attention kernel: upstream's merge formula before its both-empty guard (`naive_merge`), without and
+# with the mask in front of it.
+NAIVE_PATHS = ("naive", "naive_mask")
+SIZES = ("default", "large", "real")
+BACKENDS = ("modelled", *REAL_BACKENDS)
 # fp32 end to end; the attention partials and the merges are off the float64 reference by ~1e-6.
 TOLERANCE = 1e-3
+# bf16 partials (the real GPU kernels): each of the chain's roundings (the partials, then every merge's output) is
+# off by up to 2^-9 of a value, and attention outputs of standard-normal V stay within a few units.
+TOLERANCE_BF16 = 5e-2
 # The behaviour whose unfixed path must show the corruption (the others are handled by the merge).
 CORRUPTING_BEHAVIOR = "finite_nan"
 
@@ -50,6 +59,9 @@ def demo_config(size: str = "default", seed: int = 0) -> dict:
     large (GPU-sized): 64 requests, context up to 3000 (about a fifth without), 1-128 new tokens each,
     H=16, Dqk=192, Dv=128, workspace 32768 rows, pages of 64; the lengths are drawn from `seed`.
     Requests with context come first, as upstream orders them.
+    real (for the real attention kernels): 40 requests, context 1-48 tokens (one request, the 21st, without),
+    1-160 new tokens each, H=16, D=128, workspace 1024 rows, pages of 16 -> budget 16, 3 chunks; the request without
+    context sits among the others, so `prefill_tokens_with_context` is None and its rows are merged in every chunk.
     """
     if size == "default":
         return dict(context_lens=[90, 5, 40, 17, 0, 0], query_lens=[7, 1, 20, 12, 3, 9], num_heads=4, qk_dim=96,
@@ -64,6 +76,14 @@ def demo_config(size: str = "default", seed: int = 0) -> dict:
         qlen = rng.integers(1, 129, size=64)
         return dict(context_lens=ctx.tolist(), query_lens=qlen.tolist(), num_heads=16, qk_dim=192, v_dim=128,
                     workspace_rows=32768, block_size=64)
+    if size == "real":
+        rng = np.random.default_rng(seed + 104729)
+        ctx = rng.integers(1, 49, size=40)
+        ctx[0] = 48  # 3 chunks
+        ctx[20] = 0  # a request without context among the others: no pass-through count covers it
+        qlen = rng.integers(1, 161, size=40)
+        return dict(context_lens=ctx.tolist(), query_lens=qlen.tolist(), num_heads=16, qk_dim=128, v_dim=128,
+                    workspace_rows=1024, block_size=16)
     raise ValueError(f"size must be one of {SIZES}, got {size!r}")
 
 
@@ -125,17 +145,99 @@ def _partials_jax(batch: PrefillBatch, plan: ChunkPlan, behavior: str) -> dict:
                 context_cu=jnp.asarray(batch.context_start_loc))
 
 
-def _combine(a, parts: dict, plan: ChunkPlan, ptwc) -> dict:
-    """{path: f32[T, H, Dv] numpy}: each path's mask and merges over the partials, through adapter `a`."""
+def _partials_real(batch: PrefillBatch, plan: ChunkPlan, backend: str, device: str) -> tuple[dict, dict]:
+    """The partials computed by a real attention kernel (`REAL_BACKENDS`) in its own framework, and what it left in
+    the rows of requests with no KV in a chunk (`empty_row_classes`, summed over the chunks)."""
+    b = real_backend(backend)
+    if b.framework == "torch":
+        import torch
+
+        dtype = getattr(torch, b.dtype)
+
+        def up(x):
+            return torch.from_numpy(np.ascontiguousarray(x)).to(device=device, dtype=dtype)
+
+        def up_i32(x):
+            return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int32)).to(device)
+    else:
+        import jax.numpy as jnp
+
+        def up(x):
+            return jnp.asarray(x, dtype=b.dtype)
+
+        def up_i32(x):
+            return jnp.asarray(x, dtype=jnp.int32)
+    q, ctx_k, ctx_v = up(batch.q), up(batch.ctx_k), up(batch.ctx_v)
+    qsl_host = batch.query_start_loc
+    chunks, observed = [], None
+    for i in range(plan.num_chunks):
+        idx = chunk_gather_index(plan, i, batch.context_start_loc)
+        idx = up_i32(idx) if b.framework == "torch" else idx
+        out, lse = attention_real(backend, q, ctx_k[idx], ctx_v[idx], qsl_host, plan.cu_seq_lens[i], causal=False,
+                                  scale=batch.scale)
+        seen = empty_row_classes(_host(out), _host(lse), qsl_host, plan.cu_seq_lens[i])
+        observed = seen if observed is None else {k: {c: observed[k][c] + n for c, n in v.items()}
+                                                  for k, v in seen.items()}
+        chunks.append((out, lse, up_i32(plan.cu_seq_lens[i])))
+    new_out, new_lse = attention_real(backend, q, up(batch.new_k), up(batch.new_v), qsl_host, qsl_host, causal=True,
+                                      scale=batch.scale)
+    parts = dict(chunks=chunks, new=(new_out, new_lse), qsl=up_i32(qsl_host), context_cu=up_i32(batch.context_start_loc))
+    return parts, observed
+
+
+def _host(x) -> np.ndarray:
+    from parity import bridge
+
+    return bridge.to_numpy(x).astype(np.float32)
+
+
+def _to_framework(parts: dict, framework: str) -> dict:
+    """The partials handed to the other framework over DLPack (zero-copy; a strided view is made contiguous first,
+    a visible copy, since DLPack into JAX takes compact strides only)."""
+    from parity import bridge
+
+    def conv(x):
+        if framework == "jax":
+            return x if not hasattr(x, "contiguous") else bridge.torch_to_jax(x.contiguous())
+        return x if hasattr(x, "contiguous") else bridge.jax_to_torch(x)
+
+    return dict(chunks=[tuple(conv(x) for x in c) for c in parts["chunks"]], new=tuple(conv(x) for x in parts["new"]),
+                qsl=conv(parts["qsl"]), context_cu=conv(parts["context_cu"]))
+
+
+def naive_merge(prefix_output, prefix_lse, suffix_output, suffix_lse, *, prefill_tokens_with_context=None,
+                **_) -> dict:
+    """Upstream vLLM's Triton merge formula as of the revision that added the mask, before its both-empty guard, in
+    f32 numpy: +inf is read as -inf, then `m = max(p, s)` and `exp(p - m)`, which is NaN when both are -inf
+    (docs/spec.md 4.2 is the guard it lacks). Tokens at or past `prefill_tokens_with_context` copy the suffix."""
+    a, b = _host(prefix_output), _host(suffix_output)
+    p, s = _host(prefix_lse), _host(suffix_lse)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        p = np.where(p == np.inf, -np.inf, p)
+        s = np.where(s == np.inf, -np.inf, s)
+        m = np.maximum(p, s)
+        pe, se = np.exp(p - m), np.exp(s - m)
+        z = pe + se
+        out = a * (pe / z).T[..., None] + b * (se / z).T[..., None]
+        lse = np.log(z) + m
+    t = a.shape[0] if prefill_tokens_with_context is None else int(prefill_tokens_with_context)
+    out[t:], lse[:, t:] = b[t:], _host(suffix_lse)[:, t:]
+    return dict(out=out, lse=lse)
+
+
+def _combine(a, parts: dict, plan: ChunkPlan, ptwc, paths=PATHS) -> dict:
+    """{path: f32[T, H, Dv] numpy}: each path's mask and merges over the partials, through adapter `a` (the naive
+    paths merge with `naive_merge`)."""
     from parity import bridge
 
     qsl, context_cu = parts["qsl"], parts["context_cu"]
     new_out, new_lse = parts["new"]
     results = {}
-    for path in PATHS:
+    for path in paths:
+        merge = naive_merge if path in NAIVE_PATHS else a.merge
         state = None  # (out, lse) of the context so far
         for i, (out, lse, cu) in enumerate(parts["chunks"]):
-            if path == "mask_then_merge":
+            if path in ("mask_then_merge", "naive_mask"):
                 r = a.mask(lse, qsl, cu, out, has_empty=plan.has_empty[i])
                 out, lse = r["output"], r["lse"]
             if state is None:
@@ -144,15 +246,14 @@ def _combine(a, parts: dict, plan: ChunkPlan, ptwc) -> dict:
             if path == "fused":  # the new chunk is the prefix: its offsets drive the fused mask
                 r = a.merge(out, lse, state[0], state[1], query_start_loc=qsl, prefix_cu_seq_lens=cu)
             else:
-                r = a.merge(state[0], state[1], out, lse)
+                r = merge(state[0], state[1], out, lse)
             state = (r["out"], r["lse"])
         if state is None:  # no request has context
             results[path] = bridge.to_numpy(new_out)
             continue
         fused = dict(query_start_loc=qsl, prefix_cu_seq_lens=context_cu) if path == "fused" else {}
-        r = a.merge(state[0], state[1], new_out, new_lse, prefill_tokens_with_context=ptwc, return_lse=False,
-                    **fused)
-        results[path] = bridge.to_numpy(r["out"])
+        r = merge(state[0], state[1], new_out, new_lse, prefill_tokens_with_context=ptwc, return_lse=False, **fused)
+        results[path] = bridge.to_numpy(r["out"]).astype(np.float32)
     return results
 
 
@@ -271,15 +372,104 @@ def run_batch(batch: PrefillBatch, *, framework: str = "both", device=None, tole
     return rows, verdict(rows)
 
 
-def run_demo(*, framework: str = "both", device=None, size: str = "default", seed: int = 0) -> tuple[list[dict], bool]:
+def _rounded(batch: PrefillBatch, dtype: str) -> PrefillBatch:
+    """The batch with q, k and v rounded to `dtype` (kept as f32): the kernel and the float64 reference then read
+    the same values."""
+    if dtype == "float32":
+        return batch
+    import ml_dtypes
+
+    def r(x):
+        return x.astype(getattr(ml_dtypes, dtype)).astype(np.float32)
+
+    return dataclasses.replace(batch, q=r(batch.q), new_k=r(batch.new_k), new_v=r(batch.new_v), ctx_k=r(batch.ctx_k),
+                               ctx_v=r(batch.ctx_v))
+
+
+def _both_empty_tokens(batch: PrefillBatch, ptwc: int | None) -> int:
+    """Tokens of requests without any context that are merged (not copied past `prefill_tokens_with_context`): both
+    partials of every merge are empty there."""
+    qsl = batch.query_start_loc
+    end = batch.num_tokens if ptwc is None else ptwc
+    return sum(max(0, min(int(qsl[r + 1]), end) - int(qsl[r])) for r, n in enumerate(batch.context_lens) if n == 0)
+
+
+def _expected_real(path: str, observed: dict, both_empty: int) -> str | None:
+    """With a real kernel: our fixed paths must be clean; the unfixed one too when the kernel reports empty rows as
+    +-inf/NaN (the merge reads them as empty, docs/spec.md 4.1); the naive merge yields NaN on rows empty on both
+    sides (docs/spec.md 4.2), with the mask always, without it when the kernel's empty LSE is not finite."""
+    finite = observed["lse"]["finite"] > 0
+    if path in FIXED_PATHS:
+        return "clean"
+    if path == "no_mask":
+        return None if finite else "clean"
+    if path == "naive_mask" or not finite:
+        return "corrupted" if both_empty else None
+    return None
+
+
+def run_real_batch(batch: PrefillBatch, backend: str, *, framework: str = "both", device=None,
+                   jax_implementation: str = "pallas") -> tuple[list[dict], bool]:
+    """`run_batch` with the partials of a real attention kernel (`REAL_BACKENDS`), computed once in the kernel's
+    framework and handed to the other over DLPack; the paths are `PATHS` and `NAIVE_PATHS`."""
+    if framework not in ("both", *FRAMEWORKS):
+        raise ValueError(f"framework must be 'both', 'torch' or 'jax', got {framework!r}")
+    frameworks = FRAMEWORKS if framework == "both" else (framework,)
+    b = real_backend(backend)
+    from parity import bridge, impls
+
+    rt = impls.make_runtime()
+    if b.gpu_only and not rt.on_gpu:
+        raise RuntimeError(f"backend {backend!r} ({b.kernel}) needs a CUDA GPU; on CPU use 'jax-xla' or 'modelled'")
+    batch = _rounded(batch, b.dtype)
+    plan = batch.plan()
+    ptwc = batch.prefill_tokens_with_context()
+    want = reference_prefill(batch)
+    torch_device = _default_torch_device(device)
+    tolerance = TOLERANCE_BF16 if b.dtype == "bfloat16" else TOLERANCE
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        computed, observed = _partials_real(batch, plan, backend, torch_device)
+    both_empty = _both_empty_tokens(batch, ptwc)
+    meta = dict(num_requests=batch.num_requests, num_tokens=batch.num_tokens, num_heads=batch.num_heads,
+                num_chunks=plan.num_chunks, budget=plan.budget, has_empty=list(plan.has_empty),
+                prefill_tokens_with_context=ptwc, tolerance=tolerance, backend=backend, kernel=b.kernel,
+                dtype=b.dtype, observed=observed, both_empty_tokens=both_empty)
+    rows = []
+    for fw in frameworks:
+        if fw == "jax":
+            import jax
+
+            fw_device, impl = f"{jax.devices()[0]}/{jax_implementation}", jax_implementation
+        else:
+            fw_device, impl = torch_device, "triton"
+        parts = computed if fw == b.framework else _to_framework(computed, fw)
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            results = _combine(impls.adapter(rt, impl), parts, plan, ptwc, PATHS + NAIVE_PATHS)
+        new_out = bridge.to_numpy(parts["new"][0])
+        for path in PATHS + NAIVE_PATHS:
+            row = dict(framework=fw, device=fw_device, empty_behavior=backend, path=path, fixed=path in FIXED_PATHS)
+            judge_row(row, results[path], want, new_out, batch.query_start_loc, ptwc,
+                      _expected_real(path, observed, both_empty), tolerance=tolerance)
+            row.update(meta)
+            rows.append(row)
+    return rows, all(r["ok"] for r in rows)
+
+
+def run_demo(*, framework: str = "both", device=None, size: str = "default", seed: int = 0,
+             backend: str = "modelled") -> tuple[list[dict], bool]:
     """Reproduces the chunked-context prefill corruption and its fix.
 
     Args:
         framework: "both", "torch" (Triton kernels) or "jax" (Pallas kernels).
         device: torch device string; None picks "cuda" when available, else "cpu" (Triton then runs in
             its interpreter). The JAX side uses JAX's default device.
-        size: "default" (small, for CPU interpreters) or "large" (64 requests, thousands of tokens).
-        seed: data seed (and, for "large", the length draw).
+        size: "default" (small, for CPU interpreters), "large" (64 requests, thousands of tokens) or "real" (40
+            requests, a request without context among them; `demo_config`).
+        seed: data seed (and, for "large" and "real", the length draw).
+        backend: "modelled" (every behaviour of `EMPTY_BEHAVIORS`) or a real attention kernel of
+            `REAL_BACKENDS` ("torch-flash", "jax-cudnn": GPU; "jax-xla": any device), whose partials both
+            frameworks merge (`run_real_batch`): the table adds the naive-merge paths and what the kernel left in
+            empty rows.
 
     Returns:
         (rows, ok). One row per (framework, empty_behavior, path): rows_corrupted / rows_total,
@@ -290,11 +480,15 @@ def run_demo(*, framework: str = "both", device=None, size: str = "default", see
         behaviour.
 
     Raises:
-        ValueError: unknown framework or size.
+        ValueError: unknown framework, size or backend.
+        RuntimeError: a GPU-only backend without a GPU.
         ImportError: the chosen framework's kernels cannot be imported.
     """
     if size not in SIZES:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
+    if backend != "modelled":
+        real_backend(backend)  # an unknown name is refused before any work
+        return run_real_batch(demo_batch(size, seed), backend, framework=framework, device=device)
     return run_batch(demo_batch(size, seed), framework=framework, device=device)
 
 
@@ -310,6 +504,13 @@ def format_demo_table(rows: list[dict]) -> str:
                      f"{r0['empty_rank_requests']} (rank, request) pairs with context but no local KV, "
                      f"prefill_tokens_with_context={r0['prefill_tokens_with_context']} "
                      f"tolerance={r0['tolerance']:g} (abs, vs float64 monolithic attention)")
+    elif "backend" in r0:
+        lines.append(f"chunked-context prefill on a real attention kernel: {r0['kernel']}, {r0['dtype']}; "
+                     f"R={r0['num_requests']} T={r0['num_tokens']} H={r0['num_heads']} chunks={r0['num_chunks']} "
+                     f"budget={r0['budget']} prefill_tokens_with_context={r0['prefill_tokens_with_context']}, "
+                     f"{r0['both_empty_tokens']} tokens empty in every chunk; empty rows left by the kernel: "
+                     f"LSE {r0['observed']['lse']}, output rows {r0['observed']['out_rows']}; "
+                     f"tolerance={r0['tolerance']:g} (abs, vs float64 monolithic attention)")
     elif "num_chunks" in r0:
         lines.append(f"chunked-context prefill: R={r0['num_requests']} T={r0['num_tokens']} H={r0['num_heads']} "
                      f"chunks={r0['num_chunks']} budget={r0['budget']} has_empty={r0['has_empty']} "
@@ -321,6 +522,9 @@ def format_demo_table(rows: list[dict]) -> str:
     def cell(r):
         beh = EMPTY_BEHAVIORS.get(r["empty_behavior"])
         lse = "" if beh is None else f" (lse {beh.lse:g})"
+        if "observed" in r:  # a real kernel: what it left in empty rows
+            lse = " (lse " + "/".join(k for k, n in r["observed"]["lse"].items() if n) + ", out " + \
+                  "/".join(k for k, n in r["observed"]["out_rows"].items() if n) + ")"
         pt = {None: "-", True: "exact", False: "DIFFERS"}[r["passthrough_exact"]]
         reqs = r["requests_corrupted"]
         reqs_s = "-" if not reqs else ",".join(map(str, reqs[:8])) + (",..." if len(reqs) > 8 else "")

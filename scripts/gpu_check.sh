@@ -106,7 +106,12 @@ step check 150 90 "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full
 step demo 90 100 "$OUT/demo.log" "$PY" -m parity demo --size large
 # The context-parallel demo: JAX over 4 ranks simulated by a named vmap on the one GPU, torch on 4 gloo ranks.
 step demo_cp 60 60 "$OUT/demo_cp.log" "$PY" -m parity demo --cp 4 --interleave 2
-cat "$OUT/demo_cp.log" >> "$OUT/demo.log" && rm -f "$OUT/demo_cp.log"
+# The partials of real attention kernels (PyTorch's FlashAttention-2, cuDNN through jax.nn).
+for backend in torch-flash jax-cudnn; do
+    step "demo_$backend" 60 60 "$OUT/demo_real.log" "$PY" -m parity demo --backend "$backend" --size real
+    cat "$OUT/demo_real.log" >> "$OUT/demo_cp.log"
+done
+cat "$OUT/demo_cp.log" >> "$OUT/demo.log" && rm -f "$OUT/demo_cp.log" "$OUT/demo_real.log"
 
 # The bench stops starting new points 60 s before its timeout, so the JSON, table and plot still get written.
 BENCH_T=$(( $(remaining) - 5 ))

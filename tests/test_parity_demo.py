@@ -341,3 +341,99 @@ def test_cp_demo_rejects():
         demo_cp.run_cp_demo(cp=1)
     with pytest.raises(ValueError, match="not a multiple of --cp 3"):
         demo_cp.run_cp_demo(cp=3)
+
+
+# --------------------------------------------------------------------------------------------------
+# Real attention kernels (--backend): the partials come from a kernel, not a model
+# --------------------------------------------------------------------------------------------------
+
+def test_jax_dpa_attention_matches_float64():
+    """`attention_jax_dpa` (jax.nn.dot_product_attention, XLA) repacks per-request rows correctly: every row with KV
+    matches float64 attention, causal and not; rows without KV hold what the function leaves (finite here)."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(5)
+    qsl = np.array([0, 3, 5, 5, 9], np.int32)
+    cu = np.array([0, 4, 4, 6, 13], np.int32)  # request 1 has no KV tokens
+    q = rng.standard_normal((9, 2, 16), dtype=np.float32)
+    k = rng.standard_normal((13, 2, 16), dtype=np.float32)
+    v = rng.standard_normal((13, 2, 8), dtype=np.float32)  # Dv < Dqk: V padded, output sliced
+    out, lse = cp.attention_jax_dpa(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), qsl, cu, causal=False,
+                                    implementation="xla", scale=0.3)
+    out, lse = _to_numpy(out), _to_numpy(lse)
+    assert out.shape == (9, 2, 8) and lse.shape == (2, 9)
+    for t, (o, l) in _np_attention(q, k, v, qsl, cu, False, 0.3).items():
+        np.testing.assert_allclose(out[t], o, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(lse[:, t], l, rtol=0, atol=1e-5)
+    seen = cp.empty_row_classes(out, lse, qsl, cu)
+    assert sum(seen["lse"].values()) == 2 * 2 and sum(seen["out_rows"].values()) == 2
+    out, lse = cp.attention_jax_dpa(jnp.asarray(q), jnp.asarray(q), jnp.asarray(q[..., :8]), qsl, qsl, causal=True,
+                                    implementation="xla", scale=0.5)
+    for t, (o, l) in _np_attention(q, q, q[..., :8], qsl, qsl, True, 0.5).items():
+        np.testing.assert_allclose(_to_numpy(out)[t], o, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(_to_numpy(lse)[:, t], l, rtol=0, atol=1e-5)
+
+
+def test_naive_merge_nan_on_both_empty_rows():
+    """The naive merge (upstream's formula without the both-empty guard) gives NaN exactly where both LSEs are
+    empty, and the float64 reference's result elsewhere."""
+    rng = np.random.default_rng(6)
+    a, b = (rng.standard_normal((4, 2, 3)).astype(np.float32) for _ in range(2))
+    p = np.array([[1.0, np.inf, -np.inf, 0.5], [0.0, -np.inf, 2.0, np.inf]], np.float32)
+    s = np.array([[0.0, 1.0, -np.inf, np.inf], [np.inf, -np.inf, 1.0, -np.inf]], np.float32)
+    got = demo.naive_merge(a, p, b, s)["out"]
+    both = np.isneginf(np.where(p == np.inf, -np.inf, p)) & np.isneginf(np.where(s == np.inf, -np.inf, s))
+    assert both.sum() == 3
+    assert np.isnan(got.transpose(1, 0, 2)[both]).all()
+    want, _ = reference.merge_attn_states(a, p, b, s)
+    np.testing.assert_allclose(got.transpose(1, 0, 2)[~both], want.transpose(1, 0, 2)[~both], rtol=0, atol=1e-6)
+
+
+def test_demo_real_backend_xla_cpu():
+    """A real JAX attention function's partials (jax-xla), merged by both frameworks: our paths are clean, and the
+    naive merge behind the mask turns the request without any context into NaN (both partials empty)."""
+    batch = cp.make_batch([20, 0, 9, 3], [3, 2, 4, 2], num_heads=2, qk_dim=32, v_dim=16, workspace_rows=24,
+                          block_size=4)
+    rows, ok = demo.run_real_batch(batch, "jax-xla")
+    assert ok, demo.format_demo_table(rows)
+    assert rows[0]["both_empty_tokens"] == 2 and rows[0]["prefill_tokens_with_context"] is None
+    by = {(r["framework"], r["path"]): r for r in rows}
+    for fw in demo.FRAMEWORKS:
+        for path in demo.FIXED_PATHS:
+            assert by[fw, path]["rows_corrupted"] == 0 and not by[fw, path]["any_nan"]
+        assert by[fw, "naive_mask"]["rows_corrupted"] == 2 and by[fw, "naive_mask"]["requests_corrupted"] == [1]
+    assert "jax-xla (lse finite" in demo.format_demo_table(rows)
+
+
+def test_demo_gpu_backends_refuse_cpu():
+    if demo._default_torch_device(None) == "cuda":
+        pytest.skip("a CUDA GPU is present: the GPU test runs the backend")
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        demo.run_demo(backend="torch-flash")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        demo.run_demo(backend="flash3")
+
+
+@pytest.mark.gpu
+def test_demo_torch_flash_gpu():
+    """PyTorch's FlashAttention-2 on the `real` batch: it reports empty rows as LSE +inf; our merges (with and
+    without the mask, fused) leave 0 rows corrupted in both frameworks, and the naive merge turns the request
+    without context into NaN rows, with or without the mask."""
+    rows, ok = demo.run_demo(size="real", backend="torch-flash")
+    table = demo.format_demo_table(rows)
+    assert ok, table
+    obs = rows[0]["observed"]
+    assert obs["lse"]["+inf"] > 0 and obs["lse"]["finite"] == 0, table
+    for r in rows:
+        if r["path"] in ("no_mask",) + demo.FIXED_PATHS:
+            assert r["rows_corrupted"] == 0 and not r["any_nan"], table
+        else:
+            assert r["rows_corrupted"] == rows[0]["both_empty_tokens"] > 0 and r["any_nan"], table
+
+
+@pytest.mark.gpu
+def test_demo_jax_cudnn_gpu():
+    """cuDNN's flash attention from JAX: whatever it leaves in empty rows, our fixed paths are clean in both
+    frameworks."""
+    rows, ok = demo.run_demo(size="real", backend="jax-cudnn")
+    assert ok, demo.format_demo_table(rows)
