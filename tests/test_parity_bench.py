@@ -98,6 +98,14 @@ def test_smoke_json_schema(smoke_run):
         if r["metric"] != "host":
             assert r["frac_ceiling"] == pytest.approx(r["tbps"] / doc["ceilings"]["add_2r1w"])
     assert all("pallas_over_triton" in r for r in recs if r["impl"] == "pallas" and r["metric"] != "host")
+    # P/T: each Pallas record over the Triton record of the same point and metric.
+    def key(r):
+        return r["op"], r["workload"], r["variant"], r["metric"], bench.report.layout_of(r)
+
+    triton = {key(r): r["p50"] for r in recs if r["impl"] == "triton"}
+    for r in recs:
+        if r["impl"] == "pallas" and r["metric"] != "host":
+            assert r["pallas_over_triton"] == pytest.approx(r["p50"] / triton[key(r)])
 
 
 def test_smoke_retrace_check(smoke_run):

@@ -146,7 +146,8 @@ def plot_from_json(json_path: str, png_path: str) -> None:
     recs = doc.get("records", [])
     env = doc.get("env", {})
     merge = [r for r in recs if r["op"] == "merge" and r["metric"] == "gpu_time"]
-    mask = [r for r in recs if r["op"] == "mask" and r["variant"] == "lse" and layout_of(r) in ("HT", "-")]
+    mask = [r for r in recs if r["op"] == "mask" and r["variant"] == "lse" and layout_of(r) in ("HT", "-")
+            and r["metric"] != "host"]
     dtypes = [d for d in ("bfloat16", "float16", "float32") if any(r["dtype"] == d for r in merge)]
     variants = [v for v in P.MERGE_VARIANTS if any(r["variant"] == v for r in merge)]
     shapes = sorted({(r["T"], r["H"], r["D"], layout_of(r)) for r in merge})
@@ -165,7 +166,8 @@ def plot_from_json(json_path: str, png_path: str) -> None:
             ax = fig.add_subplot(grid[i, j])
             for impl, marker in (("triton", "o"), ("pallas", "s")):
                 sel = [r for r in merge if r["impl"] == impl and r["dtype"] == dt and r["variant"] == var]
-                ax.plot([shapes.index((r["T"], r["H"], r["D"], layout_of(r))) for r in sel], [r["tbps"] or 0.0 for r in sel],
+                xs = [shapes.index((r["T"], r["H"], r["D"], layout_of(r))) for r in sel]
+                ax.plot(xs, [r["tbps"] or 0.0 for r in sel],
                         marker, color=colors[impl], label=impl, markersize=5, alpha=0.85)
             if ceil:
                 ax.axhline(ceil, color="k", ls="--", lw=1, label=f"2R1W ceiling {ceil:.2f}")
@@ -188,7 +190,8 @@ def plot_from_json(json_path: str, png_path: str) -> None:
         if r["workload"] not in workloads:
             workloads.append(r["workload"])
     bars = [("triton", "gpu_time"), ("pallas", "gpu_time"), ("upstream", "gpu_time"),
-            ("triton", "latency"), ("pallas", "latency"), ("upstream", "latency")]
+            ("triton", "latency"), ("pallas", "latency"), ("upstream", "latency"), ("triton", "eager"),
+            ("pallas", "eager")]
     width = 0.8 / len(bars)
     for j, (impl, metric) in enumerate(bars):
         ys = []
@@ -200,13 +203,15 @@ def plot_from_json(json_path: str, png_path: str) -> None:
                 v = [r["p50"] for r in mask if r["workload"] == w and r["impl"] == impl and r["metric"] == metric]
                 ys.append(v[0] if v else np.nan)
         ax2.bar(np.arange(len(workloads)) + (j - (len(bars) - 1) / 2) * width, ys, width, color=colors[impl],
-                hatch="//" if metric == "latency" else None, edgecolor="white" if metric == "latency" else None,
+                hatch={"latency": "//", "eager": ".."}.get(metric),
+                edgecolor=None if metric == "gpu_time" else "white",
                 label=f"{impl} {metric}")
     ax2.set_xticks(range(len(workloads)))
     ax2.set_xticklabels(workloads, fontsize=8)
     ax2.set_yscale("log")
     ax2.set_ylabel("us per call (p50)")
-    ax2.set_title("mask (LSE only): GPU time (solid) and latency with launch (hatched); upstream from docs/spec.md 7",
+    ax2.set_title("mask (LSE only): GPU time (solid), latency with launch (hatched), eager (dotted); upstream from "
+                  "docs/spec.md 7",
                   fontsize=9)
     ax2.legend(fontsize=7, ncol=2)
     v = env.get("versions", {})

@@ -207,10 +207,10 @@ class Runner:
         except Exception as e:  # noqa: BLE001 - informational floor
             self.error("jit_dispatch floor", "jax", e)
         c = self.doc["ceilings"]
+        nan = float("nan")
         self.progress(f"  floors: empty kernel {c['noop_kernel_us']:.2f} us gpu, launch {c['noop_launch_us']:.1f} us "
                       f"host / {c['noop_eager_us']:.1f} us eager; jitted JAX identity "
-                      f"{c.get('jit_dispatch_us', float('nan')):.1f} us host / {c.get('jit_eager_us', float('nan')):.1f}"
-                      f" us eager")
+                      f"{c.get('jit_dispatch_us', nan):.1f} us host / {c.get('jit_eager_us', nan):.1f} us eager")
         self.cleanup()
         self.save()
 
@@ -261,6 +261,7 @@ class Runner:
         self.sync()
         results = {}
         est = 10.0
+        first = len(self.doc["records"])
 
         def add(impl, metric, t, upstream=True):
             rec = record("mask", impl, case.name, T, H, D if with_out else None, dtype, variant, metric, t, nbytes,
@@ -298,7 +299,7 @@ class Runner:
                 self.mask_host(impl, case, variant, lse_layout)
             except Exception as e:  # noqa: BLE001
                 self.error(label, impl, e)
-        self._ratio_and_progress(idx, label, results, nbytes)
+        self._ratio_and_progress(idx, label, results, nbytes, first)
         # The same bytes written by a plain fill, timed the same way: the practical floor of this workload.
         buf = torch.empty(max(1, nbytes // 4), device=self.device)
         rec = record("mask", "torch", case.name, T, H, D if with_out else None, "float32", variant + " floor",
@@ -341,10 +342,10 @@ class Runner:
             key = "mask_gpu_time_us" if rec["metric"] == "gpu_time" else "mask_latency_us"  # latency, eager: launch
             rec["upstream_us"] = P.UPSTREAM[key].get(rec["workload"])
 
-    def _ratio_and_progress(self, idx: str, label: str, results: dict, nbytes: int) -> None:
+    def _ratio_and_progress(self, idx: str, label: str, results: dict, nbytes: int, first: int) -> None:
+        """Sets `pallas_over_triton` on the point's Pallas records (those from index `first` on)."""
         metrics = ("gpu_time", "latency", "eager")
-        recs = [r for r in self.doc["records"][-12:] if r["impl"] == "pallas" and r["metric"] in metrics
-                and r["T"] != P.HOST_T]
+        recs = [r for r in self.doc["records"][first:] if r["impl"] == "pallas" and r["metric"] in metrics]
         if "triton" in results and "pallas" in results:
             for r in recs:
                 tri = results["triton"][metrics.index(r["metric"])][0][1]
@@ -395,6 +396,7 @@ class Runner:
         self.sync()
         results = {}
         est = pt.bytes / 3e12 * 1e6
+        first = len(self.doc["records"])
         for impl in self.impls:
             if impl != "triton" and pt.view == "gather":
                 self.doc["skipped"].append({"point": pt.label, "impl": impl,
@@ -408,7 +410,7 @@ class Runner:
             except Exception as e:  # noqa: BLE001
                 self.error(pt.label, impl, e)
             self.cleanup()
-        self._ratio_and_progress(idx, pt.label, results, pt.bytes)
+        self._ratio_and_progress(idx, pt.label, results, pt.bytes, first)
         del sets, offs
         self.cleanup()
         self.save()
