@@ -146,7 +146,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=_verify)
 
     # bench defines its own options; import it only when it is the command being parsed.
-    p = sub.add_parser("bench", help="benchmarks on the docs/spec.md 7 workloads (see parity/bench.py)")
+    p = sub.add_parser("bench", help="benchmarks on the docs/spec.md 7 workloads (see parity/bench/)")
     p.set_defaults(func=_bench, _bench_import_error=None)
     if argv is not None and argv[:1] == ["bench"]:
         try:

@@ -3,6 +3,7 @@
     python scripts/tune.py merge --tiles 8192,1,4 8192,8,4 --tokens 32768 131072 --json merge.json
     python scripts/tune.py merge_n --tiles 8192,1,4 4096,4,4 --partials 4 8 --json merge_n.json
     python scripts/tune.py mask --json mask.json
+    python scripts/tune.py merge_n --lse-layout HT TH --lse-base e 2 --partials-view contig gather --json l.json
 
 merge: for each tile (bytes of one input tile, fewest tokens, warps) sets it for every variant of both
 frameworks' `MERGE_TILES`, then times plain / output-LSE / fused merges (Triton: CUDA-graph replay; JAX: profiler
@@ -11,8 +12,11 @@ give tiles as (elements, fewest tokens, warps) of bf16, i.e. half the bytes used
 merge_n: the same for the N-way merge's `MERGE_N_TILES` (N stacked partials; a tile's bytes are those of the
 program's N input tiles together, `partial_tile_bytes`), plain / output-LSE / fused.
 mask: MASK_NUM_WARPS x MASK_TILE_H on the docs/spec.md 7 seed workloads, both frameworks.
-The floors (an empty kernel, a `fill_` of each mask workload's bytes, the host cost of an empty launch and of a
-jitted JAX dispatch) are recorded by every `python -m parity bench` run.
+Layouts (every sweep runs each combination): `--lse-layout` HT ([H, T] LSEs) / TH ([T, H]), `--lse-base` e / 2,
+and for merge_n `--partials-view` contig ([N, T, H, D]) / gather (the [T, N, H, D] all-gather buffer read through
+a [N, T, H, D] view; Triton only: JAX arrays have no strides, its columns are NaN). Rows carry the layout.
+The floors (an empty kernel, a `fill_` of each mask workload's bytes, the host and eager cost of an empty launch
+and of a jitted JAX dispatch) are recorded by every `python -m parity bench` run (parity/bench/).
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ import torch  # noqa: E402
 import pallas_impl  # noqa: E402
 import triton_impl  # noqa: E402
 from pallas_impl import _common as pc  # noqa: E402
-from parity import bench, bridge, cases  # noqa: E402
+from parity import bridge, cases  # noqa: E402
+from parity.bench import points, timers  # noqa: E402
 from triton_impl import _common as tc  # noqa: E402
 
 SEEDS = {c.name: c for c in cases.select("seed")}
@@ -45,12 +50,21 @@ SEEDS = {c.name: c for c in cases.select("seed")}
 def gpu_us_triton(fn) -> float:
     fn()  # compile outside the graph capture
     torch.cuda.synchronize()
-    return bench.time_cudagraph(fn, 20)[0][1]
+    return timers.time_cudagraph(fn, 20)[0][1]
 
 
 def gpu_us_jax(call, sync, n: int = 20) -> float:
-    got = bench.time_jax_profiler(call, sync, n)
+    got = timers.time_jax_profiler(call, sync, n)
     return got[0][1] if got else float("nan")
+
+
+def lse_shape(layout: str, H: int, T: int) -> tuple[int, int]:
+    return (H, T) if layout == "HT" else (T, H)
+
+
+def layouts(args) -> list[tuple[str, str]]:
+    """(lse_layout, lse_base) pairs of the sweep."""
+    return list(itertools.product(args.lse_layout, args.lse_base))
 
 
 def set_merge_tiles(tile, table: str = "MERGE_TILES") -> None:
@@ -64,7 +78,7 @@ def set_merge_tiles(tile, table: str = "MERGE_TILES") -> None:
 
 
 def ceiling_tbps() -> float:
-    n = bench.CEILING_ELEMS
+    n = points.CEILING_ELEMS
     a, b, c = (torch.ones(n, dtype=torch.bfloat16, device="cuda") for _ in range(3))
     return 6 * n / gpu_us_triton(lambda: torch.add(a, b, out=c)) / 1e6
 
@@ -72,11 +86,13 @@ def ceiling_tbps() -> float:
 def merge_sweep(args) -> list[dict]:
     ceiling = ceiling_tbps()
     out = []
-    for dtype, H, D, T in itertools.product(args.dtypes, args.heads, args.dims, args.tokens):
+    for dtype, H, D, T, (layout, base) in itertools.product(args.dtypes, args.heads, args.dims, args.tokens,
+                                                             layouts(args)):
         tdt = getattr(torch, dtype)
         g = torch.Generator(device="cuda").manual_seed(0)
+        lay = dict(lse_layout=layout, lse_base=points.base_value(base))
         x = {k: torch.randn(T, H, D, generator=g, device="cuda", dtype=tdt) for k in ("a", "b")}
-        x.update({k: torch.randn(H, T, generator=g, device="cuda") * 3 + 4 for k in ("pl", "sl")})
+        x.update({k: torch.randn(*lse_shape(layout, H, T), generator=g, device="cuda") * 3 + 4 for k in ("pl", "sl")})
         o, olse = torch.empty_like(x["a"]), torch.empty_like(x["pl"])
         fc = cases.Case("fused", (128,) * (T // 128), tuple(range(0, T // 128, 2)), num_heads=H, head_dim=D)
         qsl_np, cu_np = cases.offsets(fc)
@@ -87,13 +103,13 @@ def merge_sweep(args) -> list[dict]:
             if time.monotonic() > args.deadline:
                 break
             set_merge_tiles(tile)
-            row = {"dtype": dtype, "T": T, "H": H, "D": D, "tile": list(tile)}
+            row = {"dtype": dtype, "T": T, "H": H, "D": D, "lse_layout": layout, "lse_base": base, "tile": list(tile)}
             for variant in ("plain", "lse", "fused"):
                 kw = offs if variant == "fused" else {}
                 olse_v = None if variant == "plain" else olse
                 row[f"triton_{variant}_us"] = gpu_us_triton(functools.partial(
-                    triton_impl.merge_attn_states, o, x["a"], x["pl"], x["b"], x["sl"], olse_v, **kw))
-                f = jax.jit(functools.partial(pallas_impl.merge_attn_states, return_lse=variant != "plain"))
+                    triton_impl.merge_attn_states, o, x["a"], x["pl"], x["b"], x["sl"], olse_v, **kw, **lay))
+                f = jax.jit(functools.partial(pallas_impl.merge_attn_states, return_lse=variant != "plain", **lay))
                 last = [None]
 
                 def call(f=f, jkw=joffs if variant == "fused" else {}):
@@ -102,7 +118,7 @@ def merge_sweep(args) -> list[dict]:
                 row[f"pallas_{variant}_us"] = gpu_us_jax(call, lambda: jax.block_until_ready(last[0]))
             for impl in ("triton", "pallas"):
                 for variant in ("plain", "lse"):
-                    nbytes = bench.MergePoint(T, H, D, dtype, variant).bytes
+                    nbytes = points.MergePoint(T, H, D, dtype, variant).bytes
                     row[f"{impl}_{variant}_pct"] = round(100 * nbytes / row[f"{impl}_{variant}_us"] / 1e6 / ceiling, 1)
                 row[f"{impl}_fused_over_lse"] = round(row[f"{impl}_fused_us"] / row[f"{impl}_lse_us"] - 1, 4)
             print(json.dumps(row), flush=True)
@@ -115,33 +131,44 @@ def merge_sweep(args) -> list[dict]:
 def merge_n_sweep(args) -> list[dict]:
     ceiling = ceiling_tbps()
     out = []
-    for N, dtype, H, D, T in itertools.product(args.partials, args.dtypes, args.heads, args.dims, args.tokens):
+    for N, dtype, H, D, T, (layout, base), view in itertools.product(
+            args.partials, args.dtypes, args.heads, args.dims, args.tokens, layouts(args), args.partials_view):
         tdt = getattr(torch, dtype)
         g = torch.Generator(device="cuda").manual_seed(0)
-        o = torch.randn(N, T, H, D, generator=g, device="cuda", dtype=tdt)
-        lse = torch.randn(N, H, T, generator=g, device="cuda") * 3 + 4
-        out_t, olse = torch.empty(T, H, D, dtype=tdt, device="cuda"), torch.empty(H, T, device="cuda")
-        q_np, cu_np = cases.offsets_n(bench.MergePoint(T, H, D, dtype, "fused", N).fused_case())
+        lay = dict(lse_layout=layout, lse_base=points.base_value(base))
+        if view == "gather":  # the [T, N, H, D] all-gather buffer read through a [N, T, H, D] view
+            o = torch.randn(T, N, H, D, generator=g, device="cuda", dtype=tdt).transpose(0, 1)
+        else:
+            o = torch.randn(N, T, H, D, generator=g, device="cuda", dtype=tdt)
+        lse = torch.randn(N, *lse_shape(layout, H, T), generator=g, device="cuda") * 3 + 4
+        out_t = torch.empty(T, H, D, dtype=tdt, device="cuda")
+        olse = torch.empty(*lse_shape(layout, H, T), device="cuda")
+        q_np, cu_np = cases.offsets_n(points.MergePoint(T, H, D, dtype, "fused", N).fused_case())
         offs = dict(query_start_loc=torch.from_numpy(q_np).cuda(), cu_seq_lens=torch.from_numpy(cu_np).cuda())
         joffs = dict(query_start_loc=jax.device_put(q_np), cu_seq_lens=jax.device_put(cu_np))
-        jo, jl = bridge.torch_to_jax(o), bridge.torch_to_jax(lse)
+        jo = None if view == "gather" else bridge.torch_to_jax(o)  # JAX arrays have no strides
+        jl = bridge.torch_to_jax(lse)
         for tile in args.tiles:
             if time.monotonic() > args.deadline:
                 break
             set_merge_tiles(tile, "MERGE_N_TILES")
-            row = {"N": N, "dtype": dtype, "T": T, "H": H, "D": D, "tile": list(tile)}
+            row = {"N": N, "dtype": dtype, "T": T, "H": H, "D": D, "lse_layout": layout, "lse_base": base,
+                   "partials_view": view, "tile": list(tile)}
             for variant in args.variants:
                 kw = offs if variant == "fused" else {}
                 us = gpu_us_triton(functools.partial(triton_impl.merge_attn_states_n, out_t, o, lse,
-                                                     None if variant == "plain" else olse, **kw))
-                f = jax.jit(functools.partial(pallas_impl.merge_attn_states_n, return_lse=variant != "plain"))
-                last = [None]
+                                                     None if variant == "plain" else olse, **kw, **lay))
+                pus = float("nan")
+                if jo is not None:
+                    f = jax.jit(functools.partial(pallas_impl.merge_attn_states_n, return_lse=variant != "plain",
+                                                  **lay))
+                    last = [None]
 
-                def call(f=f, jkw=joffs if variant == "fused" else {}):
-                    last[0] = f(jo, jl, **jkw)
+                    def call(f=f, jkw=joffs if variant == "fused" else {}):
+                        last[0] = f(jo, jl, **jkw)
 
-                pus = gpu_us_jax(call, lambda: jax.block_until_ready(last[0]))
-                nbytes = bench.MergePoint(T, H, D, dtype, variant, N).bytes
+                    pus = gpu_us_jax(call, lambda: jax.block_until_ready(last[0]))
+                nbytes = points.MergePoint(T, H, D, dtype, variant, N).bytes
                 for impl, t_us in (("triton", us), ("pallas", pus)):
                     row[f"{impl}_{variant}_us"] = round(t_us, 2)
                     row[f"{impl}_{variant}_pct"] = round(100 * nbytes / t_us / 1e6 / ceiling, 1)
@@ -154,10 +181,10 @@ def merge_n_sweep(args) -> list[dict]:
 
 def mask_sweep(args) -> list[dict]:
     out = []
-    for name in args.workloads:
+    for name, layout in itertools.product(args.workloads, args.lse_layout):
         case = SEEDS[name]
         qsl_np, cu_np = cases.offsets(case)
-        lse = torch.randn(case.num_heads, case.num_tokens, device="cuda")
+        lse = torch.randn(*lse_shape(layout, case.num_heads, case.num_tokens), device="cuda")
         qsl, cu = torch.from_numpy(qsl_np).cuda(), torch.from_numpy(cu_np).cuda()
         jq, jc = jax.device_put(qsl_np), jax.device_put(cu_np)
         for warps, tile_h in itertools.product(args.warps, args.tile_h):
@@ -165,14 +192,16 @@ def mask_sweep(args) -> list[dict]:
                 common.MASK_NUM_WARPS, common.MASK_TILE_H = warps, tile_h
                 common.mask_tiles.cache_clear()
             jax.clear_caches()
-            t_us = gpu_us_triton(functools.partial(triton_impl.mask_empty_context_lse, lse, qsl, cu, has_empty=True))
+            t_us = gpu_us_triton(functools.partial(triton_impl.mask_empty_context_lse, lse, qsl, cu, has_empty=True,
+                                                   lse_layout=layout))
             state = [jnp.copy(bridge.torch_to_jax(lse))]
-            step = jax.jit(functools.partial(pallas_impl.mask_empty_context_lse, has_empty=True), donate_argnums=0)
+            step = jax.jit(functools.partial(pallas_impl.mask_empty_context_lse, has_empty=True, lse_layout=layout),
+                           donate_argnums=0)
 
             def call():
                 state[0] = step(state[0], jq, jc)
 
-            row = {"workload": name, "warps": warps, "tile_h": tile_h, "triton_us": t_us,
+            row = {"workload": name, "lse_layout": layout, "warps": warps, "tile_h": tile_h, "triton_us": t_us,
                    "pallas_us": gpu_us_jax(call, lambda: jax.block_until_ready(state))}
             print(json.dumps(row), flush=True)
             out.append(row)
@@ -194,6 +223,10 @@ def main(argv=None) -> int:
     p.add_argument("--warps", nargs="+", type=int, default=[2, 4, 8])
     p.add_argument("--tile-h", nargs="+", type=int, default=[16, 32, 64])
     p.add_argument("--workloads", nargs="+", default=list(SEEDS))
+    p.add_argument("--lse-layout", nargs="+", choices=("HT", "TH"), default=["HT"], help="LSE layouts swept")
+    p.add_argument("--lse-base", nargs="+", choices=("e", "2"), default=["e"], help="merge, merge_n: LSE bases")
+    p.add_argument("--partials-view", nargs="+", choices=points.VIEWS, default=["contig"],
+                   help="merge_n: partials contiguous [N, T, H, D] or the [T, N, H, D] all-gather view (Triton only)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     args.deadline = time.monotonic() + args.budget_s
