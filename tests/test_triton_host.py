@@ -229,12 +229,15 @@ def test_plain_functions_trace_fullgraph_on_cpu(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_torch_compile_fullgraph_around_the_plain_functions():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph_around_the_plain_functions(backend):
+    # aot_eager runs the traced kernel launches as given; inductor launches user kernels itself (with the
+    # launch options, enable_fp_fusion=False included, or the bits would differ).
     t = _merge_inputs(torch.float32)
     qsl, cu = _offsets()
     outs, lses = torch.stack([t["prefix_output"], t["suffix_output"]] * 2), torch.stack([t["prefix_lse"]] * 4)
     want = _pipeline(t, qsl, cu, outs, lses)
-    got = torch.compile(_pipeline, fullgraph=True)(t, qsl, cu, outs, lses)
+    got = torch.compile(_pipeline, backend=backend, fullgraph=True)(t, qsl, cu, outs, lses)
     for g, w in zip(got, want):
         assert torch.equal(g.view(torch.int32), w.view(torch.int32))
 
