@@ -56,11 +56,11 @@ def entry_points(device, T=16, H=64, D=128, N=4, R=4, dtype=torch.bfloat16):
     cp_kw = dict(method="reduce_scatter", num_partials=2, lse_layout="HT", lse_base=math.e, reduce_dtype=None,
                  validate=False)
 
-    half = out[:, : H // 2]
+    half, lses2 = out[:, : H // 2], lses[:2]
 
     def cp_local():
         params, _ = cp_merge._local_params(half, *cp_args[1:], **cp_kw)
-        cp_merge._rescale(scaled, None, p, lses[:2], None, None, 0, params, "HT")
+        cp_merge._rescale(scaled, None, p, lses2, None, None, 0, params, "HT")
 
     fn = triton_impl
     return {
