@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -154,6 +155,7 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+@functools.lru_cache(maxsize=None)
 def mask_tiles(num_heads: int, head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_H, BLOCK_HO, BLOCK_D): head tile of the LSE stores, head and dim tiles of output zeroing."""
     block_h = min(next_pow2(num_heads), MASK_TILE_H)
@@ -162,6 +164,7 @@ def mask_tiles(num_heads: int, head_dim: int) -> tuple[int, int, int]:
     return block_h, block_ho, block_d
 
 
+@functools.lru_cache(maxsize=None)
 def merge_tiles(num_heads: int, head_dim: int, variant: str = "plain",
                 itemsize: int = 2, num_partials: int = 0) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_H, BLOCK_D) of a merge program: the whole (padded) head, the variant's fewest tokens, then
