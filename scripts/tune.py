@@ -71,6 +71,7 @@ def set_merge_tiles(tile, table: str = "MERGE_TILES") -> None:
     for common in (tc, pc):
         setattr(common, table, {variant: tuple(tile) for variant in getattr(common, table)})
         common.merge_tiles.cache_clear()
+    tc.PLANS.clear()  # the Triton wrappers' launch plans hold tiles too
     jax.clear_caches()  # the Pallas wrapper's jit cache holds traced tiles
     gc.collect()  # the dropped executables go now, not during a CUDA-graph capture
     jax.effects_barrier()
@@ -191,6 +192,7 @@ def mask_sweep(args) -> list[dict]:
             for common in (tc, pc):
                 common.MASK_NUM_WARPS, common.MASK_TILE_H = warps, tile_h
                 common.mask_tiles.cache_clear()
+            tc.PLANS.clear()
             jax.clear_caches()
             t_us = gpu_us_triton(functools.partial(triton_impl.mask_empty_context_lse, lse, qsl, cu, has_empty=True,
                                                    lse_layout=layout))

@@ -446,6 +446,7 @@ def test_one_compiled_variant_per_configuration(monkeypatch, lse_layout):
     recorder = _Recorder(merge_mod._merge_attn_states_kernel)
     monkeypatch.setattr(merge_mod, "_merge_attn_states_kernel", recorder)
     monkeypatch.setattr(triton_common, "interpreting", lambda: False)  # record the compiled launch arguments
+    monkeypatch.setattr(triton_common, "PLANS", {})  # launch plans made under that mode only
     batches = [((40, 0, 21), 3, 30), ((40, 0, 21), 3, 0), ((40, 0, 21), 3, 1), ((40, 0, 21), 3, 64),
                ((13,), 3, 16), ((64, 61), 3, 125), ((1, 2, 3, 4, 5), 0, 7), ((1,), 0, 1), ((48,), 0, 32),
                (_tiny_lens(40, 70, 9), 1, 100)]

@@ -40,6 +40,112 @@ PARITY_LAUNCH = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
 OUTPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def tracing() -> bool:
+    """True while torch.compile traces (data pointers are unknown; the launch-plan cache is bypassed)."""
+    return torch.compiler.is_compiling()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launch plans (docs/design.md, "Per-call cost"). A wrapper keys its plan on the `meta` of every tensor argument
+# and its options (a cheap tuple); a plan is stored only after every metadata check passed for that key, so a
+# hit skips them and runs the per-call checks only (data-pointer overlap, prefill_tokens_with_context).
+# Bounded: full, it starts over. MLA_LSE_MERGE_PLAN_CACHE=0 turns it off (every call runs every check).
+PLANS: dict = {}
+PLANS_MAX = 4096
+PLAN_CACHE = os.environ.get("MLA_LSE_MERGE_PLAN_CACHE", "1") != "0"
+
+
+def meta(x):
+    """What a tensor argument's metadata checks and launch arguments depend on (None for None; raises
+    AttributeError for most non-tensors, which then take the checked path and its error)."""
+    return None if x is None else (x.__class__, x.dtype, x.shape, x.stride(), x.device)
+
+
+def find_plan(name: str, tensors: tuple, options: tuple):
+    """(key, plan) of a call: the plan-cache key (None where the cache cannot be used: off, tracing, an argument
+    that is no tensor or is unhashable) and the plan stored for it, if any."""
+    if not PLAN_CACHE or tracing():
+        return None, None
+    try:
+        key = (name, options, tuple(map(meta, tensors)))
+        return key, PLANS.get(key)
+    except (AttributeError, TypeError):
+        return None, None
+
+
+def remember(key, plan) -> None:
+    if key is None:
+        return
+    if len(PLANS) >= PLANS_MAX:
+        PLANS.clear()
+    PLANS[key] = plan
+
+
+def _direct_launch_version() -> bool:
+    """Triton versions whose JITFunction.run ends in the launcher call that `launch` repeats (read in 3.4 to 3.9)."""
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    return (3, 4) <= (major, minor) <= (3, 9)
+
+
+# MLA_LSE_MERGE_DIRECT_LAUNCH=0 keeps every launch on `kernel[grid](...)`.
+DIRECT_LAUNCH = PLAN_CACHE and os.environ.get("MLA_LSE_MERGE_DIRECT_LAUNCH", "1") != "0" and _direct_launch_version()
+
+
+def launch(kernel, grid, args, constexprs, state: list) -> None:
+    """`kernel[grid](*args, **constexprs)`, through the compiled kernel's own launcher once it is known.
+
+    `state` is a list kept with the launch plan, empty until its first launch. The plan's key fixes Triton's
+    compile-cache key except for the pointers' 16-byte alignment and the type of the per-call integers
+    (`prefill_tokens_with_context` in [0, T] and the CP rank: i32, `do_not_specialize`). The first launch records
+    the compiled kernel Triton chose, when every pointer is aligned; a later launch with aligned pointers on the
+    same device, without pre-run hooks, passes the launcher what `JITFunction.run` would: the grid, the stream,
+    the kernel handle and metadata, the launch metadata and hooks, then every parameter in order (constexprs
+    included). Anything else takes `kernel[grid]`."""
+    if len(state) > 1:
+        jit_fn, compiled, num_ptrs, tail, device, get_device, get_stream, runtime = state
+        if kernel is jit_fn and not kernel.pre_run_hooks and get_device() == device:
+            for x in args[:num_ptrs]:
+                if x.data_ptr() & 15:
+                    break
+            else:
+                stream = get_stream(device)
+                full = (*args, *tail)
+                compiled.run(grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata,
+                             compiled.launch_metadata(grid, stream, *full), runtime.launch_enter_hook,
+                             runtime.launch_exit_hook, *full)
+                return
+    compiled = kernel[grid](*args, **constexprs)
+    if not state and not tracing():  # the first launch of this plan: record its kernel, or that there is none
+        state[:] = (DIRECT_LAUNCH and not interpreting() and _direct_state(kernel, compiled, grid, args, constexprs)
+                    or (None,))
+
+
+def _direct_state(kernel, compiled, grid, args, constexprs) -> tuple:
+    """What `launch` needs to call `compiled`'s launcher directly, or () where it should not. The tensors must
+    lead the positional arguments (as in every kernel here) and be 16-byte aligned."""
+    names = getattr(kernel, "arg_names", None)
+    num_ptrs = next((i for i, x in enumerate(args) if not isinstance(x, torch.Tensor)), len(args))
+    if (names is None or getattr(kernel, "pre_run_hooks", True) or len(grid) != 1
+            or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata", "launch_metadata"))
+            or any(isinstance(x, torch.Tensor) for x in args[num_ptrs:])
+            or any(x.data_ptr() & 15 for x in args[:num_ptrs])
+            or not all(n in constexprs for n in names[len(args):])):
+        return ()
+    try:
+        get_device, get_stream, runtime = _driver()
+        return (kernel, compiled, num_ptrs, tuple(constexprs[n] for n in names[len(args):]), get_device(), get_device,
+                get_stream, runtime)
+    except (ImportError, AttributeError, RuntimeError):
+        return ()
+
+
+def _driver():
+    """(current device, current stream of a device, the launch hooks' holder), as JITFunction.run reads them."""
+    from triton import knobs
+    from triton.runtime import driver
+    return driver.active.get_current_device, driver.active.get_current_stream, knobs.runtime
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels in its interpreter (read at kernel import, as Triton does)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -178,22 +284,42 @@ def _dense(x: torch.Tensor) -> bool:
     return True
 
 
-def check_no_partial_overlap(out_name: str, out: torch.Tensor, **inputs) -> None:
+def overlap_checks(out_name, out, inputs) -> tuple:
+    """The per-signature part of `check_no_partial_overlap`: for each input (name, tensor or None) worth comparing
+    with `out` at run time, (out_name, name, bytes of out, bytes of the input, whether it is the same view)."""
+    if out.numel() == 0 or not _dense(out):
+        return ()
+    return tuple((out_name, name, out.numel() * out.element_size(), x.numel() * x.element_size(),
+                  tuple(x.shape) == tuple(out.shape) and x.stride() == out.stride() and x.dtype == out.dtype)
+                 for name, x in inputs if x is not None and x.numel() and _dense(x) and x.device == out.device)
+
+
+def partial_overlap(checks, tensors) -> str | None:
+    """The per-call part: the name of the first input of `checks` (`overlap_checks`) that partially overlaps its
+    output in memory, or None. `tensors` maps the names to the tensors."""
+    for out_name, name, out_bytes, x_bytes, same in checks:
+        lo, xlo = tensors[out_name].data_ptr(), tensors[name].data_ptr()
+        if xlo < lo + out_bytes and lo < xlo + x_bytes and not (same and xlo == lo):
+            return name
+    return None
+
+
+def check_no_partial_overlap(out_name: str, out: torch.Tensor, **inputs) -> tuple:
     """A tensor written in place must not partially overlap one it reads, as torch's in-place ops require: the
     same tensor (same start, shape and strides) is fine, every element being read before it is written by the
-    same program; a shifted or reshaped alias would race. Decided, as torch decides, for dense tensors only."""
-    if out.numel() == 0 or not _dense(out):
-        return
-    lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
-    for name, x in inputs.items():
-        if x is None or x.numel() == 0 or not _dense(x) or x.device != out.device:
-            continue
-        xlo, xhi = x.data_ptr(), x.data_ptr() + x.numel() * x.element_size()
-        same = (xlo == lo and tuple(x.shape) == tuple(out.shape) and x.stride() == out.stride()
-                and x.dtype == out.dtype)
-        if xlo < hi and lo < xhi and not same:
+    same program; a shifted or reshaped alias would race. Decided, as torch decides, for dense tensors only.
+    Returns the per-signature `overlap_checks`, for the wrapper's launch plan.
+
+    While torch.compile traces, addresses are unknown (fake tensors) and this check is skipped: a traced plain
+    function's kernel then runs without it. The `torch.ops` entry points run it at run time (their traced
+    form is a call of the eager op)."""
+    checks = overlap_checks(out_name, out, inputs.items())
+    if not tracing():
+        name = partial_overlap(checks, dict(inputs, **{out_name: out}))
+        if name is not None:
             raise ValueError(f"{out_name} partially overlaps {name} in memory: the kernel writes {out_name} in place "
                              f"while it reads {name}; pass separate buffers (or {name} itself)")
+    return checks
 
 
 def check_output(output, like: torch.Tensor, output_scale, *, name: str = "output", shape=None) -> bool:

@@ -153,6 +153,22 @@ def _local_checks(output, partial_output, partial_lse, output_lse, prefill_token
     return dict(fp8=fp8, base2=base2, ptwc=ptwc, num_requests=num_requests), descriptor
 
 
+def _local_params(output, partial_output, partial_lse, output_lse, prefill_tokens_with_context, output_scale,
+                  query_start_loc, cu_seq_lens, **options):
+    """`_local_checks`, whose result (but for prefill_tokens_with_context) is a launch plan of the call's
+    signature; the descriptor is None where the plan was found (validate=False only)."""
+    key, plan = (None, None) if options["validate"] else c.find_plan(
+        "cp_merge", (output, partial_output, partial_lse, output_lse, output_scale, query_start_loc, cu_seq_lens),
+        tuple(options.values()))
+    if plan is not None:  # every metadata check passed for this signature: prefill_tokens_with_context only
+        return dict(plan, ptwc=c.check_prefill_tokens(prefill_tokens_with_context, partial_output.shape[0],
+                                                      False)), None
+    params, descriptor = _local_checks(output, partial_output, partial_lse, output_lse, prefill_tokens_with_context,
+                                       output_scale, query_start_loc, cu_seq_lens, **options)
+    c.remember(key, params)
+    return params, descriptor
+
+
 DESCRIPTOR_FIELDS = ("method", "partial_output.dtype", "output.dtype", "T", "H", "D", "R", "lse_layout",
                      "lse_base", "output_lse given", "prefill_tokens_with_context", "reduce_dtype")
 
@@ -232,7 +248,7 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
     num_partials, rank = group.size(), group.rank()
     params, descriptor, error = None, None, None
     try:
-        params, descriptor = _local_checks(
+        params, descriptor = _local_params(
             output, partial_output, partial_lse, output_lse, prefill_tokens_with_context, output_scale,
             query_start_loc, cu_seq_lens, method=method, num_partials=num_partials, lse_layout=lse_layout,
             lse_base=lse_base, reduce_dtype=reduce_dtype, validate=validate)
@@ -292,28 +308,37 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
 def _rescale(scaled, merged_lse, partial_output, lses, qsl, cus, rank, params, lse_layout) -> None:
     """`scaled` [N, T, H / N, D]: group j holds heads [j * H / N, (j + 1) * H / N) of this rank's weighted partial,
     the layout `reduce_scatter_tensor` splits along dim 0; `merged_lse` the merged LSE of every head."""
+    fused = cus is not None
+    key, plan = c.find_plan("cp_rescale", (scaled, merged_lse, partial_output, lses, qsl, cus),
+                            (lse_layout, params["base2"], params["num_requests"]))
+    if plan is None:
+        plan = _rescale_plan(scaled, merged_lse, partial_output, lses, cus, params, lse_layout)
+        c.remember(key, plan)
+    grid, ints, constexprs, state = plan
+    placeholder = lses  # for the pointers a variant does not read
+    c.launch(_cp_rescale_kernel, grid, (
+        scaled, placeholder if merged_lse is None else merged_lse, partial_output, lses,
+        qsl if fused else placeholder, cus if fused else placeholder, *ints, params["ptwc"],
+        max(params["num_requests"], 0), rank), constexprs, state)
+
+
+def _rescale_plan(scaled, output_lse, partial_output, lses, cus, params, lse_layout):
+    """(grid, the strides and T, the compile-time arguments, `c.launch`'s state) of a rescale launch."""
     num_partials, num_tokens, heads, head_dim = scaled.shape
     num_heads = partial_output.shape[1]
     fused = cus is not None
-    output_lse = merged_lse
     variant = c.merge_variant(output_lse is not None, fused)
     itemsize = partial_output.element_size()
     block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize, RESCALE_TILE_PARTIALS)
     stride_lse_n, stride_lse_h, stride_lse_t = _lses_strides(lses, lse_layout, num_partials, num_heads, num_tokens)
     olse_strides = (0, 0) if output_lse is None else c.lse_ht_strides("merged_lse", output_lse, lse_layout, num_heads,
                                                                       num_tokens)
-    placeholder = lses
-    _cp_rescale_kernel[c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize, RESCALE_TILE_PARTIALS)](
-        scaled, output_lse if output_lse is not None else placeholder, partial_output, lses,
-        qsl if fused else placeholder, cus if fused else placeholder,
-        scaled.stride(0), scaled.stride(1), scaled.stride(2), scaled.stride(3),
-        *partial_output.stride(), *olse_strides, stride_lse_n, stride_lse_h, stride_lse_t,
-        cus.stride(0) if fused else 0,
-        num_tokens, params["ptwc"], max(params["num_requests"], 0), rank,
-        NUM_PARTIALS=num_partials, NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEADS_PER_GROUP=heads,
-        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
-        SCAN=c.SCAN, N_INTERPRET=c.n_interpret(max(params["num_requests"], 0) + 1),
-        LSE_BASE2=params["base2"], OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused,
-        INTERPRET=c.interpreting(),
-        num_warps=c.merge_num_warps(variant, RESCALE_TILE_PARTIALS), **c.PARITY_LAUNCH,
-    )
+    return (c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize, RESCALE_TILE_PARTIALS),
+            (*scaled.stride(), *partial_output.stride(), *olse_strides, stride_lse_n, stride_lse_h, stride_lse_t,
+             cus.stride(0) if fused else 0, num_tokens),
+            dict(NUM_PARTIALS=num_partials, NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEADS_PER_GROUP=heads,
+                 BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
+                 SCAN=c.SCAN, N_INTERPRET=c.n_interpret(max(params["num_requests"], 0) + 1),
+                 LSE_BASE2=params["base2"], OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused,
+                 INTERPRET=c.interpreting(),
+                 num_warps=c.merge_num_warps(variant, RESCALE_TILE_PARTIALS), **c.PARITY_LAUNCH), [])

@@ -100,6 +100,16 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
       ValueError: wrong rank or shape, tensors on different devices, offsets of different lengths, an
         unknown layout; with validate=True, offsets not starting at 0, decreasing, or past T.
     """
+    key, plan = (None, None) if validate else c.find_plan("mask", (lse, query_start_loc, cu_seq_lens, output),
+                                                          lse_layout)
+    if plan is not None:  # every metadata check passed for this signature: the per-call one only
+        overlaps, launch = plan
+        if not (overlaps and c.partial_overlap(overlaps, dict(output=output, lse=lse))):
+            if launch is not None and has_empty is not False:
+                _launch(launch, lse, query_start_loc, cu_seq_lens, output)
+            return
+        # an overlap: the checked path below raises its error
+
     c.check_lse_layout(lse_layout)
     c.check_tensor("lse", lse, ndim=2, dtypes=(torch.float32,))
     device = lse.device
@@ -107,28 +117,31 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
     num_heads, num_tokens = lse.shape if lse_layout == "HT" else lse.shape[::-1]
     stride_lse_h, stride_lse_t = c.lse_ht_strides("lse", lse, lse_layout, num_heads, num_tokens)
     c.check_no_internal_overlap("lse", lse)
+    overlaps = ()
     if output is not None:
         c.check_tensor("output", output, ndim=3, dtypes=c.OUTPUT_DTYPES, device=device)
         if tuple(output.shape[:2]) != (num_tokens, num_heads):
             raise ValueError(f"output must be [T={num_tokens}, H={num_heads}, D]; got output.shape={tuple(output.shape)}")
         c.check_no_internal_overlap("output", output)
-        c.check_no_partial_overlap("output", output, lse=lse)
+        overlaps = c.check_no_partial_overlap("output", output, lse=lse)
     if validate:
         c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
-    if has_empty is False or num_requests == 0 or num_tokens == 0:
-        return
+    launch = None
+    if num_requests and num_tokens:
+        head_dim = output.shape[2] if output is not None else 1
+        block_h, block_ho, block_d = c.mask_tiles(num_heads, head_dim)
+        launch = (c.mask_grid(num_tokens, num_requests),
+                  (stride_lse_h, stride_lse_t, *(output.stride() if output is not None else (0, 0, 0)), num_requests),
+                  dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_T=c.MASK_BLOCK_T, SCAN=c.SCAN,
+                       N_INTERPRET=c.n_interpret(num_requests), BLOCK_H=block_h, BLOCK_HO=block_ho, BLOCK_D=block_d,
+                       ZERO_OUTPUT=output is not None, num_warps=c.MASK_NUM_WARPS), [])
+    c.remember(key, (overlaps, launch))
+    if launch is not None and has_empty is not False:
+        _launch(launch, lse, query_start_loc, cu_seq_lens, output)
 
-    head_dim = output.shape[2] if output is not None else 1
-    block_h, block_ho, block_d = c.mask_tiles(num_heads, head_dim)
-    out = output if output is not None else lse  # a placeholder pointer when not zeroing
-    out_strides = output.stride() if output is not None else (0, 0, 0)
-    _mask_empty_context_lse_kernel[c.mask_grid(num_tokens, num_requests)](
-        lse, out, query_start_loc, cu_seq_lens,
-        stride_lse_h, stride_lse_t, *out_strides,
-        num_requests,
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        BLOCK_T=c.MASK_BLOCK_T, SCAN=c.SCAN, N_INTERPRET=c.n_interpret(num_requests),
-        BLOCK_H=block_h, BLOCK_HO=block_ho, BLOCK_D=block_d,
-        ZERO_OUTPUT=output is not None,
-        num_warps=c.MASK_NUM_WARPS,
-    )
+
+def _launch(launch, lse, query_start_loc, cu_seq_lens, output) -> None:
+    """The kernel launch of a plan: (grid, the strides and R, the compile-time arguments, `c.launch`'s state)."""
+    grid, ints, constexprs, state = launch
+    c.launch(_mask_empty_context_lse_kernel, grid, (lse, lse if output is None else output,  # lse: a placeholder
+                                                    query_start_loc, cu_seq_lens, *ints), constexprs, state)

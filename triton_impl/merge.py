@@ -206,6 +206,22 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
       TypeError: a tensor of the wrong dtype.
       ValueError: wrong ranks or shapes, different devices, mismatched offsets, bad options.
     """
+    key, plan = (None, None) if validate else c.find_plan(
+        "merge", (output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse, output_scale,
+                  query_start_loc, prefix_cu_seq_lens), (lse_layout, lse_base))
+    if plan is not None:  # every metadata check passed for this signature: the per-call ones only
+        overlaps, num_tokens, launch = plan
+        if not c.partial_overlap(overlaps, dict(output=output, output_lse=output_lse, prefix_output=prefix_output,
+                                                prefix_lse=prefix_lse, suffix_output=suffix_output,
+                                                suffix_lse=suffix_lse)):
+            prefill_tokens = num_tokens if prefill_tokens_with_context is None else c.check_prefill_tokens(
+                prefill_tokens_with_context, num_tokens, False)
+            if launch is not None:
+                _launch(launch, output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale,
+                        query_start_loc, prefix_cu_seq_lens, prefill_tokens)
+            return
+        # an overlap: the checked path below raises its error
+
     c.check_lse_layout(lse_layout)
     base2 = c.check_lse_base(lse_base)
     c.check_tensor("prefix_output", prefix_output, ndim=3, dtypes=c.OUTPUT_DTYPES)
@@ -223,11 +239,13 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
             continue
         c.check_tensor(name, x, ndim=2, dtypes=(torch.float32,), device=device)
         lse_strides += c.lse_ht_strides(name, x, lse_layout, num_heads, num_tokens)
+    lse_overlaps = ()
     if output_lse is not None:
         c.check_no_internal_overlap("output_lse", output_lse)
-        c.check_no_partial_overlap("output_lse", output_lse, prefix_lse=prefix_lse, suffix_lse=suffix_lse,
-                                   output=output)
-    c.check_no_partial_overlap("output", output, prefix_output=prefix_output, suffix_output=suffix_output)
+        lse_overlaps = c.check_no_partial_overlap("output_lse", output_lse, prefix_lse=prefix_lse,
+                                                  suffix_lse=suffix_lse, output=output)
+    out_overlaps = c.check_no_partial_overlap("output", output, prefix_output=prefix_output,
+                                              suffix_output=suffix_output)
     if (query_start_loc is None) != (prefix_cu_seq_lens is None):
         raise ValueError("query_start_loc and prefix_cu_seq_lens go together (the fused mask); got only "
                          + ("query_start_loc" if query_start_loc is not None else "prefix_cu_seq_lens"))
@@ -239,24 +257,33 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
     prefill_tokens = c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
     if validate and fused:
         c.check_offset_values(query_start_loc, prefix_cu_seq_lens, num_tokens, cu_name="prefix_cu_seq_lens")
-    if num_tokens == 0 or num_heads == 0:
-        return
+    launch = None
+    if num_tokens and num_heads:
+        variant = c.merge_variant(output_lse is not None, fused)
+        itemsize = prefix_output.element_size()
+        block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize)
+        launch = (
+            c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize), fused,
+            (*output.stride(), *prefix_output.stride(), *suffix_output.stride(), *lse_strides, num_tokens),
+            num_requests,
+            dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
+                 SCAN=c.SCAN, N_INTERPRET=c.n_interpret(num_requests + 1), LSE_BASE2=base2,
+                 OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused, FP8_OUT=fp8, INTERPRET=c.interpreting(),
+                 num_warps=c.merge_num_warps(variant), **c.PARITY_LAUNCH), [])
+    c.remember(key, (lse_overlaps + out_overlaps, num_tokens, launch))
+    if launch is not None:
+        _launch(launch, output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale,
+                query_start_loc, prefix_cu_seq_lens, prefill_tokens)
 
-    variant = c.merge_variant(output_lse is not None, fused)
-    itemsize = prefix_output.element_size()
-    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize)
-    placeholder = prefix_lse
-    _merge_attn_states_kernel[c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize)](
-        output, output_lse if output_lse is not None else placeholder,
-        prefix_output, prefix_lse, suffix_output, suffix_lse,
-        output_scale if fp8 else placeholder,
+
+def _launch(launch, output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale,
+            query_start_loc, prefix_cu_seq_lens, prefill_tokens) -> None:
+    """The kernel launch of a plan: (grid, fused, the strides and T, R, the compile-time arguments, `c.launch`'s
+    state)."""
+    grid, fused, ints, num_requests, constexprs, state = launch
+    placeholder = prefix_lse  # for the pointers a variant does not read
+    c.launch(_merge_attn_states_kernel, grid, (
+        output, placeholder if output_lse is None else output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse,
+        placeholder if output_scale is None else output_scale,
         query_start_loc if fused else placeholder, prefix_cu_seq_lens if fused else placeholder,
-        *output.stride(), *prefix_output.stride(), *suffix_output.stride(), *lse_strides,
-        num_tokens, prefill_tokens, num_requests,
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
-        SCAN=c.SCAN, N_INTERPRET=c.n_interpret(num_requests + 1),
-        LSE_BASE2=base2, OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused, FP8_OUT=fp8,
-        INTERPRET=c.interpreting(),
-        num_warps=c.merge_num_warps(variant), **c.PARITY_LAUNCH,
-    )
+        *ints, prefill_tokens, num_requests), constexprs, state)

@@ -184,6 +184,20 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
       ValueError: wrong ranks or shapes (outputs and lses disagreeing on N, cu_seq_lens not [N, R+1]),
         different devices, an overlapping output, bad options.
     """
+    key, plan = (None, None) if validate else c.find_plan(
+        "merge_n", (output, outputs, lses, output_lse, output_scale, query_start_loc, cu_seq_lens),
+        (lse_layout, lse_base))
+    if plan is not None:  # every metadata check passed for this signature: the per-call ones only
+        overlaps, num_tokens, launch = plan
+        if not c.partial_overlap(overlaps, dict(output=output, output_lse=output_lse, outputs=outputs, lses=lses)):
+            prefill_tokens = num_tokens if prefill_tokens_with_context is None else c.check_prefill_tokens(
+                prefill_tokens_with_context, num_tokens, False)
+            if launch is not None:
+                _launch(launch, output, output_lse, outputs, lses, output_scale, query_start_loc, cu_seq_lens,
+                        prefill_tokens)
+            return
+        # an overlap: the checked path below raises its error
+
     c.check_lse_layout(lse_layout)
     base2 = c.check_lse_base(lse_base)
     c.check_tensor("outputs", outputs, ndim=4, dtypes=c.OUTPUT_DTYPES)
@@ -194,18 +208,19 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
     fp8 = c.check_output(output, outputs, output_scale)
     c.check_tensor("lses", lses, ndim=3, dtypes=(torch.float32,), device=device)
     stride_lse_n, stride_lse_h, stride_lse_t = _lses_strides(lses, lse_layout, num_partials, num_heads, num_tokens)
-    olse_strides = (0, 0)
+    olse_strides, lse_overlaps = (0, 0), ()
     if output_lse is not None:
         c.check_tensor("output_lse", output_lse, ndim=2, dtypes=(torch.float32,), device=device)
         olse_strides = c.lse_ht_strides("output_lse", output_lse, lse_layout, num_heads, num_tokens)
         c.check_no_internal_overlap("output_lse", output_lse)
-        c.check_no_partial_overlap("output_lse", output_lse, lses=lses, output=output)
-    c.check_no_partial_overlap("output", output, outputs=outputs)
+        lse_overlaps = c.check_no_partial_overlap("output_lse", output_lse, lses=lses, output=output)
+    out_overlaps = c.check_no_partial_overlap("output", output, outputs=outputs)
     if (query_start_loc is None) != (cu_seq_lens is None):
         raise ValueError("query_start_loc and cu_seq_lens go together (the fused mask); got only "
                          + ("query_start_loc" if query_start_loc is not None else "cu_seq_lens"))
     fused = query_start_loc is not None
     num_requests = 0
+    cu_given = cu_seq_lens
     if fused:
         c.check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=device)
         c.check_tensor("cu_seq_lens", cu_seq_lens, ndim=2, dtypes=(torch.int32,), device=device)
@@ -221,24 +236,37 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
     prefill_tokens = c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
     if validate and fused:
         c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
-    if num_tokens == 0 or num_heads == 0:
-        return
+    launch = None
+    if num_tokens and num_heads:
+        variant = c.merge_variant(output_lse is not None, fused)
+        itemsize = outputs.element_size()
+        block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize, num_partials)
+        launch = (
+            c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize, num_partials), fused,
+            (*output.stride(), *outputs.stride(), *olse_strides, stride_lse_n, stride_lse_h, stride_lse_t,
+             cu_seq_lens.stride(0) if fused else 0, num_tokens),
+            num_requests,
+            dict(NUM_PARTIALS=num_partials, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+                 BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
+                 SCAN=c.SCAN, N_INTERPRET=c.n_interpret(num_requests + 1),
+                 LSE_BASE2=base2, OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused, FP8_OUT=fp8,
+                 INTERPRET=c.interpreting(), num_warps=c.merge_num_warps(variant, num_partials), **c.PARITY_LAUNCH),
+            [])
+    # A non-contiguous cu_seq_lens row is copied per call: no plan for it (its copy would be the launch's pointer).
+    if not (fused and cu_seq_lens is not cu_given):
+        c.remember(key, (lse_overlaps + out_overlaps, num_tokens, launch))
+    if launch is not None:
+        _launch(launch, output, output_lse, outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens)
 
-    variant = c.merge_variant(output_lse is not None, fused)
-    itemsize = outputs.element_size()
-    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize, num_partials)
-    placeholder = lses
-    _merge_attn_states_n_kernel[c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize, num_partials)](
-        output, output_lse if output_lse is not None else placeholder, outputs, lses,
-        output_scale if fp8 else placeholder,
+
+def _launch(launch, output, output_lse, outputs, lses, output_scale, query_start_loc, cu_seq_lens,
+            prefill_tokens) -> None:
+    """The kernel launch of a plan: (grid, fused, the strides and T, R, the compile-time arguments, `c.launch`'s
+    state)."""
+    grid, fused, ints, num_requests, constexprs, state = launch
+    placeholder = lses  # for the pointers a variant does not read
+    c.launch(_merge_attn_states_n_kernel, grid, (
+        output, placeholder if output_lse is None else output_lse, outputs, lses,
+        placeholder if output_scale is None else output_scale,
         query_start_loc if fused else placeholder, cu_seq_lens if fused else placeholder,
-        *output.stride(), *outputs.stride(), *olse_strides, stride_lse_n, stride_lse_h, stride_lse_t,
-        cu_seq_lens.stride(0) if fused else 0,
-        num_tokens, prefill_tokens, num_requests,
-        NUM_PARTIALS=num_partials, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
-        SCAN=c.SCAN, N_INTERPRET=c.n_interpret(num_requests + 1),
-        LSE_BASE2=base2, OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused, FP8_OUT=fp8,
-        INTERPRET=c.interpreting(),
-        num_warps=c.merge_num_warps(variant, num_partials), **c.PARITY_LAUNCH,
-    )
+        *ints, prefill_tokens, num_requests), constexprs, state)
