@@ -72,7 +72,12 @@ def xla_flag_conflicts(existing: str | None = None) -> list[str]:
     """The flags of `existing` (default: $XLA_FLAGS) that set a recipe flag to another value."""
     existing = os.environ.get("XLA_FLAGS", "") if existing is None else existing
     want = dict(f.split("=", 1) for f in XLA_FLAGS)
-    return [f for f in existing.split() if f.split("=", 1)[0] in want and f.split("=", 1)[1:] != [want[f.split("=", 1)[0]]]]
+    conflicts = []
+    for flag in existing.split():
+        key, _, value = flag.partition("=")
+        if key in want and value != want[key]:
+            conflicts.append(flag)
+    return conflicts
 
 
 def apply_xla_flags() -> str:

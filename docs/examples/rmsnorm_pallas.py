@@ -1,8 +1,8 @@
 """RMSNorm over a ragged batch as a Pallas kernel (JAX): the jax half of the worked example of
 docs/parity-library.md. The semantics are in `rmsnorm_triton.py`'s docstring; this file follows that kernel
 statement by statement (f32, the sum in order d = 0..D-1, `jnp.sqrt` (libdevice `__nv_sqrtf` on GPU, as
-Triton's `libdevice.sqrt`), division with `/`, no FMA contraction and no flush-to-zero in XLA's Triton pipeline, one cast at
-the store). jax and numpy only.
+Triton's `libdevice.sqrt`), division with `/`, no FMA contraction and no flush-to-zero in XLA's Triton
+pipeline, one cast at the store). jax and numpy only.
 """
 
 from __future__ import annotations

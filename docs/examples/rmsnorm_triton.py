@@ -70,7 +70,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, query_start_loc: torch.Tensor
     if weight.shape != (x.shape[1],):
         raise ValueError(f"weight must be [D] = [{x.shape[1]}], got {tuple(weight.shape)}")
     if query_start_loc.dtype != torch.int32 or query_start_loc.dim() != 1 or query_start_loc.numel() < 1:
-        raise TypeError(f"query_start_loc must be int32[R+1], got {query_start_loc.dtype} {tuple(query_start_loc.shape)}")
+        raise TypeError(f"query_start_loc must be int32[R+1], got {query_start_loc.dtype} "
+                        f"{tuple(query_start_loc.shape)}")
     T, D = x.shape
     out = torch.empty_like(x)
     rstd = torch.empty(T, dtype=torch.float32, device=x.device)
