@@ -228,14 +228,15 @@ def _default_device(inputs: Sequence[Any]):
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def share(inputs: Mapping[str, Any] | Sequence[Any], device=None):
+def share(inputs: Mapping[str, Any] | Sequence[Any], device=None, *, host: bool = True):
     """(keys, torch args, jax args, numpy args, how) of `inputs`, a dict or a sequence of arrays and values.
 
     Arrays: numpy arrays are uploaded once to torch on `device` (a copy); torch tensors are used as they are
     when contiguous, 16-byte aligned and on `device` (else copied there); JAX arrays are handed to torch.
     JAX then gets the torch buffer (`parity.bridge.torch_to_jax`, zero-copy, checked by pointer), and the
-    reference a host copy taken before anything runs. Anything else (eps, a flag) is passed to all three
-    as it is. int64 and float64 arrays are refused (JAX without x64 would copy them, `parity.bridge`).
+    reference a host copy taken before anything runs (with `host`; else the numpy args are empty). Anything
+    else (eps, a flag) is passed to all three as it is. int64 and float64 arrays are refused (JAX without
+    x64 would copy them, `parity.bridge`).
     """
     import torch
 
@@ -263,7 +264,9 @@ def share(inputs: Mapping[str, Any] | Sequence[Any], device=None):
             if t.dtype in (torch.int64, torch.float64):
                 raise TypeError(f"{t.dtype} is not shared (JAX without x64 copies it to 32 bits); pass "
                                 f"{'int32' if t.dtype == torch.int64 else 'float32'}")
-            t_args[k], j_args[k], n_args[k] = t, bridge.torch_to_jax(t), np.array(bridge.to_numpy(t))
+            t_args[k], j_args[k] = t, bridge.torch_to_jax(t)
+            if host:
+                n_args[k] = np.array(bridge.to_numpy(t))
         except (TypeError, ValueError) as e:
             raise type(e)(f"input {k!r}: {e}") from e
     return keys, t_args, j_args, n_args, how
@@ -293,16 +296,18 @@ def _named(result: Any, names: list[str] | None, side: str) -> dict[str, Any]:
     return {(names or ["out"])[0]: result}
 
 
-def _ragged(ragged, n_args: dict) -> tuple[Any, str]:
-    """(offsets, axis) of `ragged`: an input name, (input name or array, axis), or None."""
+def _ragged(ragged, t_args: dict) -> tuple[Any, str]:
+    """(offsets, axis) of `ragged`: an input name, (input name or array, axis), or None. A host copy."""
+    from parity import bridge
+
     if ragged is None:
         return None, "token"
     name, axis = (ragged, "token") if isinstance(ragged, (str, int)) else tuple(ragged)
     if isinstance(name, (str, int)) and not isinstance(name, bool):
-        if name not in n_args:
-            raise ValueError(f"ragged={ragged!r}: no input named {name!r} (inputs: {list(n_args)})")
-        name = n_args[name]
-    offsets = np.asarray(name)
+        if name not in t_args:
+            raise ValueError(f"ragged={ragged!r}: no input named {name!r} (inputs: {list(t_args)})")
+        name = t_args[name]
+    offsets = np.array(bridge.to_numpy(name) if not isinstance(name, (list, tuple)) else name)
     if offsets.ndim != 1 or offsets.dtype.kind not in "iu":
         raise TypeError(f"ragged offsets must be a 1-D integer array, got {offsets.dtype} {offsets.shape}")
     return offsets, str(axis)
@@ -357,8 +362,8 @@ def cross_check(torch_fn: Callable, jax_fn: Callable, inputs: Mapping[str, Any] 
         reference: optional; called like the others with numpy copies of the inputs, returns the outputs in
             float64 (numpy), each compared with both sides within `tolerance`.
         outputs: output name -> axis names (e.g. {"out": ("token", "head", "dim")} or "token,head,dim";
-            None: mismatches named by index), or a
-            sequence of names; names the outputs of sequence results, and picks and orders dict results.
+            None: mismatches named by index), or a sequence of names. Names the outputs of sequence results,
+            and picks and orders dict results.
         ragged: offsets that name the request of a mismatch: an input name (indexing axis "token"), or
             (input name or array, axis name).
         bitwise: require torch and JAX to agree bit for bit (else the differing bits are reported only).
@@ -370,10 +375,10 @@ def cross_check(torch_fn: Callable, jax_fn: Callable, inputs: Mapping[str, Any] 
     Returns:
         A `Report`.
     """
-    keys, t_args, j_args, n_args, how = share(inputs, device)
+    keys, t_args, j_args, n_args, how = share(inputs, device, host=reference is not None)
     names = None if outputs is None else list(outputs)
     axes = dict(outputs) if isinstance(outputs, Mapping) else {}
-    offsets, ragged_axis = _ragged(ragged, n_args)
+    offsets, ragged_axis = _ragged(ragged, t_args)
     ref = None
     if reference is not None:
         ref = {k: np.asarray(v) for k, v in _named(_call(reference, keys, n_args), names, "reference").items()}
