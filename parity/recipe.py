@@ -44,7 +44,9 @@ XLA_FLAGS = {
 """XLA settings for the jnp code around (or instead of) a Pallas kernel. They do not reach inside a Pallas kernel:
 its float math is the Pallas lowering's (exp/log/sqrt/rsqrt from libdevice, no FMA contraction, no FTZ on the
 Triton backend; `MOSAIC_GPU` on Mosaic GPU). XLA has no flag for FMA contraction of fused elementwise code (none
-found in jax 0.10.2 / 0.11.2): write the arithmetic that must match in a Pallas kernel. Cost of
+found in jax 0.10.2 / 0.11.2; on XLA:CPU jitted `a * b + c` is measured to contract even with
+`--xla_cpu_enable_fast_math=false` and with `lax.reduce_precision` or `lax.optimization_barrier` on the product):
+write the arithmetic that must match in a Pallas kernel. Cost of
 `--xla_allow_excess_precision=false`: extra converts in fused bf16/f16 code; the others are defaults."""
 
 MOSAIC_GPU = {"approx_math": False}
