@@ -5,7 +5,8 @@ both implementations read identical bits and nothing is copied behind the caller
 the protocol (`__dlpack__`, `torch.from_dlpack`, `jax.dlpack.from_dlpack`), not the unrelated PyPI
 package named `dlpack`.
 
-Supported dtypes: int32, float32, float16, bfloat16, float8_e4m3fn (all zero-copy both ways).
+Supported dtypes: int32, float32, float16, bfloat16, float8_e4m3fn (all zero-copy both ways); also
+float8_e5m2, int16, int8, uint8 and bool, for pairs outside this project (`parity.crosscheck`).
 
 What `torch_to_jax` refuses, and why (each one is something DLPack gets wrong *silently*):
 
@@ -42,16 +43,19 @@ import torch
 
 ALIGNMENT = 16  # bytes; XLA requires it of imported buffers
 
-SUPPORTED_TORCH_DTYPES = (torch.int32, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+SUPPORTED_TORCH_DTYPES = (torch.int32, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+                         torch.float8_e5m2, torch.int16, torch.int8, torch.uint8, torch.bool)
 
 # numpy dtypes torch.from_numpy cannot take: uploaded through a same-width unsigned view.
 _NP_VIA_VIEW = {
     np.dtype(ml_dtypes.bfloat16): (np.uint16, torch.bfloat16),
     np.dtype(ml_dtypes.float8_e4m3fn): (np.uint8, torch.float8_e4m3fn),
+    np.dtype(ml_dtypes.float8_e5m2): (np.uint8, torch.float8_e5m2),
 }
 _TORCH_VIA_VIEW = {
     torch.bfloat16: (torch.int16, np.dtype(ml_dtypes.bfloat16)),
     torch.float8_e4m3fn: (torch.uint8, np.dtype(ml_dtypes.float8_e4m3fn)),
+    torch.float8_e5m2: (torch.uint8, np.dtype(ml_dtypes.float8_e5m2)),
 }
 
 

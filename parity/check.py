@@ -30,6 +30,7 @@ import numpy as np
 
 from parity import cases as cases_mod
 from parity import expected, impls
+from parity.crosscheck import jsonable  # noqa: F401 - part of this module's interface
 
 SCHEMA = "parity-check/2"
 KINDS = ("triton_vs_pallas", "pallas_vs_jnp", "triton_vs_reference", "pallas_vs_reference", "jnp_vs_reference")
@@ -205,29 +206,42 @@ def _error_text(e: BaseException) -> str:
 
 
 class _Judge:
-    """Adds the comparisons of one record: implementations pairwise bit for bit, each one against the reference."""
+    """Adds the comparisons of one record: implementations pairwise bit for bit, each one against the reference.
+
+    Every comparison goes through `parity.crosscheck.compare_results`, the engine of `parity.cross_check`.
+    """
 
     def __init__(self, rt: impls.Runtime, case: cases_mod.Case, seed: int, query_start_loc):
-        from parity import compare
+        from parity import compare, crosscheck
 
-        self.cmp = compare
-        self.loc = dict(query_start_loc=query_start_loc, lse_layout=case.lse_layout, case=case.name, seed=seed,
-                        mode=rt.mode)
+        self.engine = crosscheck.compare_results
+        self.locating = crosscheck.Locating(query_start_loc, context=compare._context(case.name, seed, rt.mode))
+        self.lse_layout = case.lse_layout
+
+    def _axes(self, x) -> str | None:
+        """[T, H, D] outputs "THD", [H, T] / [T, H] LSEs the case's layout."""
+        return self.lse_layout if len(x.shape) == 2 else None
+
+    def _run(self, rec: OpRecord, results, key: str, op: str, **kw) -> None:
+        axes = {key: self._axes(next(iter(results.values()))[key])}
+        for kind, report in self.engine(results, [key], locating=self.locating, axes=axes, prefix=f"{op}.", **kw):
+            rec.add(kind, report)
 
     def bits(self, rec: OpRecord, kind: str, got, want, name: str) -> None:
-        rec.add(kind, self.cmp.compare_bits(got, want, name=name, **self.loc))
+        op, _, key = name.partition(".")
+        axes = {key: self._axes(got)}
+        for _, report in self.engine({"got": {key: got}, "want": {key: want}}, [key], pairs=[("got", "want")],
+                                     locating=self.locating, axes=axes, prefix=f"{op}."):
+            rec.add(kind, report)
 
-    def all_bits(self, rec: OpRecord, results: dict[str, dict], key: str, name: str, want=None) -> None:
-        for a, b in PAIRS:
-            self.bits(rec, f"{a}_vs_{b}", results[a][key], results[b][key], name)
-        if want is not None:
-            for impl in impls.KERNEL_IMPLS:
-                self.bits(rec, f"{impl}_vs_reference", results[impl][key], want, name)
+    def all_bits(self, rec: OpRecord, results: dict[str, dict], key: str, op: str, want=None) -> None:
+        self._run(rec, results, key, op, pairs=PAIRS, reference=None if want is None else {key: want},
+                  reference_bitwise=True, against=impls.KERNEL_IMPLS)
 
-    def to_reference(self, rec: OpRecord, results: dict[str, dict], key: str, name: str, want, exact, **kw):
-        for impl in impls.KERNEL_IMPLS:
-            rec.add(f"{impl}_vs_reference", self.cmp.compare_to_reference(
-                results[impl][key], want, name=name, exact_mask=exact, **self.loc, **kw))
+    def to_reference(self, rec: OpRecord, results: dict[str, dict], key: str, op: str, want, exact, *, tol=None,
+                     mag=None) -> None:
+        self._run(rec, results, key, op, pairs=(), reference={key: want}, against=impls.KERNEL_IMPLS,
+                  tolerance={key: tol}, exact={key: exact}, mag={key: mag})
 
 
 def _shared(rt: impls.Runtime, inputs: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
@@ -246,11 +260,10 @@ def _judge_merge(rec: OpRecord, judge: _Judge, case: cases_mod.Case, op: str, re
     mag = expected.magnitude(case, op, ref_arrays, w)
     out_exact, lse_exact = expected.exact_masks(case, w)
     ref = results["reference"]
-    judge.all_bits(rec, results, "out", f"{op}.out")
-    judge.all_bits(rec, results, "lse", f"{op}.lse")
-    judge.to_reference(rec, results, "out", f"{op}.out", ref["out"], np.broadcast_to(out_exact[..., None], mag.shape),
-                       mag=mag)
-    judge.to_reference(rec, results, "lse", f"{op}.lse", ref["lse"], lse_exact, tol="lse")
+    judge.all_bits(rec, results, "out", op)
+    judge.all_bits(rec, results, "lse", op)
+    judge.to_reference(rec, results, "out", op, ref["out"], np.broadcast_to(out_exact[..., None], mag.shape), mag=mag)
+    judge.to_reference(rec, results, "lse", op, ref["lse"], lse_exact, tol="lse")
     if case.head_pad:  # the columns past D of Triton's output buffer keep their NaN poison
         pad = results["triton"]["out_buffer"][..., D:]
         judge.bits(rec, "triton_vs_reference", pad, impls.poisoned(pad.shape, case.out_dtype or case.dtype, pad.device),
@@ -289,8 +302,8 @@ def _run_two_way(rt, case, seed, finish) -> None:
     masked: dict[str, dict] = {}
     try:
         masked = {impl: impls.run(rt, impl, "mask", case, arrays[impl]) for impl in impls.IMPLS}
-        judge.all_bits(rec, masked, "lse", "mask.lse", masked["reference"]["lse"])
-        judge.all_bits(rec, masked, "output", "mask.output", masked["reference"]["output"])
+        judge.all_bits(rec, masked, "lse", "mask", masked["reference"]["lse"])
+        judge.all_bits(rec, masked, "output", "mask", masked["reference"]["output"])
         if case.head_pad:  # the columns past D of the V-padded buffer are not the mask's to touch
             judge.bits(rec, "triton_vs_reference", masked["triton"]["output_buffer"][..., D:],
                        inputs["prefix_output"][..., D:], "mask.output[pad]")
@@ -426,18 +439,3 @@ def main(args) -> int:
             json.dump(jsonable(report), f, indent=1)
             f.write("\n")
     return 0 if ok else 1
-
-
-def jsonable(x):
-    """A copy of `x` that strict JSON accepts: numpy scalars as numbers, non-finite floats as strings."""
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return jsonable(x.tolist())
-    if isinstance(x, np.generic):
-        x = x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    return x

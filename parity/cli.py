@@ -1,4 +1,4 @@
-"""Command line: `python -m parity check|bench|demo|export|verify`.
+"""Command line: `python -m parity check|bench|demo|export|verify|cross`.
 
 Progress goes to stderr, tables to stdout, machine-readable output only to JSON files. Exit status: 0 success,
 1 parity failure, 2 usage error (argparse).
@@ -35,6 +35,12 @@ def _verify(args) -> int:
     from parity import golden
 
     return golden.verify_main(args)
+
+
+def _cross(args) -> int:
+    from parity import crosscheck
+
+    return crosscheck.cli_main(args)
 
 
 def _bench(args) -> int:
@@ -144,6 +150,24 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     _add_pallas_backend(p)
     p.set_defaults(func=_verify)
+
+    p = sub.add_parser("cross", help="cross-check any PyTorch <-> JAX kernel pair on inputs from a .npz "
+                                     "(docs/parity-library.md)")
+    p.add_argument("--torch", required=True, metavar="FN", help="the torch implementation: MODULE:FUNCTION or "
+                                                                "PATH.py:FUNCTION")
+    p.add_argument("--jax", required=True, metavar="FN", help="the JAX implementation, likewise")
+    p.add_argument("--inputs", required=True, metavar="FILE.npz",
+                   help="keyword inputs; a 0-d array is passed as a number, NAME:DTYPE holds the bits of a "
+                        "bfloat16 / float8 array as unsigned integers")
+    p.add_argument("--reference", metavar="FN", default=None, help="a float64 numpy reference, likewise")
+    p.add_argument("--outputs", metavar="SPEC", default=None,
+                   help="output names and axes, e.g. 'out=token,dim;rstd=token' (default: out0, out1, ...)")
+    p.add_argument("--ragged", metavar="NAME[:AXIS]", default=None,
+                   help="the input holding query_start_loc-style offsets, and the axis they index (default token)")
+    p.add_argument("--no-bitwise", dest="bitwise", action="store_false",
+                   help="report differing bits between torch and JAX without requiring none (the CPU interpreters)")
+    p.add_argument("--json", metavar="FILE", default=None, help="write the JSON report to FILE")
+    p.set_defaults(func=_cross)
 
     # bench defines its own options; import it only when it is the command being parsed.
     p = sub.add_parser("bench", help="benchmarks on the docs/spec.md 7 workloads (see parity/bench/)")

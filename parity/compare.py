@@ -43,7 +43,6 @@ CLASS_NAMES = {FINITE: "finite", POS_INF: "+inf", NEG_INF: "-inf", NAN: "nan"}
 
 LAYOUTS = ("THD", "HT", "TH", "flat")
 _AXES = {"THD": ("token", "head", "dim"), "HT": ("head", "token"), "TH": ("token", "head")}
-_TOKEN_AXIS = {"THD": 0, "HT": 1, "TH": 0}
 
 ULP_BUCKETS = ("0", "1", "2", "3-4", "5-8", "9-16", ">16")
 _BUCKET_EDGES = (0, 1, 2, 4, 8, 16)  # bucketize(right=False): x <= edge[i] lands in bucket i
@@ -67,6 +66,7 @@ _FORMATS = {
     torch.float16: _Format("fp16", torch.int16, 16, 0x7C00, np.dtype(np.float16), 2.0**-11),
     torch.bfloat16: _Format("bf16", torch.int16, 16, 0x7F80, np.dtype(ml_dtypes.bfloat16), 2.0**-8),
     torch.float8_e4m3fn: _Format("fp8e4m3", torch.int8, 8, None, np.dtype(ml_dtypes.float8_e4m3fn), 2.0**-4),
+    torch.float8_e5m2: _Format("fp8e5m2", torch.int8, 8, 0x7C, np.dtype(ml_dtypes.float8_e5m2), 2.0**-3),
 }
 _NP_INT = {8: np.int8, 16: np.int16, 32: np.int32}
 
@@ -89,6 +89,7 @@ TOLERANCES: dict[str, Tolerance] = {
     "float16": Tolerance(rtol=2.0**-11 + _F32_COMPUTE + 2.0**-24, atol=2.0**-24),
     "bfloat16": Tolerance(rtol=2.0**-8 + _F32_COMPUTE + 2.0**-24, atol=2.0**-120),
     "float8_e4m3fn": Tolerance(rtol=2.0**-4 + _F32_COMPUTE + 2.0**-24, atol=2.0**-9),
+    "float8_e5m2": Tolerance(rtol=2.0**-3 + _F32_COMPUTE + 2.0**-24, atol=2.0**-16),
     "lse": Tolerance(rtol=2.0**-24 + _F32_COMPUTE, atol=2.0**-20),
 }
 """Tolerances of float outputs against the float64 reference (docs/spec.md 5: on CPU the interpreters do not
@@ -103,7 +104,7 @@ u*|y| <= u*(1 + e)*mag. Hence `rtol = u + e + 2^-24` (the last term bounds u*e).
 default `mag = |want|` is valid for a plain rounding and stricter otherwise.
 
 atol covers what scales with nothing: fp16 and fp8 round tiny values to multiples of their smallest
-subnormal (2^-24, 2^-9: a full quantum, half for the rounding, half for a flushed f32 intermediate); for
+subnormal (2^-24, 2^-9, e5m2 2^-16: a full quantum, half for the rounding, half for a flushed f32 intermediate); for
 fp32 and bf16 (8-bit exponent) a flushed f32 intermediate (< 2^-126) times a partial value (< 64) stays
 below 2^-120. fp8 outputs are `out / scale`: pass `mag / scale`.
 
@@ -113,7 +114,7 @@ LSE (`lse = log(z) + m`, f32 out): log and the final add err by a few f32 ULPs o
 """
 
 _DTYPE_KEY = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-              torch.float8_e4m3fn: "float8_e4m3fn"}
+              torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
 
 
 def tolerance_for(dtype: torch.dtype | str, *, lse: bool = False) -> Tolerance:
@@ -288,15 +289,28 @@ def _native(bits: int, fmt: _Format) -> tuple[str, str]:
 
 
 class _Locator:
-    """Names an element by layout axes and, through query_start_loc, its request."""
+    """Names an element by layout axes and, through query_start_loc, its request.
 
-    def __init__(self, shape: tuple[int, ...], layout: str | None, query_start_loc: Any):
+    `layout` is one of `LAYOUTS` or a tuple of axis names, one per dimension (any names: `parity.crosscheck`);
+    then `query_start_loc` indexes the axis named `ragged_axis` and the axes are named in array order.
+    """
+
+    def __init__(self, shape: tuple[int, ...], layout: str | tuple[str, ...] | None, query_start_loc: Any,
+                 ragged_axis: str = "token"):
         if layout is None:
             layout = {3: "THD", 2: "HT"}.get(len(shape), "flat")
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        if layout != "flat" and len(_AXES[layout]) != len(shape):
+        if isinstance(layout, (tuple, list)):
+            self.axes, self.order = tuple(str(a) for a in layout), tuple(str(a) for a in layout)
+            self.ragged_axis = ragged_axis
+            if len(self.axes) != len(shape):
+                raise ValueError(f"axes {self.axes} name {len(self.axes)} dims, got {shape=}")
+        elif layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS} or a tuple of axis names, got {layout!r}")
+        elif layout != "flat" and len(_AXES[layout]) != len(shape):
             raise ValueError(f"layout {layout!r} needs {len(_AXES[layout])} dims, got {shape=}")
+        else:
+            self.axes = _AXES.get(layout, ())
+            self.order, self.ragged_axis = ("head", "token", "dim"), "token"
         self.shape, self.layout = shape, layout
         self.qsl = None
         if query_start_loc is not None:
@@ -308,19 +322,19 @@ class _Locator:
         idx = tuple(int(i) for i in np.unravel_index(flat, self.shape)) if self.shape else ()
         if self.layout == "flat":
             return f"index {idx}"
-        named = dict(zip(_AXES[self.layout], idx))
+        named = dict(zip(self.axes, idx))
         parts = []
-        if self.qsl is not None:
-            t = named["token"]
+        if self.qsl is not None and self.ragged_axis in named:
+            t = named[self.ragged_axis]
             if t >= self.qsl[-1]:
                 parts.append("padding")
             else:
                 parts.append(f"req {int(np.searchsorted(self.qsl, t, side='right')) - 1}")
-        parts += [f"{axis} {named[axis]}" for axis in ("head", "token", "dim") if axis in named]
+        parts += [f"{axis} {named[axis]}" for axis in self.order if axis in named]
         return " ".join(parts)
 
     def token_axis(self) -> int | None:
-        return _TOKEN_AXIS.get(self.layout)
+        return self.axes.index(self.ragged_axis) if self.ragged_axis in self.axes else None
 
 
 def _pick_layout(layout: str | None, lse_layout: str | None, ndim: int) -> str | None:
@@ -406,15 +420,17 @@ def _check_pair(got: torch.Tensor, want_shape: tuple[int, ...], what: str) -> No
 
 def compare_bits(got: Any, want: Any, *, name: str = "", query_start_loc: Any = None,
                  layout: str | None = None, context: str = "", max_shown: int = MAX_SHOWN,
-                 lse_layout: str | None = None, case: Any = None, seed: Any = None, mode: Any = None
-                 ) -> Report:
+                 lse_layout: str | None = None, case: Any = None, seed: Any = None, mode: Any = None,
+                 ragged_axis: str = "token") -> Report:
     """Exact bitwise comparison of two arrays of one float dtype (Triton vs Pallas parity).
 
     Args:
         got, want: torch tensors or JAX arrays (any strides), same dtype (fp32/fp16/bf16/fp8) and shape.
         name: what is compared, e.g. "merge.out".
         query_start_loc: i32[R+1]; names the request of each mismatch (`layout` must have a token axis).
-        layout: "THD" (outputs [T, H, D]), "HT" or "TH" (LSE), "flat"; None infers THD / HT by rank.
+        layout: "THD" (outputs [T, H, D]), "HT" or "TH" (LSE), "flat"; None infers THD / HT by rank. Or a
+            tuple of axis names, one per dim: mismatches are then named by them, in array order.
+        ragged_axis: with a tuple `layout`, the axis `query_start_loc` indexes (default "token").
         context: e.g. "case=2k_balanced seed=0 mode=compiled"; built from `case`, `seed`, `mode` when
             empty.
         lse_layout: the layout of a 2-D (LSE) operand, used when `layout` is None.
@@ -431,7 +447,7 @@ def compare_bits(got: Any, want: Any, *, name: str = "", query_start_loc: Any = 
     fmt = _format_of(got.dtype)
     _check_pair(got, _shape_of(want), name)
     shape = _shape_of(got)
-    locate = _Locator(shape, layout, query_start_loc)
+    locate = _Locator(shape, layout, query_start_loc, ragged_axis)
     g_all, w_all = (got.reshape(1), want.reshape(1)) if got.dim() == 0 else (got, want)
     acc = _Accumulator(max_shown)
     row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
@@ -500,7 +516,7 @@ def compare_to_reference(got: Any, want: Any, *, name: str = "", tol: Tolerance 
                          exact: Any = False, mag: Any = None, query_start_loc: Any = None,
                          layout: str | None = None, context: str = "", max_shown: int = MAX_SHOWN,
                          exact_mask: Any = None, lse_layout: str | None = None, case: Any = None,
-                         seed: Any = None, mode: Any = None) -> Report:
+                         seed: Any = None, mode: Any = None, ragged_axis: str = "token") -> Report:
     """Compares an implementation's output with the float64 reference (module docstring: checks 1-3).
 
     Args:
@@ -513,7 +529,7 @@ def compare_to_reference(got: Any, want: Any, *, name: str = "", tol: Tolerance 
             (e.g. the pass-through rows `arange(T) >= prefill_tokens_with_context`).
         mag: float64 per-element magnitude for the tolerance (full shape), default |want|. For merge
             outputs use `merge_out_magnitude`.
-        query_start_loc, layout, context, lse_layout, case, seed, mode: as in `compare_bits`.
+        query_start_loc, layout, context, lse_layout, case, seed, mode, ragged_axis: as in `compare_bits`.
         exact_mask: an alias of `exact` (used when given).
 
     Returns:
@@ -535,7 +551,7 @@ def compare_to_reference(got: Any, want: Any, *, name: str = "", tol: Tolerance 
         tol = tolerance_for(got.dtype, lse=lse_like)
     elif isinstance(tol, str):
         tol = TOLERANCES[tol]
-    locate = _Locator(shape, layout, query_start_loc)
+    locate = _Locator(shape, layout, query_start_loc, ragged_axis)
     if got.dim() == 0:
         got, shape1 = got.reshape(1), (1,)
         want = np.asarray(bridge.to_numpy(want)).reshape(1)
