@@ -129,12 +129,14 @@ def mask_blocks(num_tokens: int, num_requests: int) -> int:
 def mask_split(num_tokens: int, num_requests: int, num_heads: int, head_dim: int, zero_output: bool) -> int:
     """Programs per 128-token block (the mask grid's second axis); static shapes only, never offsets' values."""
     block_h, block_ho, block_d = mask_tiles(num_heads, head_dim)
-    if zero_output:
-        tiles, cap = -(-num_heads // block_ho) * -(-head_dim // block_d), MASK_ZERO_SPLIT
-    else:
-        tiles, cap = -(-num_heads // block_h), MASK_LSE_SPLIT
+    tiles = -(-num_heads // block_ho) * -(-head_dim // block_d) if zero_output else -(-num_heads // block_h)
     want = next_pow2(-(-MASK_TARGET_PROGRAMS // max(1, mask_blocks(num_tokens, num_requests))))
-    return max(1, min(tiles, cap, want))
+    return max(1, min(tiles, mask_split_cap(zero_output), want))
+
+
+def mask_split_cap(zero_output: bool) -> int:
+    """The most programs per block of the variant; 1: its kernel never reads the second grid axis."""
+    return MASK_ZERO_SPLIT if zero_output else MASK_LSE_SPLIT
 
 
 def mask_grid(num_tokens: int, num_requests: int, num_heads: int, head_dim: int,

@@ -52,13 +52,15 @@ def _mask_empty_context_lse_kernel(
     cu_ref,  # i32[R+1] cu_seq_lens of this context chunk
     *refs,  # lse (and output) inputs, aliased to the outputs below; then lse (and output) outputs
     num_requests: int, num_tokens: int, num_heads: int, head_dim: int, block_t: int,
-    block_h: int, block_ho: int, block_d: int, lse_layout: str, zero_output: bool,
+    block_h: int, block_ho: int, block_d: int, lse_layout: str, zero_output: bool, split_blocks: bool,
 ):
     lse_ref = refs[len(refs) // 2]  # f32[H, T] or f32[T, H]
     out_ref = refs[-1] if zero_output else None  # dtype[T, H, D]
     pid = pl.program_id(0)
-    split = pl.program_id(1)  # this program's share of its block's head (x dim) tiles (_common.mask_split)
-    num_splits = pl.num_programs(1)
+    # This program's share of its block's head (x dim) tiles (_common.mask_split); a variant whose cap is 1
+    # never splits.
+    split = pl.program_id(1) if split_blocks else 0
+    num_splits = pl.num_programs(1) if split_blocks else 1
 
     # Owning request = (number of requests whose first block is <= pid) - 1; request 0 starts at 0.
     first_programs_le = c.count_keys_le(qsl_ref, pid + jnp.zeros((1,), jnp.int32), num_requests,
@@ -114,7 +116,8 @@ def _mask_jit(lse, query_start_loc, cu_seq_lens, output, *, lse_layout, interpre
     kernel = functools.partial(
         _mask_empty_context_lse_kernel, num_requests=num_requests, num_tokens=num_tokens, num_heads=num_heads,
         head_dim=head_dim, block_t=c.MASK_BLOCK_T, block_h=block_h,
-        block_ho=block_ho, block_d=block_d, lse_layout=lse_layout, zero_output=zero_output)
+        block_ho=block_ho, block_d=block_d, lse_layout=lse_layout, zero_output=zero_output,
+        split_blocks=c.mask_split_cap(zero_output) > 1)
     buffers = (lse, output) if zero_output else (lse,)
     results = pl.pallas_call(
         kernel,

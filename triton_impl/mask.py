@@ -47,11 +47,13 @@ def _mask_empty_context_lse_kernel(
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr, SCAN: tl.constexpr, N_INTERPRET: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HO: tl.constexpr, BLOCK_D: tl.constexpr,
-    ZERO_OUTPUT: tl.constexpr,
+    ZERO_OUTPUT: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    split = tl.program_id(1)  # this program's share of its block's head (x dim) tiles (_common.mask_split)
-    num_splits = tl.num_programs(1)  # a runtime value: the split follows T and R without a recompile
+    # This program's share of its block's head (x dim) tiles (_common.mask_split). The split is a runtime value
+    # (it follows T and R without a recompile); a variant whose cap is 1 never splits, and its loops unroll.
+    split = tl.program_id(1) if SPLIT_BLOCKS else 0
+    num_splits = tl.num_programs(1) if SPLIT_BLOCKS else 1
     # Owning request = (number of requests whose first block is <= pid) - 1; request 0 starts at 0.
     first_programs_le = _count_keys_le(qsl_ptr, pid + tl.zeros((1,), tl.int32), num_requests,
                                        BLOCK_T, 1, SCAN, N_INTERPRET)
@@ -139,6 +141,6 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
         NUM_HEADS=num_heads, HEAD_DIM=head_dim,
         BLOCK_T=c.MASK_BLOCK_T, SCAN=c.SCAN, N_INTERPRET=c.n_interpret(num_requests),
         BLOCK_H=block_h, BLOCK_HO=block_ho, BLOCK_D=block_d,
-        ZERO_OUTPUT=output is not None,
+        ZERO_OUTPUT=output is not None, SPLIT_BLOCKS=c.mask_split_cap(output is not None) > 1,
         num_warps=c.MASK_NUM_WARPS,
     )
