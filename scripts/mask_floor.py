@@ -1,7 +1,8 @@
 """The mask against its fill floor on the docs/spec.md 7 seed workloads, with candidate grid splits. GPU only:
 
     python scripts/mask_floor.py                       # the committed constants and the default candidates
-    python scripts/mask_floor.py --zero-split 1 2 4 8 --lse-split 1 2 4 --targets 4096 16384 --warps 4 8
+    python scripts/mask_floor.py --zero-split 1 2 4 8 16 32 64 --lse-split 2 4 --targets 4096 32768 --warps 4 \
+        --budget-s 300
 
 For each seed workload and variant ("lse": LSE-only; "lse+out": with output zeroing) it times the Triton mask
 (CUDA-graph replay) and the Pallas mask (jax.profiler kernel time over back-to-back calls of the donated,
@@ -10,7 +11,7 @@ contiguous buffer (`parity.bench.mask_bytes`; CUDA-graph replay), and prints eac
 Candidates (docs/design.md, "Mask grid"): `--zero-split S` and `--lse-split S` fix the programs per 128-token
 block of that variant (`MASK_*_SPLIT = S`, no program target); `--targets N` keeps the caps and grows the split
 until the grid holds N programs (`MASK_TARGET_PROGRAMS`); `--warps W` sets `MASK_NUM_WARPS`. Every candidate is
-set in both frameworks' `_common` at once. The committed constants run first ("committed"). About 1-2 minutes
+set in both frameworks' `_common` at once. The committed constants run first ("committed"). About 2 minutes
 on an H200 with the defaults; `--budget-s` starts no new candidate after that many seconds.
 """
 
@@ -132,15 +133,15 @@ class Workload:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--zero-split", nargs="*", type=int, default=[4, 16, 64], help="fixed splits, lse+out")
-    p.add_argument("--lse-split", nargs="*", type=int, default=[2, 4], help="fixed splits, LSE-only")
-    p.add_argument("--targets", nargs="*", type=int, default=[2048, 32768], help="MASK_TARGET_PROGRAMS")
+    p.add_argument("--zero-split", nargs="*", type=int, default=[8, 64], help="fixed splits, lse+out")
+    p.add_argument("--lse-split", nargs="*", type=int, default=[4], help="fixed splits, LSE-only")
+    p.add_argument("--targets", nargs="*", type=int, default=[32768], help="MASK_TARGET_PROGRAMS")
     p.add_argument("--cap-zero", type=int, default=COMMITTED["MASK_ZERO_SPLIT"], help="zero cap with --targets")
     p.add_argument("--cap-lse", type=int, default=COMMITTED["MASK_LSE_SPLIT"], help="LSE cap with --targets")
     p.add_argument("--warps", nargs="*", type=int, default=[4], help="MASK_NUM_WARPS")
     p.add_argument("--impls", nargs="+", default=["triton", "pallas"], choices=("triton", "pallas"))
     p.add_argument("--workloads", nargs="+", default=list(SEEDS), choices=list(SEEDS))
-    p.add_argument("--budget-s", type=float, default=150.0, help="start no new candidate after this many seconds")
+    p.add_argument("--budget-s", type=float, default=100.0, help="start no new candidate after this many seconds")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
