@@ -25,6 +25,12 @@ SCAN = 32  # request boundaries compared per scan step (one warp)
 ZERO_TILE_ELEMS = 16384  # elements of one output-zeroing store in the mask
 MASK_NUM_WARPS = 8
 MASK_TILE_H = 16  # heads per -inf store of the mask
+# The mask's second grid axis (docs/design.md, "Mask grid"): each 128-token block's head tiles (LSE) and head x dim
+# tiles (output zeroing) are dealt round-robin over `mask_split` programs, a power of two grown until the grid
+# holds MASK_TARGET_PROGRAMS programs, capped by the tile count and by the split of the variant.
+MASK_TARGET_PROGRAMS = 8192
+MASK_ZERO_SPLIT = 64  # most programs per 128-token block when zeroing output rows
+MASK_LSE_SPLIT = 1  # most programs per 128-token block for the LSE-only mask
 LSE_LAYOUTS = ("HT", "TH")
 FP8_E4M3_MAX = 448.0
 LN2 = 0.6931471805599453
@@ -114,9 +120,30 @@ def count_keys_le(qsl_ref, x, num_keys: int, *, key_div: int, key_step: int):
     return base + jnp.sum(((r < num_keys) & (key <= x[:, None])).astype(jnp.int32), axis=1)
 
 
-def mask_grid(num_tokens: int, num_requests: int) -> tuple[int]:
-    # Worst case: each request may open a partial block -> T // block_t + R programs.
-    return (num_tokens // MASK_BLOCK_T + num_requests,)
+def mask_blocks(num_tokens: int, num_requests: int) -> int:
+    # Worst case: each request may open a partial block -> T // BLOCK_T + R token blocks.
+    return num_tokens // MASK_BLOCK_T + num_requests
+
+
+@functools.lru_cache(maxsize=None)
+def mask_split(num_tokens: int, num_requests: int, num_heads: int, head_dim: int, zero_output: bool) -> int:
+    """Programs per 128-token block (the mask grid's second axis); static shapes only, never offsets' values."""
+    block_h, block_ho, block_d = mask_tiles(num_heads, head_dim)
+    tiles = -(-num_heads // block_ho) * -(-head_dim // block_d) if zero_output else -(-num_heads // block_h)
+    want = next_pow2(-(-MASK_TARGET_PROGRAMS // max(1, mask_blocks(num_tokens, num_requests))))
+    return max(1, min(tiles, mask_split_cap(zero_output), want))
+
+
+def mask_split_cap(zero_output: bool) -> int:
+    """The most programs per block of the variant; 1: its kernel never reads the second grid axis."""
+    return MASK_ZERO_SPLIT if zero_output else MASK_LSE_SPLIT
+
+
+def mask_grid(num_tokens: int, num_requests: int, num_heads: int, head_dim: int,
+              zero_output: bool) -> tuple[int, int]:
+    """(token blocks, programs per block): the second axis splits a block's stores (`mask_split`)."""
+    return (mask_blocks(num_tokens, num_requests),
+            mask_split(num_tokens, num_requests, num_heads, head_dim, zero_output))
 
 
 def merge_grid(num_tokens: int, num_heads: int, head_dim: int, variant: str = "plain",

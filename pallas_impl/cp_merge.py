@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from pallas_impl import _common as c
 from pallas_impl import jnp_fallback
 from pallas_impl.merge import _load_lse, _merged_lse, _program_tile, _store_lse, _token_requests
-from pallas_impl.merge_n import _max_and_sum, _partial_lse, _weighted, merge_attn_states_n
+from pallas_impl.merge_n import _copied_lse, _max_and_sum, _partial_lse, _weighted, merge_attn_states_n
 
 METHODS = ("gather", "reduce_scatter")
 # The rescale kernel reads one partial's tile and writes one: it takes the N-way tile of two partials (the 2-way
@@ -76,7 +76,8 @@ def _cp_rescale_kernel(
                    scaled.astype(scaled_ref.dtype), mask=thd_mask)
 
     if output_lse:  # the merged LSE (of every head: the caller keeps its own)
-        lse = _merged_lse(z, m, all_empty, copy_t, last_raw, lse_base2)
+        lse = _merged_lse(z, m, all_empty, copy_t,
+                          _copied_lse(last_raw, cu_ref, last, num_requests + 1, req, in_req, fused_mask), lse_base2)
         _store_lse(out_lse_ref[0], t0, h0, block_t, block_h, lse, th_mask, lse_layout)
 
 

@@ -83,12 +83,20 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, outp
     return out, (lse.T if lse_layout == "HT" else lse)
 
 
+def _copied_lse(last_raw, empty):
+    """The pass-through LSE (8.4), `[T, H]`: the last partial's raw bits; the fused mask (`empty` bool[N, T], or
+    None) reaches them too: -inf for a token of a request with no KV in the last partial."""
+    return last_raw if empty is None else jnp.where(empty[-1][:, None], -jnp.inf, last_raw)
+
+
 def _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout, lse_base2):
-    """(raw [N, T, H] LSEs, e_i = exp(lse_i - m), m, all_empty, z) of the N-way merge (8.1-8.3), in index order."""
+    """(raw [N, T, H] LSEs, e_i = exp(lse_i - m), m, all_empty, z, empty bool[N, T] or None) of the N-way merge
+    (8.1-8.3), in index order."""
     num_partials = lses.shape[0]
     l_raw = jnp.swapaxes(lses, 1, 2) if lse_layout == "HT" else lses  # [N, T, H]
     lse = l_raw * c.LN2 if lse_base2 else l_raw
     lse = jnp.where((lse == jnp.inf) | jnp.isnan(lse), -jnp.inf, lse)
+    empty = None
     if query_start_loc is not None:
         empty = jax.vmap(lambda cu: _empty_tokens(query_start_loc, cu, num_tokens))(cu_seq_lens)  # [N, T]
         lse = jnp.where(empty[:, :, None], -jnp.inf, lse)
@@ -101,7 +109,7 @@ def _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout, l
     z = e[0]
     for i in range(1, num_partials):  # index order, as the kernels
         z = z + e[i]
-    return l_raw, e, m, all_empty, z
+    return l_raw, e, m, all_empty, z, empty
 
 
 @functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2"))
@@ -109,7 +117,8 @@ def merge_attn_states_n(outputs, lses, output_scale, query_start_loc, cu_seq_len
                         return_lse, out_dtype, lse_layout, lse_base2):
     num_partials, num_tokens = outputs.shape[:2]
     prefill_tokens = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
-    l_raw, e, m, all_empty, z = _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout, lse_base2)
+    l_raw, e, m, all_empty, z, empty = _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout,
+                                                      lse_base2)
     w = (e / z)[..., None]
     o = outputs.astype(jnp.float32)
     out = jnp.where(w[0] > 0, o[0] * w[0], 0.0)
@@ -125,7 +134,7 @@ def merge_attn_states_n(outputs, lses, output_scale, query_start_loc, cu_seq_len
         out = jnp.where(copy_t[:, None, None], outputs[-1], out.astype(out_dtype))
     if not return_lse:
         return out
-    lse_out = _merged_lse(z, m, all_empty, copy_t, l_raw[-1], lse_base2)
+    lse_out = _merged_lse(z, m, all_empty, copy_t, _copied_lse(l_raw[-1], empty), lse_base2)
     return out, (lse_out.T if lse_layout == "HT" else lse_out)
 
 
@@ -135,7 +144,8 @@ def cp_rescale(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with_con
     """The context-parallel rescale (pallas_impl/cp_merge.py) in jnp: (scaled reduce_dtype[T, H, D], merged LSE)."""
     num_partials, num_tokens = lses.shape[0], part.shape[0]
     prefill_tokens = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
-    l_raw, e, m, all_empty, z = _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout, lse_base2)
+    l_raw, e, m, all_empty, z, empty = _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout,
+                                                  lse_base2)
     w = (e[rank] / z)[..., None]
     o = part.astype(jnp.float32)
     scaled = jnp.where(w > 0, o * w, 0.0)
@@ -144,5 +154,5 @@ def cp_rescale(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with_con
     scaled = jnp.where(copy_t, jnp.where(rank == num_partials - 1, o, -0.0), scaled).astype(reduce_dtype)
     if not return_lse:
         return scaled, None
-    merged = _merged_lse(z, m, all_empty, copy_t[:, 0, 0], l_raw[-1], lse_base2)
+    merged = _merged_lse(z, m, all_empty, copy_t[:, 0, 0], _copied_lse(l_raw[-1], empty), lse_base2)
     return scaled, (merged.T if lse_layout == "HT" else merged)

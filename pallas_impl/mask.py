@@ -1,10 +1,11 @@
 """Empty-context LSE mask (docs/spec.md 3): the Pallas GPU kernel and its functional, jit-friendly wrapper.
 
-The same algorithm as `triton_impl/mask.py`, statement by statement. Grid: one program per 128-token query
-block, worst case `T // 128 + R` programs; request r owns the programs from `qsl[r] // 128 + r` on. A program
-finds its request by counting, 32 request boundaries per step, the requests whose first program is at or
-before it (a compare-and-sum, no token->request map), then writes -inf over all heads of its tokens (and
-zeros over their output rows) if that request's chunk is empty. The count is two-level
+The same algorithm as `triton_impl/mask.py`, statement by statement. Grid: (128-token query blocks, programs
+per block). Worst case `T // 128 + R` blocks; request r owns the blocks from `qsl[r] // 128 + r` on. A program
+finds its request by counting, 32 request boundaries per step, the requests whose first block is at or before
+its block (a compare-and-sum, no token->request map), then, if that request's chunk is empty, writes -inf over
+its share of the heads of its tokens (and zeros over its share of their output rows): the second grid axis
+deals a block's head (x dim) tiles round-robin over `_common.mask_split` programs. The count is two-level
 (`_common.count_keys_le`): chunk starts, then one chunk of 32. The LSE (and output) buffers are aliased to
 the results, so under `jax.jit(..., donate_argnames=("lse", "output"))` the update is in place.
 """
@@ -22,10 +23,14 @@ from pallas_impl import _common as c
 from pallas_impl import jnp_fallback
 
 
-def _fill_lse(lse_ref, t0, t_mask, *, num_heads: int, block_h: int, block_t: int, lse_layout: str):
-    # Tile starts come from loop indices: Pallas rejects a constant start whose tile overruns the array.
+def _fill_lse(lse_ref, split, num_splits, t0, t_mask, *, num_heads: int, block_h: int, block_t: int,
+              lse_layout: str):
+    # This program's head tiles: split, split + num_splits, ... Tile starts come from loop indices: Pallas
+    # rejects a constant start whose tile overruns the array.
+    n_h = pl.cdiv(num_heads, block_h)
+
     def fill_heads(j, carry):
-        h0 = j * block_h
+        h0 = (split + j * num_splits) * block_h
         h = h0 + jnp.arange(block_h, dtype=jnp.int32)
         h_mask = h < num_heads
         if lse_layout == "HT":  # whole-array refs: the layout is the index order
@@ -38,7 +43,7 @@ def _fill_lse(lse_ref, t0, t_mask, *, num_heads: int, block_h: int, block_t: int
                            mask=t_mask[:, None] & h_mask[None, :])
         return carry
 
-    lax.fori_loop(0, pl.cdiv(num_heads, block_h), fill_heads, 0)
+    lax.fori_loop(0, (n_h - split + num_splits - 1) // num_splits, fill_heads, 0)
 
 
 def _mask_empty_context_lse_kernel(
@@ -47,13 +52,17 @@ def _mask_empty_context_lse_kernel(
     cu_ref,  # i32[R+1] cu_seq_lens of this context chunk
     *refs,  # lse (and output) inputs, aliased to the outputs below; then lse (and output) outputs
     num_requests: int, num_tokens: int, num_heads: int, head_dim: int, block_t: int,
-    block_h: int, block_ho: int, block_d: int, lse_layout: str, zero_output: bool,
+    block_h: int, block_ho: int, block_d: int, lse_layout: str, zero_output: bool, split_blocks: bool,
 ):
     lse_ref = refs[len(refs) // 2]  # f32[H, T] or f32[T, H]
     out_ref = refs[-1] if zero_output else None  # dtype[T, H, D]
     pid = pl.program_id(0)
+    # This program's share of its block's head (x dim) tiles (_common.mask_split); a variant whose cap is 1
+    # never splits.
+    split = pl.program_id(1) if split_blocks else 0
+    num_splits = pl.num_programs(1) if split_blocks else 1
 
-    # Owning request = (number of requests whose first program is <= pid) - 1; request 0 starts at 0.
+    # Owning request = (number of requests whose first block is <= pid) - 1; request 0 starts at 0.
     first_programs_le = c.count_keys_le(qsl_ref, pid + jnp.zeros((1,), jnp.int32), num_requests,
                                         key_div=block_t, key_step=1)
     req = jnp.sum(first_programs_le, axis=0) - 1
@@ -63,13 +72,13 @@ def _mask_empty_context_lse_kernel(
     is_empty = cu_ref[req + 1] == cu_ref[req]
     t0 = (pid - req) * block_t  # = (q_start // block_t + block index within the request) * block_t
     t = t0 + jnp.arange(block_t, dtype=jnp.int32)
-    t_mask = (t >= q_start) & (t < q_end)  # also empty for the spare programs of a request
+    t_mask = (t >= q_start) & (t < q_end)  # also empty for the spare blocks of a request
 
     # A block wholly inside its request needs no token mask, and when the LSE rows start 16-byte aligned
     # (head stride a multiple of 4; t0 is a multiple of block_t) its -inf stores are 16 bytes wide.
     full = (t0 >= q_start) & (t0 + block_t <= q_end)
-    fill = functools.partial(_fill_lse, lse_ref, t0, num_heads=num_heads, block_h=block_h, block_t=block_t,
-                             lse_layout=lse_layout)
+    fill = functools.partial(_fill_lse, lse_ref, split, num_splits, t0, num_heads=num_heads, block_h=block_h,
+                             block_t=block_t, lse_layout=lse_layout)
     if lse_layout == "HT" and num_tokens % 4 == 0:  # the head stride is T, a static value here
         pl.when(is_empty & full)(lambda: fill(jnp.ones((block_t,), jnp.bool_)))
         pl.when(is_empty & ~full)(lambda: fill(t_mask))
@@ -79,22 +88,22 @@ def _mask_empty_context_lse_kernel(
     if zero_output:
         @pl.when(is_empty)
         def _():
-            def zero_heads(i, carry):
-                h0 = i * block_ho
+            # Output tiles (head tile, dim tile), dim fastest; this program's: split, split + num_splits, ...
+            n_d = pl.cdiv(head_dim, block_d)
+            n_tiles = pl.cdiv(num_heads, block_ho) * n_d
+
+            def zero_tile(j, carry):
+                i = split + j * num_splits
+                h0 = (i // n_d) * block_ho
+                d0 = (i % n_d) * block_d
                 ho = h0 + jnp.arange(block_ho, dtype=jnp.int32)
-                ho_mask = ho < num_heads
+                d = d0 + jnp.arange(block_d, dtype=jnp.int32)
+                m = t_mask[:, None, None] & (ho < num_heads)[None, :, None] & (d < head_dim)[None, None, :]
+                c.pltriton.store(out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_ho), pl.ds(d0, block_d)],
+                                 jnp.zeros((block_t, block_ho, block_d), out_ref.dtype), mask=m)
+                return carry
 
-                def zero_dims(j, carry):
-                    d0 = j * block_d
-                    d = d0 + jnp.arange(block_d, dtype=jnp.int32)
-                    m = t_mask[:, None, None] & ho_mask[None, :, None] & (d < head_dim)[None, None, :]
-                    c.pltriton.store(out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_ho), pl.ds(d0, block_d)],
-                                   jnp.zeros((block_t, block_ho, block_d), out_ref.dtype), mask=m)
-                    return carry
-
-                return lax.fori_loop(0, pl.cdiv(head_dim, block_d), zero_dims, carry)
-
-            lax.fori_loop(0, pl.cdiv(num_heads, block_ho), zero_heads, 0)
+            lax.fori_loop(0, (n_tiles - split + num_splits - 1) // num_splits, zero_tile, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("lse_layout", "interpret"))
@@ -107,12 +116,13 @@ def _mask_jit(lse, query_start_loc, cu_seq_lens, output, *, lse_layout, interpre
     kernel = functools.partial(
         _mask_empty_context_lse_kernel, num_requests=num_requests, num_tokens=num_tokens, num_heads=num_heads,
         head_dim=head_dim, block_t=c.MASK_BLOCK_T, block_h=block_h,
-        block_ho=block_ho, block_d=block_d, lse_layout=lse_layout, zero_output=zero_output)
+        block_ho=block_ho, block_d=block_d, lse_layout=lse_layout, zero_output=zero_output,
+        split_blocks=c.mask_split_cap(zero_output) > 1)
     buffers = (lse, output) if zero_output else (lse,)
     results = pl.pallas_call(
         kernel,
         out_shape=[c.out_struct(x.shape, x.dtype, x) for x in buffers],
-        grid=c.mask_grid(num_tokens, num_requests),
+        grid=c.mask_grid(num_tokens, num_requests, num_heads, head_dim, zero_output),
         input_output_aliases={2 + i: i for i in range(len(buffers))},
         interpret=interpret,
         compiler_params=c.compiler_params(num_warps=c.MASK_NUM_WARPS),

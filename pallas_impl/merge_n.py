@@ -26,6 +26,20 @@ from pallas_impl import jnp_fallback
 from pallas_impl.merge import _load_lse, _merged_lse, _program_tile, _store_lse, _store_output, _token_requests
 
 
+def _empty_tokens(cu_ref, i, cu_row, req, in_req):
+    """bool[block_t]: the tokens of requests with no KV in partial i (8.1)."""
+    base = i * cu_row  # cu_seq_lens is flattened: partial i's offsets start at i * (R + 1)
+    return in_req & (cu_ref[base + req + 1] == cu_ref[base + req])
+
+
+def _copied_lse(last_raw, cu_ref, last, cu_row, req, in_req, fused_mask):
+    """The pass-through LSE tile (8.4): the last partial's raw bits; the fused mask reaches them too (the mask,
+    then the merge): -inf for a token of a request with no KV in the last partial."""
+    if fused_mask:
+        last_raw = jnp.where(_empty_tokens(cu_ref, last, cu_row, req, in_req)[:, None], -jnp.inf, last_raw)
+    return last_raw
+
+
 def _partial_lse(lses_ref, i, t0, h0, block_t, block_h, th_mask, cu_ref, cu_row, req, in_req, *, lse_layout,
                  lse_base2, fused_mask):
     """f32[block_t, block_h]: partial i's LSE tile, natural log, empty rows -inf (8.1)."""
@@ -34,9 +48,7 @@ def _partial_lse(lses_ref, i, t0, h0, block_t, block_h, th_mask, cu_ref, cu_row,
         lse = lse * c.LN2
     lse = jnp.where((lse == jnp.inf) | (lse != lse), -jnp.inf, lse)  # 4.1: +inf and NaN read as -inf
     if fused_mask:  # 8.1: a token of a request with no KV in this partial has LSE -inf
-        base = i * cu_row  # cu_seq_lens is flattened: partial i's offsets start at i * (R + 1)
-        empty_t = in_req & (cu_ref[base + req + 1] == cu_ref[base + req])
-        lse = jnp.where(empty_t[:, None], -jnp.inf, lse)
+        lse = jnp.where(_empty_tokens(cu_ref, i, cu_row, req, in_req)[:, None], -jnp.inf, lse)
     return lse
 
 
@@ -107,7 +119,8 @@ def _merge_attn_states_n_kernel(
                   thd_mask, fp8_out)
 
     if output_lse:
-        lse = _merged_lse(z, m, all_empty, copy_t, last_raw, lse_base2)
+        lse = _merged_lse(z, m, all_empty, copy_t,
+                          _copied_lse(last_raw, cu_ref, last, num_requests + 1, req, in_req, fused_mask), lse_base2)
         _store_lse(out_lse_ref[0], t0, h0, block_t, block_h, lse, th_mask, lse_layout)
 
 

@@ -193,6 +193,12 @@ CASES_N: tuple[Case, ...] = (
          context_lens=(1, 20, 6), interleave=2, specials=True, tags=_CI),
     Case("n16_fp32_d32", (10, 21), (), num_heads=3, head_dim=32, dtype="float32", partials=16,
          context_lens=(13, 60), interleave=2, specials=True, tags=_CI),
+    # Pass-through tokens (t >= 30) of requests with no KV in the last partial (requests 1 and 2; request 4 has
+    # none anywhere) and of one with KV there (request 3): the copied LSE is -inf from the offsets (docs/spec.md
+    # 8.4), so the fused merge equals the mask then the merge; base 2.
+    Case("n3_ptwc_last_partial_empty", (20, 30, 25, 10, 5), (), num_heads=4, head_dim=64, dtype="float16",
+         lse_base=2, partials=3, context_lens=(9, 4, 1, 12, 0), interleave=2, prefill_tokens_with_context=30,
+         padding=2, tags=_CI),
 ) + _n_way_matrix()
 
 KINDS = ("two_way", "n_way", "all")

@@ -29,7 +29,7 @@ from parity import expected, impls
 
 FORMAT = "mla-lse-merge-golden"
 FORMAT_VERSION = 2
-SEMANTICS_VERSION = "2"
+SEMANTICS_VERSION = "3"
 MANIFEST = "manifest.json"
 OPS = impls.OPS
 
@@ -193,7 +193,8 @@ def _merge_expectations(case: cases_mod.Case, op: str, arrays: dict[str, np.ndar
                         last_output: np.ndarray, last_lse: np.ndarray) -> dict[str, np.ndarray]:
     """merge.* of docs/golden.md for a merge op on `arrays`: reference values, their bits, exact masks, weights.
 
-    `last_output` / `last_lse` are the last partial's (the suffix's) output and LSE: pass-through rows copy them.
+    `last_output` / `last_lse` are the last partial's (the suffix's) output and LSE as the op reads them (N-way:
+    after the mask, docs/spec.md 8.4): pass-through rows copy them.
     """
     ref = impls.run(impls.HOST, "reference", op, case, arrays)
     w = expected.merge_weights(case, op, arrays)
@@ -221,7 +222,7 @@ def expected_arrays(case: cases_mod.Case, inputs: dict[str, np.ndarray]) -> dict
         masked = impls.masked_lses(case, inputs)
         arrays = dict(inputs, lses=masked)
         return {"masked_lses": masked,
-                **_merge_expectations(case, "merge_n", arrays, inputs["outputs"][-1], inputs["lses"][-1])}
+                **_merge_expectations(case, "merge_n", arrays, inputs["outputs"][-1], masked[-1])}
     mask = impls.run(impls.HOST, "reference", "mask", case, inputs)
     arrays = dict(inputs, prefix_output=mask["output"], prefix_lse=mask["lse"])
     return {"mask.lse": mask["lse"], "mask.output": mask["output"],

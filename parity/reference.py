@@ -98,6 +98,8 @@ def _merge_stacked(outputs, l_raw: np.ndarray, *, empty, prefill_tokens_with_con
         n = int(prefill_tokens_with_context)
         out[n:] = np.asarray(outputs[-1], dtype=np.float64)[n:]
         lse[n:] = l_raw[-1, n:]
+        if empty is not None:  # 8.4: the fused mask reaches the copied LSE (the mask, then the merge)
+            lse[n:][np.asarray(empty, dtype=bool)[-1, n:]] = -np.inf
 
     if output_scale is not None:  # 4.6
         scale = float(np.asarray(output_scale, dtype=np.float32).reshape(-1)[0])
@@ -147,7 +149,8 @@ def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, quer
       lses: f32[N, H, T] ([N, T, H] with lse_layout="TH"), base e or 2.
       query_start_loc, cu_seq_lens: i32[R+1] and i32[N, R+1], both or neither: a token of a request empty in
         partial i (cu_seq_lens[i, r+1] == cu_seq_lens[i, r]) gives partial i LSE -inf (8.1).
-      prefill_tokens_with_context: tokens at or past it copy the last partial's row and raw LSE (8.4).
+      prefill_tokens_with_context: tokens at or past it copy the last partial's row and raw LSE (8.4); with
+        the offsets, -inf for a token of a request with no KV in the last partial.
       output_scale: fp8 output scale (4.6).
 
     Returns:

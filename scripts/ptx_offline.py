@@ -95,7 +95,7 @@ def main() -> None:
             tmask._mask_empty_context_lse_kernel, dict(lse_ptr="*fp32", out_ptr="*fp32", qsl_ptr="*i32",
                                                        cu_ptr="*i32"),
             dict(NUM_HEADS=H, HEAD_DIM=1, BLOCK_T=tc.MASK_BLOCK_T, SCAN=tc.SCAN, N_INTERPRET=0, BLOCK_H=block_h,
-                 BLOCK_HO=1, BLOCK_D=1, ZERO_OUTPUT=False, stride_lse_t=1, stride_out_t=0, stride_out_h=0,
+                 BLOCK_HO=1, BLOCK_D=1, ZERO_OUTPUT=False, SPLIT_BLOCKS=False, stride_lse_t=1, stride_out_t=0, stride_out_h=0,
                  stride_out_d=0), tc.MASK_NUM_WARPS),
         "pallas mask": pallas_ptx(
             lambda lse, q, c: pmask._mask_jit(lse, q, c, None, lse_layout="HT", interpret=False),

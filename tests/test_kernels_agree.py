@@ -23,7 +23,8 @@ from triton_impl import _common as triton_common
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Constants both kernels must share; any other upper-case number, string or tuple of them defined in both
 # modules must agree too (test_every_common_constant_agrees), so a new one is covered without an edit here.
-SHARED_CONSTANTS = ("MASK_BLOCK_T", "SCAN", "ZERO_TILE_ELEMS", "MASK_NUM_WARPS", "MASK_TILE_H", "FP8_E4M3_MAX",
+SHARED_CONSTANTS = ("MASK_BLOCK_T", "SCAN", "ZERO_TILE_ELEMS", "MASK_NUM_WARPS", "MASK_TILE_H", "MASK_TARGET_PROGRAMS",
+                    "MASK_ZERO_SPLIT", "MASK_LSE_SPLIT", "FP8_E4M3_MAX",
                     "LN2", "LOG2E", "LSE_LAYOUTS")
 CI_CASES = cases.select("ci")
 # Triton's interpreter is slow (r1000 takes minutes): on CPU the mask agreement runs on cases that still hold
@@ -101,11 +102,19 @@ def test_tiles_and_grids_agree(num_heads):
             for num_tokens in (0, 1, 127, 128, 129, 1000, 131072):
                 grid = common.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize)
                 assert grid == (math.ceil(num_tokens / block_t) * math.ceil(num_heads / block_h),)
-    for num_tokens, num_requests in itertools.product((0, 1, 127, 128, 129, 1000, 131072), (0, 1, 32, 33, 1000)):
-        grid = triton_common.mask_grid(num_tokens, num_requests)
-        assert grid == tuple(pallas_common.mask_grid(num_tokens, num_requests))
-        # Worst case: each request may open a partial block.
-        assert grid == (num_tokens // triton_common.MASK_BLOCK_T + num_requests,)
+    for num_tokens, num_requests, head_dim, zero in itertools.product(
+            (0, 1, 127, 128, 129, 1000, 131072), (0, 1, 32, 33, 1000), (64, 128, 512), (False, True)):
+        grid = triton_common.mask_grid(num_tokens, num_requests, num_heads, head_dim, zero)
+        assert grid == tuple(pallas_common.mask_grid(num_tokens, num_requests, num_heads, head_dim, zero))
+        # Worst case: each request may open a partial block; then programs per block, a power of two or every
+        # tile of the block (head tiles of the LSE, head x dim tiles of the output), never more.
+        blocks, split = grid
+        assert blocks == num_tokens // triton_common.MASK_BLOCK_T + num_requests
+        block_h, block_ho, block_d = triton_common.mask_tiles(num_heads, head_dim)
+        tiles = -(-num_heads // block_ho) * -(-head_dim // block_d) if zero else -(-num_heads // block_h)
+        cap = triton_common.MASK_ZERO_SPLIT if zero else triton_common.MASK_LSE_SPLIT
+        assert 1 <= split <= min(tiles, cap) and (_pow2(split) or split == tiles)
+        assert split == min(tiles, cap) or blocks * split >= triton_common.MASK_TARGET_PROGRAMS
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -145,6 +145,36 @@ def test_mask_matches_reference(case, mode):
     compare.assert_bitwise_equal(got[1], want_out, name="mask.output", case=case, mode=mode)
 
 
+@pytest.fixture
+def small_splits(monkeypatch):
+    """Caps the mask's programs per block at 3 (LSE-only; at most 3 head tiles) and 5 (zeroing), whatever the grid
+    size: the round-robin deal of a block's tiles, with programs left without a tile of one kind."""
+    monkeypatch.setattr(pallas_common, "MASK_TARGET_PROGRAMS", 1 << 30)
+    monkeypatch.setattr(pallas_common, "MASK_LSE_SPLIT", 3)
+    monkeypatch.setattr(pallas_common, "MASK_ZERO_SPLIT", 5)
+    pallas_common.mask_split.cache_clear()
+    pallas_mask._mask_jit.clear_cache()  # traces hold the grid
+    yield
+    pallas_common.mask_split.cache_clear()
+    pallas_mask._mask_jit.clear_cache()
+
+
+@pytest.mark.parametrize("zero_output", [False, True])
+@pytest.mark.parametrize("lse_layout", ["HT", "TH"])
+def test_block_split_over_programs(small_splits, lse_layout, zero_output, mode):
+    # H = 40: three LSE head tiles of 16; D = 48 zeroed in 20 (2 heads x 64 dims) tiles.
+    bucket = Bucket(num_tokens=404, num_requests=6, num_heads=40, lse_layout=lse_layout,
+                    out_dtype="bfloat16" if zero_output else None, head_dim=48 if zero_output else 0)
+    grid = pallas_common.mask_grid(bucket.num_tokens, bucket.num_requests, bucket.num_heads,
+                                   bucket.head_dim if zero_output else 1, zero_output)
+    assert grid[1] == (5 if zero_output else 3)
+    qsl, cu = _offsets((130, 7, 200, 0, 60), (0, 2, 3), bucket.num_requests, bucket.num_tokens)
+    lse, output = _bucket_inputs(bucket, qsl, seed=3)
+    got = _mask(jnp.asarray(lse), jnp.asarray(qsl), jnp.asarray(cu),
+                None if output is None else jnp.asarray(output), lse_layout=lse_layout, mode=mode)
+    _check_against_reference(got, lse, qsl, cu, output, lse_layout=lse_layout, name="h40_split", mode=mode)
+
+
 def test_upstream_vector(mode):
     """vLLM's test: qsl=[0, 2, 133, 134], cu=[0, 4, 4, 7], H=4, T=134 -> lse[:, 2:133] = -inf, rest kept."""
     rng = np.random.default_rng(0)

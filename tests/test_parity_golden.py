@@ -12,7 +12,8 @@ from parity import cases, cli, golden, reference
 # padded_v_ptwc: bf16, V-padded buffers (head_pad 64), pass-through rows, padding tokens.
 # fp8_out: bf16 -> fp8 with a scale, +inf/NaN/-inf LSE specials, rows empty on both sides.
 # n3_fp16_th_specials: an N-way case (3 partials, [N, T, H] LSEs, partials without KV for some requests).
-CASES = ("padded_v_ptwc", "fp8_out", "n3_fp16_th_specials")
+# n3_ptwc_last_partial_empty: N-way pass-through tokens of requests without KV in the last partial (8.4).
+CASES = ("padded_v_ptwc", "fp8_out", "n3_fp16_th_specials", "n3_ptwc_last_partial_empty")
 
 
 def _inputs(case, seed):
@@ -45,7 +46,7 @@ def test_export_verify_round_trip(golden_dir, impl, capsys):
 
 def test_manifest_describes_every_array(golden_dir):
     manifest, loaded = _load(golden_dir)
-    assert manifest["semantics_version"] == "2" and manifest["format_version"] == golden.FORMAT_VERSION == 2
+    assert manifest["semantics_version"] == "3" and manifest["format_version"] == golden.FORMAT_VERSION == 2
     assert "section 3" in manifest["spec"]["mask"] and "section 4" in manifest["spec"]["merge"]
     assert "section 8" in manifest["spec"]["merge_n"]
     assert {"bfloat16", "float8_e4m3fn", "lse"} <= set(manifest["tolerances"])

@@ -196,6 +196,30 @@ def test_fused_mask_equals_mask_then_merge():
     assert not np.isnan(fused[0][:9]).any()
 
 
+def test_n_way_pass_through_lse_follows_the_fused_mask():
+    # docs/spec.md 8.4: a pass-through token copies the last partial's row and raw LSE bits, and with the offsets
+    # a request with no KV in the last partial copies LSE -inf (the mask, then the merge), whatever the partial
+    # holds; the row is still the last partial's own.
+    qsl = np.array([0, 2, 4], np.int32)  # request 0: tokens 0-1, request 1: tokens 2-3; tokens >= 1 pass through
+    cu = np.array([[0, 3, 5], [0, 2, 2]], np.int32)  # partial 1 (the last) has no KV for request 1
+    outputs = np.stack([_rows(1.0, 2.0, 3.0, 4.0), _rows(5.0, 6.0, NAN, 8.0)])
+    lses = np.stack([_lse(0.0, 0.0, 0.0, 0.0), _lse(0.0, 1.5, 3.0, INF)])
+    out, lse = reference.merge_attn_states_n(outputs, lses, prefill_tokens_with_context=1, query_start_loc=qsl,
+                                             cu_seq_lens=cu)
+    np.testing.assert_allclose(out[0, 0], [3.0, -3.0], rtol=1e-15)  # token 0 is merged (equal LSEs)
+    np.testing.assert_array_equal(out[1, 0], [6.0, -6.0])
+    assert np.isnan(out[2]).all()
+    np.testing.assert_array_equal(out[3, 0], [8.0, -8.0])
+    assert lse[0, 1] == 1.5 and lse[0, 2] == -INF and lse[0, 3] == -INF
+    # Without the offsets the copy is raw; the masked LSEs then merged give the fused result.
+    _, raw = reference.merge_attn_states_n(outputs, lses, prefill_tokens_with_context=1)
+    assert raw[0, 2] == 3.0 and raw[0, 3] == INF
+    masked = np.stack([reference.mask_empty_context_lse(lses[i], qsl, cu[i])[0] for i in range(2)])
+    two_step = reference.merge_attn_states_n(outputs, masked, prefill_tokens_with_context=1)
+    np.testing.assert_array_equal(two_step[0], out)
+    np.testing.assert_array_equal(two_step[1], lse)
+
+
 def test_fp8_scale_and_clamp():
     # docs/spec.md 4.6: out / scale, clamped to +-448 (the caller casts to e4m3).
     out, lse = _merge(_rows(10.0, 1.0), _lse(0.0, 0.0), _rows(30.0, 3.0), _lse(0.0, 0.0),

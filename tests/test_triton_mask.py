@@ -89,6 +89,34 @@ def test_edge_cases_match_reference(case):
     _check_mask_case(case)
 
 
+@pytest.fixture
+def small_splits(monkeypatch):
+    """Caps the mask's programs per block at 3 (LSE-only; at most 3 head tiles) and 5 (zeroing), whatever the grid
+    size: the round-robin deal of a block's tiles, with programs left without a tile of one kind."""
+    monkeypatch.setattr(triton_common, "MASK_TARGET_PROGRAMS", 1 << 30)
+    monkeypatch.setattr(triton_common, "MASK_LSE_SPLIT", 3)
+    monkeypatch.setattr(triton_common, "MASK_ZERO_SPLIT", 5)
+    triton_common.mask_split.cache_clear()
+    yield
+    triton_common.mask_split.cache_clear()
+
+
+SPLIT_CASES = [
+    # H = 40: three LSE head tiles of 16; D = 48 zeroed in 20 (2 heads x 64 dims) tiles.
+    cases.Case("h40_split", (130, 7, 200, 0, 60), (0, 2, 3), num_heads=40, head_dim=48, dtype="float32", padding=5),
+    cases.Case("h40_split_th", (3, 250, 1), (1,), num_heads=40, head_dim=48, lse_layout="TH", padding=2),
+]
+
+
+@pytest.mark.parametrize("zero_output", [False, True])
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c.name)
+def test_block_split_over_programs(small_splits, case, zero_output):
+    grid = triton_common.mask_grid(case.num_tokens, case.num_requests, case.num_heads,
+                                   case.head_dim if zero_output else 1, zero_output)
+    assert grid[1] == (5 if zero_output else 3)
+    _check_mask_case(case, zero_output=zero_output)
+
+
 @pytest.mark.gpu
 def test_r1100_tiny_requests():
     # R = 1100 requests of 0-3 tokens: the ownership count crosses a 1024-request (32 x 32) coarse step.

@@ -71,6 +71,17 @@ def test_ci_cases_cover_the_n_way_matrix():
     assert any(c.num_requests > 32 for c in CI_N) and any(c.strided and c.head_pad for c in CI_N)
     assert any(c.prefill_tokens_with_context is not None for c in CI_N)
     assert any((cases.partial_kv_lens(c) == 0).all(axis=1).any() for c in CI_N)
+    assert any(_pass_through_without_last_kv(c) for c in CI_N)  # docs/spec.md 8.4: the copied LSE is -inf
+
+
+def _pass_through_without_last_kv(case) -> bool:
+    """Does a pass-through token belong to a request with no KV in the last partial?"""
+    if case.prefill_tokens_with_context is None:
+        return False
+    qsl, _ = cases.offsets_n(case)
+    no_last_kv = cases.partial_kv_lens(case)[-1] == 0
+    return any(no_last_kv[r] and qsl[r + 1] > max(qsl[r], case.prefill_tokens_with_context)
+               for r in range(case.num_requests))
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "masked_lses"])
@@ -83,8 +94,8 @@ def test_ci_cases_match_reference(case, fused):
     _check(case, inp, out, out_lse, op=op, ptwc=case.prefill_tokens_with_context,
            lses=None if fused else inp["masked_lses"])
     if fused:  # docs/spec.md 8.1: NaN garbage of partials without KV never reaches a merged real token
-        n_real = sum(case.query_lens)
-        assert not bool(torch.isnan(out[:n_real].float()).any()) or case.specials
+        n_merged = min(sum(case.query_lens), case.prefill_tokens_with_context or case.num_tokens)  # 8.4: copies
+        assert not bool(torch.isnan(out[:n_merged].float()).any()) or case.specials
 
 
 @pytest.mark.parametrize("ptwc", [0, 17, 57])

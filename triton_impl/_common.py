@@ -18,6 +18,12 @@ SCAN = 32  # request boundaries compared per scan step (one warp)
 ZERO_TILE_ELEMS = 16384  # elements of one output-zeroing store in the mask
 MASK_NUM_WARPS = 8
 MASK_TILE_H = 16  # heads per -inf store of the mask
+# The mask's second grid axis (docs/design.md, "Mask grid"): each 128-token block's head tiles (LSE) and head x dim
+# tiles (output zeroing) are dealt round-robin over `mask_split` programs, a power of two grown until the grid
+# holds MASK_TARGET_PROGRAMS programs, capped by the tile count and by the split of the variant.
+MASK_TARGET_PROGRAMS = 8192
+MASK_ZERO_SPLIT = 64  # most programs per 128-token block when zeroing output rows
+MASK_LSE_SPLIT = 1  # most programs per 128-token block for the LSE-only mask
 LSE_LAYOUTS = ("HT", "TH")
 FP8_E4M3_MAX = 448.0
 LN2 = 0.6931471805599453
@@ -110,7 +116,8 @@ def launch(kernel, grid, args, constexprs, state: list) -> None:
             else:
                 stream = get_stream(device)
                 full = (*args, *tail)
-                compiled.run(grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata,
+                compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, stream, compiled.function,
+                             compiled.packed_metadata,
                              compiled.launch_metadata(grid, stream, *full), runtime.launch_enter_hook,
                              runtime.launch_exit_hook, *full)
                 return
@@ -125,7 +132,7 @@ def _direct_state(kernel, compiled, grid, args, constexprs) -> tuple:
     lead the positional arguments (as in every kernel here) and be 16-byte aligned."""
     names = getattr(kernel, "arg_names", None)
     num_ptrs = next((i for i, x in enumerate(args) if not isinstance(x, torch.Tensor)), len(args))
-    if (names is None or getattr(kernel, "pre_run_hooks", True) or len(grid) != 1
+    if (names is None or getattr(kernel, "pre_run_hooks", True) or len(grid) > 2
             or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata", "launch_metadata"))
             or any(isinstance(x, torch.Tensor) for x in args[num_ptrs:])
             or any(x.data_ptr() & 15 for x in args[:num_ptrs])
@@ -198,9 +205,30 @@ def merge_variant(output_lse: bool, fused: bool) -> str:
     return "fused" if fused else "lse" if output_lse else "plain"
 
 
-def mask_grid(num_tokens: int, num_requests: int) -> tuple[int]:
-    # Worst case: each request may open a partial block -> T // BLOCK_T + R programs.
-    return (num_tokens // MASK_BLOCK_T + num_requests,)
+def mask_blocks(num_tokens: int, num_requests: int) -> int:
+    # Worst case: each request may open a partial block -> T // BLOCK_T + R token blocks.
+    return num_tokens // MASK_BLOCK_T + num_requests
+
+
+@functools.lru_cache(maxsize=None)
+def mask_split(num_tokens: int, num_requests: int, num_heads: int, head_dim: int, zero_output: bool) -> int:
+    """Programs per 128-token block (the mask grid's second axis); static shapes only, never offsets' values."""
+    block_h, block_ho, block_d = mask_tiles(num_heads, head_dim)
+    tiles = -(-num_heads // block_ho) * -(-head_dim // block_d) if zero_output else -(-num_heads // block_h)
+    want = next_pow2(-(-MASK_TARGET_PROGRAMS // max(1, mask_blocks(num_tokens, num_requests))))
+    return max(1, min(tiles, mask_split_cap(zero_output), want))
+
+
+def mask_split_cap(zero_output: bool) -> int:
+    """The most programs per block of the variant; 1: its kernel never reads the second grid axis."""
+    return MASK_ZERO_SPLIT if zero_output else MASK_LSE_SPLIT
+
+
+def mask_grid(num_tokens: int, num_requests: int, num_heads: int, head_dim: int,
+              zero_output: bool) -> tuple[int, int]:
+    """(token blocks, programs per block): the second axis splits a block's stores (`mask_split`)."""
+    return (mask_blocks(num_tokens, num_requests),
+            mask_split(num_tokens, num_requests, num_heads, head_dim, zero_output))
 
 
 def merge_grid(num_tokens: int, num_heads: int, head_dim: int, variant: str = "plain",

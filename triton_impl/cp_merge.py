@@ -27,7 +27,8 @@ import triton.language as tl
 from triton_impl import _common as c
 from triton_impl._common import _cast_rne
 from triton_impl.merge import _merged_lse, _program_tile, _token_requests
-from triton_impl.merge_n import _lses_strides, _max_and_sum, _partial_exp, _weighted, merge_attn_states_n
+from triton_impl.merge_n import (_copied_lse, _lses_strides, _max_and_sum, _partial_exp, _weighted,
+                                 merge_attn_states_n)
 
 METHODS = ("gather", "reduce_scatter")
 # The rescale kernel reads one partial's tile and writes one: it takes the N-way tile of two partials (the 2-way
@@ -88,7 +89,9 @@ def _cp_rescale_kernel(
     tl.store(s_ptrs, _cast_rne(scaled, scaled_ptr.dtype.element_ty, INTERPRET), mask=thd_mask)
 
     if OUTPUT_LSE:  # the merged LSE (of every head: the caller keeps its own)
-        lse = _merged_lse(z, m, all_empty, copy_t, last_raw, LSE_BASE2, INTERPRET)
+        lse = _merged_lse(z, m, all_empty, copy_t,
+                          _copied_lse(last_raw, cu_ptr + last * stride_cu_n, req, in_req, FUSED_MASK),
+                          LSE_BASE2, INTERPRET)
         tl.store(out_lse_ptr + h64 * stride_olse_h + t64 * stride_olse_t, lse, mask=th_mask)
 
 

@@ -1,10 +1,12 @@
 """Empty-context LSE mask (docs/spec.md 3), in place: the Triton kernel and its host wrapper.
 
-Grid: one program per 128-token query block, worst case `T // 128 + R` programs; request r owns the
-programs from `qsl[r] // 128 + r` on. A program finds its request by counting, 32 request boundaries per
-step, the requests whose first program is at or before it (a compare-and-sum, no token->request map),
-then writes -inf over all heads of its tokens (and zeros over their output rows) if that request's chunk
-is empty. The count is two-level (`_common._count_keys_le`): chunk starts, then one chunk of 32.
+Grid: (128-token query blocks, programs per block). Worst case `T // 128 + R` blocks; request r owns the
+blocks from `qsl[r] // 128 + r` on. A program finds its request by counting, 32 request boundaries per
+step, the requests whose first block is at or before its block (a compare-and-sum, no token->request map),
+then, if that request's chunk is empty, writes -inf over its share of the heads of its tokens (and zeros
+over its share of their output rows): the second grid axis deals a block's head (x dim) tiles round-robin
+over `_common.mask_split` programs, so the zeroing of a few empty requests still spreads over the GPU.
+The count is two-level (`_common._count_keys_le`): chunk starts, then one chunk of 32.
 `pallas_impl/mask.py` is the same algorithm, statement by statement.
 """
 
@@ -19,10 +21,12 @@ from triton_impl._common import _count_keys_le
 
 
 @triton.jit
-def _fill_lse(lse_ptr, t64, t_mask, stride_lse_h, stride_lse_t, NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
-              BLOCK_T: tl.constexpr):
-    for h0 in range(0, NUM_HEADS, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
+def _fill_lse(lse_ptr, split, num_splits, t64, t_mask, stride_lse_h, stride_lse_t, NUM_HEADS: tl.constexpr,
+              BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
+    # This program's head tiles: split, split + num_splits, ...
+    N_H: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
+    for j in range(0, (N_H - split + num_splits - 1) // num_splits):
+        h = (split + j * num_splits) * BLOCK_H + tl.arange(0, BLOCK_H)
         h_mask = h < NUM_HEADS
         lse_ptrs = lse_ptr + h[:, None].to(tl.int64) * stride_lse_h + t64[None, :] * stride_lse_t
         tl.store(lse_ptrs, tl.full((BLOCK_H, BLOCK_T), float("-inf"), tl.float32),
@@ -43,10 +47,14 @@ def _mask_empty_context_lse_kernel(
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr, SCAN: tl.constexpr, N_INTERPRET: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HO: tl.constexpr, BLOCK_D: tl.constexpr,
-    ZERO_OUTPUT: tl.constexpr,
+    ZERO_OUTPUT: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    # Owning request = (number of requests whose first program is <= pid) - 1; request 0 starts at 0.
+    # This program's share of its block's head (x dim) tiles (_common.mask_split). The split is a runtime value
+    # (it follows T and R without a recompile); a variant whose cap is 1 never splits, and its loops unroll.
+    split = tl.program_id(1) if SPLIT_BLOCKS else 0
+    num_splits = tl.num_programs(1) if SPLIT_BLOCKS else 1
+    # Owning request = (number of requests whose first block is <= pid) - 1; request 0 starts at 0.
     first_programs_le = _count_keys_le(qsl_ptr, pid + tl.zeros((1,), tl.int32), num_requests,
                                        BLOCK_T, 1, SCAN, N_INTERPRET)
     req = tl.sum(first_programs_le, axis=0) - 1
@@ -56,28 +64,31 @@ def _mask_empty_context_lse_kernel(
     is_empty = tl.load(cu_ptr + req + 1) == tl.load(cu_ptr + req)
     t0 = (pid - req) * BLOCK_T  # = (q_start // BLOCK_T + block index within the request) * BLOCK_T
     t = t0 + tl.arange(0, BLOCK_T)
-    t_mask = (t >= q_start) & (t < q_end)  # also empty for the spare programs of a request
+    t_mask = (t >= q_start) & (t < q_end)  # also empty for the spare blocks of a request
     t64 = t.to(tl.int64)
     # A block wholly inside its request needs no token mask, and when the LSE rows start 16-byte aligned
     # (head stride a multiple of 4; t0 is a multiple of BLOCK_T) its -inf stores are 16 bytes wide.
     full = (t0 >= q_start) & (t0 + BLOCK_T <= q_end)
     if is_empty & full & (stride_lse_h % 4 == 0):
-        _fill_lse(lse_ptr, t64, tl.full((BLOCK_T,), 1, tl.int1), (stride_lse_h // 4) * 4, stride_lse_t,
-                  NUM_HEADS, BLOCK_H, BLOCK_T)
+        _fill_lse(lse_ptr, split, num_splits, t64, tl.full((BLOCK_T,), 1, tl.int1), (stride_lse_h // 4) * 4,
+                  stride_lse_t, NUM_HEADS, BLOCK_H, BLOCK_T)
     elif is_empty:
-        _fill_lse(lse_ptr, t64, t_mask, stride_lse_h, stride_lse_t, NUM_HEADS, BLOCK_H, BLOCK_T)
+        _fill_lse(lse_ptr, split, num_splits, t64, t_mask, stride_lse_h, stride_lse_t, NUM_HEADS, BLOCK_H,
+                  BLOCK_T)
     if ZERO_OUTPUT:
         if is_empty:
-            for h0 in range(0, NUM_HEADS, BLOCK_HO):
-                ho = h0 + tl.arange(0, BLOCK_HO)
-                ho_mask = ho < NUM_HEADS
-                for d0 in range(0, HEAD_DIM, BLOCK_D):
-                    d = d0 + tl.arange(0, BLOCK_D)
-                    m = t_mask[:, None, None] & ho_mask[None, :, None] & (d < HEAD_DIM)[None, None, :]
-                    out_ptrs = (out_ptr + t64[:, None, None] * stride_out_t
-                                + ho[None, :, None].to(tl.int64) * stride_out_h
-                                + d[None, None, :].to(tl.int64) * stride_out_d)
-                    tl.store(out_ptrs, tl.zeros((BLOCK_T, BLOCK_HO, BLOCK_D), out_ptr.dtype.element_ty), mask=m)
+            # Output tiles (head tile, dim tile), dim fastest; this program's: split, split + num_splits, ...
+            N_D: tl.constexpr = (HEAD_DIM + BLOCK_D - 1) // BLOCK_D
+            N_TILES: tl.constexpr = (NUM_HEADS + BLOCK_HO - 1) // BLOCK_HO * N_D
+            for j in range(0, (N_TILES - split + num_splits - 1) // num_splits):
+                i = split + j * num_splits
+                ho = (i // N_D) * BLOCK_HO + tl.arange(0, BLOCK_HO)
+                d = (i % N_D) * BLOCK_D + tl.arange(0, BLOCK_D)
+                m = t_mask[:, None, None] & (ho < NUM_HEADS)[None, :, None] & (d < HEAD_DIM)[None, None, :]
+                out_ptrs = (out_ptr + t64[:, None, None] * stride_out_t
+                            + ho[None, :, None].to(tl.int64) * stride_out_h
+                            + d[None, None, :].to(tl.int64) * stride_out_d)
+                tl.store(out_ptrs, tl.zeros((BLOCK_T, BLOCK_HO, BLOCK_D), out_ptr.dtype.element_ty), mask=m)
 
 
 def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, has_empty=None,
@@ -130,11 +141,12 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
     if num_requests and num_tokens:
         head_dim = output.shape[2] if output is not None else 1
         block_h, block_ho, block_d = c.mask_tiles(num_heads, head_dim)
-        launch = (c.mask_grid(num_tokens, num_requests),
+        launch = (c.mask_grid(num_tokens, num_requests, num_heads, head_dim, output is not None),
                   (stride_lse_h, stride_lse_t, *(output.stride() if output is not None else (0, 0, 0)), num_requests),
                   dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_T=c.MASK_BLOCK_T, SCAN=c.SCAN,
                        N_INTERPRET=c.n_interpret(num_requests), BLOCK_H=block_h, BLOCK_HO=block_ho, BLOCK_D=block_d,
-                       ZERO_OUTPUT=output is not None, num_warps=c.MASK_NUM_WARPS), [])
+                       ZERO_OUTPUT=output is not None, SPLIT_BLOCKS=c.mask_split_cap(output is not None) > 1,
+                       num_warps=c.MASK_NUM_WARPS), [])
     c.remember(key, (overlaps, launch))
     if launch is not None and has_empty is not False:
         _launch(launch, lse, query_start_loc, cu_seq_lens, output)

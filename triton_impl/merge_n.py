@@ -26,6 +26,21 @@ from triton_impl import _common as c
 from triton_impl.merge import LN2, _exp, _merged_lse, _program_tile, _store_output, _token_requests
 
 @triton.jit
+def _empty_tokens(cu_ptr, req, in_req):
+    """bool[BLOCK_T]: the tokens of requests with no KV in the partial whose offsets are `cu_ptr` (8.1)."""
+    return in_req & (tl.load(cu_ptr + req + 1) == tl.load(cu_ptr + req))
+
+
+@triton.jit
+def _copied_lse(last_raw, last_cu_ptr, req, in_req, FUSED_MASK: tl.constexpr):
+    """The pass-through LSE tile (8.4): the last partial's raw bits; the fused mask reaches them too (the mask,
+    then the merge): -inf for a token of a request with no KV in the last partial."""
+    if FUSED_MASK:
+        last_raw = tl.where(_empty_tokens(last_cu_ptr, req, in_req)[:, None], float("-inf"), last_raw)
+    return last_raw
+
+
+@triton.jit
 def _partial_lse(lse_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2: tl.constexpr,
                  FUSED_MASK: tl.constexpr):
     """f32[BLOCK_T, BLOCK_H]: one partial's LSE tile, natural log, empty rows -inf (8.1)."""
@@ -34,8 +49,7 @@ def _partial_lse(lse_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2: tl.
         lse = lse * LN2
     lse = tl.where((lse == float("inf")) | (lse != lse), float("-inf"), lse)  # 4.1: +inf and NaN read as -inf
     if FUSED_MASK:  # 8.1: a token of a request with no KV in this partial has LSE -inf
-        empty_t = in_req & (tl.load(cu_ptr + req + 1) == tl.load(cu_ptr + req))
-        lse = tl.where(empty_t[:, None], float("-inf"), lse)
+        lse = tl.where(_empty_tokens(cu_ptr, req, in_req)[:, None], float("-inf"), lse)
     return lse
 
 
@@ -138,7 +152,9 @@ def _merge_attn_states_n_kernel(
     _store_output(out_ptr, out_ptrs, out, b, copy_t, scale_ptr, thd_mask, FP8_OUT, INTERPRET)
 
     if OUTPUT_LSE:
-        lse = _merged_lse(z, m, all_empty, copy_t, last_raw, LSE_BASE2, INTERPRET)
+        lse = _merged_lse(z, m, all_empty, copy_t,
+                          _copied_lse(last_raw, cu_ptr + last * stride_cu_n, req, in_req, FUSED_MASK),
+                          LSE_BASE2, INTERPRET)
         tl.store(out_lse_ptr + h64 * stride_olse_h + t64 * stride_olse_t, lse, mask=th_mask)
 
 
@@ -170,7 +186,8 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
         and NaN mean an empty partial.
       output_lse: optional f32[H, T] ([T, H]) LSE of the merge, same base. Written in place.
       prefill_tokens_with_context: int or None (= T). Tokens at or past it copy the last partial's row and
-        LSE bits. A runtime value: changing it never recompiles.
+        LSE bits (with the fused mask, LSE -inf for a request with no KV in the last partial: 8.4). A runtime
+        value: changing it never recompiles.
       output_scale: f32[1] tensor, required for (and only for) an fp8 output.
       query_start_loc, cu_seq_lens: i32[R+1] and i32[N, R+1], both or neither: the fused mask (8.1); a token
         of a request with no KV in partial i (cu_seq_lens[i, r+1] == cu_seq_lens[i, r]) gives partial i LSE

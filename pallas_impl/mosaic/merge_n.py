@@ -123,9 +123,11 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
     # XLA before the kernel (docs/spec.md 8.1): natural-log LSEs, sentinels read as -inf, the fused mask.
     raw_th = jnp.swapaxes(lses, 1, 2) if lse_layout == "HT" else lses  # [N, T, H]
     lse = jax.vmap(lambda x: mc.normalised_th(x, "TH", lse_base2))(raw_th)
+    last_raw = raw_th[-1]
     if query_start_loc is not None and query_start_loc.shape[0] > 1:
         empty = jax.vmap(lambda cu: jnp_fallback._empty_tokens(query_start_loc, cu, num_tokens))(cu_seq_lens)
         lse = jnp.where(empty[:, :, None], -jnp.inf, lse)
+        last_raw = jnp.where(empty[-1][:, None], -jnp.inf, last_raw)  # 8.4: the mask reaches the copied LSE
     tp = max(num_tokens, mc.BLOCK_T)
     x = mc.padded_rows(outputs.reshape(num_partials, num_tokens, num_heads * head_dim), num_tokens, 0)
     lf = jnp.swapaxes(mc.padded_rows(lse, num_tokens, -jnp.inf), 1, 2).reshape(-1)  # [N * H * T'], rows (k, h)
@@ -139,5 +141,5 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
     results = _kernel(num_partials, tp, num_heads, head_dim, dc, out_type, output_lse=return_lse,
                       copy_rows=copy_rows, interpret=interpret)(*args)
     # XLA after the kernel: fp8 (4.6), the pass-through LSE (8.4), base 2, the layout.
-    return mc.finish(results, outputs.shape[1:], copy_t, outputs[-1], raw_th[-1], output_scale if fp8 else None,
+    return mc.finish(results, outputs.shape[1:], copy_t, outputs[-1], last_raw, output_scale if fp8 else None,
                      out_dtype=out_dtype, return_lse=return_lse, lse_layout=lse_layout, lse_base2=lse_base2)
