@@ -2,7 +2,9 @@
 
 `stubbed`: the wrapper alone (checks, cached launch plan, arguments), the kernel launch replaced by a no-op.
 On a GPU also `real`: wall time per call of back-to-back calls (launch included, one sync at the end), next to
-an empty @triton.jit kernel launched the same way in the same run. bf16, T = 16, H = 64, D = 128.
+an empty @triton.jit kernel launched the same way in the same run; `gpu`: the kernels' own time per call (20 calls
+captured in a CUDA graph, replayed), so a `real` close to `gpu` is GPU-bound, not host-bound; `direct`: whether the
+call took the compiled kernel's launcher directly (`triton_impl._common.launch`). bf16, T = 16, H = 64, D = 128.
 
     PYTHONPATH=. python scripts/host_cost.py [--calls 2000] [--rounds 5]
 """
@@ -98,6 +100,47 @@ def per_call_us(fn, calls, sync, rounds=5):
     return best / calls * 1e6
 
 
+def gpu_us(fn, calls=20, reps=50):
+    """GPU time per call: `calls` calls captured in one CUDA graph, replayed `reps` times between two events."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (calls * reps)
+
+
+def direct(fn) -> bool:
+    """Whether `fn`'s launches take the compiled launcher directly: its launch plan's state (a list) holds the
+    compiled kernel after the first launch."""
+    from triton_impl import _common as c
+
+    c.PLANS.clear()
+    fn()
+    fn()
+
+    def states(x):
+        if isinstance(x, list):
+            yield x
+        elif isinstance(x, tuple):
+            for y in x:
+                yield from states(y)
+
+    found = [st for plan in c.PLANS.values() for st in states(plan)]
+    return bool(found) and all(len(st) > 1 for st in found)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=2000, help="back-to-back calls per round")
@@ -112,6 +155,8 @@ def main():
         x = torch.empty(1, device=device)
         empty = per_call_us(lambda: _empty_kernel[(1,)](x), args.calls, sync, args.rounds)
         real = {name: per_call_us(f, args.calls, sync, args.rounds) for name, f in entries.items()}
+        gpu = {name: gpu_us(f) for name, f in entries.items()}
+        took_direct = {name: direct(f) for name, f in entries.items()}
     saved = [getattr(m, k) for m, k in KERNELS]
     for m, k in KERNELS:
         setattr(m, k, _NoLaunch())
@@ -127,7 +172,8 @@ def main():
     for name in entries:
         line = f"{name:36s} stubbed {stubbed[name]:7.1f}"
         if cuda:
-            line += f"   real {real[name]:7.1f}   real / empty {real[name] / empty:4.2f}"
+            line += (f"   real {real[name]:7.1f}   real / empty {real[name] / empty:4.2f}   gpu {gpu[name]:6.1f}"
+                     f"   direct {'yes' if took_direct[name] else 'no'}")
         print(line)
 
 
