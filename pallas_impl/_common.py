@@ -224,10 +224,8 @@ def sharded_call(fn, names, args, head_axes, out_head_axes, *, interpret: bool):
       call runs per shard inside `jax.shard_map` over that mesh axis: each shard merges its own heads, which
       gives the unsharded call's bits. Tokens and offsets must be replicated (the offsets index global tokens).
     - Inside `jax.shard_map` (heads sharded by the caller) the kernel runs on the local shard. With
-      check_vma=True, the results vary over the axes the operands vary over (`out_struct`).
-    - Interpret mode under shard_map with check_vma=True runs each shard's kernel through a host callback:
-      jax's Pallas interpreter cannot trace there (its discharged loads pad a varying buffer with an invariant
-      value and fail the varying-axes check). Compiled kernels never take that path.
+      check_vma=True, the results vary over the axes the operands vary over (`out_struct`); in interpret mode
+      see `_local_call`. Compiled kernels run on the local shard as traced.
     `head_axes` gives each operand's head axis (None: replicated); `out_head_axes` the results' (the structure of
     `fn`'s result: an int, or a tuple of ints).
     """
@@ -250,26 +248,51 @@ def sharded_call(fn, names, args, head_axes, out_head_axes, *, interpret: bool):
         plain = [jax.ShapeDtypeStruct(x.shape, x.dtype) if i in keep else x for i, x in enumerate(args)]
         out_avals = jax.eval_shape(lambda *xs: fn(*xs), *plain)
         out_specs = jax.tree.map(lambda a, ax: spec(len(a.shape), ax), out_avals, out_head_axes)
-        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*[args[i] for i in keep])
+        # Interpret mode: this shard_map is ours and each shard's call is local by construction, so it skips the
+        # varying-axes types (check_vma=False) and the interpreter runs on the local shard (no gather, see
+        # `_local_call`).
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=not interpret)(*[args[i] for i in keep])
     return _local_call(fn, list(args), interpret)
 
 
 def _local_call(fn, args, interpret: bool):
+    """`fn(*args)` on this shard's operands.
+
+    jax's Pallas interpreter cannot take operands that vary over manual mesh axes under check_vma=True: its
+    discharged loads and stores pad every ref with an invariant fill value (`lax.pad`, jax 0.10 and 0.11), and pad
+    requires its operands' varying axes to match. No sound cast makes a varying value invariant without a
+    collective, so in interpret mode the varying operands are gathered (typed invariant: every device holds every
+    shard), the kernel runs on each shard's operands in turn (`lax.map`: the per-shard call, so the unsharded
+    call's bits) and each device keeps its own shard's results. Interpret mode (CPU) thus does the work of every
+    shard on each device; the compiled kernels (GPU) never take this path. Everything stays one XLA computation
+    whose only cross-device step is the gather: no host round trip, nothing waits on another computation. (A host
+    callback running the kernel as a second JAX computation deadlocked: each shard held one of the CPU client's
+    threads while it waited for a computation that needed one.)
+    """
     keep = [i for i, x in enumerate(args) if x is not None and hasattr(x, "shape")]
-    if not (interpret and any(varying(args[i]) for i in keep)):
+    axes = frozenset().union(*(varying(args[i]) for i in keep))
+    if not (interpret and axes):
         return fn(*args)
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(a for a in mesh.axis_names if a in axes)  # mesh order: all_gather's and axis_index's order
+    vary = [i for i in keep if varying(args[i])]
 
-    def host(*xs):
+    def gather(x):
+        missing = tuple(a for a in axes if a not in varying(x))
+        x = jax.lax.pcast(x, missing, to="varying") if missing else x
+        return jax.lax.all_gather(x, axes, to="invarying")  # [shards, *x.shape]
+
+    def one(xs):
         full = list(args)
-        for i, x in zip(keep, xs):
+        for i, x in zip(vary, xs):
             full[i] = x
-        return jax.tree.map(np.asarray, fn(*full))
+        return fn(*full)
 
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), jax.eval_shape(lambda *xs: fn(*xs), *args))
-    results = jax.pure_callback(host, shapes, *[args[i] for i in keep], vmap_method="sequential")
-    # A callback's results are typed invariant; they vary as the operands do.
-    axes = tuple(sorted(frozenset().union(*(varying(args[i]) for i in keep))))
-    return jax.tree.map(lambda r: jax.lax.pcast(r, axes, to="varying"), results)
+    every = jax.lax.map(one, [gather(args[i]) for i in vary])
+    me = jax.lax.axis_index(axes)
+    return jax.tree.map(
+        lambda r: jax.lax.dynamic_index_in_dim(jax.lax.pcast(r, axes, to="varying"), me, keepdims=False), every)
 
 
 def all_gather_replicated(x, axis_name):

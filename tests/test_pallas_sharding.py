@@ -71,3 +71,23 @@ def test_cp_on_vmap_simulated_ranks(checks):
 
 def test_cp_errors_before_any_collective(checks):
     _assert_group(checks, "cp/errors/", 4)
+
+
+HANG_TIMEOUT_S = 240  # about 30 s of CPU time when it passes
+
+
+def test_interpreted_kernels_under_shard_map_on_more_devices_than_cores_do_not_hang():
+    """The mask, the 2-way merge (plain, fused, over two mesh axes), the fused N-way merge and the CP combine (both
+    methods), interpreted under jit(shard_map) with check_vma=True on 4 CPU devices, 21 runs in all, each with the
+    unsharded call's bits (`shard_map_interpret_jax.py`). A kernel that waits inside the sharded computation for
+    another JAX computation (a host callback) hangs there: the run times out."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    try:
+        r = subprocess.run([sys.executable, str(HERE / "shard_map_interpret_jax.py")], env=env, capture_output=True,
+                           text=True, timeout=HANG_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        pytest.fail(f"no result after {HANG_TIMEOUT_S} s (a deadlock); the last calls that finished:\n{out[-1000:]}")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    calls = re.search(r"(\d+) shard_map calls on 4 devices", r.stdout)
+    assert calls and int(calls.group(1)) >= 20, r.stdout[-3000:]
