@@ -11,6 +11,7 @@ On a jax without `plgpu.kernel(out_type=...)` (0.10 and older) the kernel tests 
 with NotImplementedError, which a test asserts.
 """
 
+import dataclasses
 import math
 import os
 import re
@@ -151,15 +152,51 @@ def test_mosaic_gpu_needs_jax_0_11(fn):
         CALLS[fn](*_small(), backend="mosaic_gpu")
 
 
-def test_cp_reduce_scatter_has_no_mosaic_kernel():
-    o, lse, _, _ = _small()
+CP_CASE = dataclasses.replace(cases.by_name("n4_bf16_fp8_out"), out_dtype=None, prefill_tokens_with_context=30)
 
-    def combine(out, lse):
-        return pallas_impl.cp_merge_attn_states(out, lse, axis_name="cp", method="reduce_scatter",
-                                                backend="mosaic_gpu")
 
-    with pytest.raises(NotImplementedError, match="method='gather' only"):
-        jax.vmap(combine, axis_name="cp")(o[:2], lse[:2])
+def _cp_operands(lse_layout, lse_base):
+    inputs = {k: jnp.asarray(v) for k, v in cases.make_inputs_n(CP_CASE).items()}
+    lses = inputs["lses"] if lse_layout == "HT" else jnp.swapaxes(inputs["lses"], 1, 2)
+    if lse_base == 2:
+        lses = lses * np.float32(1 / math.log(2))
+    return inputs["outputs"], lses, inputs["query_start_loc"], inputs["cu_seq_lens"]
+
+
+@needs_mosaic
+@pytest.mark.parametrize("lse_layout, lse_base, reduce_dtype, fused", [
+    ("HT", math.e, jnp.float32, True), ("TH", 2, jnp.bfloat16, False)])
+def test_cp_rescale_gives_the_triton_backends_bits(lse_layout, lse_base, reduce_dtype, fused):
+    # The rescale kernel of method="reduce_scatter", rank by rank: each rank's weighted partial and the merged LSE,
+    # jax's Mosaic GPU interpreter against the Triton backend's interpreter (the same float ops, on the CPU). (jax's
+    # Mosaic GPU interpreter does not run under a named vmap: the whole combine is lowered below.)
+    from pallas_impl import cp_merge
+    from pallas_impl.mosaic.cp_merge import rescale_mosaic
+
+    outs, lses, qsl, cus = _cp_operands(lse_layout, lse_base)
+    kw = dict(reduce_dtype=jnp.dtype(reduce_dtype), return_lse=True, lse_layout=lse_layout, lse_base2=lse_base == 2,
+              interpret=True)
+    for rank in range(outs.shape[0]):
+        args = (outs[rank], lses, qsl if fused else None, cus if fused else None,
+                CP_CASE.prefill_tokens_with_context, jnp.int32(rank))
+        got, want = rescale_mosaic(*args, **kw), cp_merge._rescale_jit(*args, **kw)
+        for name, g, w in zip(("scaled", "lse"), got, want):
+            compare.assert_bitwise_equal(np.asarray(g), np.asarray(w), name=f"rank {rank} {name}", case=CP_CASE,
+                                         mode="mosaic vs triton (interpreters)")
+
+
+@needs_mosaic
+def test_cp_reduce_scatter_lowers_for_the_gpu():
+    outs, lses, qsl, cus = _cp_operands("HT", math.e)
+
+    def combine(out, lse, cu):
+        return pallas_impl.cp_merge_attn_states(out, lse, axis_name="cp", method="reduce_scatter", query_start_loc=qsl,
+                                                cu_seq_lens=cu, prefill_tokens_with_context=30, backend="mosaic_gpu",
+                                                interpret=False)
+
+    exported = jax.export.export(jax.jit(jax.vmap(combine, axis_name="cp")), platforms=["cuda"])(
+        *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (outs, lses, cus)])
+    assert "mosaic_gpu" in exported.mlir_module()
 
 
 def test_the_default_backend_is_triton_unless_the_environment_says_otherwise(monkeypatch):
@@ -249,3 +286,62 @@ def test_without_the_pallas_triton_backend_the_default_is_mosaic_gpu():
     first, second = r.stdout.strip().splitlines()
     assert first == "True mosaic_gpu"
     assert "has no Pallas Triton backend" in second and "use backend='mosaic_gpu'" in second
+
+
+def test_pallas_impl_modules_import_no_cycle():
+    # Every import among pallas_impl's modules, module-level or inside a function (the backend dispatch), points
+    # one way: _math below _common below the op files; a Triton-backend op file may reach its Mosaic GPU
+    # counterpart, never the reverse.
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    files = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (root / "pallas_impl").rglob("*.py")}
+    graph = {}
+    for mod, path in files.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                deps |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
+                         for a in node.names}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[mod] = {d for d in deps if d in files and d != mod and d != "pallas_impl"}
+    assert graph["pallas_impl._math"] == set()
+    state = {}
+
+    def visit(mod, path):
+        if state.get(mod) == "open":
+            raise AssertionError("import cycle: " + " -> ".join(path + [mod]))
+        if state.get(mod) == "done":
+            return
+        state[mod] = "open"
+        for dep in sorted(graph[mod]):
+            visit(dep, path + [mod])
+        state[mod] = "done"
+
+    for mod in sorted(graph):
+        visit(mod, [])
+    assert "pallas_impl.mosaic.merge" in graph["pallas_impl.merge"]  # the dispatch edge is seen
+
+
+@needs_mosaic
+@pytest.mark.parametrize("lse_layout", ["HT", "TH"])
+def test_mask_updates_donated_buffers_in_place(lse_layout):
+    # The compiled mask aliases the LSE and output arguments to its results: with donation, no copy (the exported
+    # module marks both arguments as aliased to results, and the kernel's custom call aliases its operands).
+    T, H, D = 300, 4, 64
+    lse = jax.ShapeDtypeStruct((H, T) if lse_layout == "HT" else (T, H), jnp.float32)
+    out = jax.ShapeDtypeStruct((T, H, D), jnp.bfloat16)
+    offs = jax.ShapeDtypeStruct((4,), jnp.int32)
+
+    def mask(lse, out, qsl, cu):
+        return pallas_impl.mask_empty_context_lse(lse, qsl, cu, out, lse_layout=lse_layout, backend="mosaic_gpu",
+                                                  interpret=False)
+
+    text = jax.export.export(jax.jit(mask, donate_argnums=(0, 1)), platforms=["cuda"])(lse, out, offs, offs)
+    text = text.mlir_module()
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    assert main.count("tf.aliasing_output") == 2, main
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    assert "output_operand_aliases" in text
