@@ -8,7 +8,8 @@ Called inside `jax.shard_map` over the context-parallel mesh axis: each device h
   device: the single-device N-way merge's bits; every device gets all heads (the result is invariant over the
   axis).
 - `reduce_scatter`: `lax.all_gather` of the LSEs and offsets only; each device scales its own partial by its
-  N-way weight (the rescale kernel, statement by statement the Triton one), then `lax.psum_scatter` over heads:
+  N-way weight (the rescale kernel, statement by statement the Triton one; with backend="mosaic_gpu"
+  `mosaic/cp_merge.py`, the same bits), then `lax.psum_scatter` over heads:
   device r gets heads [r * H / N, (r + 1) * H / N). Within tolerance (the collective owns the sum order).
 
 Device i of the axis is partial i of the N-way merge.

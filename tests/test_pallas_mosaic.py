@@ -168,21 +168,21 @@ def _cp_operands(lse_layout, lse_base):
     ("HT", math.e, jnp.float32, True), ("TH", 2, jnp.bfloat16, False)])
 def test_cp_rescale_gives_the_triton_backends_bits(lse_layout, lse_base, reduce_dtype, fused):
     # The rescale kernel of method="reduce_scatter", rank by rank: each rank's weighted partial and the merged LSE,
-    # jax's Mosaic GPU interpreter against the Triton backend's interpreter (the same float ops, on the CPU). (jax's
-    # Mosaic GPU interpreter does not run under a named vmap: the whole combine is lowered below.)
+    # against the Triton backend's, bit for bit: compiled on a GPU, in the two interpreters on a CPU. (jax's Mosaic
+    # GPU interpreter does not run under a named vmap: the whole combine is lowered below.)
     from pallas_impl import cp_merge
     from pallas_impl.mosaic.cp_merge import rescale_mosaic
 
     outs, lses, qsl, cus = _cp_operands(lse_layout, lse_base)
     kw = dict(reduce_dtype=jnp.dtype(reduce_dtype), return_lse=True, lse_layout=lse_layout, lse_base2=lse_base == 2,
-              interpret=True)
+              interpret=jax.default_backend() == "cpu")  # on a GPU: the compiled kernels
     for rank in range(outs.shape[0]):
         args = (outs[rank], lses, qsl if fused else None, cus if fused else None,
                 CP_CASE.prefill_tokens_with_context, jnp.int32(rank))
         got, want = rescale_mosaic(*args, **kw), cp_merge._rescale_jit(*args, **kw)
         for name, g, w in zip(("scaled", "lse"), got, want):
             compare.assert_bitwise_equal(np.asarray(g), np.asarray(w), name=f"rank {rank} {name}", case=CP_CASE,
-                                         mode="mosaic vs triton (interpreters)")
+                                         mode="mosaic vs triton")
 
 
 @needs_mosaic
