@@ -36,16 +36,19 @@ from pallas_impl.mosaic import _common as mc
 SMEM_ZERO_TILE_BYTES = 96 * 1024  # the zero [H, D] tile must fit in shared memory
 
 
-def _searchsorted_right(ref, n, x, nsteps):
-    """How many of ref[0:n] (non-decreasing) are <= x: a scalar binary search of `nsteps` steps."""
-    def body(_, lohi):
-        lo, hi = lohi
-        mid = (lo + hi) // 2
-        le = (ref[jnp.minimum(mid, n - 1)] <= x) & (lo < hi)
-        return jnp.where(le, mid + 1, lo), jnp.where(le | (lo >= hi), hi, mid)
+def _searchsorted_right(refs, n, xs, nsteps):
+    """For each (ref, x): how many of ref[0:n] (non-decreasing) are <= x. Scalar binary searches of `nsteps` steps,
+    run in one loop so that their loads overlap."""
+    def body(_, bounds):
+        out = []
+        for ref, x, (lo, hi) in zip(refs, xs, bounds):
+            mid = (lo + hi) // 2
+            le = (ref[jnp.minimum(mid, n - 1)] <= x) & (lo < hi)
+            out.append((jnp.where(le, mid + 1, lo), jnp.where(le | (lo >= hi), hi, mid)))
+        return tuple(out)
 
-    lo, _ = lax.fori_loop(0, nsteps, body, (jnp.int32(0), jnp.int32(n)))
-    return lo
+    bounds = lax.fori_loop(0, nsteps, body, tuple((jnp.int32(0), jnp.int32(n)) for _ in refs))
+    return [lo for lo, _ in bounds]
 
 
 def _zero_tile(row_elems: int, itemsize: int) -> tuple[int, int]:
@@ -86,8 +89,8 @@ def _kernel(num_heads: int, num_tokens: int, zero_tile: tuple[int, int, int], nu
         t0 = jnp.minimum(b * bt, num_tokens - bt)
         t1 = t0 + bt
         # Requests r in [r_lo, r_hi) intersect [t0, t1): qsl[r + 1] > t0 and qsl[r] < t1.
-        r_lo = _searchsorted_right(qsl_g.at[pl.ds(1, num_requests)], num_requests, t0, nsteps)
-        r_hi = _searchsorted_right(qsl_g.at[pl.ds(0, num_requests)], num_requests, t1 - 1, nsteps)
+        r_lo, r_hi = _searchsorted_right([qsl_g.at[pl.ds(1, num_requests)], qsl_g.at[pl.ds(0, num_requests)]],
+                                         num_requests, [t0, t1 - 1], nsteps)
 
         def empty_request(r):
             return (cu_g[r + 1] == cu_g[r]) & (qsl_g[r] < qsl_g[r + 1])
