@@ -10,8 +10,9 @@ What it times (jax.profiler kernel time per call, `parity.bench.time_jax_gpu`; m
   merge at N = 2, 4, 8 (T = 32768), as a fraction of the two-read-one-write ceiling measured here (an XLA
   `a + b` of 2 x 1 GiB bf16; bytes as `parity.bench.FORMULAS`).
 Every point runs on the Triton backend and on Mosaic GPU with the shipped defaults first, then with the other
-candidates of `CANDIDATES` (until `--budget-s`). The table ends with each kernel's best candidate over its points: put that in
-`TUNING` if it is not the default. `--no-sweep` times the defaults only.
+candidates of `CANDIDATES` (until `--budget-s`). The table ends with each kernel's candidates ranked over its
+points (the mask's two variants apart): put the best in `TUNING` if it is not the default. `--no-sweep` times
+the defaults only.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ H, D, DTYPE = 64, 128, jnp.bfloat16
 CALLS = 20
 # Launch candidates per Mosaic GPU kernel (`TUNING` keys), the shipped default first.
 CANDIDATES = {
-    "mask": [dict(mc.TUNING["mask"])] + [dict(heads=k) for k in (2, 8, 16) if k != mc.TUNING["mask"]["heads"]],
+    "mask": [dict(mc.TUNING["mask"])] + [dict(heads=k, tokens=8) for k in (2, 8, 16)]
+            + [dict(heads=4, tokens=1), dict(heads=16, tokens=1)],
     "merge": [dict(mc.TUNING["merge"]),
               dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1),  # the previous kernel's choice
               dict(steps=16, concurrent=3, tile_bytes=16 * 1024, stores=2),
@@ -179,16 +181,17 @@ def main(argv=None) -> int:
                 run(kernel, label, fn, "mosaic_gpu", cand)
 
     print("\nbest Mosaic GPU candidate per kernel (geometric mean of its time over the Triton backend's):")
-    for kernel, cands in CANDIDATES.items():
-        tri = {r["point"]: r["us"] for r in records if r["kernel"] == kernel and r["backend"] == "triton" and "us" in r}
+    groups = [("mask", "mask lse "), ("mask", "mask lse+out "), ("merge", "merge "), ("merge_n", "merge_n ")]
+    for kernel, prefix in groups:
+        mine = [r for r in records if r["kernel"] == kernel and r["point"].startswith(prefix) and "us" in r]
+        tri = {r["point"]: r["us"] for r in mine if r["backend"] == "triton"}
         scores = []
-        for cand in cands:
-            ratios = [r["us"] / tri[r["point"]] for r in records if r["kernel"] == kernel and r["tuning"] == cand
-                      and "us" in r and r["point"] in tri]
+        for cand in CANDIDATES[kernel]:
+            ratios = [r["us"] / tri[r["point"]] for r in mine if r["tuning"] == cand and r["point"] in tri]
             if ratios:
                 scores.append((float(np.exp(np.mean(np.log(ratios)))), len(ratios), cand))
         for score, count, cand in sorted(scores, key=lambda s: s[0]):
-            print(f"  {kernel:8s} {score:6.3f}x Triton over {count} points: {json.dumps(cand)}")
+            print(f"  {prefix:14s} {score:6.3f}x Triton over {count} points: {json.dumps(cand)}")
     print(f"({time.time() - start:.0f} s)")
     return 0
 

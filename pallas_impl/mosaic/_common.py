@@ -37,7 +37,9 @@ TUNING = {
     "merge": dict(steps=8, concurrent=2, tile_bytes=16 * 1024, stores=2),
     "merge_n": dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1),
     "cp_rescale": dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2),
-    "mask": dict(heads=4),  # LSE rows (of 128 tokens) per CTA; the output rows are split as many ways as the heads
+    # heads: LSE rows (of 128 tokens) per CTA; the output rows are split as many ways as the heads.
+    # tokens: output rows (of one head group's share) per TMA store of zeros.
+    "mask": dict(heads=4, tokens=8),
 }
 
 

@@ -14,7 +14,8 @@ by construction: the mask does no arithmetic):
   128 consecutive elements of the block's tokens) is rewritten as `where(mask, -inf, lse)` (the token mask built by
   a loop over those requests; per-thread accesses, any alignment; overlapping blocks write the same values);
 - the output rows of the block's own empty tokens are zeroed by TMA stores from a zero tile in shared memory, each
-  head group its share of the `[H * D]` row (viewed as a `[rows, cols]` TMA box).
+  head group its share of the `[H * D]` row (viewed as a `[rows, cols]` TMA box), `TUNING["mask"]["tokens"]`
+  tokens per store while a request's run allows, then one by one.
 `T < 128` runs on a padded copy. Under `jax.shard_map` with `check_vma`, where refs of varying values cannot enter
 a Mosaic GPU kernel, the mask runs in XLA (the jnp path: the same bits).
 """
@@ -70,13 +71,13 @@ def _zero_tile(row_elems: int, itemsize: int) -> tuple[int, int]:
 def _kernel(num_heads: int, num_tokens: int, zero_tile: tuple[int, int, int], num_requests: int, lse_layout: str,
             out_dtype, *, zero_output: bool, interpret: bool):
     """The mask of a flat `[H * T']` LSE (T' >= 128) in place; the output, if any, zeroed in place as
-    `[T', rows, cols]` (`zero_tile` = (rows of one group, cols))."""
+    `[T', rows, cols]` (`zero_tile` = (tokens of one store, rows of one group, cols, rows))."""
     plgpu = mc.plgpu()
     bt = mc.BLOCK_T
     nsteps = max(1, math.ceil(math.log2(num_requests + 2)) + 1)
     per_group = min(mc.TUNING["mask"]["heads"], num_heads)
     groups = pl.cdiv(num_heads, per_group)
-    rows_total = zero_tile[2]
+    k, rpg, cols, rows_total = zero_tile
     LS = plgpu.Layout.WG_STRIDED((bt,), vec_size=1)
 
     def body(qsl_g, cu_g, *refs):
@@ -124,34 +125,45 @@ def _kernel(num_heads: int, num_tokens: int, zero_tile: tuple[int, int, int], nu
             if zero_output:
                 plgpu.barrier_wait(bar)
                 # This group's rows of the `[rows, cols]` output row (the last group's shifted back to fit).
-                row0 = jnp.minimum(g * zero_tile[0], rows_total - zero_tile[0])
+                row0 = jnp.minimum(g * rpg, rows_total - rpg)
                 own0 = b * bt  # tokens of an overlapping block are zeroed by their own block only
 
                 def request(r, carry):
                     @pl.when(cu_g[r + 1] == cu_g[r])
                     def _():
-                        def zero_row(t, carry):
-                            plgpu.copy_smem_to_gmem(z_s, out_g.at[t, pl.ds(row0, zero_tile[0])])
+                        lo = jnp.maximum(qsl_g[r], own0)
+                        n = jnp.maximum(jnp.minimum(qsl_g[r + 1], t1) - lo, 0)
+
+                        def zero_tokens(i, carry):  # k tokens per store
+                            plgpu.copy_smem_to_gmem(z_s, out_g.at[pl.ds(lo + i * k, k), pl.ds(row0, rpg)])
                             return carry
 
-                        lax.fori_loop(jnp.maximum(qsl_g[r], own0), jnp.minimum(qsl_g[r + 1], t1), zero_row, 0)
+                        def zero_token(t, carry):  # the rest one by one
+                            plgpu.copy_smem_to_gmem(z_s.at[0], out_g.at[t, pl.ds(row0, rpg)])
+                            return carry
+
+                        lax.fori_loop(0, n // k, zero_tokens, 0)
+                        lax.fori_loop(lo + n // k * k, lo + n, zero_token, 0)
 
                     return carry
 
                 lax.fori_loop(r_lo, r_hi, request, 0)
                 plgpu.wait_smem_to_gmem(0)
 
-    scratch = [plgpu.SMEM(zero_tile[:2], out_dtype), plgpu.Barrier()] if zero_output else []
+    scratch = [plgpu.SMEM(zero_tile[:3], out_dtype), plgpu.Barrier()] if zero_output else []
     return mc.kernel(body, out_type=(), grid=(pl.cdiv(num_tokens, bt), groups), grid_names=("b", "g"),
                      scratch_types=scratch, interpret=interpret)
 
 
-def _group_tile(zero_tile: tuple[int, int], num_heads: int) -> tuple[int, int, int]:
-    """(rows of one head group, cols, rows of the whole output row): the `[rows, cols]` output row split as many
-    ways as the LSE heads (`TUNING["mask"]["heads"]` per group), at least one row per group."""
+def _group_tile(zero_tile: tuple[int, int], num_heads: int, itemsize: int) -> tuple[int, int, int, int]:
+    """(tokens of one store, rows of one head group, cols, rows of the whole output row): the `[rows, cols]` output
+    row split as many ways as the LSE heads (`TUNING["mask"]["heads"]` per group), at least one row per group;
+    up to `TUNING["mask"]["tokens"]` tokens per TMA store within `SMEM_ZERO_TILE_BYTES` of zeros."""
     rows, cols = zero_tile
     groups = pl.cdiv(num_heads, min(mc.TUNING["mask"]["heads"], num_heads))
-    return pl.cdiv(rows, min(groups, rows)), cols, rows
+    rpg = pl.cdiv(rows, min(groups, rows))
+    tokens = max(1, min(mc.TUNING["mask"]["tokens"], SMEM_ZERO_TILE_BYTES // (rpg * cols * itemsize)))
+    return tokens, rpg, cols, rows
 
 
 @functools.partial(jax.jit, static_argnames=("lse_layout", "interpret"))
@@ -162,9 +174,10 @@ def mask_mosaic(lse, query_start_loc, cu_seq_lens, output, *, lse_layout, interp
     zero_output = output is not None
     if c.varying(lse) or (zero_output and c.varying(output)):  # inside shard_map with check_vma: XLA
         return jnp_fallback.mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output, lse_layout=lse_layout)
-    zero_tile = (1, 1, 1)
+    zero_tile = (1, 1, 1, 1)
     if zero_output:
-        zero_tile = _group_tile(_zero_tile(num_heads * output.shape[2], jnp.dtype(output.dtype).itemsize), num_heads)
+        itemsize = jnp.dtype(output.dtype).itemsize
+        zero_tile = _group_tile(_zero_tile(num_heads * output.shape[2], itemsize), num_heads, itemsize)
     tp = max(num_tokens, mc.BLOCK_T)
     pad = tp - num_tokens  # T < 128: a padded copy (rows past T belong to no request: untouched, then cut)
     if pad:
@@ -172,9 +185,9 @@ def mask_mosaic(lse, query_start_loc, cu_seq_lens, output, *, lse_layout, interp
     lse_ref = jax.new_ref(lse.reshape(-1))
     args = [query_start_loc, cu_seq_lens]
     if zero_output:
-        rows = output.reshape(num_tokens, zero_tile[2], zero_tile[1])
+        rows = output.reshape(num_tokens, zero_tile[3], zero_tile[2])
         out_ref = jax.new_ref(jnp.pad(rows, ((0, pad), (0, 0), (0, 0))) if pad else rows)
-        args += [jnp.zeros(zero_tile[:2], output.dtype), lse_ref, out_ref]
+        args += [jnp.zeros(zero_tile[:3], output.dtype), lse_ref, out_ref]
     else:
         args.append(lse_ref)
     _kernel(num_heads, tp, zero_tile, num_requests, lse_layout, output.dtype if zero_output else jnp.float32,
