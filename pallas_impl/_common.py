@@ -14,6 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+
+from pallas_impl._math import FP8_E4M3_MAX, LN2, LOG2E, has_mosaic_gpu  # noqa: F401 (re-exported: c.LN2, ...)
+
 try:
     from jax.experimental.pallas import triton as pltriton
 except ImportError:  # a jax without the Pallas Triton backend: backend="mosaic_gpu" only (resolve_backend)
@@ -32,9 +35,6 @@ MASK_TARGET_PROGRAMS = 8192
 MASK_ZERO_SPLIT = 64  # most programs per 128-token block when zeroing output rows
 MASK_LSE_SPLIT = 1  # most programs per 128-token block for the LSE-only mask
 LSE_LAYOUTS = ("HT", "TH")
-FP8_E4M3_MAX = 448.0
-LN2 = 0.6931471805599453
-LOG2E = 1.4426950408889634
 
 # Merge launch per variant: (bytes of one input tile per program, fewest tokens per program, warps). "plain": no output
 # LSE; "lse": with it; "fused": the fused mask too. Not shared: chosen per framework from the H200 tile sweep in
@@ -307,10 +307,9 @@ def all_gather_replicated(x, axis_name):
 def resolve_interpret(interpret: bool | None, backend: str = "triton") -> bool:
     """None: interpret on CPU, compile on GPU. backend="mosaic_gpu" needs jax >= 0.11 either way (its interpret
     mode is jax's Mosaic GPU interpreter)."""
-    if backend == "mosaic_gpu":
-        from pallas_impl.mosaic import _common as mosaic
-
-        mosaic.plgpu()  # raises for a jax without plgpu.kernel(out_type=...)
+    if backend == "mosaic_gpu" and not has_mosaic_gpu():
+        raise NotImplementedError(f"backend='mosaic_gpu' needs jax >= 0.11 (its layout inference and plgpu.kernel "
+                                  f"API); this is jax {jax.__version__}: use backend='triton'")
     if interpret is None:
         return jax.default_backend() == "cpu"
     return bool(interpret)

@@ -8,7 +8,8 @@ Called inside `jax.shard_map` over the context-parallel mesh axis: each device h
   device: the single-device N-way merge's bits; every device gets all heads (the result is invariant over the
   axis).
 - `reduce_scatter`: `lax.all_gather` of the LSEs and offsets only; each device scales its own partial by its
-  N-way weight (the rescale kernel, statement by statement the Triton one), then `lax.psum_scatter` over heads:
+  N-way weight (the rescale kernel, statement by statement the Triton one; with backend="mosaic_gpu"
+  `mosaic/cp_merge.py`, the same bits), then `lax.psum_scatter` over heads:
   device r gets heads [r * H / N, (r + 1) * H / N). Within tolerance (the collective owns the sum order).
 
 Device i of the axis is partial i of the N-way merge.
@@ -139,8 +140,8 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
       return_lse: also return the merged LSE ([H, T], or [H / N, T] for "reduce_scatter"; layout and base kept).
       out_dtype, output_scale: float8_e4m3fn output with its scale (4.6).
       reduce_dtype: "reduce_scatter" only: None (float32: one rounding, at the end) or the partials' dtype.
-      interpret, implementation, backend, validate: as `merge_attn_states_n`; backend="mosaic_gpu" runs the
-        "gather" method's merge (the "reduce_scatter" rescale kernel has no Mosaic GPU version yet).
+      interpret, implementation, backend, validate: as `merge_attn_states_n` (backend="mosaic_gpu": the N-way
+        merge's and the rescale kernel's Mosaic GPU versions).
 
     Returns:
       (out, lse) if return_lse else out.
@@ -181,9 +182,6 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
     impl = c.resolve_implementation(implementation, backend)
     backend = c.resolve_backend(backend)
     if backend == "mosaic_gpu":  # every refusal before the first collective is traced
-        if method != "gather":
-            raise NotImplementedError("backend='mosaic_gpu' runs method='gather' only (the reduce_scatter rescale "
-                                      "kernel has no Mosaic GPU version yet): use backend='triton'")
         c.resolve_interpret(interpret, backend)  # jax >= 0.11
 
     gather = c.all_gather_replicated if method == "gather" else lax.all_gather
@@ -204,9 +202,13 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
                                                  lse_base2=lse_base2)
     else:
         c.filter_triton_deprecation()
-        interp = c.resolve_interpret(interpret)
+        interp = c.resolve_interpret(interpret, backend)
+        if backend == "mosaic_gpu":
+            from pallas_impl.mosaic.cp_merge import rescale_mosaic as rescale
+        else:
+            rescale = _rescale_jit
         scaled, merged = c.sharded_call(
-            functools.partial(_rescale_jit, reduce_dtype=rdt, return_lse=return_lse, lse_layout=lse_layout,
+            functools.partial(rescale, reduce_dtype=rdt, return_lse=return_lse, lse_layout=lse_layout,
                               lse_base2=lse_base2, interpret=interp),
             ("out", "lses", "query_start_loc", "cu_seq_lens", "prefill_tokens_with_context", "rank"),
             (out, lses, query_start_loc, cus, prefill_tokens_with_context, rank),

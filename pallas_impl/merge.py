@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 
 from pallas_impl import _common as c
 from pallas_impl import jnp_fallback
+from pallas_impl._math import two_way_weights
 
 
 def _load_lse(ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=()):
@@ -64,18 +65,6 @@ def _token_requests(qsl_ref, t, t_mask, num_requests, fused_mask):
         in_req = t_mask & (req < num_requests)
         req = jnp.minimum(req, num_requests - 1)
     return req, in_req
-
-
-def _two_way_weights(p, s):
-    """(m, both_empty, z, wp, ws) of two natural-log LSE tiles whose empty rows are -inf (docs/spec.md 4.2, 4.3):
-    m is 0 where both are empty, z = e_p + e_s. Shared by the Triton-backend and Mosaic GPU kernels."""
-    m = jnp.maximum(p, s)
-    both_empty = m == -jnp.inf
-    m = jnp.where(both_empty, 0.0, m)
-    pe = jnp.exp(p - m)
-    se = jnp.exp(s - m)
-    z = pe + se
-    return m, both_empty, z, pe / z, se / z
 
 
 def _store_output(out_block, out, last, copy_t, scale_ref, thd_mask, fp8_out):
@@ -140,7 +129,7 @@ def _merge_attn_states_kernel(
         empty_t = in_req & (cu_ref[req + 1] == cu_ref[req])
         p = jnp.where(empty_t[:, None], -jnp.inf, p)
 
-    m, both_empty, z, wp, ws = _two_way_weights(p, s)
+    m, both_empty, z, wp, ws = two_way_weights(p, s)
     # docs/spec.md 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
     out = (jnp.where(wp[:, :, None] > 0.0, a.astype(jnp.float32) * wp[:, :, None], 0.0)
            + jnp.where(ws[:, :, None] > 0.0, b.astype(jnp.float32) * ws[:, :, None], 0.0))

@@ -7,7 +7,8 @@
 # bench.log bench.json bench.png. A failing step does not stop the next one. Each step runs under `timeout`, sized
 # from what is left of DEADLINE_S (default 560 s), so the whole script ends in under 9.5 minutes.
 # BENCH_ARGS (default "--quick") goes to `python -m parity bench`; use "" for the full grid.
-# PLAN=mosaic runs the Mosaic GPU backend's steps instead (see below).
+# PLAN=mosaic runs the Mosaic GPU backend's steps instead (see below); PLAN=mosaic_speed only times its kernels
+# beside the Triton backend's and sweeps its launch choices (scripts/mosaic_speed.py, ~2.5 min: mosaic_speed.log/.json).
 # Exit status: 0 when every step exited 0, else 1 (124 in the summary means that step timed out).
 
 set -u -o pipefail
@@ -81,6 +82,11 @@ EOF
 # pytest-xdist (in the device image) spreads the kernel compiles over 4 workers; without it, one process.
 XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
 
+if [ "${PLAN:-main}" = mosaic_speed ]; then
+    step mosaic_speed 200 5 "$OUT/mosaic_speed.log" "$PY" scripts/mosaic_speed.py --json "$OUT/mosaic_speed.json"
+    printf '%s' "$SUMMARY"
+    exit "$FAILED"
+fi
 if [ "${PLAN:-main}" = mosaic ]; then
     # PLAN=mosaic: the experimental Mosaic GPU backend of pallas_impl only (docs/design.md, "Mosaic GPU backend"):
     # the Pallas test suite with that backend as the default (PALLAS_IMPL_BACKEND) and its own tests (bits against

@@ -192,6 +192,17 @@ if MOSAIC:
         g = jax.shard_map(f, mesh=MESH_CP, in_specs=(P("cp"), P("cp"), P(), P("cp")), out_specs=(P(), P()))
         return str(jax.jit(g).trace(ON, LN, QSL_N, CUN).out_info)
 
+    @check("compiled_trace_under_shard_map/cp_reduce_scatter/mosaic")
+    def _():
+        def f(o, l, q, c):  # the rescale kernel, compiled, then psum_scatter: device r keeps head r
+            return pallas_impl.cp_merge_attn_states(o[0], l[0], axis_name="cp", query_start_loc=q, cu_seq_lens=c[0],
+                                                    method="reduce_scatter", prefill_tokens_with_context=30,
+                                                    **kw("mosaic", False))
+
+        g = jax.shard_map(f, mesh=MESH_CP, in_specs=(P("cp"), P("cp"), P(), P("cp")),
+                          out_specs=(P(None, "cp"), P("cp")))
+        return str(jax.jit(g).trace(ON, LN, QSL_N, CUN).out_info)
+
 
 def expect_error(fn, match):
     try:

@@ -52,9 +52,10 @@ def test_compiled_kernels_trace_under_shard_map(checks):
 @pytest.mark.skipif(tuple(int(x) for x in re.findall(r"\d+", jax.__version__)[:2]) < (0, 11),
                     reason=f"backend='mosaic_gpu' needs jax >= 0.11; this is jax {jax.__version__}")
 def test_mosaic_gpu_kernels_trace_under_shard_map(checks):
-    # The mask, the fused merges and the CP gather with backend="mosaic_gpu", compiled, under check_vma=True.
-    _assert_group(checks, "compiled_trace_under_shard_map/", 3 + 4)
-    assert sum("/mosaic" in k for k in checks) == 4, sorted(checks)
+    # The mask, the fused merges and the CP gather and reduce_scatter with backend="mosaic_gpu", compiled, under
+    # check_vma=True.
+    _assert_group(checks, "compiled_trace_under_shard_map/", 3 + 5)
+    assert sum("/mosaic" in k for k in checks) == 5, sorted(checks)
 
 
 def test_cp_gather_gives_the_single_device_bits(checks):

@@ -18,31 +18,38 @@ in these kernels is behind a `jnp.where`, as in the Triton kernels).
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_impl import _common as c
+from pallas_impl import _math, jnp_fallback
 
 BLOCK_T = 128  # tokens per tile: a Warpgroup row vector needs a multiple of 128 elements
-STEPS = 4  # token tiles per CTA (one emit_pipeline)
-MAX_CONCURRENT_STEPS = 2  # pipelined tiles in flight (the prototype sweep's best on the H200)
 MAX_COLS = 256  # a TMA box dimension holds at most 256 elements: wider heads are split into column chunks
-TILE_BYTES = 32 * 1024  # one [128, dc] tile: the 2-way pipeline holds 6 of them (2 in flight x 3 arrays)
-
-
-MIN_JAX = (0, 11)  # Warpgroup lowering by default, plgpu.kernel(out_type=...), the exported interpreter
+# Launch choices per kernel (they change which CTA owns a tile, never an element's arithmetic):
+# steps: token tiles per CTA (one emit_pipeline); concurrent: pipelined steps in flight; tile_bytes: the most bytes
+# of one [128, dc] input tile; stores: output tiles whose TMA stores may be in flight (1 or 2 shared-memory slots).
+# The 2-way merge keeps 2 inputs x `concurrent` tiles in shared memory, the N-way and the rescale 1 x `concurrent`:
+# smaller 2-way tiles keep two CTAs per SM (228 KiB of shared memory on an H100/H200).
+# `scripts/mosaic_speed.py` sweeps these on the GPU (it sets them here and clears jax's caches).
+TUNING = {
+    "merge": dict(steps=8, concurrent=2, tile_bytes=16 * 1024, stores=2),
+    "merge_n": dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1),
+    "cp_rescale": dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2),
+    # heads: LSE rows (of 128 tokens) per CTA; the output rows are split as many ways as the heads.
+    # tokens: output rows (of one head group's share) per TMA store of zeros.
+    "mask": dict(heads=4, tokens=8),
+}
 
 
 @functools.cache
 def plgpu():
     """The Mosaic GPU Pallas module, imported on first use (the `mosaic` extra: jax >= 0.11, and absl-py for
     jax's Mosaic GPU interpreter)."""
-    version = tuple(int(x) for x in re.findall(r"\d+", jax.__version__)[:2])
-    if version < MIN_JAX:
-        raise NotImplementedError(f"backend='mosaic_gpu' needs jax >= {'.'.join(map(str, MIN_JAX))} (its layout "
+    if not _math.has_mosaic_gpu():
+        need = ".".join(map(str, _math.MOSAIC_MIN_JAX))
+        raise NotImplementedError(f"backend='mosaic_gpu' needs jax >= {need} (its layout "
                                   f"inference and plgpu.kernel API); this is jax {jax.__version__}: use "
                                   "backend='triton'")
     from jax.experimental.pallas import mosaic_gpu
@@ -63,10 +70,10 @@ def load(ref, layout):
     return plgpu().load(ref, layout=layout)
 
 
-def tile_start(split, i, num_tokens: int):
-    """First token of a CTA's tile `i` (STEPS tiles of BLOCK_T tokens per token split): the last tile of the
+def tile_start(split, i, num_tokens: int, steps: int):
+    """First token of a CTA's tile `i` (`steps` tiles of BLOCK_T tokens per token split): the last tile of the
     padded `T' >= BLOCK_T` rows is shifted back to end at T', so no copy leaves the arrays."""
-    return jnp.minimum((split * STEPS + i) * BLOCK_T, num_tokens - BLOCK_T)
+    return jnp.minimum((split * steps + i) * BLOCK_T, num_tokens - BLOCK_T)
 
 
 def load_row(ref, start, row_smem):
@@ -77,33 +84,52 @@ def load_row(ref, start, row_smem):
     return load(row_smem, m.Layout.WGMMA.reduce(1))
 
 
-def store_tile(result, o_scr, dst) -> None:
-    """A finished `[BLOCK_T, dc]` tile to GMEM `dst` by a TMA store from `o_scr`, once the previous tile's store
-    has read `o_scr`."""
+def store_tile(result, o_scr, dst, count) -> None:
+    """A finished `[BLOCK_T, dc]` tile to GMEM `dst` by a TMA store from slot `count % S` of `o_scr`
+    (`[S, BLOCK_T, dc]`), once the store that last used that slot has read it (at most S - 1 others in flight)."""
     m = plgpu()
-    m.wait_smem_to_gmem(0, wait_read_only=True)
-    o_scr[...] = result.astype(o_scr.dtype)
+    slots = o_scr.shape[0]
+    m.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+    slot = o_scr.at[count % slots] if slots > 1 else o_scr.at[0]
+    slot[...] = result.astype(o_scr.dtype)
     m.commit_smem()
-    m.copy_smem_to_gmem(o_scr, dst)
+    m.copy_smem_to_gmem(slot, dst)
 
 
-def column_chunk(head_dim: int, itemsize: int) -> int:
-    """Columns of one TMA tile: the largest divisor of D of 16-byte rows within MAX_COLS and TILE_BYTES."""
+def column_chunk(head_dim: int, itemsize: int, tile_bytes: int = 32 * 1024) -> int:
+    """Columns of one TMA tile: the largest divisor of D of 16-byte rows within MAX_COLS and `tile_bytes` (at
+    least one 16-byte column)."""
     if head_dim * itemsize % 16:
         raise NotImplementedError(f"backend='mosaic_gpu' needs D * itemsize to be a multiple of 16 bytes (TMA rows); "
                                   f"got D={head_dim} with {itemsize}-byte elements: use backend='triton'")
     for dc in range(min(head_dim, MAX_COLS), 0, -1):
-        if head_dim % dc == 0 and dc * itemsize % 16 == 0 and BLOCK_T * dc * itemsize <= TILE_BYTES:
+        fits = BLOCK_T * dc * itemsize <= tile_bytes or dc * itemsize == 16
+        if head_dim % dc == 0 and dc * itemsize % 16 == 0 and fits:
             return dc
-    raise AssertionError("unreachable: 16 bytes of columns divide D * itemsize and fit TILE_BYTES")
+    raise AssertionError("unreachable: a 16-byte column divides D * itemsize")
 
 
 def normalised_th(lse, lse_layout: str, lse_base2: bool):
     """An LSE as natural-log f32 `[T, H]` with +inf and NaN read as -inf (docs/spec.md 4.1), in XLA."""
     x = lse.T if lse_layout == "HT" else lse
     if lse_base2:
-        x = x * c.LN2
+        x = x * _math.LN2
     return jnp.where((x == jnp.inf) | jnp.isnan(x), -jnp.inf, x)
+
+
+def normalised_stack(lses, query_start_loc, cu_seq_lens, lse_layout: str, lse_base2: bool):
+    """XLA before an N-way kernel (docs/spec.md 8.1): (the last partial's raw `[T, H]` LSE, with the fused mask's
+    empty tokens at -inf: what pass-through rows copy, 8.4; the natural-log LSEs with sentinels and the fused mask's
+    empty tokens read as -inf, padded to T' rows and flattened `[N * H * T']`, rows (k, h))."""
+    num_tokens = lses.shape[2] if lse_layout == "HT" else lses.shape[1]
+    raw_th = jnp.swapaxes(lses, 1, 2) if lse_layout == "HT" else lses  # [N, T, H]
+    lse = jax.vmap(lambda x: normalised_th(x, "TH", lse_base2))(raw_th)
+    last_raw = raw_th[-1]
+    if query_start_loc is not None and query_start_loc.shape[0] > 1:
+        empty = jax.vmap(lambda cu: jnp_fallback._empty_tokens(query_start_loc, cu, num_tokens))(cu_seq_lens)
+        lse = jnp.where(empty[:, :, None], -jnp.inf, lse)
+        last_raw = jnp.where(empty[-1][:, None], -jnp.inf, last_raw)
+    return last_raw, jnp.swapaxes(padded_rows(lse, num_tokens, -jnp.inf), 1, 2).reshape(-1)
 
 
 def padded_rows(x, num_tokens: int, fill):
@@ -124,12 +150,12 @@ def finish(results, shape, copy_t, last_output, last_lse_th, output_scale, *, ou
     out = results[0][:num_tokens].reshape(shape)
     if output_scale is not None:
         out = jnp.where(copy_t[:, None, None], last_output.astype(jnp.float32), out) / output_scale.reshape(-1)[0]
-        out = jnp.where(out < -c.FP8_E4M3_MAX, -c.FP8_E4M3_MAX, out)
-        out = jnp.where(out > c.FP8_E4M3_MAX, c.FP8_E4M3_MAX, out).astype(out_dtype)
+        out = jnp.where(out < -_math.FP8_E4M3_MAX, -_math.FP8_E4M3_MAX, out)
+        out = jnp.where(out > _math.FP8_E4M3_MAX, _math.FP8_E4M3_MAX, out).astype(out_dtype)
     if not return_lse:
         return out
     merged = results[1].reshape(num_heads, -1)[:, :num_tokens].T  # [T, H]
     if lse_base2:
-        merged = merged * c.LOG2E
+        merged = merged * _math.LOG2E
     merged = jnp.where(copy_t[:, None], last_lse_th, merged)
     return out, (merged.T if lse_layout == "HT" else merged)

@@ -1,20 +1,23 @@
 """The empty-context LSE mask (docs/spec.md 3) as a Mosaic GPU kernel: `backend="mosaic_gpu"`.
 
 Experimental (docs/design.md, "Mosaic GPU backend"): with jax 0.11.2 on a CPU, lowered for the GPU and run in jax's
-Mosaic GPU interpreter against the reference on every ci case (tests/test_pallas_mosaic.py); not yet run on a
-GPU at this commit.
+Mosaic GPU interpreter against the reference on every ci case (tests/test_pallas_mosaic.py).
 
-Mosaic GPU has no masked store, so the ragged writes are done differently from the Triton kernel (the semantics
-are the same, and bit-exact by construction: the mask does no arithmetic):
-- one CTA per 128-token block (the last shifted to end at T); two scalar binary searches over
-  `query_start_loc` find the requests that intersect the block, a loop over them builds the block's token
-  mask (a request empty in this chunk: `cu[r+1] == cu[r]`), and each head's LSE row of the block is rewritten
-  whole into the new LSE: `where(mask, -inf, lse)` (every token is in some block; shifted blocks that overlap
-  write the same values; per-thread accesses, any alignment);
-- an empty request's output rows are zeroed by one TMA store per token row (the `[H * D]` row viewed as a
-  `[rows, cols]` TMA box) from a zero tile in shared memory.
-The output is updated in place through a JAX ref (donate it for no copy); under `jax.shard_map` with
-`check_vma`, where such refs cannot enter the kernel, its rows are zeroed by XLA.
+In place: the LSE (and output) enter the kernel as JAX refs, which the kernel call aliases to its results
+(input_output_aliases), so under `jax.jit(..., donate_argnames=...)` nothing is copied. Mosaic GPU has no masked
+store, so the ragged writes are done differently from the Triton kernel (the semantics are the same, and bit-exact
+by construction: the mask does no arithmetic):
+- grid (128-token blocks, head groups of `TUNING["mask"]["heads"]` LSE rows); the last block is shifted to end at T.
+  Two scalar binary searches over `query_start_loc` find the requests that intersect the block; a block with no
+  empty request among them writes nothing;
+- otherwise each of the group's 128-element LSE chunks (a head's row of the block, or with the `[T, H]` layout
+  128 consecutive elements of the block's tokens) is rewritten as `where(mask, -inf, lse)` (the token mask built by
+  a loop over those requests; per-thread accesses, any alignment; overlapping blocks write the same values);
+- the output rows of the block's own empty tokens are zeroed by TMA stores from a zero tile in shared memory, each
+  head group its share of the `[H * D]` row (viewed as a `[rows, cols]` TMA box), `TUNING["mask"]["tokens"]`
+  tokens per store while a request's run allows, then one by one.
+`T < 128` runs on a padded copy. Under `jax.shard_map` with `check_vma`, where refs of varying values cannot enter
+a Mosaic GPU kernel, the mask runs in XLA (the jnp path: the same bits).
 """
 
 from __future__ import annotations
@@ -34,16 +37,19 @@ from pallas_impl.mosaic import _common as mc
 SMEM_ZERO_TILE_BYTES = 96 * 1024  # the zero [H, D] tile must fit in shared memory
 
 
-def _searchsorted_right(ref, n, x, nsteps):
-    """How many of ref[0:n] (non-decreasing) are <= x: a scalar binary search of `nsteps` steps."""
-    def body(_, lohi):
-        lo, hi = lohi
-        mid = (lo + hi) // 2
-        le = (ref[jnp.minimum(mid, n - 1)] <= x) & (lo < hi)
-        return jnp.where(le, mid + 1, lo), jnp.where(le | (lo >= hi), hi, mid)
+def _searchsorted_right(refs, n, xs, nsteps):
+    """For each (ref, x): how many of ref[0:n] (non-decreasing) are <= x. Scalar binary searches of `nsteps` steps,
+    run in one loop so that their loads overlap."""
+    def body(_, bounds):
+        out = []
+        for ref, x, (lo, hi) in zip(refs, xs, bounds):
+            mid = (lo + hi) // 2
+            le = (ref[jnp.minimum(mid, n - 1)] <= x) & (lo < hi)
+            out.append((jnp.where(le, mid + 1, lo), jnp.where(le | (lo >= hi), hi, mid)))
+        return tuple(out)
 
-    lo, _ = lax.fori_loop(0, nsteps, body, (jnp.int32(0), jnp.int32(n)))
-    return lo
+    bounds = lax.fori_loop(0, nsteps, body, tuple((jnp.int32(0), jnp.int32(n)) for _ in refs))
+    return [lo for lo, _ in bounds]
 
 
 def _zero_tile(row_elems: int, itemsize: int) -> tuple[int, int]:
@@ -62,87 +68,133 @@ def _zero_tile(row_elems: int, itemsize: int) -> tuple[int, int]:
     return rows, cols
 
 
-def _kernel(num_heads: int, num_tokens: int, zero_tile: tuple[int, int], num_requests: int, out_dtype, out_type, *,
-            zero_output: bool, interpret: bool):
-    """The mask of a padded `[H, T']` LSE (T' >= 128) into a new one; the output, if any, zeroed in place as
-    `[T', rows, cols]` (`zero_tile`)."""
+def _kernel(num_heads: int, num_tokens: int, zero_tile: tuple[int, int, int], num_requests: int, lse_layout: str,
+            out_dtype, *, zero_output: bool, interpret: bool):
+    """The mask of a flat `[H * T']` LSE (T' >= 128) in place; the output, if any, zeroed in place as
+    `[T', rows, cols]` (`zero_tile` = (tokens of one store, rows of one group, cols, rows))."""
     plgpu = mc.plgpu()
     bt = mc.BLOCK_T
     nsteps = max(1, math.ceil(math.log2(num_requests + 2)) + 1)
+    per_group = min(mc.TUNING["mask"]["heads"], num_heads)
+    groups = pl.cdiv(num_heads, per_group)
+    k, rpg, cols, rows_total = zero_tile
+    LS = plgpu.Layout.WG_STRIDED((bt,), vec_size=1)
 
-    def body(qsl_g, cu_g, lse_g, *refs):
+    def body(qsl_g, cu_g, *refs):
         if zero_output:
-            z_g, out_g, new_g, z_s, bar = refs
+            z_g, lse_g, out_g, z_s, bar = refs
         else:
-            new_g, = refs
-        i = lax.axis_index("i")
-        t0 = jnp.minimum(i * bt, num_tokens - bt)
+            lse_g, = refs
+        b = lax.axis_index("b")
+        g = lax.axis_index("g")
+        t0 = jnp.minimum(b * bt, num_tokens - bt)
         t1 = t0 + bt
         # Requests r in [r_lo, r_hi) intersect [t0, t1): qsl[r + 1] > t0 and qsl[r] < t1.
-        r_lo = _searchsorted_right(qsl_g.at[pl.ds(1, num_requests)], num_requests, t0, nsteps)
-        r_hi = _searchsorted_right(qsl_g.at[pl.ds(0, num_requests)], num_requests, t1 - 1, nsteps)
-        if zero_output:
-            plgpu.copy_gmem_to_smem(z_g, z_s, bar)
-            plgpu.barrier_wait(bar)
-        tok = t0 + lax.broadcasted_iota(jnp.int32, (bt,), 0)
+        r_lo, r_hi = _searchsorted_right([qsl_g.at[pl.ds(1, num_requests)], qsl_g.at[pl.ds(0, num_requests)]],
+                                         num_requests, [t0, t1 - 1], nsteps)
 
-        def request(r, mask):
-            a, b = qsl_g[r], qsl_g[r + 1]
-            empty = cu_g[r + 1] == cu_g[r]
+        def empty_request(r):
+            return (cu_g[r + 1] == cu_g[r]) & (qsl_g[r] < qsl_g[r + 1])
+
+        any_empty = lax.fori_loop(r_lo, r_hi, lambda r, acc: acc | empty_request(r), jnp.bool_(False))
+        iota = lax.broadcasted_iota(jnp.int32, (bt,), 0)
+
+        def token_mask(tok):
+            def request(r, mask):
+                return mask | ((tok >= qsl_g[r]) & (tok < qsl_g[r + 1]) & (cu_g[r + 1] == cu_g[r]))
+
+            return lax.fori_loop(r_lo, r_hi, request, jnp.zeros((bt,), jnp.bool_))
+
+        @pl.when(any_empty)
+        def _():
             if zero_output:
-                @pl.when(empty)
-                def _():
-                    def zero_row(t, carry):
-                        plgpu.copy_smem_to_gmem(z_s, out_g.at[t])
-                        return carry
+                plgpu.copy_gmem_to_smem(z_g, z_s, bar)
+            block_mask = token_mask(t0 + iota) if lse_layout == "HT" else None
 
-                    lax.fori_loop(jnp.maximum(a, t0), jnp.minimum(b, t1), zero_row, 0)
+            def chunk(j, carry):
+                if lse_layout == "HT":  # head j's row of the block
+                    start, mask = j * num_tokens + t0, block_mask
+                else:  # elements [j * 128, (j + 1) * 128) of the block's [128, H] rows
+                    start = t0 * num_heads + j * bt
+                    mask = token_mask(t0 + (j * bt + iota) // num_heads)
+                lse = plgpu.layout_cast(lse_g[pl.ds(start, bt)], LS)
+                lse_g[pl.ds(start, bt)] = jnp.where(mask, -jnp.inf, lse)
+                return carry
 
-            return mask | ((tok >= a) & (tok < b) & empty)
+            lax.fori_loop(g * per_group, jnp.minimum((g + 1) * per_group, num_heads), chunk, 0)
+            if zero_output:
+                plgpu.barrier_wait(bar)
+                # This group's rows of the `[rows, cols]` output row (the last group's shifted back to fit).
+                row0 = jnp.minimum(g * rpg, rows_total - rpg)
+                own0 = b * bt  # tokens of an overlapping block are zeroed by their own block only
 
-        mask = lax.fori_loop(r_lo, r_hi, request, jnp.zeros((bt,), jnp.bool_))
+                def request(r, carry):
+                    @pl.when(cu_g[r + 1] == cu_g[r])
+                    def _():
+                        lo = jnp.maximum(qsl_g[r], own0)
+                        n = jnp.maximum(jnp.minimum(qsl_g[r + 1], t1) - lo, 0)
 
-        def head(h, carry):
-            new_g[h, pl.ds(t0, bt)] = jnp.where(mask, -jnp.inf, lse_g[h, pl.ds(t0, bt)])
-            return carry
+                        def zero_tokens(i, carry):  # k tokens per store
+                            plgpu.copy_smem_to_gmem(z_s, out_g.at[pl.ds(lo + i * k, k), pl.ds(row0, rpg)])
+                            return carry
 
-        lax.fori_loop(0, num_heads, head, 0)
-        if zero_output:
-            plgpu.wait_smem_to_gmem(0)
+                        def zero_token(t, carry):  # the rest one by one
+                            plgpu.copy_smem_to_gmem(z_s.at[0], out_g.at[t, pl.ds(row0, rpg)])
+                            return carry
 
-    scratch = [plgpu.SMEM(zero_tile, out_dtype), plgpu.Barrier()] if zero_output else []
-    return mc.kernel(body, out_type=out_type, grid=(pl.cdiv(num_tokens, bt),), grid_names=("i",),
+                        lax.fori_loop(0, n // k, zero_tokens, 0)
+                        lax.fori_loop(lo + n // k * k, lo + n, zero_token, 0)
+
+                    return carry
+
+                lax.fori_loop(r_lo, r_hi, request, 0)
+                plgpu.wait_smem_to_gmem(0)
+
+    scratch = [plgpu.SMEM(zero_tile[:3], out_dtype), plgpu.Barrier()] if zero_output else []
+    return mc.kernel(body, out_type=(), grid=(pl.cdiv(num_tokens, bt), groups), grid_names=("b", "g"),
                      scratch_types=scratch, interpret=interpret)
+
+
+def _group_tile(zero_tile: tuple[int, int], num_heads: int, itemsize: int) -> tuple[int, int, int, int]:
+    """(tokens of one store, rows of one head group, cols, rows of the whole output row): the `[rows, cols]` output
+    row split as many ways as the LSE heads (`TUNING["mask"]["heads"]` per group), at least one row per group;
+    up to `TUNING["mask"]["tokens"]` tokens per TMA store within `SMEM_ZERO_TILE_BYTES` of zeros."""
+    rows, cols = zero_tile
+    groups = pl.cdiv(num_heads, min(mc.TUNING["mask"]["heads"], num_heads))
+    rpg = pl.cdiv(rows, min(groups, rows))
+    tokens = max(1, min(mc.TUNING["mask"]["tokens"], SMEM_ZERO_TILE_BYTES // (rpg * cols * itemsize)))
+    return tokens, rpg, cols, rows
 
 
 @functools.partial(jax.jit, static_argnames=("lse_layout", "interpret"))
 def mask_mosaic(lse, query_start_loc, cu_seq_lens, output, *, lse_layout, interpret):
     """`pallas_impl.mask_empty_context_lse` with backend="mosaic_gpu" (its arguments, checked there)."""
-    ht = lse if lse_layout == "HT" else lse.T
-    num_heads, num_tokens = ht.shape
+    num_heads, num_tokens = lse.shape if lse_layout == "HT" else lse.shape[::-1]
     num_requests = query_start_loc.shape[0] - 1
     zero_output = output is not None
-    zero_tile = (1, 1)
+    if c.varying(lse) or (zero_output and c.varying(output)):  # inside shard_map with check_vma: XLA
+        return jnp_fallback.mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output, lse_layout=lse_layout)
+    zero_tile = (1, 1, 1, 1)
     if zero_output:
-        zero_tile = _zero_tile(num_heads * output.shape[2], jnp.dtype(output.dtype).itemsize)
+        itemsize = jnp.dtype(output.dtype).itemsize
+        zero_tile = _group_tile(_zero_tile(num_heads * output.shape[2], itemsize), num_heads, itemsize)
     tp = max(num_tokens, mc.BLOCK_T)
-    pad = tp - num_tokens  # rows past T belong to no request: untouched, then sliced away
-    ht = jnp.pad(ht, ((0, 0), (0, pad))) if pad else ht
-    # The output is zeroed in place through a JAX ref (donate it for no copy). Refs of values that vary over a
-    # shard_map axis cannot enter a Mosaic GPU kernel: there the rows are zeroed by XLA (the same zeros).
-    in_kernel = zero_output and not c.varying(output)
-    args = [query_start_loc, cu_seq_lens, ht]
-    if in_kernel:
-        rows = output.reshape(num_tokens, *zero_tile)
+    pad = tp - num_tokens  # T < 128: a padded copy (rows past T belong to no request: untouched, then cut)
+    if pad:
+        lse = jnp.pad(lse, ((0, 0), (0, pad)) if lse_layout == "HT" else ((0, pad), (0, 0)))
+    lse_ref = jax.new_ref(lse.reshape(-1))
+    args = [query_start_loc, cu_seq_lens]
+    if zero_output:
+        rows = output.reshape(num_tokens, zero_tile[3], zero_tile[2])
         out_ref = jax.new_ref(jnp.pad(rows, ((0, pad), (0, 0), (0, 0))) if pad else rows)
-        args += [jnp.zeros(zero_tile, output.dtype), out_ref]
-    new = _kernel(num_heads, tp, zero_tile, num_requests, output.dtype if in_kernel else jnp.float32,
-                  c.out_struct((num_heads, tp), jnp.float32, ht), zero_output=in_kernel, interpret=interpret)(*args)
-    new = new[:, :num_tokens]
-    new = new if lse_layout == "HT" else new.T
+        args += [jnp.zeros(zero_tile[:3], output.dtype), lse_ref, out_ref]
+    else:
+        args.append(lse_ref)
+    _kernel(num_heads, tp, zero_tile, num_requests, lse_layout, output.dtype if zero_output else jnp.float32,
+            zero_output=zero_output, interpret=interpret)(*args)
+    new = lse_ref[...].reshape((num_heads, tp) if lse_layout == "HT" else (tp, num_heads))
+    if pad:
+        new = new[:, :num_tokens] if lse_layout == "HT" else new[:num_tokens]
     if not zero_output:
         return (new,)
-    if in_kernel:
-        return new, out_ref[...][:num_tokens].reshape(output.shape)
-    empty = jnp_fallback._empty_tokens(query_start_loc, cu_seq_lens, num_tokens)
-    return new, jnp.where(empty[:, None, None], jnp.zeros((), output.dtype), output)
+    return new, out_ref[...][:num_tokens].reshape(output.shape)

@@ -1,17 +1,17 @@
 """The 2-way merge (docs/spec.md 4) as a Mosaic GPU kernel: `backend="mosaic_gpu"`.
 
 Experimental (docs/design.md, "Mosaic GPU backend"): with jax 0.11.2 on a CPU, lowered for the GPU and run in jax's
-Mosaic GPU interpreter against the reference on every ci case (tests/test_pallas_mosaic.py); not yet run on a
-GPU at this commit. Its float math is that of a prototype which gave 0 differing bits against the
-Pallas-Triton merge on the H200 (jax 0.11.2; 7 shapes: odd T, D = 80 / 96 / 128 / 192, fp16 / bf16); the
-prototype wrote its output through `emit_pipeline`'s out_specs, this kernel stores as the N-way one does.
+Mosaic GPU interpreter against the reference on every ci case (tests/test_pallas_mosaic.py); this pipeline not
+yet run on a GPU at this commit (its float math, the same ops in the same order, gave 0 differing bits against
+the Triton backend on the H200: docs/design.md).
 
-Grid: (H * D / dc, token splits) CTAs; a CTA pipelines `STEPS` tiles of 128 tokens of the `[T, H * D]` views of
-the prefix and the suffix (`emit_pipeline`, TMA copies of `[128, dc]` tiles in); each merged tile leaves by a
-TMA store from shared memory. The last tile is shifted to end at T: no copy leaves the arrays, and
-overlapping tiles write identical values. The two LSE
-rows of a tile are read with per-thread loads (an `[H, T]` row may start anywhere; TMA needs 16-byte
-alignment) and relaid out through shared memory.
+Grid: (H * D / dc, token splits) CTAs; a CTA pipelines `TUNING["merge"]["steps"]` tiles of 128 tokens of the
+`[T, H * D]` views of the prefix and the suffix (`emit_pipeline`, TMA copies of `[128, dc]` tiles in). At each
+tile the weights are computed one LSE row per thread (per-thread loads: an `[H, T]` row may start anywhere; TMA
+needs 16-byte alignment), as the N-way kernel does, and relaid out through shared memory into the tile's row
+layout; the merged tile leaves by a TMA store from one of the output slots in shared memory, the previous store
+still in flight. The last tile is shifted to end at T: no copy leaves the arrays, and overlapping tiles write
+identical values. Launch choices and their shared-memory budget: docs/design.md, "Mosaic GPU backend".
 
 Float math in the order of `pallas_impl/merge.py`; what runs in XLA around the kernel: `_common`.
 """
@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 
 from pallas_impl import _common as c
 from pallas_impl import jnp_fallback
-from pallas_impl.merge import _two_way_weights
+from pallas_impl import _math
 from pallas_impl.mosaic import _common as mc
 
 F32 = jnp.float32
@@ -37,7 +37,8 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             copy_rows: bool, interpret: bool):
     """The merge of padded `[T', H * D]` prefix and suffix (T' >= 128) with normalised `[H * T']` LSEs."""
     plgpu = mc.plgpu()
-    bt, steps = mc.BLOCK_T, mc.STEPS
+    tune = mc.TUNING["merge"]
+    bt, steps = mc.BLOCK_T, tune["steps"]
     nc = head_dim // dc
     nsplit = pl.cdiv(pl.cdiv(num_tokens, bt), steps)
     L = plgpu.Layout.WGMMA
@@ -47,45 +48,48 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
         c_g, rest = (rest[0], rest[1:]) if copy_rows else (None, rest)  # f32[T']: 1 where t copies the suffix
         o_g, rest = rest[0], rest[1:]
         lo_g, rest = (rest[0], rest[1:]) if output_lse else (None, rest)
-        row_smem, lse_smem, o_scr = rest
+        w_smem, o_scr = rest  # rows of w_smem: wp, ws, both-empty flag, copy flag
         hc = lax.axis_index("hc")
         sp = lax.axis_index("s")
         h = hc // nc
 
-        tile = plgpu.BlockSpec((pl.Element(bt), dc), lambda i: (mc.tile_start(sp, i, num_tokens), hc))
-
         def step(idx, a_s, b_s):
             (i,) = idx
-            t0 = mc.tile_start(sp, i, num_tokens)
-            p = mc.load_row(p_g, h * num_tokens + t0, row_smem)
-            s = mc.load_row(s_g, h * num_tokens + t0, row_smem)
-            a = mc.load(a_s, L)
-            b = mc.load(b_s, L)
-            m, both_empty, z, wp, ws = _two_way_weights(p, s)
-            wpb = jnp.broadcast_to(wp[:, None], (bt, dc))
-            wsb = jnp.broadcast_to(ws[:, None], (bt, dc))
-            # 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
-            out = jnp.where(wpb > 0, a.astype(F32) * wpb, 0.0) + jnp.where(wsb > 0, b.astype(F32) * wsb, 0.0)
-            out = jnp.where(jnp.broadcast_to(both_empty[:, None], (bt, dc)), 0.0, out)
-            if copy_rows:  # 4.4: the suffix's own bits
-                copy = jnp.broadcast_to((mc.load_row(c_g, t0, row_smem) > 0)[:, None], (bt, dc))
-                result = jnp.where(copy, b, out.astype(b.dtype))
-            else:
-                result = out
-            mc.store_tile(result, o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * dc, dc)])
+            t0 = mc.tile_start(sp, i, num_tokens, steps)
+            # The weights of the tile's 128 rows, one row per thread (per-thread loads: any alignment), as the
+            # N-way kernel computes them; relaid out through shared memory into the tile's row layout.
+            p = plgpu.layout_cast(p_g[pl.ds(h * num_tokens + t0, bt)], LS)
+            s = plgpu.layout_cast(s_g[pl.ds(h * num_tokens + t0, bt)], LS)
+            m, both_empty, z, wp, ws = _math.two_way_weights(p, s)
+            w_smem[0] = wp
+            w_smem[1] = ws
+            w_smem[2] = jnp.where(both_empty, 1.0, 0.0)
+            if copy_rows:
+                w_smem[3] = plgpu.layout_cast(c_g[pl.ds(t0, bt)], LS)
             if output_lse:
                 @pl.when(hc % nc == 0)
                 def _():
-                    lse_smem[...] = jnp.where(both_empty, -jnp.inf, jnp.log(z) + m)
-                    lo_g[pl.ds(h * num_tokens + t0, bt)] = mc.load(lse_smem, LS)  # per-thread: any alignment
+                    lo_g[pl.ds(h * num_tokens + t0, bt)] = jnp.where(both_empty, -jnp.inf, jnp.log(z) + m)
 
+            a = mc.load(a_s, L)
+            b = mc.load(b_s, L)
+            row = lambda k: jnp.broadcast_to(mc.load(w_smem.at[k], L.reduce(1))[:, None], (bt, dc))  # noqa: E731
+            wpb = row(0)
+            wsb = row(1)
+            # 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
+            out = jnp.where(wpb > 0, a.astype(F32) * wpb, 0.0) + jnp.where(wsb > 0, b.astype(F32) * wsb, 0.0)
+            out = jnp.where(row(2) > 0, 0.0, out)
+            result = jnp.where(row(3) > 0, b, out.astype(b.dtype)) if copy_rows else out  # 4.4: the suffix's bits
+            mc.store_tile(result, o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * dc, dc)], i)
+
+        tile = plgpu.BlockSpec((pl.Element(bt), dc), lambda i: (mc.tile_start(sp, i, num_tokens, steps), hc))
         plgpu.emit_pipeline(step, grid=(steps,), in_specs=[tile, tile],
-                            max_concurrent_steps=mc.MAX_CONCURRENT_STEPS)(a_g, b_g)
+                            max_concurrent_steps=tune["concurrent"])(a_g, b_g)
         plgpu.wait_smem_to_gmem(0)
 
-    scratch = [plgpu.SMEM((bt,), F32), plgpu.SMEM((bt,), F32), plgpu.SMEM((bt, dc), out_type[0].dtype)]
+    scratch = [plgpu.SMEM((4, bt), F32), plgpu.SMEM((tune["stores"], bt, dc), out_type[0].dtype)]
     return mc.kernel(body, out_type=tuple(out_type), grid=(num_heads * nc, nsplit), grid_names=("hc", "s"),
-                        scratch_types=scratch, interpret=interpret)
+                     scratch_types=scratch, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2", "interpret"))
@@ -94,7 +98,7 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
                  interpret):
     """`pallas_impl.merge_attn_states` with backend="mosaic_gpu" (its arguments, checked there)."""
     num_tokens, num_heads, head_dim = prefix_output.shape
-    dc = mc.column_chunk(head_dim, jnp.dtype(prefix_output.dtype).itemsize)
+    dc = mc.column_chunk(head_dim, jnp.dtype(prefix_output.dtype).itemsize, mc.TUNING["merge"]["tile_bytes"])
     fp8 = output_scale is not None
     prefill = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]

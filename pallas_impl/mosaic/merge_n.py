@@ -5,8 +5,9 @@ Mosaic GPU interpreter against the reference on every ci case (tests/test_pallas
 GPU at this commit. The kernel design is the one a prototype measured on the H200 (jax 0.11.2):
 0 differing bits against the Pallas-Triton merge on 7 two-way and 5 N-way shapes.
 
-Grid: (H * D / dc, token splits) CTAs. A CTA pipelines `STEPS` tiles of 128 tokens of the `[T, H * D]` view
-(`emit_pipeline`: TMA copies of `[128, dc]` tiles of every partial, `MAX_CONCURRENT_STEPS` in flight) over
+Grid: (H * D / dc, token splits) CTAs. A CTA pipelines `TUNING["merge_n"]["steps"]` tiles of 128 tokens of the
+`[T, H * D]` view
+(`emit_pipeline`: TMA copies of `[128, dc]` tiles of every partial, `concurrent` in flight) over
 (token tile, partial), carrying the f32 accumulator. The last tile is shifted to end at T, so no copy leaves
 the arrays and overlapping tiles write identical values. At partial 0 a tile's weights are computed from the
 N LSE rows (per-thread loads, any alignment) into shared memory; at partial N - 1 the tile is stored by hand
@@ -27,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_impl import _common as c
-from pallas_impl import jnp_fallback
+from pallas_impl import _math
 from pallas_impl.mosaic import _common as mc
 
 F32 = jnp.float32
@@ -37,7 +38,8 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
             output_lse: bool, copy_rows: bool, interpret: bool):
     """The merge kernel over stacked partials `[N, T', H * D]`, T' >= 128 (padded)."""
     plgpu = mc.plgpu()
-    bt, steps = mc.BLOCK_T, mc.STEPS
+    tune = mc.TUNING["merge_n"]
+    bt, steps = mc.BLOCK_T, tune["steps"]
     nc = head_dim // dc
     nsplit = pl.cdiv(pl.cdiv(num_tokens, bt), steps)
     L = plgpu.Layout.WGMMA
@@ -56,21 +58,13 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
 
         def step(idx, x_s, acc):
             i, n = idx
-            t0 = mc.tile_start(sp, i, num_tokens)
+            t0 = mc.tile_start(sp, i, num_tokens, steps)
 
             @pl.when(n == 0)
             def _weights():  # docs/spec.md 8.2, 8.3
                 ls = [plgpu.layout_cast(l_g[pl.ds((k * num_heads + h) * num_tokens + t0, bt)], LS)
                       for k in range(num_partials)]
-                m = ls[0]
-                for k in range(1, num_partials):
-                    m = jnp.maximum(m, ls[k])
-                all_empty = m == -jnp.inf
-                m = jnp.where(all_empty, 0.0, m)
-                e = [jnp.exp(lk - m) for lk in ls]
-                z = e[0]
-                for k in range(1, num_partials):
-                    z = z + e[k]
+                m, all_empty, e, z = _math.n_way_max_and_sum(ls)
                 for k in range(num_partials):
                     w_smem[k] = e[k] / z
                 w_smem[num_partials] = jnp.where(all_empty, 1.0, 0.0)
@@ -95,18 +89,19 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                     result = jnp.where(copy, x, out.astype(x.dtype))
                 else:
                     result = out.astype(o_scr.dtype)
-                mc.store_tile(result, o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * dc, dc)])
+                mc.store_tile(result, o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * dc, dc)], i)
 
             return acc
 
-        spec = plgpu.BlockSpec((None, pl.Element(bt), dc), lambda i, n: (n, mc.tile_start(sp, i, num_tokens), hc))
+        spec = plgpu.BlockSpec((None, pl.Element(bt), dc),
+                               lambda i, n: (n, mc.tile_start(sp, i, num_tokens, steps), hc))
         plgpu.emit_pipeline(step, grid=(steps, num_partials), in_specs=[spec],
-                            max_concurrent_steps=mc.MAX_CONCURRENT_STEPS,
+                            max_concurrent_steps=tune["concurrent"],
                             init_carry=plgpu.layout_cast(jnp.zeros((bt, dc), F32), L))(x_g)
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [plgpu.SMEM((num_partials + 1, bt), F32), plgpu.SMEM((bt,), F32),
-               plgpu.SMEM((bt, dc), out_type[0].dtype)]
+               plgpu.SMEM((tune["stores"], bt, dc), out_type[0].dtype)]
     return mc.kernel(body, out_type=tuple(out_type), grid=(num_heads * nc, nsplit), grid_names=("hc", "s"),
                         scratch_types=scratch, interpret=interpret)
 
@@ -116,21 +111,14 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
                    return_lse, out_dtype, lse_layout, lse_base2, interpret):
     """`pallas_impl.merge_attn_states_n` with backend="mosaic_gpu" (its arguments, checked there)."""
     num_partials, num_tokens, num_heads, head_dim = outputs.shape
-    dc = mc.column_chunk(head_dim, jnp.dtype(outputs.dtype).itemsize)
+    dc = mc.column_chunk(head_dim, jnp.dtype(outputs.dtype).itemsize, mc.TUNING["merge_n"]["tile_bytes"])
     fp8 = output_scale is not None
     prefill = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     # XLA before the kernel (docs/spec.md 8.1): natural-log LSEs, sentinels read as -inf, the fused mask.
-    raw_th = jnp.swapaxes(lses, 1, 2) if lse_layout == "HT" else lses  # [N, T, H]
-    lse = jax.vmap(lambda x: mc.normalised_th(x, "TH", lse_base2))(raw_th)
-    last_raw = raw_th[-1]
-    if query_start_loc is not None and query_start_loc.shape[0] > 1:
-        empty = jax.vmap(lambda cu: jnp_fallback._empty_tokens(query_start_loc, cu, num_tokens))(cu_seq_lens)
-        lse = jnp.where(empty[:, :, None], -jnp.inf, lse)
-        last_raw = jnp.where(empty[-1][:, None], -jnp.inf, last_raw)  # 8.4: the mask reaches the copied LSE
+    last_raw, lf = mc.normalised_stack(lses, query_start_loc, cu_seq_lens, lse_layout, lse_base2)
     tp = max(num_tokens, mc.BLOCK_T)
     x = mc.padded_rows(outputs.reshape(num_partials, num_tokens, num_heads * head_dim), num_tokens, 0)
-    lf = jnp.swapaxes(mc.padded_rows(lse, num_tokens, -jnp.inf), 1, 2).reshape(-1)  # [N * H * T'], rows (k, h)
     copy_rows = prefill_tokens_with_context is not None and not fp8
     args = [x, lf]
     if copy_rows:
