@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# One GPU run of everything: versions, the test suite, the full parity check, the demos and the benchmark.
+# One GPU run: versions, the GPU tests, the full parity check, the demos, the benchmark and the sweeps.
 #
-#   OUT=/some/dir BENCH_ARGS="--quick" bash scripts/gpu_check.sh      # from the repository root
+#   OUT=/some/dir [PLAN=all|tests|bench|mosaic|mosaic_speed] bash scripts/gpu_check.sh     # from the repository root
 #
-# Writes 8 files to $OUT (default ./out): env.txt pytest.log check.log check_full.json demo.log (both demos)
-# bench.log bench.json bench.png. A failing step does not stop the next one. Each step runs under `timeout`, sized
-# from what is left of DEADLINE_S (default 560 s), so the whole script ends in under 9.5 minutes.
-# BENCH_ARGS (default "--quick") goes to `python -m parity bench`; use "" for the full grid.
-# PLAN=mosaic runs the Mosaic GPU backend's steps instead (see below); PLAN=mosaic_speed only times its kernels
-# beside the Triton backend's and sweeps its launch choices (scripts/mosaic_speed.py, ~2.5 min: mosaic_speed.log/.json).
-# Exit status: 0 when every step exited 0, else 1 (124 in the summary means that step timed out).
+# PLAN picks the steps; each plan but "all" fits one 10-minute call (DEADLINE_S, default 560 s; "all": 1500 s):
+#   tests         the GPU-marked tests (`pytest -m gpu`; the CPU tests are CI's), the full parity check, the demos
+#                 (modelled backends, context parallelism, real attention kernels): pytest.log check.log
+#                 check_full.json demo.log
+#   bench         `python -m parity bench` (BENCH_ARGS, default "--quick": GPU time, eager and host cost per call
+#                 beside their floors, the layout axis), the host cost of every Triton entry point
+#                 (scripts/host_cost.py) and the mask's split sweep beside `fill_` (scripts/mask_floor.py):
+#                 bench.log bench.json bench.png host_cost.log mask_floor.log mask_floor.json
+#   mosaic        the Mosaic GPU backend of pallas_impl: its tests, the full check on it, the bench of the Pallas
+#                 kernels on each backend
+#   mosaic_speed  the Mosaic GPU kernels timed beside the Triton backend's, with a sweep of their launch choices
+#   all           tests, then bench (the default)
+# Always env.txt. A failing step does not stop the next one; each runs under `timeout`, sized from what is left of
+# DEADLINE_S. Exit status: 0 when every step exited 0, else 1 (124 in the summary means that step timed out).
 
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +24,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 PY=${PYTHON:-python3}
 BENCH_ARGS=${BENCH_ARGS---quick}
-DEADLINE_S=${DEADLINE_S:-560}
+PLAN=${PLAN:-all}
+DEADLINE_S=${DEADLINE_S:-$([ "$PLAN" = all ] && echo 1500 || echo 560)}
 mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -82,12 +90,12 @@ EOF
 # pytest-xdist (in the device image) spreads the kernel compiles over 4 workers; without it, one process.
 XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
 
-if [ "${PLAN:-main}" = mosaic_speed ]; then
+if [ "$PLAN" = mosaic_speed ]; then
     step mosaic_speed 200 5 "$OUT/mosaic_speed.log" "$PY" scripts/mosaic_speed.py --json "$OUT/mosaic_speed.json"
     printf '%s' "$SUMMARY"
     exit "$FAILED"
 fi
-if [ "${PLAN:-main}" = mosaic ]; then
+if [ "$PLAN" = mosaic ]; then
     # PLAN=mosaic: the experimental Mosaic GPU backend of pallas_impl only (docs/design.md, "Mosaic GPU backend"):
     # the Pallas test suite with that backend as the default (PALLAS_IMPL_BACKEND) and its own tests (bits against
     # the Triton backend), the full parity check with Pallas on Mosaic GPU, and the bench of the Pallas merges and
@@ -105,25 +113,31 @@ if [ "${PLAN:-main}" = mosaic ]; then
     printf '%s' "$SUMMARY"
     exit "$FAILED"
 fi
-# shellcheck disable=SC2086
-step pytest 190 230 "$OUT/pytest.log" "$PY" -m pytest -q -rs $XDIST
-# The full check compiles ~120 kernels per framework: CHECK_SHARDS processes split the cases (--shard K/N).
-step check 150 90 "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json"
-step demo 90 100 "$OUT/demo.log" "$PY" -m parity demo --size large
-# The context-parallel demo: JAX over 4 ranks simulated by a named vmap on the one GPU, torch on 4 gloo ranks.
-step demo_cp 60 60 "$OUT/demo_cp.log" "$PY" -m parity demo --cp 4 --interleave 2
-# The partials of real attention kernels (PyTorch's FlashAttention-2, cuDNN through jax.nn).
-for backend in torch-flash jax-cudnn; do
-    step "demo_$backend" 60 60 "$OUT/demo_real.log" "$PY" -m parity demo --backend "$backend" --size real
-    cat "$OUT/demo_real.log" >> "$OUT/demo_cp.log"
-done
-cat "$OUT/demo_cp.log" >> "$OUT/demo.log" && rm -f "$OUT/demo_cp.log" "$OUT/demo_real.log"
-
-# The bench stops starting new points 60 s before its timeout, so the JSON, table and plot still get written.
-BENCH_T=$(( $(remaining) - 5 ))
-# shellcheck disable=SC2086  # BENCH_ARGS is a list of options
-step bench 600 5 "$OUT/bench.log" "$PY" -m parity bench --budget-s $(( BENCH_T > 90 ? BENCH_T - 60 : 30 )) \
-    $BENCH_ARGS --json "$OUT/bench.json" --plot "$OUT/bench.png"
+if [ "$PLAN" = all ] || [ "$PLAN" = tests ]; then
+    # shellcheck disable=SC2086
+    step pytest 200 240 "$OUT/pytest.log" "$PY" -m pytest -q -rs -m gpu $XDIST
+    # The full check compiles ~120 kernels per framework: CHECK_SHARDS processes split the cases (--shard K/N).
+    step check 150 100 "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json"
+    step demo 90 110 "$OUT/demo.log" "$PY" -m parity demo --size large
+    # The context-parallel demo: JAX over 4 ranks simulated by a named vmap on the one GPU, torch on 4 gloo ranks;
+    # then the partials of real attention kernels (PyTorch's FlashAttention-2, cuDNN through jax.nn).
+    step demo_cp 60 70 "$OUT/demo_more.log" "$PY" -m parity demo --cp 4 --interleave 2
+    cat "$OUT/demo_more.log" >> "$OUT/demo.log"
+    for backend in torch-flash jax-cudnn; do
+        step "demo_$backend" 60 5 "$OUT/demo_more.log" "$PY" -m parity demo --backend "$backend" --size real
+        cat "$OUT/demo_more.log" >> "$OUT/demo.log"
+    done
+    rm -f "$OUT/demo_more.log"
+fi
+if [ "$PLAN" = all ] || [ "$PLAN" = bench ]; then
+    step host_cost 90 300 "$OUT/host_cost.log" "$PY" scripts/host_cost.py
+    step mask_floor 150 200 "$OUT/mask_floor.log" "$PY" scripts/mask_floor.py --json "$OUT/mask_floor.json"
+    # The bench stops starting new points 60 s before its timeout, so the JSON, table and plot still get written.
+    BENCH_T=$(( $(remaining) - 5 ))
+    # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
+    step bench 600 5 "$OUT/bench.log" "$PY" -m parity bench --budget-s $(( BENCH_T > 90 ? BENCH_T - 60 : 30 )) \
+        $BENCH_ARGS --json "$OUT/bench.json" --plot "$OUT/bench.png"
+fi
 
 echo "== summary ($(( $(date +%s) - START ))s of ${DEADLINE_S}s)"
 printf '%s' "$SUMMARY"
