@@ -38,8 +38,10 @@ TUNING = {
     "merge_n": dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1),
     "cp_rescale": dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2),
     # heads: LSE rows (of 128 tokens) per CTA; the output rows are split as many ways as the heads.
-    # tokens: output rows (of one head group's share) per TMA store of zeros.
+    # tokens: output rows (of one head group's share) per TMA store of zeros. "mask_lse": without output zeroing
+    # (from the H200 sweep of scripts/mosaic_speed.py, docs/results.md).
     "mask": dict(heads=4, tokens=8),
+    "mask_lse": dict(heads=16),
 }
 
 
@@ -97,16 +99,18 @@ def store_tile(result, o_scr, dst, count) -> None:
 
 
 def column_chunk(head_dim: int, itemsize: int, tile_bytes: int = 32 * 1024) -> int:
-    """Columns of one TMA tile: the largest divisor of D of 16-byte rows within MAX_COLS and `tile_bytes` (at
-    least one 16-byte column)."""
-    if head_dim * itemsize % 16:
-        raise NotImplementedError(f"backend='mosaic_gpu' needs D * itemsize to be a multiple of 16 bytes (TMA rows); "
-                                  f"got D={head_dim} with {itemsize}-byte elements: use backend='triton'")
+    """Columns of one TMA tile: the largest divisor of D of 16-byte rows and a multiple of 8 columns (the WGMMA
+    register layout's tile, 8 wide) within MAX_COLS and `tile_bytes` (at least the narrowest such column)."""
+    if head_dim * itemsize % 16 or head_dim % 8:
+        raise NotImplementedError(f"backend='mosaic_gpu' needs D * itemsize to be a multiple of 16 bytes (TMA rows) and "
+                                  f"D a multiple of 8 (the register layout's tile); got D={head_dim} with "
+                                  f"{itemsize}-byte elements: use backend='triton'")
+    narrowest = max(8, 16 // itemsize)
     for dc in range(min(head_dim, MAX_COLS), 0, -1):
-        fits = BLOCK_T * dc * itemsize <= tile_bytes or dc * itemsize == 16
-        if head_dim % dc == 0 and dc * itemsize % 16 == 0 and fits:
+        fits = BLOCK_T * dc * itemsize <= tile_bytes or dc == narrowest
+        if head_dim % dc == 0 and dc * itemsize % 16 == 0 and dc % 8 == 0 and fits:
             return dc
-    raise AssertionError("unreachable: a 16-byte column divides D * itemsize")
+    raise AssertionError("unreachable: 8 columns (or 16 bytes) divide D")
 
 
 def normalised_th(lse, lse_layout: str, lse_base2: bool):

@@ -7,7 +7,8 @@ In place: the LSE (and output) enter the kernel as JAX refs, which the kernel ca
 (input_output_aliases), so under `jax.jit(..., donate_argnames=...)` nothing is copied. Mosaic GPU has no masked
 store, so the ragged writes are done differently from the Triton kernel (the semantics are the same, and bit-exact
 by construction: the mask does no arithmetic):
-- grid (128-token blocks, head groups of `TUNING["mask"]["heads"]` LSE rows); the last block is shifted to end at T.
+- grid (128-token blocks, head groups of `TUNING["mask"]["heads"]` LSE rows, `TUNING["mask_lse"]["heads"]` without
+  output zeroing); the last block is shifted to end at T.
   Two scalar binary searches over `query_start_loc` find the requests that intersect the block; a block with no
   empty request among them writes nothing;
 - otherwise each of the group's 128-element LSE chunks (a head's row of the block, or with the `[T, H]` layout
@@ -75,7 +76,7 @@ def _kernel(num_heads: int, num_tokens: int, zero_tile: tuple[int, int, int], nu
     plgpu = mc.plgpu()
     bt = mc.BLOCK_T
     nsteps = max(1, math.ceil(math.log2(num_requests + 2)) + 1)
-    per_group = min(mc.TUNING["mask"]["heads"], num_heads)
+    per_group = min(mc.TUNING["mask" if zero_output else "mask_lse"]["heads"], num_heads)
     groups = pl.cdiv(num_heads, per_group)
     k, rpg, cols, rows_total = zero_tile
     LS = plgpu.Layout.WG_STRIDED((bt,), vec_size=1)
