@@ -113,8 +113,8 @@ def main():
         empty = per_call_us(lambda: _empty_kernel[(1,)](x), args.calls, sync, args.rounds)
         real = {name: per_call_us(f, args.calls, sync, args.rounds) for name, f in entries.items()}
     saved = [getattr(m, k) for m, k in KERNELS]
-    for m, k in KERNELS:
-        setattr(m, k, _NoLaunch())
+    for m, k in KERNELS:  # each module's {lse_layout: kernel}
+        setattr(m, k, dict.fromkeys(triton_impl._common.LSE_LAYOUTS, _NoLaunch()))
     try:
         stubbed = {name: per_call_us(f, args.calls, lambda: None, args.rounds) for name, f in entries.items()}
     finally:

@@ -9,10 +9,11 @@ import torch
 
 import triton_impl
 from triton_impl import _common as c
+from triton_impl import cp_merge as cp_merge_mod
 from triton_impl import mask as mask_mod
 from triton_impl import merge as merge_mod
 from triton_impl import merge_n as merge_n_mod
-from triton_keys import kernel_params
+from triton_keys import kernel_params, lse_strides
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 T, H, D, N = 6, 2, 8, 3
@@ -141,6 +142,25 @@ class _Hooks:
     launch_enter_hook = launch_exit_hook = None
 
 
+KERNELS = {"mask": mask_mod._mask_empty_context_lse_kernel, "merge": merge_mod._merge_attn_states_kernel,
+           "merge_n": merge_n_mod._merge_attn_states_n_kernel, "cp_rescale": cp_merge_mod._cp_rescale_kernel}
+
+
+@pytest.mark.parametrize("entry", list(KERNELS))
+def test_only_the_lse_strides_that_follow_t_are_runtime(entry):
+    # docs/design.md, "Runtime values": one kernel function, one @triton.jit per LSE layout. [H, T]: the LSE
+    # head strides (= T) are runtime, the token strides (1) specialised. [T, H]: every LSE head and token stride
+    # is specialised (1 and H). Both layouts list the same other runtime values.
+    names, _, dns_ht, _ = kernel_params(KERNELS[entry]["HT"])
+    names_th, _, dns_th, _ = kernel_params(KERNELS[entry]["TH"])
+    assert names_th == names and KERNELS[entry]["HT"].fn is KERNELS[entry]["TH"].fn
+    head, token = lse_strides(names, "h"), lse_strides(names, "t")
+    assert head and len(token) == len(head)
+    assert head <= dns_ht and not token & dns_ht
+    assert not (head | token) & dns_th
+    assert dns_ht - head == dns_th
+
+
 @pytest.mark.parametrize("entry", ["mask", "merge", "merge_n"])
 def test_direct_launch_passes_every_parameter_in_order(plans, monkeypatch, entry):
     # The second call of a signature goes to the compiled kernel's launcher with what JITFunction.run would pass:
@@ -148,8 +168,8 @@ def test_direct_launch_passes_every_parameter_in_order(plans, monkeypatch, entry
     module, name = {"mask": (mask_mod, "_mask_empty_context_lse_kernel"),
                     "merge": (merge_mod, "_merge_attn_states_kernel"),
                     "merge_n": (merge_n_mod, "_merge_attn_states_n_kernel")}[entry]
-    fake = _FakeKernel(_arg_names(getattr(module, name)))
-    monkeypatch.setattr(module, name, fake)
+    fake = _FakeKernel(_arg_names(getattr(module, name)["HT"]))
+    monkeypatch.setitem(getattr(module, name), "HT", fake)
     monkeypatch.setattr(c, "DIRECT_LAUNCH", True)
     monkeypatch.setattr(c, "interpreting", lambda: False)
     monkeypatch.setattr(c, "_driver", lambda: (lambda: 0, lambda device: 1234, _Hooks))
@@ -182,8 +202,8 @@ def test_direct_launch_passes_every_parameter_in_order(plans, monkeypatch, entry
 
 
 def test_direct_launch_falls_back_for_unaligned_pointers(plans, monkeypatch):
-    fake = _FakeKernel(_arg_names(merge_mod._merge_attn_states_kernel))
-    monkeypatch.setattr(merge_mod, "_merge_attn_states_kernel", fake)
+    fake = _FakeKernel(_arg_names(merge_mod._merge_attn_states_kernel["HT"]))
+    monkeypatch.setitem(merge_mod._merge_attn_states_kernel, "HT", fake)
     monkeypatch.setattr(c, "DIRECT_LAUNCH", True)
     monkeypatch.setattr(c, "interpreting", lambda: False)
     monkeypatch.setattr(c, "_driver", lambda: (lambda: 0, lambda device: 1234, _Hooks))

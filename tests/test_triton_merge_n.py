@@ -213,19 +213,22 @@ def test_property_merge_is_associative_within_tolerance(seed):
 # No recompilation
 
 
-def test_runtime_values_are_not_specialised():
-    names, constexprs, dns, _ = kernel_params(merge_n_mod._merge_attn_states_n_kernel)
-    runtime = {"prefill_tokens_with_context", "num_tokens", "num_requests", "stride_lse_n", "stride_lse_h",
-               "stride_olse_h", "stride_cu_n"}
+@pytest.mark.parametrize("lse_layout", ["HT", "TH"])
+def test_runtime_values_are_not_specialised(lse_layout):
+    names, constexprs, dns, _ = kernel_params(merge_n_mod._merge_attn_states_n_kernel[lse_layout])
+    runtime = {"prefill_tokens_with_context", "num_tokens", "num_requests", "stride_lse_n", "stride_cu_n"}
+    if lse_layout == "HT":  # the head strides are T
+        runtime |= {"stride_lse_h", "stride_olse_h"}
     assert runtime <= set(names) and not runtime & constexprs
     assert runtime <= dns, f"{runtime - dns} would be specialised (a recompile when they hit 1 or 16k)"
     assert "NUM_PARTIALS" in constexprs  # fixed by the deployment (the context-parallel group size)
 
 
 @pytest.mark.gpu
-def test_no_recompilation_across_batches():
-    kernel = merge_n_mod._merge_attn_states_n_kernel
-    base = cases.by_name("n4_bf16_fp8_out")
+@pytest.mark.parametrize("lse_layout", ["HT", "TH"])
+def test_no_recompilation_across_batches(lse_layout):
+    kernel = merge_n_mod._merge_attn_states_n_kernel[lse_layout]
+    base = dataclasses.replace(cases.by_name("n4_bf16_fp8_out"), lse_layout=lse_layout)
 
     def launch(query_lens, contexts, ptwc):
         case = dataclasses.replace(base, query_lens=query_lens, context_lens=contexts)
