@@ -219,45 +219,50 @@ def test_direct_launch_falls_back_for_unaligned_pointers(plans, monkeypatch):
 # torch.compile and CUDA graphs around the plain functions
 
 
-def _pipeline(t, qsl, cu, outs, lses):
+def _pipeline(t, qsl, cu, outs, lses, lse_layout="HT"):
     """Mask, 2-way merge and N-way merge through the plain functions; returns what they wrote (read after)."""
     lse, out = t["prefix_lse"].clone(), t["prefix_output"].clone()
-    triton_impl.mask_empty_context_lse(lse, qsl, cu, out)
+    triton_impl.mask_empty_context_lse(lse, qsl, cu, out, lse_layout=lse_layout)
     merged, merged_lse = torch.empty_like(out), torch.empty_like(lse)
-    triton_impl.merge_attn_states(merged, out, lse, t["suffix_output"], t["suffix_lse"], merged_lse, 4)
+    triton_impl.merge_attn_states(merged, out, lse, t["suffix_output"], t["suffix_lse"], merged_lse, 4,
+                                  lse_layout=lse_layout)
     merged_n = torch.empty_like(out)
-    triton_impl.merge_attn_states_n(merged_n, outs, lses, None, 5, lse_base=math.e)
+    triton_impl.merge_attn_states_n(merged_n, outs, lses, None, 5, lse_base=math.e, lse_layout=lse_layout)
     return lse * 1.0, merged * 1.0, merged_lse * 1.0, merged_n * 1.0
 
 
-def test_plain_functions_trace_fullgraph_on_cpu(monkeypatch):
+@pytest.mark.parametrize("lse_layout", ["HT", "TH"])
+def test_plain_functions_trace_fullgraph_on_cpu(monkeypatch, lse_layout):
     # The interpreter's kernels do not trace (Dynamo cannot follow the interpreter's launch), so on CPU the launch is
-    # recorded: every check and the launch arguments must trace in one graph (no data_ptr arithmetic).
+    # recorded: every check, the layout's kernel and the launch arguments must trace in one graph (no data_ptr
+    # arithmetic).
     if DEVICE != "cpu":
         pytest.skip("the CPU variant of test_torch_compile_fullgraph_around_the_plain_functions")
-    t = _merge_inputs(torch.float32)
+    t = _merge_inputs(torch.float32, lse_layout)
     qsl, cu = _offsets()
     outs, lses = torch.stack([t["prefix_output"], t["suffix_output"]] * 2), torch.stack([t["prefix_lse"]] * 4)
     launches = []
     monkeypatch.setattr(c, "launch", lambda kernel, grid, args, constexprs, state: launches.append(
-        (grid, [a for a in args if not isinstance(a, torch.Tensor)], constexprs)))
-    _pipeline(t, qsl, cu, outs, lses)
+        (kernel, grid, [a for a in args if not isinstance(a, torch.Tensor)], constexprs)))
+    _pipeline(t, qsl, cu, outs, lses, lse_layout)
     eager = list(launches)
     launches.clear()
-    torch.compile(_pipeline, backend="eager", fullgraph=True)(t, qsl, cu, outs, lses)
+    torch.compile(_pipeline, backend="eager", fullgraph=True)(t, qsl, cu, outs, lses, lse_layout)
     assert len(eager) == 3 and launches == eager
+    assert [k for k, *_ in eager] == [KERNELS[e][lse_layout] for e in ("mask", "merge", "merge_n")]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lse_layout", ["HT", "TH"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_torch_compile_fullgraph_around_the_plain_functions(backend):
+def test_torch_compile_fullgraph_around_the_plain_functions(backend, lse_layout):
     # aot_eager runs the traced kernel launches as given; inductor launches user kernels itself (with the
-    # launch options, enable_fp_fusion=False included, or the bits would differ).
-    t = _merge_inputs(torch.float32)
+    # launch options, enable_fp_fusion=False included, or the bits would differ). Each layout has its own kernels.
+    t = _merge_inputs(torch.float32, lse_layout)
     qsl, cu = _offsets()
     outs, lses = torch.stack([t["prefix_output"], t["suffix_output"]] * 2), torch.stack([t["prefix_lse"]] * 4)
-    want = _pipeline(t, qsl, cu, outs, lses)
-    got = torch.compile(_pipeline, backend=backend, fullgraph=True)(t, qsl, cu, outs, lses)
+    want = _pipeline(t, qsl, cu, outs, lses, lse_layout)
+    got = torch.compile(_pipeline, backend=backend, fullgraph=True)(t, qsl, cu, outs, lses, lse_layout)
     for g, w in zip(got, want):
         assert torch.equal(g.view(torch.int32), w.view(torch.int32))
 
