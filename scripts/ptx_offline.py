@@ -2,11 +2,12 @@
 
     python scripts/ptx_offline.py [OUT_DIR]
 
-Triton kernels are compiled from source with the runtime specialisation a contiguous launch gets (unit
-token/dim strides, other specialisable strides and pointers multiples of 16). Pallas kernels are lowered for CUDA with `jax.export`; the
-Triton IR inside XLA's custom call is decoded with jaxlib's Triton dialect and compiled with the installed
-Triton. That is the Pallas kernel's IR through *this* Triton, not through XLA's own Triton pipeline, so it
-shows what the lowering asks for (loads, stores, vector widths), not the final GPU code.
+Triton kernels are compiled from source, in both LSE layouts, with the runtime specialisation a contiguous
+launch gets (unit LSE/dim strides, other specialisable strides and pointers multiples of 16). Pallas kernels
+are lowered for CUDA with `jax.export`; the Triton IR inside XLA's custom call is decoded with jaxlib's Triton
+dialect and compiled with the installed Triton. That is the Pallas kernel's IR through *this* Triton, not
+through XLA's own Triton pipeline, so it shows what the lowering asks for (loads, stores, vector widths), not
+the final GPU code.
 """
 
 from __future__ import annotations
@@ -90,34 +91,39 @@ def main() -> None:
     sds = jax.ShapeDtypeStruct
     i32 = sds((R + 1,), jnp.int32)
     block_h, _, _ = tc.mask_tiles(H, 1)
-    ptx = {
-        "triton mask": triton_ptx(
-            tmask._mask_empty_context_lse_kernel, dict(lse_ptr="*fp32", out_ptr="*fp32", qsl_ptr="*i32",
-                                                       cu_ptr="*i32"),
+    # The unit LSE stride of each layout, as a contiguous launch specialises it (token stride in [H, T], head
+    # stride in [T, H]); the other (T or H) is a multiple of 16 unless listed in do_not_specialize.
+    unit = {"HT": "stride_{}_t", "TH": "stride_{}_h"}
+    ptx = {}
+    for layout in tc.LSE_LAYOUTS:
+        ptx[f"triton mask {layout}"] = triton_ptx(
+            tmask._mask_empty_context_lse_kernel[layout], dict(lse_ptr="*fp32", out_ptr="*fp32", qsl_ptr="*i32",
+                                                               cu_ptr="*i32"),
             dict(NUM_HEADS=H, HEAD_DIM=1, BLOCK_T=tc.MASK_BLOCK_T, SCAN=tc.SCAN, N_INTERPRET=0, BLOCK_H=block_h,
-                 BLOCK_HO=1, BLOCK_D=1, ZERO_OUTPUT=False, SPLIT_BLOCKS=False, stride_lse_t=1, stride_out_t=0, stride_out_h=0,
-                 stride_out_d=0), tc.MASK_NUM_WARPS),
-        "pallas mask": pallas_ptx(
-            lambda lse, q, c: pmask._mask_jit(lse, q, c, None, lse_layout="HT", interpret=False),
-            (sds((H, T), jnp.float32), i32, i32), tc.MASK_NUM_WARPS),
-    }
+                 BLOCK_HO=1, BLOCK_D=1, ZERO_OUTPUT=False, SPLIT_BLOCKS=False, stride_out_t=0, stride_out_h=0, stride_out_d=0,
+                 **{unit[layout].format("lse"): 1}), tc.MASK_NUM_WARPS)
+    ptx["pallas mask HT"] = pallas_ptx(
+        lambda lse, q, c: pmask._mask_jit(lse, q, c, None, lse_layout="HT", interpret=False),
+        (sds((H, T), jnp.float32), i32, i32), tc.MASK_NUM_WARPS)
     block_t, block_h, block_d = tc.merge_tiles(H, D, "lse")
-    ptx["triton merge"] = triton_ptx(
-        tmerge._merge_attn_states_kernel,
-        dict(out_ptr="*bf16", out_lse_ptr="*fp32", prefix_ptr="*bf16", prefix_lse_ptr="*fp32", suffix_ptr="*bf16",
-             suffix_lse_ptr="*fp32", scale_ptr="*fp32", qsl_ptr="*i32", cu_ptr="*i32"),
-        dict(NUM_HEADS=H, HEAD_DIM=D, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, SCAN=tc.SCAN,
-             N_INTERPRET=0, LSE_BASE2=False, OUTPUT_LSE=True, FUSED_MASK=False, FP8_OUT=False, INTERPRET=False,
-             stride_out_d=1, stride_p_d=1, stride_s_d=1, stride_olse_t=1, stride_plse_t=1, stride_slse_t=1),
-        tc.merge_num_warps("lse"))
+    for layout in tc.LSE_LAYOUTS:
+        ptx[f"triton merge {layout}"] = triton_ptx(
+            tmerge._merge_attn_states_kernel[layout],
+            dict(out_ptr="*bf16", out_lse_ptr="*fp32", prefix_ptr="*bf16", prefix_lse_ptr="*fp32",
+                 suffix_ptr="*bf16", suffix_lse_ptr="*fp32", scale_ptr="*fp32", qsl_ptr="*i32", cu_ptr="*i32"),
+            dict(NUM_HEADS=H, HEAD_DIM=D, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, SCAN=tc.SCAN,
+                 N_INTERPRET=0, LSE_BASE2=False, OUTPUT_LSE=True, FUSED_MASK=False, FP8_OUT=False, INTERPRET=False,
+                 stride_out_d=1, stride_p_d=1, stride_s_d=1,
+                 **{unit[layout].format(x): 1 for x in ("olse", "plse", "slse")}),
+            tc.merge_num_warps("lse"))
     x, lse = sds((T, H, D), jnp.bfloat16), sds((H, T), jnp.float32)
-    ptx["pallas merge"] = pallas_ptx(
+    ptx["pallas merge HT"] = pallas_ptx(
         lambda a, p, b, s: pmerge._merge_jit(a, p, b, s, None, None, None, None, return_lse=True,
                                              out_dtype=jnp.dtype(jnp.bfloat16), lse_layout="HT", lse_base2=False,
                                              interpret=False),
         (x, lse, x, lse), pc.merge_num_warps("lse"))
     for name, text in ptx.items():
-        print(f"{name:13s}", stats(text))
+        print(f"{name:16s}", stats(text))
         if out_dir:
             with open(os.path.join(out_dir, name.replace(" ", "_") + ".ptx"), "w") as f:
                 f.write(text)

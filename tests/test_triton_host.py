@@ -9,10 +9,11 @@ import torch
 
 import triton_impl
 from triton_impl import _common as c
+from triton_impl import cp_merge as cp_merge_mod
 from triton_impl import mask as mask_mod
 from triton_impl import merge as merge_mod
 from triton_impl import merge_n as merge_n_mod
-from triton_keys import kernel_params
+from triton_keys import kernel_params, lse_strides
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 T, H, D, N = 6, 2, 8, 3
@@ -141,6 +142,25 @@ class _Hooks:
     launch_enter_hook = launch_exit_hook = None
 
 
+KERNELS = {"mask": mask_mod._mask_empty_context_lse_kernel, "merge": merge_mod._merge_attn_states_kernel,
+           "merge_n": merge_n_mod._merge_attn_states_n_kernel, "cp_rescale": cp_merge_mod._cp_rescale_kernel}
+
+
+@pytest.mark.parametrize("entry", list(KERNELS))
+def test_only_the_lse_strides_that_follow_t_are_runtime(entry):
+    # docs/design.md, "Runtime values": one kernel function, one @triton.jit per LSE layout. [H, T]: the LSE
+    # head strides (= T) are runtime, the token strides (1) specialised. [T, H]: every LSE head and token stride
+    # is specialised (1 and H). Both layouts list the same other runtime values.
+    names, _, dns_ht, _ = kernel_params(KERNELS[entry]["HT"])
+    names_th, _, dns_th, _ = kernel_params(KERNELS[entry]["TH"])
+    assert names_th == names and KERNELS[entry]["HT"].fn is KERNELS[entry]["TH"].fn
+    head, token = lse_strides(names, "h"), lse_strides(names, "t")
+    assert head and len(token) == len(head)
+    assert head <= dns_ht and not token & dns_ht
+    assert not (head | token) & dns_th
+    assert dns_ht - head == dns_th
+
+
 @pytest.mark.parametrize("entry", ["mask", "merge", "merge_n"])
 def test_direct_launch_passes_every_parameter_in_order(plans, monkeypatch, entry):
     # The second call of a signature goes to the compiled kernel's launcher with what JITFunction.run would pass:
@@ -148,8 +168,8 @@ def test_direct_launch_passes_every_parameter_in_order(plans, monkeypatch, entry
     module, name = {"mask": (mask_mod, "_mask_empty_context_lse_kernel"),
                     "merge": (merge_mod, "_merge_attn_states_kernel"),
                     "merge_n": (merge_n_mod, "_merge_attn_states_n_kernel")}[entry]
-    fake = _FakeKernel(_arg_names(getattr(module, name)))
-    monkeypatch.setattr(module, name, fake)
+    fake = _FakeKernel(_arg_names(getattr(module, name)["HT"]))
+    monkeypatch.setitem(getattr(module, name), "HT", fake)
     monkeypatch.setattr(c, "DIRECT_LAUNCH", True)
     monkeypatch.setattr(c, "interpreting", lambda: False)
     monkeypatch.setattr(c, "_driver", lambda: (lambda: 0, lambda device: 1234, _Hooks))
@@ -182,8 +202,8 @@ def test_direct_launch_passes_every_parameter_in_order(plans, monkeypatch, entry
 
 
 def test_direct_launch_falls_back_for_unaligned_pointers(plans, monkeypatch):
-    fake = _FakeKernel(_arg_names(merge_mod._merge_attn_states_kernel))
-    monkeypatch.setattr(merge_mod, "_merge_attn_states_kernel", fake)
+    fake = _FakeKernel(_arg_names(merge_mod._merge_attn_states_kernel["HT"]))
+    monkeypatch.setitem(merge_mod._merge_attn_states_kernel, "HT", fake)
     monkeypatch.setattr(c, "DIRECT_LAUNCH", True)
     monkeypatch.setattr(c, "interpreting", lambda: False)
     monkeypatch.setattr(c, "_driver", lambda: (lambda: 0, lambda device: 1234, _Hooks))
@@ -199,45 +219,52 @@ def test_direct_launch_falls_back_for_unaligned_pointers(plans, monkeypatch):
 # torch.compile and CUDA graphs around the plain functions
 
 
-def _pipeline(t, qsl, cu, outs, lses):
+def _pipeline(t, qsl, cu, outs, lses, lse_layout="HT"):
     """Mask, 2-way merge and N-way merge through the plain functions; returns what they wrote (read after)."""
     lse, out = t["prefix_lse"].clone(), t["prefix_output"].clone()
-    triton_impl.mask_empty_context_lse(lse, qsl, cu, out)
+    triton_impl.mask_empty_context_lse(lse, qsl, cu, out, lse_layout=lse_layout)
     merged, merged_lse = torch.empty_like(out), torch.empty_like(lse)
-    triton_impl.merge_attn_states(merged, out, lse, t["suffix_output"], t["suffix_lse"], merged_lse, 4)
+    triton_impl.merge_attn_states(merged, out, lse, t["suffix_output"], t["suffix_lse"], merged_lse, 4,
+                                  lse_layout=lse_layout)
     merged_n = torch.empty_like(out)
-    triton_impl.merge_attn_states_n(merged_n, outs, lses, None, 5, lse_base=math.e)
+    triton_impl.merge_attn_states_n(merged_n, outs, lses, None, 5, lse_base=math.e, lse_layout=lse_layout)
     return lse * 1.0, merged * 1.0, merged_lse * 1.0, merged_n * 1.0
 
 
-def test_plain_functions_trace_fullgraph_on_cpu(monkeypatch):
+@pytest.mark.parametrize("lse_layout", ["HT", "TH"])
+def test_plain_functions_trace_fullgraph_on_cpu(monkeypatch, lse_layout):
     # The interpreter's kernels do not trace (Dynamo cannot follow the interpreter's launch), so on CPU the launch is
-    # recorded: every check and the launch arguments must trace in one graph (no data_ptr arithmetic).
+    # recorded: every check, the layout's kernel and the launch arguments must trace in one graph (no data_ptr
+    # arithmetic).
     if DEVICE != "cpu":
         pytest.skip("the CPU variant of test_torch_compile_fullgraph_around_the_plain_functions")
-    t = _merge_inputs(torch.float32)
+    t = _merge_inputs(torch.float32, lse_layout)
     qsl, cu = _offsets()
     outs, lses = torch.stack([t["prefix_output"], t["suffix_output"]] * 2), torch.stack([t["prefix_lse"]] * 4)
     launches = []
     monkeypatch.setattr(c, "launch", lambda kernel, grid, args, constexprs, state: launches.append(
-        (grid, [a for a in args if not isinstance(a, torch.Tensor)], constexprs)))
-    _pipeline(t, qsl, cu, outs, lses)
+        (kernel, grid, [a for a in args if not isinstance(a, torch.Tensor)], constexprs)))
+    _pipeline(t, qsl, cu, outs, lses, lse_layout)
     eager = list(launches)
     launches.clear()
-    torch.compile(_pipeline, backend="eager", fullgraph=True)(t, qsl, cu, outs, lses)
+    # dynamic=False: the other layout's run recompiles `_pipeline`, by default with symbolic shapes and strides,
+    # which the wrappers' stride checks cannot trace (sorting them).
+    torch.compile(_pipeline, backend="eager", fullgraph=True, dynamic=False)(t, qsl, cu, outs, lses, lse_layout)
     assert len(eager) == 3 and launches == eager
+    assert [k for k, *_ in eager] == [KERNELS[e][lse_layout] for e in ("mask", "merge", "merge_n")]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lse_layout", ["HT", "TH"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_torch_compile_fullgraph_around_the_plain_functions(backend):
+def test_torch_compile_fullgraph_around_the_plain_functions(backend, lse_layout):
     # aot_eager runs the traced kernel launches as given; inductor launches user kernels itself (with the
-    # launch options, enable_fp_fusion=False included, or the bits would differ).
-    t = _merge_inputs(torch.float32)
+    # launch options, enable_fp_fusion=False included, or the bits would differ). Each layout has its own kernels.
+    t = _merge_inputs(torch.float32, lse_layout)
     qsl, cu = _offsets()
     outs, lses = torch.stack([t["prefix_output"], t["suffix_output"]] * 2), torch.stack([t["prefix_lse"]] * 4)
-    want = _pipeline(t, qsl, cu, outs, lses)
-    got = torch.compile(_pipeline, backend=backend, fullgraph=True)(t, qsl, cu, outs, lses)
+    want = _pipeline(t, qsl, cu, outs, lses, lse_layout)
+    got = torch.compile(_pipeline, backend=backend, fullgraph=True, dynamic=False)(t, qsl, cu, outs, lses, lse_layout)
     for g, w in zip(got, want):
         assert torch.equal(g.view(torch.int32), w.view(torch.int32))
 

@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from triton_keys import kernel_params
+from triton_keys import Recorder, assert_one_variant, kernel_params
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -240,7 +240,8 @@ def test_has_empty_false_changes_nothing_and_launches_nothing(monkeypatch):
         def __getitem__(self, grid):
             raise AssertionError(f"kernel launched with grid {grid} although has_empty=False")
 
-    monkeypatch.setattr(mask_mod, "_mask_empty_context_lse_kernel", NoLaunch())
+    monkeypatch.setattr(mask_mod, "_mask_empty_context_lse_kernel",
+                        dict.fromkeys(triton_common.LSE_LAYOUTS, NoLaunch()))
     triton_impl.mask_empty_context_lse(lse, qsl_t, cu_t, out, has_empty=False)
     assert_bitwise_equal(lse, inp["prefix_lse"], name="mask.lse")
     assert_bitwise_equal(out, inp["prefix_output"], name="mask.output")
@@ -443,9 +444,10 @@ def test_property_has_empty_false_changes_nothing(case):
 
 
 def test_runtime_values_are_not_specialised():
-    names, constexprs, dns, _ = kernel_params(mask_mod._mask_empty_context_lse_kernel)
-    assert "num_requests" in names and "num_requests" not in constexprs
-    assert "num_requests" in dns, "R would be specialised (a recompile when it hits 1 or a multiple of 16)"
+    for layout in triton_common.LSE_LAYOUTS:
+        names, constexprs, dns, _ = kernel_params(mask_mod._mask_empty_context_lse_kernel[layout])
+        assert "num_requests" in names and "num_requests" not in constexprs
+        assert "num_requests" in dns, "R would be specialised (a recompile when it hits 1 or a multiple of 16)"
 
 
 @pytest.mark.parametrize("lse_layout", ["HT", "TH"])
@@ -453,17 +455,8 @@ def test_one_compiled_variant_per_configuration(monkeypatch, lse_layout):
     # The launches of one configuration (H=4, D=16 output, bf16) with new token and request counts (T = 1,
     # R = 1 and multiples of 16 included) must have the same specialisation key: one compiled kernel. The
     # kernel is replaced by a recorder, so this runs no interpreter.
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
-
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((args, kwargs))
-
-    kernel = mask_mod._mask_empty_context_lse_kernel
-    monkeypatch.setattr(mask_mod, "_mask_empty_context_lse_kernel", Recorder())
+    recorder = Recorder(mask_mod._mask_empty_context_lse_kernel)
+    monkeypatch.setattr(mask_mod, "_mask_empty_context_lse_kernel", recorder)
     monkeypatch.setattr(triton_common, "interpreting", lambda: False)  # record the compiled launch arguments
     monkeypatch.setattr(triton_common, "PLANS", {})  # launch plans made under that mode only
     batches = [(5, 0, 130), (64, 64, 1), (1,), (16,), _tiny_lens(20, 40, 9), _tiny_lens(21, 7, 50), (0, 48)]
@@ -474,34 +467,25 @@ def test_one_compiled_variant_per_configuration(monkeypatch, lse_layout):
         _, _, qsl_t, cu_t = _offsets(case)
         triton_impl.mask_empty_context_lse(bridge.to_torch(inp["prefix_lse"], DEVICE), qsl_t, cu_t,
                                            bridge.to_torch(inp["prefix_output"], DEVICE), lse_layout=lse_layout)
-    assert len(launches) == len(batches)
-
-    names, constexprs, dns, dns_align = kernel_params(kernel)
-    keys = []
-    for args, kwargs in launches:  # what Triton keys its compile cache by (see test_triton_merge.py)
-        bound = dict(zip(names, args))
-        bound.update((k, v) for k, v in kwargs.items() if k in names)
-        key = {name: repr(bound[name]) if name in constexprs else tuple(
-            native_specialize_impl(BaseBackend, bound[name], False, name not in dns, name not in dns_align))
-            for name in names}
-        key.update((k, repr(v)) for k, v in kwargs.items() if k not in names)
-        keys.append(key)
-    diffs = {}
-    for i, key in enumerate(keys[1:], 1):
-        diff = {k: (keys[0][k], key[k]) for k in key if keys[0][k] != key[k]}
-        if diff:
-            diffs[f"launch {i}"] = diff
-    assert not diffs, f"mask: these launches need other compiled variants than launch 0: {diffs}"
+    assert len(recorder[lse_layout].launches) == len(batches)
+    keys = recorder[lse_layout].keys()
+    assert_one_variant(keys, "mask")
+    # [H, T]: head stride T runtime, token stride 1 specialised; [T, H]: head stride 1, token stride H = 4.
+    want = dict(stride_lse_h=("i32", None), stride_lse_t=("constexpr", 1)) if lse_layout == "HT" else \
+        dict(stride_lse_h=("constexpr", 1), stride_lse_t=("i32", ""))
+    assert {k: keys[0][k] for k in want} == want
 
 
 @pytest.mark.gpu
-def test_no_recompilation_across_batches():
+@pytest.mark.parametrize("lse_layout", ["HT", "TH"])
+def test_no_recompilation_across_batches(lse_layout):
     # R and T are runtime values: new request counts and token counts reuse the compiled kernel.
-    kernel = mask_mod._mask_empty_context_lse_kernel
+    kernel = mask_mod._mask_empty_context_lse_kernel[lse_layout]
     shapes = [(3, (5, 0, 130)), (3, (64, 64, 1)), (40, _tiny_lens(20, 40, 9)), (7, _tiny_lens(21, 7, 50))]
 
     def launch(query_lens):
-        case = cases.Case("recompile", query_lens, _every_other(len(query_lens)), num_heads=4, head_dim=16)
+        case = cases.Case("recompile", query_lens, _every_other(len(query_lens)), num_heads=4, head_dim=16,
+                          lse_layout=lse_layout)
         _check_mask_case(case, zero_output=False)
 
     launch(shapes[0][1])

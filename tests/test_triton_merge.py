@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 import pytest
-from triton_keys import kernel_params
+from triton_keys import Recorder, assert_one_variant, kernel_params, lse_strides, variants
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -178,11 +178,13 @@ def test_output_lse_none():
 # Layouts and strides
 
 
-def test_lse_th_buffers_via_strides_equal_th_layout():
-    # [T, H] LSE buffers passed as [H, T] views (.t()) with lse_layout="HT" must give the same bits as the
-    # buffers themselves with lse_layout="TH", output LSE included.
-    case = cases.Case("th_strides", (12, 0, 30, 5), (0, 1), num_heads=5, head_dim=64, dtype="float32",
-                      lse_layout="TH", specials=True, padding=4)
+@pytest.mark.parametrize("stored", ["TH", "HT"])
+def test_lse_buffers_via_transposed_views(stored):
+    # LSE buffers stored in one layout and passed through .t() under the other layout's name (the kernel of that
+    # name, with its specialisation: docs/design.md "Runtime values") must give the same bits as the buffers
+    # themselves under their own layout, output LSE included.
+    case = cases.Case("transposed_lse", (12, 0, 30, 5), (0, 1), num_heads=5, head_dim=64, dtype="float32",
+                      lse_layout=stored, specials=True, padding=4)
     inp = cases.make_inputs(case)
     t = {k: bridge.to_torch(v, DEVICE) for k, v in inp.items()}
     T, H, D = case.num_tokens, case.num_heads, case.head_dim
@@ -190,16 +192,18 @@ def test_lse_th_buffers_via_strides_equal_th_layout():
     results = {}
     for layout in ("HT", "TH"):
         out = torch.full((T, H, D), float("nan"), device=DEVICE)
-        out_lse = torch.full((T, H), float("nan"), device=DEVICE)  # [T, H] storage in both runs
-        view = (lambda x: x.t()) if layout == "HT" else (lambda x: x)
+        out_lse = torch.full((H, T) if stored == "HT" else (T, H), float("nan"), device=DEVICE)  # stored in both runs
+        view = (lambda x: x) if layout == stored else (lambda x: x.t())
         triton_impl.merge_attn_states(out, t["prefix_output"], view(t["prefix_lse"]), t["suffix_output"],
                                       view(t["suffix_lse"]), view(out_lse), 30, lse_layout=layout, **fused)
         results[layout] = out, out_lse
-    assert_bitwise_equal(results["HT"][0], results["TH"][0], name="merge.out HT-view vs TH")
-    assert_bitwise_equal(results["HT"][1], results["TH"][1], name="merge.lse HT-view vs TH", layout="TH")
-    _check(*results["TH"], inp["prefix_output"], inp["prefix_lse"], inp["suffix_output"], inp["suffix_lse"],
+    given = "TH" if stored == "HT" else "HT"
+    assert_bitwise_equal(results[given][0], results[stored][0], name=f"merge.out {given}-view vs {stored}")
+    assert_bitwise_equal(results[given][1], results[stored][1], name=f"merge.lse {given}-view vs {stored}",
+                         layout=stored)
+    _check(*results[stored], inp["prefix_output"], inp["prefix_lse"], inp["suffix_output"], inp["suffix_lse"],
            ptwc=30, fused_kw=dict(query_start_loc=inp["query_start_loc"], prefix_cu_seq_lens=inp["cu_seq_lens"]),
-           lse_layout="TH", case=case)
+           lse_layout=stored, case=case)
 
 
 def _in_slack(x: torch.Tensor) -> torch.Tensor:
@@ -388,85 +392,88 @@ def test_both_empty_rows_are_zero_and_neg_inf():
 # No recompilation (STYLE 6.1)
 
 
-class _Recorder:
-    """Stands in for a @triton.jit kernel: records each launch's arguments instead of running it."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.launches = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((args, kwargs))
-
-    def keys(self):
-        """What Triton keys its compile cache by, per launch: each runtime argument's specialisation (its
-        type, and for integers and pointers whether it is 1 or a multiple of 16), every constexpr value
-        and the launch options. Equal keys reuse one compiled kernel."""
-        from triton._C.libtriton import native_specialize_impl
-        from triton.backends.compiler import BaseBackend
-
-        names, constexprs, dns, dns_align = kernel_params(self.kernel)
-        keys = []
-        for args, kwargs in self.launches:
-            bound = dict(zip(names, args))
-            bound.update((k, v) for k, v in kwargs.items() if k in names)
-            key = {}
-            for name in names:
-                v = bound[name]
-                key[name] = repr(v) if name in constexprs else tuple(
-                    native_specialize_impl(BaseBackend, v, False, name not in dns, name not in dns_align))
-            key.update((k, repr(v)) for k, v in kwargs.items() if k not in names)
-            keys.append(key)
-        return keys
-
-
-def _assert_one_variant(keys, what):
-    first = keys[0]
-    diffs = {}
-    for i, key in enumerate(keys[1:], 1):
-        diff = {k: (first.get(k), key.get(k)) for k in first.keys() | key.keys() if first.get(k) != key.get(k)}
-        if diff:
-            diffs[f"launch {i}"] = diff
-    assert not diffs, f"{what}: these launches need other compiled variants than launch 0: {diffs}"
-
-
 def test_runtime_values_are_not_specialised():
-    names, constexprs, dns, _ = kernel_params(merge_mod._merge_attn_states_kernel)
-    runtime = {"prefill_tokens_with_context", "num_tokens", "num_requests"}
-    assert runtime <= set(names)
-    assert not runtime & constexprs
-    assert runtime <= dns, f"{runtime - dns} would be specialised (a recompile when they hit 1 or 16k)"
+    for layout in triton_common.LSE_LAYOUTS:
+        names, constexprs, dns, _ = kernel_params(merge_mod._merge_attn_states_kernel[layout])
+        runtime = {"prefill_tokens_with_context", "num_tokens", "num_requests"}
+        assert runtime <= set(names)
+        assert not runtime & constexprs
+        assert runtime <= dns, f"{runtime - dns} would be specialised (a recompile when they hit 1 or 16k)"
+
+
+def _recorded_keys(monkeypatch, lse_layout, batches, make_case, **merge_kw):
+    """The specialisation keys of `lse_layout`'s kernel over `_merge_case` launches of `make_case(query_lens,
+    padding)`, one per batch (query_lens, padding, ptwc): the kernel is replaced by a recorder, so this runs no
+    interpreter and checks nothing."""
+    recorder = Recorder(merge_mod._merge_attn_states_kernel)
+    monkeypatch.setattr(merge_mod, "_merge_attn_states_kernel", recorder)
+    monkeypatch.setattr(triton_common, "interpreting", lambda: False)  # record the compiled launch arguments
+    monkeypatch.setattr(triton_common, "PLANS", {})  # launch plans made under that mode only
+    for query_lens, padding, ptwc in batches:
+        _merge_case(make_case(query_lens, padding), ptwc=ptwc, check=False, **merge_kw)
+    other, = set(triton_common.LSE_LAYOUTS) - {lse_layout}
+    assert len(recorder[lse_layout].launches) == len(batches) and not recorder[other].launches
+    return recorder[lse_layout].keys()
+
+
+# New token counts (T = 1 and multiples of 16 included), request counts and prefill_tokens_with_context values.
+_BATCHES = [((40, 0, 21), 3, 30), ((40, 0, 21), 3, 0), ((40, 0, 21), 3, 1), ((40, 0, 21), 3, 64),
+            ((13,), 3, 16), ((64, 61), 3, 125), ((1, 2, 3, 4, 5), 0, 7), ((1,), 0, 1), ((48,), 0, 32),
+            (_tiny_lens(40, 70, 9), 1, 100)]
 
 
 @pytest.mark.parametrize("lse_layout", ["HT", "TH"])
 def test_one_compiled_variant_per_configuration(monkeypatch, lse_layout):
     # STYLE 6.1 on any machine: the launches of one configuration (H=4, D=64, bf16, fused, output_lse) with
-    # new token counts (T = 1 and multiples of 16 included), request counts and prefill_tokens_with_context
-    # values must all have the same specialisation key, i.e. reuse one compiled kernel.
-    recorder = _Recorder(merge_mod._merge_attn_states_kernel)
+    # new token counts, request counts and prefill_tokens_with_context values must all have the same
+    # specialisation key, i.e. reuse one compiled kernel.
+    def make_case(query_lens, padding):
+        return cases.Case("recompile", query_lens, tuple(range(0, len(query_lens), 2)), num_heads=4, head_dim=64,
+                          lse_layout=lse_layout, padding=padding)
+
+    keys = _recorded_keys(monkeypatch, lse_layout, _BATCHES, make_case)
+    assert_one_variant(keys, "merge")
+    # The layout's unit LSE stride is specialised (1: contiguous, vectorisable LSE accesses); in [T, H] layout
+    # so is the other one (H), which never follows T.
+    names = list(keys[0])
+    unit, other = ("t", "h") if lse_layout == "HT" else ("h", "t")
+    assert {n: keys[0][n] for n in lse_strides(names, unit)} == dict.fromkeys(lse_strides(names, unit),
+                                                                              ("constexpr", 1))
+    want = ("i32", None) if lse_layout == "HT" else ("i32", "")  # HT: runtime (= T); TH: H = 4, not 16k
+    assert {n: keys[0][n] for n in lse_strides(names, other)} == dict.fromkeys(lse_strides(names, other), want)
+
+
+@pytest.mark.parametrize("stored", ["HT", "TH"])
+def test_transposed_lse_views_compile_a_bounded_number_of_variants(monkeypatch, stored):
+    # LSE buffers stored in one layout, passed through .t() under the other layout's name (right results:
+    # test_lse_buffers_via_transposed_views). [T, H] buffers given as "HT" have strides that do not follow T:
+    # one variant, and one more for T = 1 (its token stride taken as 1). [H, T] buffers given as "TH" have a head
+    # stride T, which the [T, H] kernel specialises: a variant per class of T (1, a multiple of 16, other).
+    recorder = Recorder(merge_mod._merge_attn_states_kernel)
     monkeypatch.setattr(merge_mod, "_merge_attn_states_kernel", recorder)
     monkeypatch.setattr(triton_common, "interpreting", lambda: False)  # record the compiled launch arguments
-    monkeypatch.setattr(triton_common, "PLANS", {})  # launch plans made under that mode only
-    batches = [((40, 0, 21), 3, 30), ((40, 0, 21), 3, 0), ((40, 0, 21), 3, 1), ((40, 0, 21), 3, 64),
-               ((13,), 3, 16), ((64, 61), 3, 125), ((1, 2, 3, 4, 5), 0, 7), ((1,), 0, 1), ((48,), 0, 32),
-               (_tiny_lens(40, 70, 9), 1, 100)]
-    for query_lens, padding, ptwc in batches:
-        case = cases.Case("recompile", query_lens, tuple(range(0, len(query_lens), 2)), num_heads=4, head_dim=64,
-                          lse_layout=lse_layout, padding=padding)
-        _merge_case(case, ptwc=ptwc, check=False)
-    assert len(recorder.launches) == len(batches)
-    _assert_one_variant(recorder.keys(), "merge")
+    monkeypatch.setattr(triton_common, "PLANS", {})
+    H, D = 4, 64
+    given = "TH" if stored == "HT" else "HT"
+    token_counts = (1, 5, 16, 37, 48, 64, 100)
+    for T in token_counts:
+        x = torch.zeros(T, H, D, dtype=torch.bfloat16, device=DEVICE)
+        lses = [torch.zeros((H, T) if stored == "HT" else (T, H), device=DEVICE).t() for _ in range(3)]
+        triton_impl.merge_attn_states(x, x.clone(), lses[0], x.clone(), lses[1], lses[2], lse_layout=given)
+    assert len(recorder[given].launches) == len(token_counts)
+    assert len(variants(recorder[given].keys())) == (3 if stored == "HT" else 2)
 
 
 @pytest.mark.gpu
-def test_no_recompilation_across_batches():
+@pytest.mark.parametrize("lse_layout", ["HT", "TH"])
+def test_no_recompilation_across_batches(lse_layout):
     # Several prefill_tokens_with_context values, token counts and request counts: one compiled kernel
     # per constexpr configuration (here one configuration: H=4, D=64, bf16, fused, output_lse).
-    kernel = merge_mod._merge_attn_states_kernel
+    kernel = merge_mod._merge_attn_states_kernel[lse_layout]
 
     def launch(query_lens, ptwc):
         case = cases.Case("recompile", query_lens, tuple(range(0, len(query_lens), 2)), num_heads=4,
-                          head_dim=64, padding=3)
+                          head_dim=64, padding=3, lse_layout=lse_layout)
         _merge_case(case, ptwc=ptwc)
 
     launch((40, 0, 21), 30)

@@ -13,11 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from merge_checks import assert_merge_matches_reference
-from triton_keys import kernel_params
+from triton_keys import Recorder, assert_one_variant, kernel_params
 
 import triton_impl
 from parity import bridge, cases, compare, impls, reference
 from parity.compare import assert_bitwise_equal
+from triton_impl import _common as triton_common
 from triton_impl import merge_n as merge_n_mod
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -224,19 +225,49 @@ def test_property_merge_is_associative_within_tolerance(seed):
 # No recompilation
 
 
-def test_runtime_values_are_not_specialised():
-    names, constexprs, dns, _ = kernel_params(merge_n_mod._merge_attn_states_n_kernel)
-    runtime = {"prefill_tokens_with_context", "num_tokens", "num_requests", "stride_lse_n", "stride_lse_h",
-               "stride_olse_h", "stride_cu_n"}
+@pytest.mark.parametrize("lse_layout", ["HT", "TH"])
+def test_runtime_values_are_not_specialised(lse_layout):
+    names, constexprs, dns, _ = kernel_params(merge_n_mod._merge_attn_states_n_kernel[lse_layout])
+    runtime = {"prefill_tokens_with_context", "num_tokens", "num_requests", "stride_lse_n", "stride_cu_n"}
+    if lse_layout == "HT":  # the head strides are T
+        runtime |= {"stride_lse_h", "stride_olse_h"}
     assert runtime <= set(names) and not runtime & constexprs
     assert runtime <= dns, f"{runtime - dns} would be specialised (a recompile when they hit 1 or 16k)"
     assert "NUM_PARTIALS" in constexprs  # fixed by the deployment (the context-parallel group size)
 
 
+@pytest.mark.parametrize("lse_layout", ["HT", "TH"])
+def test_one_compiled_variant_across_token_counts(monkeypatch, lse_layout):
+    # New token counts (T = 1 and multiples of 16 included) have the same specialisation key: one compiled
+    # kernel. [H, T]: head strides (= T) and the partial stride (T * H) runtime; [T, H]: every LSE head and token
+    # stride specialised (1 and H = 4), the partial stride runtime. The kernel is replaced by a recorder.
+    recorder = Recorder(merge_n_mod._merge_attn_states_n_kernel)
+    monkeypatch.setattr(merge_n_mod, "_merge_attn_states_n_kernel", recorder)
+    monkeypatch.setattr(triton_common, "interpreting", lambda: False)  # record the compiled launch arguments
+    monkeypatch.setattr(triton_common, "PLANS", {})
+    N, H, D = 3, 4, 64
+    token_counts = (1, 5, 16, 37, 48, 100)
+    for T in token_counts:
+        lse_shape = (H, T) if lse_layout == "HT" else (T, H)
+        out, outs = torch.zeros(T, H, D, device=DEVICE), torch.zeros(N, T, H, D, device=DEVICE)
+        lses, out_lse = torch.zeros(N, *lse_shape, device=DEVICE), torch.zeros(*lse_shape, device=DEVICE)
+        triton_impl.merge_attn_states_n(out, outs, lses, out_lse, lse_layout=lse_layout)
+    assert len(recorder[lse_layout].launches) == len(token_counts)
+    keys = recorder[lse_layout].keys()
+    assert_one_variant(keys, "merge_n")
+    head, token = ("i32", None), ("constexpr", 1)
+    if lse_layout == "TH":
+        head, token = ("constexpr", 1), ("i32", "")
+    want = dict(stride_lse_h=head, stride_olse_h=head, stride_lse_t=token, stride_olse_t=token,
+                stride_lse_n=("i32", None))
+    assert {k: keys[0][k] for k in want} == want
+
+
 @pytest.mark.gpu
-def test_no_recompilation_across_batches():
-    kernel = merge_n_mod._merge_attn_states_n_kernel
-    base = cases.by_name("n4_bf16_fp8_out")
+@pytest.mark.parametrize("lse_layout", ["HT", "TH"])
+def test_no_recompilation_across_batches(lse_layout):
+    kernel = merge_n_mod._merge_attn_states_n_kernel[lse_layout]
+    base = dataclasses.replace(cases.by_name("n4_bf16_fp8_out"), lse_layout=lse_layout)
 
     def launch(query_lens, contexts, ptwc):
         case = dataclasses.replace(base, query_lens=query_lens, context_lens=contexts)

@@ -387,6 +387,17 @@ def check_prefill_tokens(prefill_tokens_with_context, num_tokens: int, validate:
     return max(0, min(x, num_tokens))
 
 
+def jit_per_lse_layout(*, runtime: Sequence[str], lse_head_strides: Sequence[str]):
+    """Decorator: `triton.jit` the kernel once per LSE layout, as {lse_layout: kernel}; the two differ only in
+    `do_not_specialize` (docs/design.md, "Runtime values"). Both list the `runtime` parameters; the [H, T] one
+    also the LSE head strides (= T there). In [T, H] layout every LSE stride is specialised: the head stride is
+    1 and the token stride H, fixed per model."""
+    def jit(fn):
+        return {"HT": triton.jit(fn, do_not_specialize=[*runtime, *lse_head_strides]),
+                "TH": triton.jit(fn, do_not_specialize=list(runtime))}
+    return jit
+
+
 def lse_ht_strides(name: str, lse: torch.Tensor, lse_layout: str, num_heads: int, num_tokens: int):
     """(stride_h, stride_t) of an LSE given in `lse_layout`, after checking its shape."""
     want = (num_heads, num_tokens) if lse_layout == "HT" else (num_tokens, num_heads)

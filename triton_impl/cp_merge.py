@@ -21,7 +21,6 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import triton
 import triton.language as tl
 
 from triton_impl import _common as c
@@ -36,8 +35,9 @@ METHODS = ("gather", "reduce_scatter")
 RESCALE_TILE_PARTIALS = 2
 
 
-@triton.jit(do_not_specialize=["num_tokens", "prefill_tokens_with_context", "num_requests", "rank",
-                               "stride_olse_h", "stride_lse_n", "stride_lse_h", "stride_cu_n"])
+# Runtime values: the N-way merge's (triton_impl/merge_n.py), and the rank.
+@c.jit_per_lse_layout(runtime=["num_tokens", "prefill_tokens_with_context", "num_requests", "rank", "stride_lse_n",
+                               "stride_cu_n"], lse_head_strides=["stride_olse_h", "stride_lse_h"])
 def _cp_rescale_kernel(
     scaled_ptr,  # reduce dtype: head h of token t at (h // HEADS_PER_GROUP) * stride_s_g + (h % HEADS_PER_GROUP) * ...
     out_lse_ptr,  # f32[H, T] merged LSE of every head via (stride_olse_h, stride_olse_t); unused unless OUTPUT_LSE
@@ -319,7 +319,7 @@ def _rescale(scaled, merged_lse, partial_output, lses, qsl, cus, rank, params, l
         c.remember(key, plan)
     grid, ints, constexprs, state = plan
     placeholder = lses  # for the pointers a variant does not read
-    c.launch(_cp_rescale_kernel, grid, (
+    c.launch(_cp_rescale_kernel[lse_layout], grid, (
         scaled, placeholder if merged_lse is None else merged_lse, partial_output, lses,
         qsl if fused else placeholder, cus if fused else placeholder, *ints, params["ptwc"],
         max(params["num_requests"], 0), rank), constexprs, state)

@@ -33,9 +33,9 @@ def _fill_lse(lse_ptr, split, num_splits, t64, t_mask, stride_lse_h, stride_lse_
                  mask=h_mask[:, None] & t_mask[None, :])
 
 
-# Runtime values, never specialised: R and the LSE head stride (= T in [H, T] layout). The token stride
-# stays specialised: 1 in [H, T] layout, which vectorises the -inf stores.
-@triton.jit(do_not_specialize=["num_requests", "stride_lse_h"])
+# Runtime values, never specialised: R and, in [H, T] layout, the LSE head stride (= T). The other LSE stride
+# stays specialised (the unit stride of either layout, and H in [T, H]), which vectorises the -inf stores.
+@c.jit_per_lse_layout(runtime=["num_requests"], lse_head_strides=["stride_lse_h"])
 def _mask_empty_context_lse_kernel(
     lse_ptr,  # f32[H, T] via (stride_lse_h, stride_lse_t); written in place
     out_ptr,  # dtype[T, H, D] via (stride_out_t, stride_out_h, stride_out_d); zeroed rows if ZERO_OUTPUT
@@ -117,7 +117,7 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
         overlaps, launch = plan
         if not (overlaps and c.partial_overlap(overlaps, dict(output=output, lse=lse))):
             if launch is not None and has_empty is not False:
-                _launch(launch, lse, query_start_loc, cu_seq_lens, output)
+                _launch(launch, lse, query_start_loc, cu_seq_lens, output, lse_layout)
             return
         # an overlap: the checked path below raises its error
 
@@ -149,11 +149,12 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
                        num_warps=c.MASK_NUM_WARPS), [])
     c.remember(key, (overlaps, launch))
     if launch is not None and has_empty is not False:
-        _launch(launch, lse, query_start_loc, cu_seq_lens, output)
+        _launch(launch, lse, query_start_loc, cu_seq_lens, output, lse_layout)
 
 
-def _launch(launch, lse, query_start_loc, cu_seq_lens, output) -> None:
+def _launch(launch, lse, query_start_loc, cu_seq_lens, output, lse_layout) -> None:
     """The kernel launch of a plan: (grid, the strides and R, the compile-time arguments, `c.launch`'s state)."""
     grid, ints, constexprs, state = launch
-    c.launch(_mask_empty_context_lse_kernel, grid, (lse, lse if output is None else output,  # lse: a placeholder
-                                                    query_start_loc, cu_seq_lens, *ints), constexprs, state)
+    c.launch(_mask_empty_context_lse_kernel[lse_layout], grid,
+             (lse, lse if output is None else output, query_start_loc, cu_seq_lens, *ints),  # lse: a placeholder
+             constexprs, state)

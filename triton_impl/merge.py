@@ -114,10 +114,11 @@ def _program_tile(num_tokens, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, B
     return t, t_mask, th_mask, thd_mask, t.to(tl.int64)[:, None], h.to(tl.int64)[None, :], d.to(tl.int64)[None, None, :]
 
 
-# Runtime values, never specialised: token counts, offsets, and the LSE head strides (= T in [H, T] layout).
-# The LSE token strides stay specialised: 1 in [H, T] layout, which vectorises the LSE accesses.
-@triton.jit(do_not_specialize=["num_tokens", "prefill_tokens_with_context", "num_requests",
-                               "stride_olse_h", "stride_plse_h", "stride_slse_h"])
+# Runtime values, never specialised: token counts, offsets and, in [H, T] layout, the LSE head strides (= T).
+# The other LSE strides stay specialised (the unit stride of either layout, and H in [T, H]): that vectorises the
+# LSE accesses.
+@c.jit_per_lse_layout(runtime=["num_tokens", "prefill_tokens_with_context", "num_requests"],
+                      lse_head_strides=["stride_olse_h", "stride_plse_h", "stride_slse_h"])
 def _merge_attn_states_kernel(
     out_ptr,  # dtype[T, H, D] (or fp8) via (stride_out_t, stride_out_h, stride_out_d)
     out_lse_ptr,  # f32[H, T] via (stride_olse_h, stride_olse_t); unused unless OUTPUT_LSE
@@ -218,7 +219,7 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
                 prefill_tokens_with_context, num_tokens, False)
             if launch is not None:
                 _launch(launch, output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale,
-                        query_start_loc, prefix_cu_seq_lens, prefill_tokens)
+                        query_start_loc, prefix_cu_seq_lens, prefill_tokens, lse_layout)
             return
         # an overlap: the checked path below raises its error
 
@@ -273,16 +274,16 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
     c.remember(key, (lse_overlaps + out_overlaps, num_tokens, launch))
     if launch is not None:
         _launch(launch, output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale,
-                query_start_loc, prefix_cu_seq_lens, prefill_tokens)
+                query_start_loc, prefix_cu_seq_lens, prefill_tokens, lse_layout)
 
 
 def _launch(launch, output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale,
-            query_start_loc, prefix_cu_seq_lens, prefill_tokens) -> None:
+            query_start_loc, prefix_cu_seq_lens, prefill_tokens, lse_layout) -> None:
     """The kernel launch of a plan: (grid, fused, the strides and T, R, the compile-time arguments, `c.launch`'s
     state)."""
     grid, fused, ints, num_requests, constexprs, state = launch
     placeholder = prefix_lse  # for the pointers a variant does not read
-    c.launch(_merge_attn_states_kernel, grid, (
+    c.launch(_merge_attn_states_kernel[lse_layout], grid, (
         output, placeholder if output_lse is None else output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse,
         placeholder if output_scale is None else output_scale,
         query_start_loc if fused else placeholder, prefix_cu_seq_lens if fused else placeholder,

@@ -87,11 +87,12 @@ def _weighted(x, w):
     return tl.where(w[:, :, None] > 0.0, x.to(tl.float32) * w[:, :, None], 0.0)
 
 
-# Runtime values, never specialised: token counts, offsets, and the strides that follow T or R (the LSE head
-# and partial strides, the offsets' partial stride). The output strides (multiples of H * D) stay specialised:
-# their divisibility lets the loads of every partial's tile be 16 bytes wide.
-@triton.jit(do_not_specialize=["num_tokens", "prefill_tokens_with_context", "num_requests", "stride_olse_h",
-                               "stride_lse_n", "stride_lse_h", "stride_cu_n"])
+# Runtime values, never specialised: token counts, offsets, and the strides that follow T or R (the LSE
+# partial stride, the offsets' partial stride and, in [H, T] layout, the LSE head strides). The other LSE strides
+# and the output strides (multiples of H * D) stay specialised: their divisibility lets the loads of every
+# partial's tile be 16 bytes wide.
+@c.jit_per_lse_layout(runtime=["num_tokens", "prefill_tokens_with_context", "num_requests", "stride_lse_n",
+                               "stride_cu_n"], lse_head_strides=["stride_olse_h", "stride_lse_h"])
 def _merge_attn_states_n_kernel(
     out_ptr,  # dtype[T, H, D] (or fp8) via (stride_out_t, stride_out_h, stride_out_d)
     out_lse_ptr,  # f32[H, T] via (stride_olse_h, stride_olse_t); unused unless OUTPUT_LSE
@@ -211,7 +212,7 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
                 prefill_tokens_with_context, num_tokens, False)
             if launch is not None:
                 _launch(launch, output, output_lse, outputs, lses, output_scale, query_start_loc, cu_seq_lens,
-                        prefill_tokens)
+                        prefill_tokens, lse_layout)
             return
         # an overlap: the checked path below raises its error
 
@@ -273,16 +274,17 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
     if not (fused and cu_seq_lens is not cu_given):
         c.remember(key, (lse_overlaps + out_overlaps, num_tokens, launch))
     if launch is not None:
-        _launch(launch, output, output_lse, outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens)
+        _launch(launch, output, output_lse, outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens,
+                lse_layout)
 
 
 def _launch(launch, output, output_lse, outputs, lses, output_scale, query_start_loc, cu_seq_lens,
-            prefill_tokens) -> None:
+            prefill_tokens, lse_layout) -> None:
     """The kernel launch of a plan: (grid, fused, the strides and T, R, the compile-time arguments, `c.launch`'s
     state)."""
     grid, fused, ints, num_requests, constexprs, state = launch
     placeholder = lses  # for the pointers a variant does not read
-    c.launch(_merge_attn_states_n_kernel, grid, (
+    c.launch(_merge_attn_states_n_kernel[lse_layout], grid, (
         output, placeholder if output_lse is None else output_lse, outputs, lses,
         placeholder if output_scale is None else output_scale,
         query_start_loc if fused else placeholder, cu_seq_lens if fused else placeholder,
