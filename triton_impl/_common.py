@@ -21,7 +21,7 @@ MASK_TILE_H = 16  # heads per -inf store of the mask
 # The mask's second grid axis (docs/design.md, "Mask grid"): each 128-token block's head tiles (LSE) and head x dim
 # tiles (output zeroing) are dealt round-robin over `mask_split` programs, a power of two grown until the grid
 # holds MASK_TARGET_PROGRAMS programs, capped by the tile count and by the split of the variant.
-MASK_TARGET_PROGRAMS = 8192
+MASK_TARGET_PROGRAMS = 32768
 MASK_ZERO_SPLIT = 64  # most programs per 128-token block when zeroing output rows
 MASK_LSE_SPLIT = 4  # most programs per 128-token block for the LSE-only mask (H200 sweep, docs/results.md)
 LSE_LAYOUTS = ("HT", "TH")
