@@ -44,7 +44,7 @@ MERGE_TILES = {"plain": (2048, 4, 4), "lse": (4096, 4, 4), "fused": (8192, 8, 4)
 # Each partial's tile gets total // N bytes (a power of two), within N_TILE_BYTES: a program's loads stay about
 # the same as N grows, and never below one 16-byte vector per thread of 4 warps. From the H200 sweep at N = 2, 4, 8
 # (docs/results.md, "N-way merge"; `scripts/tune.py merge_n`).
-MERGE_N_TILES = {"plain": (16384, 4, 4), "lse": (16384, 4, 4), "fused": (8192, 4, 4)}
+MERGE_N_TILES = {"plain": (16384, 4, 4), "lse": (16384, 4, 4), "fused": (16384, 4, 4)}
 N_TILE_BYTES = (2048, 4096)  # (fewest, most) bytes of one partial's tile in the N-way merge
 MAX_PARTIALS = 64  # the N-way kernels unroll their loops over the partials at trace time
 IMPLEMENTATIONS = ("pallas", "jnp")
