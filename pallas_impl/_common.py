@@ -256,6 +256,64 @@ def sharded_call(fn, names, args, head_axes, out_head_axes, *, interpret: bool):
     return _local_call(fn, list(args), interpret)
 
 
+def call_plan(fn, names, args, head_axes, out_head_axes, *, interpret: bool):
+    """`sharded_call`'s choice for operands of `args`' types, as a callable of the operands: `fn` itself when
+    no operand is sharded over its head axis on an Explicit mesh and no interpreted operand varies over manual
+    axes (the usual call), else `sharded_call`. Reads only shapes, dtypes and shardings (so the result can be
+    cached per signature, `cached_plan`) and raises `sharded_call`'s errors for a bad sharding."""
+    mesh, _ = _explicit_head_sharding(names, args, head_axes)
+    arrays = [x for x in args if x is not None and hasattr(x, "shape")]
+    if mesh is None and not (interpret and any(varying(x) for x in arrays)):
+        return fn
+    return lambda *xs: sharded_call(fn, names, xs, head_axes, out_head_axes, interpret=interpret)
+
+
+class _Uncached(Exception):
+    """An argument that `_arg_key` does not key (a NumPy array, a list, ...): that call checks everything."""
+
+
+_Tracer = jax.core.Tracer
+_SingleDevice = jax.sharding.SingleDeviceSharding
+
+
+def _arg_key(x):
+    """A hashable stand-in of everything the static checks read of one argument: a jax.Array's shape, dtype,
+    weak type and sharding (a tracer's aval also holds its varying manual axes; a single-device sharding reads
+    as None: no head axis to shard), None, or the Python int type."""
+    if x is None:
+        return None
+    if isinstance(x, _Tracer):
+        return jax.typeof(x)
+    if isinstance(x, jax.Array):
+        sharding = x.sharding
+        return x.aval, None if type(sharding) is _SingleDevice else sharding
+    if type(x) is int:
+        return int
+    raise _Uncached
+
+
+PLAN_CACHE_SIZE = 4096  # plans kept per entry point; a full cache starts over
+
+
+def cached_plan(cache: dict, build, args: tuple, options: tuple, backend):
+    """`build(*args, *options)`, a callable of the operands that runs the call (every static check passed), computed
+    once per signature: the arguments' `_arg_key`s, `options` (the wrapper's static arguments) and, for
+    backend=None, the `BACKEND_ENV` it resolves through. An unkeyed argument or option builds every time (and raises
+    every time for bad input). Value checks (validate=True) are not part of a plan. docs/design.md, "Per-call cost
+    (JAX)"."""
+    try:
+        key = (options, os.environ.get(BACKEND_ENV) if backend is None else None, tuple(map(_arg_key, args)))
+        plan = cache.get(key)
+    except (_Uncached, TypeError):  # TypeError: an unhashable option, refused by `build`'s checks
+        return build(*args, *options)
+    if plan is None:
+        plan = build(*args, *options)
+        if len(cache) >= PLAN_CACHE_SIZE:
+            cache.clear()
+        cache[key] = plan
+    return plan
+
+
 def _local_call(fn, args, interpret: bool):
     """`fn(*args)` on this shard's operands.
 

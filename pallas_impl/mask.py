@@ -167,6 +167,19 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
       NotImplementedError: implementation="pallas" on a platform without Pallas GPU; backend="mosaic_gpu"
         with jax < 0.11, or for a shape its kernel does not take.
     """
+    args = (lse, query_start_loc, cu_seq_lens, output)
+    plan = c.cached_plan(_PLANS, _mask_plan, args, (has_empty is False, lse_layout, interpret, implementation, backend),
+                         backend)
+    if validate:
+        c.check_offset_values(query_start_loc, cu_seq_lens, lse.shape[1 if lse_layout == "HT" else 0])
+    return plan(*args)
+
+
+_PLANS: dict = {}  # c.cached_plan
+
+
+def _mask_plan(lse, query_start_loc, cu_seq_lens, output, no_empty, lse_layout, interpret, implementation, backend):
+    """The static checks of `mask_empty_context_lse` and its call for arguments of these types (`c.cached_plan`)."""
     c.check_lse_layout(lse_layout)
     c.check_array("lse", lse, ndim=2, dtypes=(jnp.float32,))
     num_requests = c.check_offsets(query_start_loc, cu_seq_lens)
@@ -175,15 +188,12 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
         c.check_array("output", output, ndim=3, dtypes=c.OUTPUT_DTYPES)
         if tuple(output.shape[:2]) != (num_tokens, num_heads):
             raise ValueError(f"output must be [T={num_tokens}, H={num_heads}, D]; got output.shape={tuple(output.shape)}")
-    if validate:
-        c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
     impl = c.resolve_implementation(implementation, backend)
     backend = c.resolve_backend(backend)
-    if has_empty is False or num_requests == 0 or num_tokens == 0:
-        return lse if output is None else (lse, output)
+    if no_empty or num_requests == 0 or num_tokens == 0:
+        return _unchanged
     if impl == "jnp":
-        return jnp_fallback.mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output,
-                                                   lse_layout=lse_layout)
+        return functools.partial(jnp_fallback.mask_empty_context_lse, lse_layout=lse_layout)
     c.filter_triton_deprecation()
     interpret = c.resolve_interpret(interpret, backend)
     lse_axis = 0 if lse_layout == "HT" else 1
@@ -193,8 +203,12 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
         fn = functools.partial(mask_mosaic, lse_layout=lse_layout, interpret=interpret)
     else:
         fn = functools.partial(_mask_jit, lse_layout=lse_layout, interpret=interpret)
-    results = c.sharded_call(
+    plan = c.call_plan(
         fn,
         ("lse", "query_start_loc", "cu_seq_lens", "output"), (lse, query_start_loc, cu_seq_lens, output),
         (lse_axis, None, None, 1), (lse_axis,) if output is None else (lse_axis, 1), interpret=interpret)
-    return results[0] if output is None else results
+    return (lambda *xs: plan(*xs)[0]) if output is None else plan
+
+
+def _unchanged(lse, query_start_loc, cu_seq_lens, output):
+    return lse if output is None else (lse, output)

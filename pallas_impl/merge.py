@@ -218,6 +218,25 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
       NotImplementedError: implementation="pallas" on a platform without Pallas GPU; backend="mosaic_gpu"
         with jax < 0.11, or for a shape its kernel does not take.
     """
+    args = (prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc, prefix_cu_seq_lens,
+            prefill_tokens_with_context)
+    plan = c.cached_plan(_PLANS, _merge_plan, args,
+                         (return_lse, out_dtype, lse_layout, lse_base, interpret, implementation, backend), backend)
+    if validate:
+        num_tokens = prefix_output.shape[0]
+        if query_start_loc is not None:
+            c.check_offset_values(query_start_loc, prefix_cu_seq_lens, num_tokens, cu_name="prefix_cu_seq_lens")
+        c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
+    return plan(*args)
+
+
+_PLANS: dict = {}  # c.cached_plan
+
+
+def _merge_plan(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc,
+                prefix_cu_seq_lens, prefill_tokens_with_context, return_lse, out_dtype, lse_layout, lse_base, interpret,
+                implementation, backend):
+    """The static checks of `merge_attn_states` and its call for arguments of these types (`c.cached_plan`)."""
     c.check_lse_layout(lse_layout)
     lse_base2 = c.check_lse_base(lse_base)
     c.check_array("prefix_output", prefix_output, ndim=3, dtypes=c.OUTPUT_DTYPES)
@@ -235,27 +254,22 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
                          + ("query_start_loc" if query_start_loc is not None else "prefix_cu_seq_lens"))
     if query_start_loc is not None:
         c.check_offsets(query_start_loc, prefix_cu_seq_lens, cu_name="prefix_cu_seq_lens")
-        if validate:
-            c.check_offset_values(query_start_loc, prefix_cu_seq_lens, num_tokens, cu_name="prefix_cu_seq_lens")
-    c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
+    c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, False)
     impl = c.resolve_implementation(implementation, backend)
     backend = c.resolve_backend(backend)
+    options = dict(return_lse=return_lse, out_dtype=out_dtype, lse_layout=lse_layout, lse_base2=lse_base2)
     if impl == "jnp":
-        return jnp_fallback.merge_attn_states(
-            prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc,
-            prefix_cu_seq_lens, prefill_tokens_with_context, return_lse=return_lse, out_dtype=out_dtype,
-            lse_layout=lse_layout, lse_base2=lse_base2)
+        return functools.partial(jnp_fallback.merge_attn_states, **options)
     c.filter_triton_deprecation()
     interpret = c.resolve_interpret(interpret, backend)
     lse_axis = 0 if lse_layout == "HT" else 1
-    options = dict(return_lse=return_lse, out_dtype=out_dtype, lse_layout=lse_layout, lse_base2=lse_base2)
     if backend == "mosaic_gpu":
         from pallas_impl.mosaic.merge import merge_mosaic
 
         fn = functools.partial(merge_mosaic, **options, interpret=interpret)
     else:
         fn = functools.partial(_merge_jit, **options, interpret=interpret)
-    return c.sharded_call(
+    return c.call_plan(
         fn,
         ("prefix_output", "prefix_lse", "suffix_output", "suffix_lse", "output_scale", "query_start_loc",
          "prefix_cu_seq_lens", "prefill_tokens_with_context"),

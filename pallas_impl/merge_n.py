@@ -199,6 +199,23 @@ def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, quer
       NotImplementedError: implementation="pallas" on a platform without Pallas GPU; backend="mosaic_gpu"
         with jax < 0.11, or for a shape its kernel does not take.
     """
+    args = (outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context)
+    plan = c.cached_plan(_PLANS, _merge_n_plan, args,
+                         (return_lse, out_dtype, lse_layout, lse_base, interpret, implementation, backend), backend)
+    if validate:
+        num_tokens = outputs.shape[1]
+        if query_start_loc is not None:
+            c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
+        c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
+    return plan(*args)
+
+
+_PLANS: dict = {}  # c.cached_plan
+
+
+def _merge_n_plan(outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context, return_lse,
+                  out_dtype, lse_layout, lse_base, interpret, implementation, backend):
+    """The static checks of `merge_attn_states_n` and its call for arguments of these types (`c.cached_plan`)."""
     c.check_lse_layout(lse_layout)
     lse_base2 = c.check_lse_base(lse_base)
     c.check_array("outputs", outputs, ndim=4, dtypes=c.OUTPUT_DTYPES)
@@ -223,26 +240,22 @@ def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, quer
         if tuple(cu_seq_lens.shape) != want:
             raise ValueError(f"cu_seq_lens must be i32[N, R+1] = {list(want)} (each partial's KV offsets); got "
                              f"cu_seq_lens.shape={tuple(cu_seq_lens.shape)}")
-        if validate:
-            c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
-    c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
+    c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, False)
     impl = c.resolve_implementation(implementation, backend)
     backend = c.resolve_backend(backend)
+    options = dict(return_lse=return_lse, out_dtype=out_dtype, lse_layout=lse_layout, lse_base2=lse_base2)
     if impl == "jnp":
-        return jnp_fallback.merge_attn_states_n(
-            outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context,
-            return_lse=return_lse, out_dtype=out_dtype, lse_layout=lse_layout, lse_base2=lse_base2)
+        return functools.partial(jnp_fallback.merge_attn_states_n, **options)
     c.filter_triton_deprecation()
     interpret = c.resolve_interpret(interpret, backend)
     lse_axis = 0 if lse_layout == "HT" else 1
-    options = dict(return_lse=return_lse, out_dtype=out_dtype, lse_layout=lse_layout, lse_base2=lse_base2)
     if backend == "mosaic_gpu":
         from pallas_impl.mosaic.merge_n import merge_n_mosaic
 
         fn = functools.partial(merge_n_mosaic, **options, interpret=interpret)
     else:
         fn = functools.partial(_merge_n_jit, **options, interpret=interpret)
-    return c.sharded_call(
+    return c.call_plan(
         fn,
         ("outputs", "lses", "output_scale", "query_start_loc", "cu_seq_lens", "prefill_tokens_with_context"),
         (outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context),
