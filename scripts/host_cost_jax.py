@@ -49,6 +49,7 @@ def entry_points(T=16, H=64, D=128, N=4):
     cu = jnp.array([0, 10, 10, 30, 40], jnp.int32)
     cus = jnp.tile(cu, (N, 1))
     pth, sth = p.T, s.T
+    n12 = jnp.asarray(12, jnp.int32)
     pi = pallas_impl
     return {
         "mask": lambda: pi.mask_empty_context_lse(p, qsl, cu),
@@ -56,8 +57,9 @@ def entry_points(T=16, H=64, D=128, N=4):
         "merge plain": lambda: pi.merge_attn_states(a, p, b, s, return_lse=False),
         "merge output LSE": lambda: pi.merge_attn_states(a, p, b, s),
         "merge fused": lambda: pi.merge_attn_states(a, p, b, s, query_start_loc=qsl, prefix_cu_seq_lens=cu),
-        "merge [T,H] base 2": lambda: pi.merge_attn_states(a, pth, b, sth, prefill_tokens_with_context=12,
-                                                           lse_layout="TH", lse_base=2),
+        "merge [T,H] base 2": lambda: pi.merge_attn_states(a, pth, b, sth, lse_layout="TH", lse_base=2),
+        "merge, ptwc a Python int": lambda: pi.merge_attn_states(a, p, b, s, prefill_tokens_with_context=12),
+        "merge, ptwc an i32 device scalar": lambda: pi.merge_attn_states(a, p, b, s, prefill_tokens_with_context=n12),
         f"merge_n N={N}": lambda: pi.merge_attn_states_n(o, lse, return_lse=False),
         f"merge_n N={N} output LSE": lambda: pi.merge_attn_states_n(o, lse),
         f"merge_n N={N} fused": lambda: pi.merge_attn_states_n(o, lse, query_start_loc=qsl, cu_seq_lens=cus),
