@@ -22,7 +22,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU: only the stubbed figures
 
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 import triton_impl  # noqa: E402
 from triton_impl import cp_merge, mask, merge, merge_n  # noqa: E402
