@@ -4,7 +4,7 @@ Everything runs on the device of `got` with torch ops, in chunks along the first
 output is never copied to the host; only counts, a ULP histogram and a few located mismatches come back.
 JAX arrays are accepted and handed to torch zero-copy through `parity.bridge.jax_to_torch`.
 
-Two comparisons (STYLE 4):
+Two comparisons:
 
 - `compare_bits` / `assert_bitwise_equal`: Triton vs Pallas. Identical bits are required; a NaN agrees with
   a NaN by value class but a different NaN payload still counts as a difference (parity means the same
@@ -17,7 +17,7 @@ Two comparisons (STYLE 4):
   (3) the other finite elements satisfy `|got - want| <= atol + rtol * mag` (see `TOLERANCES`).
 
 ULP distances are measured in the native dtype on the ordered integer line of `ordered_bits`.
-A failure reads (STYLE 4):
+A failure reads:
 
     merge.out bf16 case=131k_skewed seed=7 mode=compiled: 3 / 8,388,608 differ, max 2 ulp, classes agree
       req 17 head 5 token 4211 dim 80: got 0x3f81 (1.0078) want 0x3f80 (1.0) ulp=1
@@ -662,7 +662,7 @@ def _case_defaults(case: Any, ndim: int, query_start_loc: Any, layout: str | Non
 def assert_matches_reference(got: Any, want: Any, *, case: Any = None, exact: Any = False, name: str = "",
                              mag: Any = None, seed: Any = None, mode: Any = None, query_start_loc: Any = None,
                              layout: str | None = None, tol: Tolerance | str | None = None) -> Report:
-    """The one comparison helper of the tests (STYLE 4): class, then exact bits, then tolerance.
+    """The one comparison helper of the tests: class, then exact bits, then tolerance.
 
     `case` (a `parity.cases.Case`) supplies the failure context and, unless given, `query_start_loc`
     (from its query lengths) and the LSE layout. `tol` defaults as in `compare_to_reference` (the LSE

@@ -19,7 +19,7 @@ NARROW = [
     pytest.param(torch.float16, np.float16, np.uint16, id="fp16"),
     pytest.param(torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn, np.uint8, id="fp8e4m3"),
 ]
-# An output dtype with its tolerance entry (STYLE 4: each dtype shares a parameter with its tolerance).
+# An output dtype with its tolerance entry (each dtype shares a parameter with its tolerance).
 OUT_DTYPES = [
     pytest.param(torch.float32, compare.TOLERANCES["float32"], id="fp32"),
     pytest.param(torch.float16, compare.TOLERANCES["float16"], id="fp16"),

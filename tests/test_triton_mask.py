@@ -440,7 +440,7 @@ def test_property_has_empty_false_changes_nothing(case):
 
 
 # --------------------------------------------------------------------------------------------------------
-# No recompilation (STYLE 6.1)
+# No recompilation
 
 
 def test_runtime_values_are_not_specialised():

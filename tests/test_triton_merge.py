@@ -27,7 +27,7 @@ FP8 = torch.float8_e4m3fn
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 OUT_PAD = 8  # extra NaN columns in every output buffer: the kernel must not write them
 HEAD_SIZES = [64, 80, 96, 128, 192, 256, 512]
-# Each dtype with its tolerance entry (STYLE 4).
+# Each dtype with its tolerance entry.
 DTYPES = [pytest.param(name, compare.TOLERANCES[name], id=name) for name in TORCH_DTYPES]
 _DEFAULT = object()
 
@@ -247,7 +247,7 @@ def _stepped_ht(x):  # every other column of an [H, 2T] buffer
 
 
 # (which tensor, how it is laid out): one tensor at a time differs from the contiguous layout, so a kernel
-# that borrows another tensor's strides (STYLE 6.3) fails on the variant that names the culprit.
+# that borrows another tensor's strides fails on the variant that names the culprit.
 OWN_STRIDES = [("output", _padded_thd), ("output", _permuted_thd), ("prefix_output", _padded_thd),
                ("prefix_output", _permuted_thd), ("suffix_output", _padded_thd), ("suffix_output", _permuted_thd),
                ("prefix_lse", _window_ht), ("prefix_lse", _transposed_ht), ("suffix_lse", _window_ht),
@@ -389,7 +389,7 @@ def test_both_empty_rows_are_zero_and_neg_inf():
 
 
 # --------------------------------------------------------------------------------------------------------
-# No recompilation (STYLE 6.1)
+# No recompilation
 
 
 def test_runtime_values_are_not_specialised():
@@ -424,7 +424,7 @@ _BATCHES = [((40, 0, 21), 3, 30), ((40, 0, 21), 3, 0), ((40, 0, 21), 3, 1), ((40
 
 @pytest.mark.parametrize("lse_layout", ["HT", "TH"])
 def test_one_compiled_variant_per_configuration(monkeypatch, lse_layout):
-    # STYLE 6.1 on any machine: the launches of one configuration (H=4, D=64, bf16, fused, output_lse) with
+    # No recompilation, on any machine: the launches of one configuration (H=4, D=64, bf16, fused, output_lse) with
     # new token counts, request counts and prefill_tokens_with_context values must all have the same
     # specialisation key, i.e. reuse one compiled kernel.
     def make_case(query_lens, padding):

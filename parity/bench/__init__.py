@@ -1,4 +1,4 @@
-"""Benchmarks: `python -m parity bench` (STYLE 5). One GPU, one run, both frameworks.
+"""Benchmarks: `python -m parity bench`. One GPU, one run, both frameworks.
 
 Modules: `points` (the workload points and their byte formulas), `timers` (graph replay, do_bench, profiler,
 wall clock, JAX trace counting), `runner` (what is measured, through `parity.impls`), `report` (the tables
