@@ -30,7 +30,7 @@ import numpy as np
 
 from parity import cases as cases_mod
 from parity import expected, impls
-from parity.crosscheck import jsonable  # noqa: F401 - part of this module's interface
+from parity.crosscheck import jsonable
 
 SCHEMA = "parity-check/2"
 KINDS = ("triton_vs_pallas", "pallas_vs_jnp", "triton_vs_reference", "pallas_vs_reference", "jnp_vs_reference")

@@ -396,7 +396,6 @@ PORT_INPUTS = {
 }
 """The arrays a port's callable receives per op (docs/porting.md): output buffers may be wider than head_dim
 (columns past D are padding), the 2-way "merge" gets the masked prefix, "merge_n" the masked LSEs."""
-PORT_RESULTS = {"mask": ("lse", "output")}  # every merge: ("out", "lse")
 
 
 def port_inputs(case, a: dict[str, np.ndarray], op: str) -> dict[str, np.ndarray]:
