@@ -97,11 +97,18 @@ def _direct_launch_version() -> bool:
 DIRECT_LAUNCH = PLAN_CACHE and os.environ.get("MLA_LSE_MERGE_DIRECT_LAUNCH", "1") != "0" and _direct_launch_version()
 
 
+def launch_state(key) -> list:
+    """A new plan's launch state for `launch`: empty (the first launch records the compiled kernel) when the plan is
+    cached under `key`, else already marked "no direct launch" (`[None]`): an uncached plan (validate=True, tracing,
+    the cache off) is used once, so recording its kernel would be wasted host work."""
+    return [] if key is not None else [None]
+
+
 def launch(kernel, grid, args, constexprs, state: list) -> None:
     """`kernel[grid](*args, **constexprs)`, through the compiled kernel's own launcher once it is known.
 
-    `state` is a list kept with the launch plan, empty until its first launch. The plan's key fixes Triton's
-    compile-cache key except for the pointers' 16-byte alignment and the type of the per-call integers
+    `state` is a list kept with the launch plan (`launch_state`), empty until its first launch. The plan's key
+    fixes Triton's compile-cache key except for the pointers' 16-byte alignment and the type of the per-call integers
     (`prefill_tokens_with_context` in [0, T] and the CP rank: i32, `do_not_specialize`). The first launch records
     the compiled kernel Triton chose, when every pointer is aligned; a later launch with aligned pointers on the
     same device, without pre-run hooks, passes the launcher what `JITFunction.run` would: the grid, the stream,

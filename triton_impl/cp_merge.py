@@ -315,7 +315,7 @@ def _rescale(scaled, merged_lse, partial_output, lses, qsl, cus, rank, params, l
     key, plan = c.find_plan("cp_rescale", (scaled, merged_lse, partial_output, lses, qsl, cus),
                             (lse_layout, params["base2"], params["num_requests"]))
     if plan is None:
-        plan = _rescale_plan(scaled, merged_lse, partial_output, lses, cus, params, lse_layout)
+        plan = _rescale_plan(scaled, merged_lse, partial_output, lses, cus, params, lse_layout, key)
         c.remember(key, plan)
     grid, ints, constexprs, state = plan
     placeholder = lses  # for the pointers a variant does not read
@@ -325,8 +325,9 @@ def _rescale(scaled, merged_lse, partial_output, lses, qsl, cus, rank, params, l
         max(params["num_requests"], 0), rank), constexprs, state)
 
 
-def _rescale_plan(scaled, output_lse, partial_output, lses, cus, params, lse_layout):
-    """(grid, the strides and T, the compile-time arguments, `c.launch`'s state) of a rescale launch."""
+def _rescale_plan(scaled, output_lse, partial_output, lses, cus, params, lse_layout, key):
+    """(grid, the strides and T, the compile-time arguments, `c.launch`'s state) of a rescale launch (cached under
+    `key` when it is not None)."""
     num_partials, num_tokens, heads, head_dim = scaled.shape
     num_heads = partial_output.shape[1]
     fused = cus is not None
@@ -344,4 +345,5 @@ def _rescale_plan(scaled, output_lse, partial_output, lses, cus, params, lse_lay
                  SCAN=c.SCAN, N_INTERPRET=c.n_interpret(max(params["num_requests"], 0) + 1),
                  LSE_BASE2=params["base2"], OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused,
                  INTERPRET=c.interpreting(),
-                 num_warps=c.merge_num_warps(variant, RESCALE_TILE_PARTIALS), **c.PARITY_LAUNCH), [])
+                 num_warps=c.merge_num_warps(variant, RESCALE_TILE_PARTIALS), **c.PARITY_LAUNCH),
+            c.launch_state(key))

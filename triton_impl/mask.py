@@ -146,7 +146,7 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
                   dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_T=c.MASK_BLOCK_T, SCAN=c.SCAN,
                        N_INTERPRET=c.n_interpret(num_requests), BLOCK_H=block_h, BLOCK_HO=block_ho, BLOCK_D=block_d,
                        ZERO_OUTPUT=output is not None, SPLIT_BLOCKS=c.mask_split_cap(output is not None) > 1,
-                       num_warps=c.MASK_NUM_WARPS), [])
+                       num_warps=c.MASK_NUM_WARPS), c.launch_state(key))
     c.remember(key, (overlaps, launch))
     if launch is not None and has_empty is not False:
         _launch(launch, lse, query_start_loc, cu_seq_lens, output, lse_layout)

@@ -270,7 +270,7 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
             dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
                  SCAN=c.SCAN, N_INTERPRET=c.n_interpret(num_requests + 1), LSE_BASE2=base2,
                  OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused, FP8_OUT=fp8, INTERPRET=c.interpreting(),
-                 num_warps=c.merge_num_warps(variant), **c.PARITY_LAUNCH), [])
+                 num_warps=c.merge_num_warps(variant), **c.PARITY_LAUNCH), c.launch_state(key))
     c.remember(key, (lse_overlaps + out_overlaps, num_tokens, launch))
     if launch is not None:
         _launch(launch, output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale,

@@ -269,7 +269,7 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
                  SCAN=c.SCAN, N_INTERPRET=c.n_interpret(num_requests + 1),
                  LSE_BASE2=base2, OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused, FP8_OUT=fp8,
                  INTERPRET=c.interpreting(), num_warps=c.merge_num_warps(variant, num_partials), **c.PARITY_LAUNCH),
-            [])
+            c.launch_state(key))
     # A non-contiguous cu_seq_lens row is copied per call: no plan for it (its copy would be the launch's pointer).
     if not (fused and cu_seq_lens is not cu_given):
         c.remember(key, (lse_overlaps + out_overlaps, num_tokens, launch))
