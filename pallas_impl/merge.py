@@ -24,20 +24,26 @@ from pallas_impl import jnp_fallback
 from pallas_impl._math import two_way_weights
 
 
-def _load_lse(ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=()):
-    """f32[block_t, block_h] tile of an LSE of either layout (whole-array refs: layout = index order); `lead`
-    indexes leading axes first (the partial of stacked LSEs)."""
+def _lse_index(t0, h0, block_t, block_h, lse_layout, lead=()):
+    """The indexer of an LSE tile, in [block_t, block_h] order whatever the layout (whole-array refs: layout =
+    index order); `lead` indexes leading axes first (the partial of stacked LSEs). An [H, T] tile is addressed
+    through index arrays rather than loaded as [block_h, block_t] and transposed: the transpose cost shared-memory
+    round trips in the fused merges (docs/design.md, "LSE tiles in either layout")."""
     if lse_layout == "HT":
-        return c.pltriton.load(ref.at[(*lead, pl.ds(h0, block_h), pl.ds(t0, block_t))], mask=th_mask.T,
-                             other=-jnp.inf).T
-    return c.pltriton.load(ref.at[(*lead, pl.ds(t0, block_t), pl.ds(h0, block_h))], mask=th_mask, other=-jnp.inf)
+        t = (t0 + jnp.arange(block_t, dtype=jnp.int32))[:, None]
+        h = (h0 + jnp.arange(block_h, dtype=jnp.int32))[None, :]
+        return (*lead, h, t)
+    return (*lead, pl.ds(t0, block_t), pl.ds(h0, block_h))
+
+
+def _load_lse(ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=()):
+    """f32[block_t, block_h] tile of an LSE of either layout."""
+    return c.pltriton.load(ref.at[_lse_index(t0, h0, block_t, block_h, lse_layout, lead)], mask=th_mask,
+                           other=-jnp.inf)
 
 
 def _store_lse(ref, t0, h0, block_t, block_h, value, th_mask, lse_layout):
-    if lse_layout == "HT":
-        c.pltriton.store(ref.at[pl.ds(h0, block_h), pl.ds(t0, block_t)], value.T, mask=th_mask.T)
-    else:
-        c.pltriton.store(ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h)], value, mask=th_mask)
+    c.pltriton.store(ref.at[_lse_index(t0, h0, block_t, block_h, lse_layout)], value, mask=th_mask)
 
 
 def _program_tile(num_tokens, num_heads, head_dim, block_t, block_h, block_d):

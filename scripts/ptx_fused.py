@@ -71,7 +71,7 @@ def main() -> None:
     bt, bh, bd = tc.merge_tiles(H, D, "fused")
     print(f"2-way fused tile (BLOCK_T, BLOCK_H, BLOCK_D): triton {(bt, bh, bd)}, pallas {pc.merge_tiles(H, D, 'fused')}")
     ptx["triton merge fused"] = po.triton_ptx(
-        tmerge._merge_attn_states_kernel,
+        tmerge._merge_attn_states_kernel["HT"],
         dict(out_ptr="*bf16", out_lse_ptr="*fp32", prefix_ptr="*bf16", prefix_lse_ptr="*fp32", suffix_ptr="*bf16",
              suffix_lse_ptr="*fp32", scale_ptr="*fp32", qsl_ptr="*i32", cu_ptr="*i32"),
         dict(NUM_HEADS=H, HEAD_DIM=D, BLOCK_T=bt, BLOCK_H=bh, BLOCK_D=bd, SCAN=tc.SCAN, N_INTERPRET=0,
@@ -86,7 +86,7 @@ def main() -> None:
     bt, bh, bd = tc.merge_tiles(H, D, "fused", 2, N)
     print(f"N-way fused tile at N = {N}: triton {(bt, bh, bd)}, pallas {pc.merge_tiles(H, D, 'fused', 2, N)}")
     ptx["triton merge_n fused"] = po.triton_ptx(
-        tmerge_n._merge_attn_states_n_kernel,
+        tmerge_n._merge_attn_states_n_kernel["HT"],
         dict(out_ptr="*bf16", out_lse_ptr="*fp32", outs_ptr="*bf16", lses_ptr="*fp32", scale_ptr="*fp32",
              qsl_ptr="*i32", cu_ptr="*i32"),
         dict(NUM_PARTIALS=N, NUM_HEADS=H, HEAD_DIM=D, BLOCK_T=bt, BLOCK_H=bh, BLOCK_D=bd, SCAN=tc.SCAN,

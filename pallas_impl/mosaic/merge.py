@@ -8,7 +8,8 @@ Grid: (H * D / dc, token splits) CTAs; a CTA pipelines `TUNING["merge"]["steps"]
 `[T, H * D]` views of the prefix and the suffix (`emit_pipeline`, TMA copies of `[128, dc]` tiles in). At each
 tile the weights are computed one LSE row per thread (per-thread loads: an `[H, T]` row may start anywhere; TMA
 needs 16-byte alignment), as the N-way kernel does, and relaid out through shared memory into the tile's row
-layout; the merged tile leaves by a TMA store from one of the output slots in shared memory, the previous store
+layout; a tile's LSE rows are loaded a step ahead, in the pipeline's carry (+1-2 points of the copy ceiling at
+T = 2K, none at 32K: docs/results.md, session 6); the merged tile leaves by a TMA store from one of the output slots in shared memory, the previous store
 still in flight. The last tile is shifted to end at T: no copy leaves the arrays, and overlapping tiles write
 identical values. Launch choices and their shared-memory budget: docs/design.md, "Mosaic GPU backend".
 
@@ -52,19 +53,28 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
         sp = lax.axis_index("s")
         h = hc // nc
 
-        def step(idx, a_s, b_s):
+        def rows(i):
+            """The per-token rows of tile i (per-thread loads: any alignment): p, s and the copy flags."""
+            t0 = mc.tile_start(sp, jnp.minimum(i, steps - 1), num_tokens, steps)
+            got = (plgpu.layout_cast(p_g[pl.ds(h * num_tokens + t0, bt)], LS),
+                   plgpu.layout_cast(s_g[pl.ds(h * num_tokens + t0, bt)], LS))
+            return got + (plgpu.layout_cast(c_g[pl.ds(t0, bt)], LS),) if copy_rows else got
+
+        def step(idx, a_s, b_s, carry):
             (i,) = idx
             t0 = mc.tile_start(sp, i, num_tokens, steps)
-            # The weights of the tile's 128 rows, one row per thread (per-thread loads: any alignment), as the
-            # N-way kernel computes them; relaid out through shared memory into the tile's row layout.
-            p = plgpu.layout_cast(p_g[pl.ds(h * num_tokens + t0, bt)], LS)
-            s = plgpu.layout_cast(s_g[pl.ds(h * num_tokens + t0, bt)], LS)
+            # This tile's rows were loaded a step ahead (the carry); the next tile's loads are issued now, so their
+            # latency overlaps this tile's work rather than stalling the next step.
+            following = rows(i + 1)
+            p, s = carry[:2]
+            # The weights of the tile's 128 rows, one row per thread, as the N-way kernel computes them; relaid
+            # out through shared memory into the tile's row layout.
             m, both_empty, z, wp, ws = _math.two_way_weights(p, s)
             w_smem[0] = wp
             w_smem[1] = ws
             w_smem[2] = jnp.where(both_empty, 1.0, 0.0)
             if copy_rows:
-                w_smem[3] = plgpu.layout_cast(c_g[pl.ds(t0, bt)], LS)
+                w_smem[3] = carry[2]
             if output_lse:
                 @pl.when(hc % nc == 0)
                 def _():
@@ -80,10 +90,11 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             out = jnp.where(row(2) > 0, 0.0, out)
             result = jnp.where(row(3) > 0, b, out.astype(b.dtype)) if copy_rows else out  # 4.4: the suffix's bits
             mc.store_tile(result, o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * dc, dc)], i)
+            return following
 
         tile = plgpu.BlockSpec((pl.Element(bt), dc), lambda i: (mc.tile_start(sp, i, num_tokens, steps), hc))
-        plgpu.emit_pipeline(step, grid=(steps,), in_specs=[tile, tile],
-                            max_concurrent_steps=tune["concurrent"])(a_g, b_g)
+        plgpu.emit_pipeline(step, grid=(steps,), in_specs=[tile, tile], max_concurrent_steps=tune["concurrent"],
+                            init_carry=rows(0))(a_g, b_g)
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [plgpu.SMEM((4, bt), F32), plgpu.SMEM((tune["stores"], bt, dc), out_type[0].dtype)]
