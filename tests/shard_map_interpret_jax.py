@@ -3,13 +3,14 @@ tests/test_pallas_sharding.py with a timeout.
 
 4 CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=4`, set before jax starts), each entry point run
 three times under `jax.jit(jax.shard_map(...))` with check_vma=True, heads sharded; each result compared bit for bit
-with the unsharded call. A kernel that starts a JAX computation from a host callback of the sharded one and waits
+with the unsharded call on each shard's own slices (`per_shard`). A kernel that starts a JAX computation from a host callback of the sharded one and waits
 for it can starve the CPU client's threads (its pool has max(cores, devices) threads, each shard holds one): the
 run then hangs and the test times out. Sized for that: with such a callback, on 2 cores, this hung in every run
 tried. Prints one line per call (the last shows where it stopped); exits non-zero on a mismatch.
 """
 
 import dataclasses
+import itertools
 import os
 import sys
 
@@ -51,6 +52,33 @@ def run(name, make, args, in_specs, out_specs, want, mesh):
         print(f"{name} #{i}: same bits", flush=True)
 
 
+def per_shard(make, args, in_specs, out_specs, mesh):
+    """The unsharded `make` on each shard's own slices of `args`, assembled as `out_specs` place them: what each
+    shard must compute. (An interpreted kernel's bits follow XLA:CPU's fusion of the shapes it sees, whose FMA
+    contraction no flag turns off: the reference call sees the shapes a shard sees.)"""
+    names = mesh.axis_names
+
+    def index(spec, ndim, coord, sizes):
+        spec = tuple(spec) + (None,) * (ndim - len(tuple(spec)))
+        return tuple(slice(None) if ax is None else slice(coord[names.index(ax)] * n, (coord[names.index(ax)] + 1) * n)
+                     for ax, n in zip(spec, sizes))
+
+    coords = list(itertools.product(*(range(mesh.shape[n]) for n in names)))
+    full = None
+    for coord in coords:
+        local = [x[index(s, x.ndim, coord, [d // (mesh.shape[a] if a else 1) for d, a in
+                                            zip(x.shape, tuple(s) + (None,) * (x.ndim - len(tuple(s))))])]
+                 for x, s in zip(args, in_specs)]
+        got = jax.tree.leaves(make(*local))
+        if full is None:
+            full = [np.empty([d * (mesh.shape[a] if a else 1) for d, a in
+                              zip(g.shape, tuple(s) + (None,) * (g.ndim - len(tuple(s))))], np.asarray(g).dtype)
+                    for g, s in zip(got, jax.tree.leaves(out_specs, is_leaf=lambda x: isinstance(x, P)))]
+        for f, g, s in zip(full, got, jax.tree.leaves(out_specs, is_leaf=lambda x: isinstance(x, P))):
+            f[index(s, g.ndim, coord, g.shape)] = np.asarray(g)
+    return full
+
+
 assert len(jax.devices()) == DEVICES, jax.devices()
 MESH = jax.make_mesh((DEVICES,), ("tp",))
 OUT3, LSE, REP = P(None, "tp", None), P("tp", None), P()
@@ -79,8 +107,8 @@ def merge_fused(a, p, b, s, q, c):
 
 run("mask", mask, (PL, QSL, CSL, PO), (LSE, REP, REP, OUT3), (LSE, OUT3), mask(PL, QSL, CSL, PO), MESH)
 for fn in (merge, merge_fused):
-    args = (PO, PL, SO, SL, QSL, CSL)
-    run(fn.__name__, fn, args, (OUT3, LSE, OUT3, LSE, REP, REP), (OUT3, LSE), fn(*args), MESH)
+    args, specs = (PO, PL, SO, SL, QSL, CSL), (OUT3, LSE, OUT3, LSE, REP, REP)
+    run(fn.__name__, fn, args, specs, (OUT3, LSE), per_shard(fn, args, specs, (OUT3, LSE), MESH), MESH)
 
 # The N-way inputs: 4 partials, H = 8, bf16, specials (+inf, NaN, -inf LSEs), partials without KV.
 CN = dataclasses.replace(cases.by_name("n4_bf16_fp8_out"), num_heads=H, out_dtype=None,
@@ -94,9 +122,9 @@ def merge_n(o, l, q, c):
                                            **KW)
 
 
-WANT_N = merge_n(ON, LN, QN, CUN)
-run("merge_n_fused", merge_n, (ON, LN, QN, CUN), (P(None, None, "tp", None), P(None, "tp", None), REP, REP),
-    (OUT3, LSE), WANT_N, MESH)
+SPECS_N = (P(None, None, "tp", None), P(None, "tp", None), REP, REP)
+run("merge_n_fused", merge_n, (ON, LN, QN, CUN), SPECS_N, (OUT3, LSE),
+    per_shard(merge_n, (ON, LN, QN, CUN), SPECS_N, (OUT3, LSE), MESH), MESH)
 
 # Two mesh axes: a data-parallel pair of batches, each with its heads over 2 devices. The offsets vary over "dp"
 # only (each batch its own), the outputs and LSEs over both axes.
@@ -104,7 +132,6 @@ MESH2 = jax.make_mesh((2, DEVICES // 2), ("dp", "tp"))
 CSL2 = jnp.stack([CSL, jnp.asarray([0, 7, 7, 9], jnp.int32)])
 PO2, PL2, SO2, SL2 = (jnp.stack([x, x[::-1]]) for x in (PO, PL, SO, SL))
 ARGS2 = (PO2, PL2, SO2, SL2, QSL, CSL2)
-WANT2 = [merge_fused(*(x[b] for x in ARGS2[:4]), QSL, CSL2[b]) for b in range(2)]
 OUT4, LSE3 = P("dp", None, "tp", None), P("dp", "tp", None)
 
 
@@ -112,8 +139,9 @@ def merge_fused_dp(a, p, b, s, q, c):
     return jax.tree.map(lambda r: r[None], merge_fused(a[0], p[0], b[0], s[0], q, c[0]))
 
 
-run("merge_fused_dp_tp", merge_fused_dp, ARGS2, (OUT4, LSE3, OUT4, LSE3, REP, P("dp")), (OUT4, LSE3),
-    jax.tree.map(lambda *r: jnp.stack(r), *WANT2), MESH2)
+SPECS2 = (OUT4, LSE3, OUT4, LSE3, REP, P("dp"))
+run("merge_fused_dp_tp", merge_fused_dp, ARGS2, SPECS2, (OUT4, LSE3),
+    per_shard(merge_fused_dp, ARGS2, SPECS2, (OUT4, LSE3), MESH2), MESH2)
 
 # The context-parallel combine: partial i on device i.
 MESH_CP = jax.make_mesh((DEVICES,), ("cp",))
