@@ -18,6 +18,18 @@ LOG2E = 1.4426950408889634
 MOSAIC_MIN_JAX = (0, 11)  # Mosaic GPU: Warpgroup lowering by default, plgpu.kernel(out_type=...), its interpreter
 
 
+def natural_lse(x, lse_base2: bool):
+    """An LSE tile as the merges read it (docs/spec.md 4.1): natural log, +inf and NaN as -inf."""
+    if lse_base2:
+        x = x * LN2
+    return jnp.where((x == jnp.inf) | (x != x), -jnp.inf, x)
+
+
+def stored_lse(lse, lse_base2: bool):
+    """A merged natural-log LSE tile in the caller's base."""
+    return lse * LOG2E if lse_base2 else lse
+
+
 def two_way_weights(p, s):
     """(m, both_empty, z, wp, ws) of two natural-log LSE tiles whose empty rows are -inf (docs/spec.md 4.2, 4.3):
     m is 0 where both are empty, z = e_p + e_s."""

@@ -1,13 +1,14 @@
 """Shared pieces of the Mosaic GPU kernels (`jax.experimental.pallas.mosaic_gpu`, jax >= 0.11).
 
-The Mosaic GPU kernels keep in their body only the arithmetic the Triton kernels do per element — the
-maximum, the exponentials, their sum, the weights, the weighted sum, the log — and leave the per-row
-bookkeeping to XLA around the call, as the same f32 operations in the same order (the jnp path's, which gives
-the Triton kernels' bits on the GPU):
-base-2 conversion (`x * ln2` before, `x * log2(e)` after), the empty sentinels (+inf and NaN read as -inf),
-the fused mask (per-token emptiness from the offsets, `jnp_fallback._empty_tokens`), the pass-through LSE,
-`[T, H]` layouts (transposed), and `T < 128` (padded with empty rows). Inside the kernel, pass-through rows
-of the output take the last partial's own bits from a per-token flag row.
+The Mosaic GPU kernels do in their body the arithmetic the Triton kernels do per element — the LSE sentinels
+(+inf and NaN read as -inf) and base 2 (`x * ln2` after the load, `x * log2(e)` before the store:
+`_math.natural_lse`, `_math.stored_lse`), the maximum, the exponentials, their sum, the weights, the weighted sum,
+the log — and leave the per-row bookkeeping to XLA around the call, as the same operations in the same order (the
+jnp path's, which gives the Triton kernels' bits on the GPU): the fused mask (per-token emptiness from the
+offsets, `jnp_fallback._empty_tokens`: -inf on the raw LSE), the pass-through LSE, `[T, H]` layouts (transposed),
+and `T < 128` (padded with empty rows). Inside the kernel, pass-through rows of the output take the last
+partial's own bits from a per-token flag row. For the common call (`[H, T]` LSEs, T >= 128, no fused mask, no
+pass-through, no fp8) what runs in XLA is reshapes only: no kernel but the merge (docs/results.md, session 6).
 
 Why this split (docs/design.md, "Mosaic GPU backend"): Mosaic GPU has no masked loads or stores, its TMA copies need
 16-byte aligned rows (an `[H, T]` LSE row at an odd T is not), its Warpgroup layout inference needs tiles of
@@ -113,27 +114,44 @@ def column_chunk(head_dim: int, itemsize: int, tile_bytes: int = 32 * 1024) -> i
     raise AssertionError("unreachable: 8 columns (or 16 bytes) divide D")
 
 
-def normalised_th(lse, lse_layout: str, lse_base2: bool):
-    """An LSE as natural-log f32 `[T, H]` with +inf and NaN read as -inf (docs/spec.md 4.1), in XLA."""
-    x = lse.T if lse_layout == "HT" else lse
-    if lse_base2:
-        x = x * _math.LN2
-    return jnp.where((x == jnp.inf) | jnp.isnan(x), -jnp.inf, x)
+def lse_rows(lse, lse_layout: str, empty=None):
+    """A raw LSE as a kernel reads it: f32[H * T'] (rows h, T' >= BLOCK_T padded with -inf), the tokens of
+    `empty` (bool[T], the fused mask) at -inf. The sentinels and base 2 are the kernel's (`_math.natural_lse`);
+    an `[H, T]` LSE of T >= BLOCK_T without the fused mask is only reshaped (no XLA kernel)."""
+    x = lse if lse_layout == "HT" else lse.T
+    if empty is not None:
+        x = jnp.where(empty[None, :], -jnp.inf, x)
+    return padded_last(x, -jnp.inf).reshape(-1)
 
 
-def normalised_stack(lses, query_start_loc, cu_seq_lens, lse_layout: str, lse_base2: bool):
-    """XLA before an N-way kernel (docs/spec.md 8.1): (the last partial's raw `[T, H]` LSE, with the fused mask's
-    empty tokens at -inf: what pass-through rows copy, 8.4; the natural-log LSEs with sentinels and the fused mask's
-    empty tokens read as -inf, padded to T' rows and flattened `[N * H * T']`, rows (k, h))."""
-    num_tokens = lses.shape[2] if lse_layout == "HT" else lses.shape[1]
-    raw_th = jnp.swapaxes(lses, 1, 2) if lse_layout == "HT" else lses  # [N, T, H]
-    lse = jax.vmap(lambda x: normalised_th(x, "TH", lse_base2))(raw_th)
-    last_raw = raw_th[-1]
-    if query_start_loc is not None and query_start_loc.shape[0] > 1:
-        empty = jax.vmap(lambda cu: jnp_fallback._empty_tokens(query_start_loc, cu, num_tokens))(cu_seq_lens)
-        lse = jnp.where(empty[:, :, None], -jnp.inf, lse)
-        last_raw = jnp.where(empty[-1][:, None], -jnp.inf, last_raw)
-    return last_raw, jnp.swapaxes(padded_rows(lse, num_tokens, -jnp.inf), 1, 2).reshape(-1)
+def stacked_lse_rows(lses, lse_layout: str, empties=None):
+    """`lse_rows` of N stacked LSEs (`empties`: bool[N, T], each partial's fused mask): f32[N * H * T'], rows (k, h)."""
+    x = lses if lse_layout == "HT" else jnp.swapaxes(lses, 1, 2)
+    if empties is not None:
+        x = jnp.where(empties[:, None, :], -jnp.inf, x)
+    return padded_last(x, -jnp.inf).reshape(-1)
+
+
+def fused_empties(query_start_loc, cu_seq_lens, num_tokens: int):
+    """bool[N, T] of the N-way fused mask (docs/spec.md 8.1), or None without one."""
+    if query_start_loc is None or query_start_loc.shape[0] <= 1:
+        return None
+    return jax.vmap(lambda cu: jnp_fallback._empty_tokens(query_start_loc, cu, num_tokens))(cu_seq_lens)
+
+
+def last_lse_ht(lses, lse_layout: str, empties):
+    """The pass-through LSE of an N-way merge as `[H, T]` (docs/spec.md 8.4): the last partial's raw bits, -inf on
+    the fused mask's empty tokens of that partial."""
+    x = lses[-1] if lse_layout == "HT" else lses[-1].T
+    return x if empties is None else jnp.where(empties[-1][None, :], -jnp.inf, x)
+
+
+def padded_last(x, fill):
+    """Pad the last (token) axis to at least BLOCK_T with `fill`."""
+    pad = max(0, BLOCK_T - x.shape[-1])
+    if not pad:
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=fill)
 
 
 def padded_rows(x, num_tokens: int, fill):
@@ -145,11 +163,13 @@ def padded_rows(x, num_tokens: int, fill):
     return jnp.pad(x, widths, constant_values=fill)
 
 
-def finish(results, shape, copy_t, last_output, last_lse_th, output_scale, *, out_dtype, return_lse: bool,
-           lse_layout: str, lse_base2: bool):
+def finish(results, shape, copy_t, last_output, last_lse, output_scale, *, out_dtype, return_lse: bool,
+           lse_layout: str, pass_through: bool):
     """XLA after a merge kernel (docs/spec.md 4.4, 4.6, 8.4): the `[T, H, D]` output (fp8: the last partial's
-    rows copied, scaled, clamped, cast) and the merged LSE (pass-through rows from the last partial's own
-    `[T, H]` bits, base 2, the layout). `results`: the kernel's padded `[T', H * D]` output (and `[H * T']` LSE)."""
+    rows copied, scaled, clamped, cast) and the merged LSE (the kernel writes it in the caller's base; with
+    `pass_through`, the rows of `copy_t` take `last_lse`'s `[H, T]` bits), in the caller's layout. `results`: the
+    kernel's padded `[T', H * D]` output (and `[H * T']` LSE); for T >= BLOCK_T, an `[H, T]` LSE and no
+    pass-through or fp8 these are reshapes only."""
     num_tokens, num_heads, head_dim = shape
     out = results[0][:num_tokens].reshape(shape)
     if output_scale is not None:
@@ -158,8 +178,7 @@ def finish(results, shape, copy_t, last_output, last_lse_th, output_scale, *, ou
         out = jnp.where(out > _math.FP8_E4M3_MAX, _math.FP8_E4M3_MAX, out).astype(out_dtype)
     if not return_lse:
         return out
-    merged = results[1].reshape(num_heads, -1)[:, :num_tokens].T  # [T, H]
-    if lse_base2:
-        merged = merged * _math.LOG2E
-    merged = jnp.where(copy_t[:, None], last_lse_th, merged)
-    return out, (merged.T if lse_layout == "HT" else merged)
+    merged = results[1].reshape(num_heads, -1)[:, :num_tokens]  # [H, T]
+    if pass_through:
+        merged = jnp.where(copy_t[None, :], last_lse, merged)
+    return out, (merged if lse_layout == "HT" else merged.T)

@@ -8,7 +8,7 @@ Each device scales its own partial by its N-way weight, as `pallas_impl/cp_merge
 in its order: the N-way maximum and sum of every device's LSE (`_math.n_way_max_and_sum`), `w = exp(lse_rank - m)
 / z`, the weighted tile behind a select, 0 where every partial is empty, and on pass-through tokens the last
 device's own row (the others -0.0). Grid and pipeline: those of the 2-way merge (`merge.py`), one input.
-What runs in XLA around the kernel: `_common` (the normalised, fused-masked LSEs; the pass-through LSE; base 2).
+What runs in XLA around the kernel: `_common` (the fused mask on the raw LSEs, the layout; the pass-through LSE).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ F32 = jnp.float32
 
 
 def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *,
-            output_lse: bool, copy_rows: bool, interpret: bool):
-    """This device's weighted partial `[T', H * D]` (T' >= 128) from the normalised `[N * H * T']` LSEs."""
+            output_lse: bool, copy_rows: bool, lse_base2: bool, interpret: bool):
+    """This device's weighted partial `[T', H * D]` (T' >= 128) from the raw `[N * H * T']` LSE rows."""
     plgpu = mc.plgpu()
     tune = mc.TUNING["cp_rescale"]
     bt, steps = mc.BLOCK_T, tune["steps"]
@@ -53,7 +53,8 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
             (i,) = idx
             t0 = mc.tile_start(sp, i, num_tokens, steps)
             def row_of(k):  # partial k's LSE row of the tile, one element per thread
-                return plgpu.layout_cast(l_g[pl.ds((k * num_heads + h) * num_tokens + t0, bt)], LS)
+                row = plgpu.layout_cast(l_g[pl.ds((k * num_heads + h) * num_tokens + t0, bt)], LS)
+                return _math.natural_lse(row, lse_base2)
 
             m, all_empty, _, z = _math.n_way_max_and_sum([row_of(k) for k in range(num_partials)])
             w_smem[0] = jnp.exp(row_of(rank) - m) / z  # 8.2, 8.3: partial `rank`'s weight
@@ -63,7 +64,8 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
             if output_lse:  # the merged LSE of every head (the caller keeps its own)
                 @pl.when(hc % nc == 0)
                 def _():
-                    lo_g[pl.ds(h * num_tokens + t0, bt)] = jnp.where(all_empty, -jnp.inf, jnp.log(z) + m)
+                    lse = jnp.where(all_empty, -jnp.inf, jnp.log(z) + m)
+                    lo_g[pl.ds(h * num_tokens + t0, bt)] = _math.stored_lse(lse, lse_base2)
 
             x = mc.load(x_s, L).astype(F32)
             row = lambda k: jnp.broadcast_to(mc.load(w_smem.at[k], L.reduce(1))[:, None], (bt, dc))  # noqa: E731
@@ -93,7 +95,8 @@ def rescale_mosaic(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with
     dc = mc.column_chunk(head_dim, jnp.dtype(part.dtype).itemsize, mc.TUNING["cp_rescale"]["tile_bytes"])
     prefill = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
-    last_raw, lf = mc.normalised_stack(lses, query_start_loc, cu_seq_lens, lse_layout, lse_base2)
+    empties = mc.fused_empties(query_start_loc, cu_seq_lens, num_tokens)
+    lf = mc.stacked_lse_rows(lses, lse_layout, empties)
     copy_rows = prefill_tokens_with_context is not None
     args = [mc.padded_rows(part.reshape(num_tokens, num_heads * head_dim), num_tokens, 0), lf,
             jnp.asarray(rank, jnp.int32).reshape(1)]
@@ -104,7 +107,7 @@ def rescale_mosaic(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with
     if return_lse:
         out_type.append(c.out_struct((num_heads * tp,), F32, *args))
     results = _kernel(num_partials, tp, num_heads, head_dim, dc, out_type, output_lse=return_lse,
-                      copy_rows=copy_rows, interpret=interpret)(*args)
-    res = mc.finish(results, part.shape, copy_t, None, last_raw, None, out_dtype=reduce_dtype,
-                    return_lse=return_lse, lse_layout=lse_layout, lse_base2=lse_base2)
+                      copy_rows=copy_rows, lse_base2=lse_base2, interpret=interpret)(*args)
+    res = mc.finish(results, part.shape, copy_t, None, mc.last_lse_ht(lses, lse_layout, empties), None,
+                    out_dtype=reduce_dtype, return_lse=return_lse, lse_layout=lse_layout, pass_through=copy_rows)
     return res if return_lse else (res, None)

@@ -34,8 +34,8 @@ F32 = jnp.float32
 
 
 def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *, output_lse: bool,
-            copy_rows: bool, interpret: bool):
-    """The merge of padded `[T', H * D]` prefix and suffix (T' >= 128) with normalised `[H * T']` LSEs."""
+            copy_rows: bool, lse_base2: bool, interpret: bool):
+    """The merge of padded `[T', H * D]` prefix and suffix (T' >= 128) with raw `[H * T']` LSE rows."""
     plgpu = mc.plgpu()
     tune = mc.TUNING["merge"]
     bt, steps = mc.BLOCK_T, tune["steps"]
@@ -56,8 +56,8 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
         def rows(i):
             """The per-token rows of tile i (per-thread loads: any alignment): p, s and the copy flags."""
             t0 = mc.tile_start(sp, jnp.minimum(i, steps - 1), num_tokens, steps)
-            got = (plgpu.layout_cast(p_g[pl.ds(h * num_tokens + t0, bt)], LS),
-                   plgpu.layout_cast(s_g[pl.ds(h * num_tokens + t0, bt)], LS))
+            got = (_math.natural_lse(plgpu.layout_cast(p_g[pl.ds(h * num_tokens + t0, bt)], LS), lse_base2),
+                   _math.natural_lse(plgpu.layout_cast(s_g[pl.ds(h * num_tokens + t0, bt)], LS), lse_base2))
             return got + (plgpu.layout_cast(c_g[pl.ds(t0, bt)], LS),) if copy_rows else got
 
         def step(idx, a_s, b_s, carry):
@@ -78,7 +78,8 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             if output_lse:
                 @pl.when(hc % nc == 0)
                 def _():
-                    lo_g[pl.ds(h * num_tokens + t0, bt)] = jnp.where(both_empty, -jnp.inf, jnp.log(z) + m)
+                    lse = jnp.where(both_empty, -jnp.inf, jnp.log(z) + m)
+                    lo_g[pl.ds(h * num_tokens + t0, bt)] = _math.stored_lse(lse, lse_base2)
 
             a = mc.load(a_s, L)
             b = mc.load(b_s, L)
@@ -112,25 +113,24 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
     fp8 = output_scale is not None
     prefill = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
-    # XLA before the kernel: natural-log LSEs with sentinels read as -inf (4.1), the fused mask (4.5).
-    p = mc.normalised_th(prefix_lse, lse_layout, lse_base2)  # [T, H]
-    s = mc.normalised_th(suffix_lse, lse_layout, lse_base2)
+    # XLA before the kernel: the fused mask (4.5) on the raw prefix LSE, the layout, T < 128.
+    empty = None
     if query_start_loc is not None and query_start_loc.shape[0] > 1:
         empty = jnp_fallback._empty_tokens(query_start_loc, prefix_cu_seq_lens, num_tokens)
-        p = jnp.where(empty[:, None], -jnp.inf, p)
     tp = max(num_tokens, mc.BLOCK_T)
     rows = lambda x: mc.padded_rows(x.reshape(num_tokens, num_heads * head_dim), num_tokens, 0)  # noqa: E731
-    lse_rows = lambda x: mc.padded_rows(x, num_tokens, -jnp.inf).T.reshape(-1)  # [H * T']  # noqa: E731
     copy_rows = prefill_tokens_with_context is not None and not fp8
-    args = [rows(prefix_output), rows(suffix_output), lse_rows(p), lse_rows(s)]
+    args = [rows(prefix_output), rows(suffix_output), mc.lse_rows(prefix_lse, lse_layout, empty),
+            mc.lse_rows(suffix_lse, lse_layout)]
     if copy_rows:
         args.append(mc.padded_rows(copy_t.astype(F32)[:, None], num_tokens, 0.0)[:, 0])
     out_type = [c.out_struct((tp, num_heads * head_dim), F32 if fp8 else out_dtype, *args)]
     if return_lse:
         out_type.append(c.out_struct((num_heads * tp,), F32, *args))
     results = _kernel(tp, num_heads, head_dim, dc, out_type, output_lse=return_lse, copy_rows=copy_rows,
-                      interpret=interpret)(*args)
-    # XLA after the kernel: fp8 (4.6), the pass-through LSE (4.4), base 2, the layout.
-    raw_s = suffix_lse.T if lse_layout == "HT" else suffix_lse
-    return mc.finish(results, prefix_output.shape, copy_t, suffix_output, raw_s, output_scale if fp8 else None,
-                     out_dtype=out_dtype, return_lse=return_lse, lse_layout=lse_layout, lse_base2=lse_base2)
+                      lse_base2=lse_base2, interpret=interpret)(*args)
+    # XLA after the kernel: fp8 (4.6), the pass-through LSE (4.4: the suffix's raw bits), the layout.
+    return mc.finish(results, prefix_output.shape, copy_t, suffix_output,
+                     suffix_lse if lse_layout == "HT" else suffix_lse.T, output_scale if fp8 else None,
+                     out_dtype=out_dtype, return_lse=return_lse, lse_layout=lse_layout,
+                     pass_through=prefill_tokens_with_context is not None)

@@ -34,7 +34,7 @@ F32 = jnp.float32
 
 
 def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *,
-            output_lse: bool, copy_rows: bool, interpret: bool):
+            output_lse: bool, copy_rows: bool, lse_base2: bool, interpret: bool):
     """The merge kernel over stacked partials `[N, T', H * D]`, T' >= 128 (padded)."""
     plgpu = mc.plgpu()
     tune = mc.TUNING["merge_n"]
@@ -45,7 +45,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     LS = plgpu.Layout.WG_STRIDED((bt,), vec_size=1)
 
     def body(*refs):
-        # x_g: the partials; l_g: f32[N * H * T'] normalised LSEs, flattened ((k * H + h) * T' + t)
+        # x_g: the partials; l_g: f32[N * H * T'] raw LSE rows, flattened ((k * H + h) * T' + t)
         x_g, l_g, rest = refs[0], refs[1], refs[2:]
         c_g, rest = (rest[0], rest[1:]) if copy_rows else (None, rest)  # f32[T']: 1 where t copies the last partial
         o_g, rest = rest[0], rest[1:]
@@ -61,8 +61,8 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
 
             @pl.when(n == 0)
             def _weights():  # docs/spec.md 8.2, 8.3
-                ls = [plgpu.layout_cast(l_g[pl.ds((k * num_heads + h) * num_tokens + t0, bt)], LS)
-                      for k in range(num_partials)]
+                ls = [_math.natural_lse(plgpu.layout_cast(l_g[pl.ds((k * num_heads + h) * num_tokens + t0, bt)], LS),
+                                        lse_base2) for k in range(num_partials)]
                 m, all_empty, e, z = _math.n_way_max_and_sum(ls)
                 for k in range(num_partials):
                     w_smem[k] = e[k] / z
@@ -71,7 +71,8 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                     @pl.when(hc % nc == 0)
                     def _():
                         lse = jnp.where(all_empty, -jnp.inf, jnp.log(z) + m)
-                        lo_g[pl.ds(h * num_tokens + t0, bt)] = lse  # per-thread stores: any alignment
+                        # per-thread stores: any alignment
+                        lo_g[pl.ds(h * num_tokens + t0, bt)] = _math.stored_lse(lse, lse_base2)
 
             w = mc.load(w_smem.at[n], L.reduce(1))
             wb = jnp.broadcast_to(w[:, None], (bt, dc))
@@ -114,8 +115,9 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
     fp8 = output_scale is not None
     prefill = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
-    # XLA before the kernel (docs/spec.md 8.1): natural-log LSEs, sentinels read as -inf, the fused mask.
-    last_raw, lf = mc.normalised_stack(lses, query_start_loc, cu_seq_lens, lse_layout, lse_base2)
+    # XLA before the kernel (docs/spec.md 8.1): the fused mask on the raw LSEs, the layout, T < 128.
+    empties = mc.fused_empties(query_start_loc, cu_seq_lens, num_tokens)
+    lf = mc.stacked_lse_rows(lses, lse_layout, empties)
     tp = max(num_tokens, mc.BLOCK_T)
     x = mc.padded_rows(outputs.reshape(num_partials, num_tokens, num_heads * head_dim), num_tokens, 0)
     copy_rows = prefill_tokens_with_context is not None and not fp8
@@ -126,7 +128,8 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
     if return_lse:
         out_type.append(c.out_struct((num_heads * tp,), F32, *args))
     results = _kernel(num_partials, tp, num_heads, head_dim, dc, out_type, output_lse=return_lse,
-                      copy_rows=copy_rows, interpret=interpret)(*args)
-    # XLA after the kernel: fp8 (4.6), the pass-through LSE (8.4), base 2, the layout.
-    return mc.finish(results, outputs.shape[1:], copy_t, outputs[-1], last_raw, output_scale if fp8 else None,
-                     out_dtype=out_dtype, return_lse=return_lse, lse_layout=lse_layout, lse_base2=lse_base2)
+                      copy_rows=copy_rows, lse_base2=lse_base2, interpret=interpret)(*args)
+    # XLA after the kernel: fp8 (4.6), the pass-through LSE (8.4), the layout.
+    return mc.finish(results, outputs.shape[1:], copy_t, outputs[-1], mc.last_lse_ht(lses, lse_layout, empties),
+                     output_scale if fp8 else None, out_dtype=out_dtype, return_lse=return_lse, lse_layout=lse_layout,
+                     pass_through=prefill_tokens_with_context is not None)
