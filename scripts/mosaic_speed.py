@@ -46,7 +46,9 @@ CANDIDATES = {
               dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1),  # the previous kernel's choice
               dict(steps=16, concurrent=3, tile_bytes=16 * 1024, stores=2),
               dict(steps=8, concurrent=4, tile_bytes=8 * 1024, stores=2),
-              dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2)],
+              dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2),
+              dict(steps=8, concurrent=3, tile_bytes=16 * 1024, stores=2),
+              dict(steps=4, concurrent=2, tile_bytes=16 * 1024, stores=1)],
     "merge_n": [dict(mc.TUNING["merge_n"]),
                 dict(steps=8, concurrent=3, tile_bytes=16 * 1024, stores=2),
                 dict(steps=8, concurrent=4, tile_bytes=16 * 1024, stores=2),
@@ -126,6 +128,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--budget-s", type=float, default=140.0, help="start no new point after this many seconds")
     p.add_argument("--no-sweep", action="store_true", help="time the default TUNING only")
+    p.add_argument("--kernels", nargs="+", choices=sorted(CANDIDATES), default=None,
+                   help="only the points of these kernels (TUNING keys)")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("mosaic_speed: needs a GPU (jax sees none)", file=sys.stderr)
@@ -148,6 +152,9 @@ def main(argv=None) -> int:
         for variant in ("plain", "lse", "fused"):
             points.append(("merge_n", f"merge_n N={n} T=32768 {variant}",
                            lambda b, n=n, v=variant: merge_point(32768, n, v, b)))
+
+    if args.kernels:
+        points = [p for p in points if p[0] in args.kernels]
 
     def run(kernel, label, fn, backend, cand):
         if time.time() - start > args.budget_s:
