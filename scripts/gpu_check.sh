@@ -87,14 +87,16 @@ EOF
 } | tee "$OUT/env.txt"
 
 # pytest-xdist (in the device image) spreads the kernel compiles over 4 workers; without it, one process.
+# The full check in 8 processes (`scripts/check_shards.sh`): 72-83 s per Pallas backend on the H200 (session 6).
+export CHECK_SHARDS=${CHECK_SHARDS:-8}
 XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
 
 if [ "$PLAN" = mosaic ] || [ "$PLAN" = mosaic_speed ]; then
     # The experimental Mosaic GPU backend of pallas_impl (docs/design.md, "Mosaic GPU backend"). PLAN=mosaic: the
     # Pallas test suite with that backend as the default (PALLAS_IMPL_BACKEND) and its own tests (bits against the
-    # Triton backend), then the full parity check with Pallas on Mosaic GPU (its compiles take most of the call: a
-    # 150 s cap each was too short on the H200, session 5). PLAN=mosaic_speed: its kernels timed beside the Triton
-    # backend's with a sweep of their launch choices (scripts/mosaic_speed.py).
+    # Triton backend), then the full parity check with Pallas on Mosaic GPU (its compiles take most of it: 3 shards
+    # did not finish in 150 s on the H200 in session 5; 8 shards took 78-83 s in session 6). PLAN=mosaic_speed: its
+    # kernels timed beside the Triton backend's with a sweep of their launch choices (scripts/mosaic_speed.py).
     if [ "$PLAN" = mosaic ]; then
         # shellcheck disable=SC2086
         step pytest 240 300 "$OUT/pytest.log" env PALLAS_IMPL_BACKEND=mosaic_gpu "$PY" -m pytest -q -rs $XDIST \

@@ -9,7 +9,8 @@ captured by Nsight Compute (issue 19 item 4, issue 20: the experiment behind the
 
 Every point is compiled and run once first (outside the capture); then, between cudaProfilerStart and
 cudaProfilerStop, each point runs once, in the order of `POINTS`, with a synchronisation after it, so the
-n-th captured kernel is the n-th point (each point is one kernel launch; the summary checks the names).
+n-th captured kernel is the n-th point (the summary sets XLA's fusions around a call apart and prints the kernel
+names, so a mismatch shows). docs/results.md, session 6, has a captured run.
 bf16, H = 64, D = 128, LSE [H, T] natural log; fused batches as the bench's (`MergePoint.fused_case`).
 """
 

@@ -33,7 +33,8 @@ MAX_COLS = 256  # a TMA box dimension holds at most 256 elements: wider heads ar
 # of one [128, dc] input tile; stores: output tiles whose TMA stores may be in flight (1 or 2 shared-memory slots).
 # The 2-way merge keeps 2 inputs x `concurrent` tiles in shared memory, the N-way and the rescale 1 x `concurrent`:
 # smaller 2-way tiles keep two CTAs per SM (228 KiB of shared memory on an H100/H200).
-# `scripts/mosaic_speed.py` sweeps these on the GPU (it sets them here and clears jax's caches).
+# `scripts/mosaic_speed.py` sweeps these on the GPU (it sets them here and clears jax's caches). Its 2-way sweep of
+# session 6 (docs/results.md): 32 KiB merge tiles 91-92% at T = 32K against 86%, but 80-81% against 85-86% at 2K.
 TUNING = {
     "merge": dict(steps=8, concurrent=2, tile_bytes=16 * 1024, stores=2),
     "merge_n": dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1),
