@@ -1,10 +1,11 @@
-"""Hardware counters of the kernels that miss their targets, beside the ones that meet them: one call of each,
+r"""Hardware counters of the kernels that miss their targets, beside the ones that meet them: one call of each,
 captured by Nsight Compute (issue 19 item 4, issue 20: the experiment behind the fused-merge and mask limits).
 
     ncu --profile-from-start off --clock-control none --csv --page details \
         --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
         --section MemoryWorkloadAnalysis \
-        --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio python scripts/profile_ncu.py [--only SUBSTR] > ncu.csv
+        --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
+        python scripts/profile_ncu.py [--only SUBSTR] > ncu.csv
     python scripts/profile_ncu.py --summarize ncu.csv          # the table of docs/results.md
 
 Every point is compiled and run once first (outside the capture); then, between cudaProfilerStart and

@@ -3,9 +3,9 @@ tests/test_pallas_sharding.py with a timeout.
 
 4 CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=4`, set before jax starts), each entry point run
 three times under `jax.jit(jax.shard_map(...))` with check_vma=True, heads sharded; each result compared bit for bit
-with the unsharded call on each shard's own slices (`per_shard`). A kernel that starts a JAX computation from a host callback of the sharded one and waits
-for it can starve the CPU client's threads (its pool has max(cores, devices) threads, each shard holds one): the
-run then hangs and the test times out. Sized for that: with such a callback, on 2 cores, this hung in every run
+with the unsharded call on each shard's own slices (`per_shard`). A kernel that starts a JAX computation from a
+host callback of the sharded one and waits for it can starve the CPU client's threads (its pool has
+max(cores, devices) threads, each shard holds one): the run then hangs and the test times out. Sized for that: with such a callback, on 2 cores, this hung in every run
 tried. Prints one line per call (the last shows where it stopped); exits non-zero on a mismatch.
 """
 

@@ -9,8 +9,8 @@ Grid: (H * D / dc, token splits) CTAs; a CTA pipelines `TUNING["merge"]["steps"]
 tile the weights are computed one LSE row per thread (per-thread loads: an `[H, T]` row may start anywhere; TMA
 needs 16-byte alignment), as the N-way kernel does, and relaid out through shared memory into the tile's row
 layout; a tile's LSE rows are loaded a step ahead, in the pipeline's carry (+1-2 points of the copy ceiling at
-T = 2K, none at 32K: docs/results.md, session 6); the merged tile leaves by a TMA store from one of the output slots in shared memory, the previous store
-still in flight. The last tile is shifted to end at T: no copy leaves the arrays, and overlapping tiles write
+T = 2K, none at 32K: docs/results.md, session 6); the merged tile leaves by a TMA store from one of the output
+slots in shared memory, the previous store still in flight. The last tile is shifted to end at T: no copy leaves the arrays, and overlapping tiles write
 identical values. Launch choices and their shared-memory budget: docs/design.md, "Mosaic GPU backend".
 
 Float math in the order of `pallas_impl/merge.py`; what runs in XLA around the kernel: `_common`.
