@@ -122,7 +122,7 @@ def lse_rows(lse, lse_layout: str, empty=None):
     x = lse if lse_layout == "HT" else lse.T
     if empty is not None:
         x = jnp.where(empty[None, :], -jnp.inf, x)
-    return padded_last(x, -jnp.inf).reshape(-1)
+    return padded_rows(x, x.shape[-1], -jnp.inf, axis=-1).reshape(-1)
 
 
 def stacked_lse_rows(lses, lse_layout: str, empties=None):
@@ -130,7 +130,7 @@ def stacked_lse_rows(lses, lse_layout: str, empties=None):
     x = lses if lse_layout == "HT" else jnp.swapaxes(lses, 1, 2)
     if empties is not None:
         x = jnp.where(empties[:, None, :], -jnp.inf, x)
-    return padded_last(x, -jnp.inf).reshape(-1)
+    return padded_rows(x, x.shape[-1], -jnp.inf, axis=-1).reshape(-1)
 
 
 def fused_empties(query_start_loc, cu_seq_lens, num_tokens: int):
@@ -147,20 +147,14 @@ def last_lse_ht(lses, lse_layout: str, empties):
     return x if empties is None else jnp.where(empties[-1][None, :], -jnp.inf, x)
 
 
-def padded_last(x, fill):
-    """Pad the last (token) axis to at least BLOCK_T with `fill`."""
-    pad = max(0, BLOCK_T - x.shape[-1])
-    if not pad:
-        return x
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=fill)
-
-
-def padded_rows(x, num_tokens: int, fill):
-    """Pad the token axis (axis -2 of `[..., T, C]`) to at least BLOCK_T with `fill`; a kernel tile covers it."""
+def padded_rows(x, num_tokens: int, fill, axis: int = -2):
+    """Pad the token axis (`axis`: -2 of `[..., T, C]`, -1 of `[..., T]`) to at least BLOCK_T with `fill`; a kernel
+    tile covers it."""
     pad = max(0, BLOCK_T - num_tokens)
     if not pad:
         return x
-    widths = [(0, 0)] * (x.ndim - 2) + [(0, pad), (0, 0)]
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
     return jnp.pad(x, widths, constant_values=fill)
 
 

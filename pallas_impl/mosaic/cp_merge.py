@@ -101,7 +101,7 @@ def rescale_mosaic(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with
     args = [mc.padded_rows(part.reshape(num_tokens, num_heads * head_dim), num_tokens, 0), lf,
             jnp.asarray(rank, jnp.int32).reshape(1)]
     if copy_rows:
-        args.append(mc.padded_rows(copy_t.astype(F32)[:, None], num_tokens, 0.0)[:, 0])
+        args.append(mc.padded_rows(copy_t.astype(F32), num_tokens, 0.0, axis=-1))
     tp = max(num_tokens, mc.BLOCK_T)
     out_type = [c.out_struct((tp, num_heads * head_dim), reduce_dtype, *args)]
     if return_lse:

@@ -123,7 +123,7 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
     args = [rows(prefix_output), rows(suffix_output), mc.lse_rows(prefix_lse, lse_layout, empty),
             mc.lse_rows(suffix_lse, lse_layout)]
     if copy_rows:
-        args.append(mc.padded_rows(copy_t.astype(F32)[:, None], num_tokens, 0.0)[:, 0])
+        args.append(mc.padded_rows(copy_t.astype(F32), num_tokens, 0.0, axis=-1))
     out_type = [c.out_struct((tp, num_heads * head_dim), F32 if fp8 else out_dtype, *args)]
     if return_lse:
         out_type.append(c.out_struct((num_heads * tp,), F32, *args))

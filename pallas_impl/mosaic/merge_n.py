@@ -123,7 +123,7 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
     copy_rows = prefill_tokens_with_context is not None and not fp8
     args = [x, lf]
     if copy_rows:
-        args.append(mc.padded_rows(copy_t.astype(F32)[:, None], num_tokens, 0.0)[:, 0])
+        args.append(mc.padded_rows(copy_t.astype(F32), num_tokens, 0.0, axis=-1))
     out_type = [c.out_struct((tp, num_heads * head_dim), F32 if fp8 else out_dtype, *args)]
     if return_lse:
         out_type.append(c.out_struct((num_heads * tp,), F32, *args))
