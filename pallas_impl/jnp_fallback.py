@@ -1,10 +1,10 @@
 """Plain-XLA (jnp) implementation of the mask and the merges, for backends without Pallas GPU (TPU, CPU).
 
 An implementation, tested against `parity.reference` like the kernels; not a second spec. Offsets and
-`prefill_tokens_with_context` stay traced. The token->request lookup is a `searchsorted`, which XLA handles
-well; the kernels avoid per-token metadata instead. The float operations are the kernels' in the same order
-(sums over partials in index order, never a tree reduction), so on a GPU the results can be compared bit for
-bit with the kernels'.
+`prefill_tokens_with_context` stay traced. The token->request lookup is a `searchsorted` with its levels unrolled
+(the default `scan` lowers to an XLA while loop); the kernels avoid per-token metadata instead. The float
+operations are the kernels' in the same order (sums over partials in index order, never a tree reduction), so on
+a GPU the results can be compared bit for bit with the kernels'.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pallas_impl import _common as c
 def _empty_tokens(query_start_loc, cu_seq_lens, num_tokens):
     """bool[T]: tokens of requests whose chunk is empty; padding (t >= qsl[R]) is False."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    req = jnp.searchsorted(query_start_loc, t, side="right") - 1  # in [-1, R]
+    req = jnp.searchsorted(query_start_loc, t, side="right", method="scan_unrolled") - 1  # in [-1, R]
     num_requests = query_start_loc.shape[0] - 1
     safe = jnp.clip(req, 0, max(num_requests - 1, 0))
     empty = cu_seq_lens[safe + 1] == cu_seq_lens[safe]

@@ -114,6 +114,46 @@ def test_ci_cases_bits_match_the_triton_backend(case, op):
             compare.assert_bitwise_equal(got[key], w, name=f"{op}.{key}", case=case, mode="mosaic vs triton")
 
 
+def _long_tiles_differ(case) -> bool:
+    from pallas_impl.mosaic import _common as mc
+
+    tune, itemsize = mc.TUNING["merge"], np.dtype(case.dtype).itemsize
+    return mc.column_chunk(case.head_dim, itemsize, tune["tile_bytes"]) != mc.column_chunk(
+        case.head_dim, itemsize, tune["long_tile_bytes"])
+
+
+LONG_TILE_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in cases.select("ci", kind="two_way")
+                 if _long_tiles_differ(case) for op in impls.ops_of(case) if op.startswith("merge")]
+
+
+@needs_mosaic
+@pytest.mark.parametrize("case, op", LONG_TILE_OPS)
+def test_the_long_token_tiles_of_the_two_way_merge_match_reference(case, op, monkeypatch):
+    """The 2-way merge's tiles from `long_tokens` on (T = 32K on the GPU: the full check's seed cases), here
+    from 128 padded tokens so that the ci cases take them."""
+    from pallas_impl.mosaic import _common as mc
+
+    monkeypatch.setitem(mc.TUNING, "merge", dict(mc.TUNING["merge"], long_tokens=mc.BLOCK_T))
+    jax.clear_caches()  # the tiles are chosen at trace time
+    try:
+        inputs = _operands(case, op)
+        got = impls.run(RT, "mosaic", op, case, _device(inputs))
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    _check_against_reference(case, op, inputs, got)
+
+
+def test_the_two_way_merge_takes_the_long_tiles_from_long_tokens():
+    from pallas_impl.mosaic import _common as mc
+
+    short, long = mc.TUNING["merge"]["tile_bytes"], mc.TUNING["merge"]["long_tile_bytes"]
+    assert short != long
+    assert mc.merge_tuning(mc.TUNING["merge"]["long_tokens"] - 1)["tile_bytes"] == short
+    assert mc.merge_tuning(mc.TUNING["merge"]["long_tokens"])["tile_bytes"] == long
+    assert set(mc.merge_tuning(mc.BLOCK_T)) == {"steps", "concurrent", "tile_bytes", "stores"}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Choosing the backend
 

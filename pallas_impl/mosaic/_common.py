@@ -4,11 +4,12 @@ The Mosaic GPU kernels do in their body the arithmetic the Triton kernels do per
 (+inf and NaN read as -inf) and base 2 (`x * ln2` after the load, `x * log2(e)` before the store:
 `_math.natural_lse`, `_math.stored_lse`), the maximum, the exponentials, their sum, the weights, the weighted sum,
 the log — and leave the per-row bookkeeping to XLA around the call, as the same operations in the same order (the
-jnp path's, which gives the Triton kernels' bits on the GPU): the fused mask (per-token emptiness from the
-offsets, `jnp_fallback._empty_tokens`: -inf on the raw LSE), the pass-through LSE, `[T, H]` layouts (transposed),
-and `T < 128` (padded with empty rows). Inside the kernel, pass-through rows of the output take the last
-partial's own bits from a per-token flag row. For the common call (`[H, T]` LSEs, T >= 128, no fused mask, no
-pass-through, no fp8) what runs in XLA is reshapes only: no kernel but the merge (docs/results.md, session 6).
+jnp path's, which gives the Triton kernels' bits on the GPU): the fused mask's per-token emptiness from the
+offsets (`jnp_fallback._empty_tokens`), the pass-through LSE, `[T, H]` layouts (transposed), and `T < 128`
+(padded with empty rows). Inside the kernel, per-token flag rows set the fused mask's raw LSEs to -inf and give
+pass-through rows of the output the last partial's own bits. For the common call (`[H, T]` LSEs, T >= 128, no
+fused mask, no pass-through, no fp8) what runs in XLA is reshapes only: no kernel but the merge (docs/results.md,
+session 6).
 
 Why this split (docs/design.md, "Mosaic GPU backend"): Mosaic GPU has no masked loads or stores, its TMA copies need
 16-byte aligned rows (an `[H, T]` LSE row at an odd T is not), its Warpgroup layout inference needs tiles of
@@ -34,9 +35,10 @@ MAX_COLS = 256  # a TMA box dimension holds at most 256 elements: wider heads ar
 # The 2-way merge keeps 2 inputs x `concurrent` tiles in shared memory, the N-way and the rescale 1 x `concurrent`:
 # smaller 2-way tiles keep two CTAs per SM (228 KiB of shared memory on an H100/H200).
 # `scripts/mosaic_speed.py` sweeps these on the GPU (it sets them here and clears jax's caches). Its 2-way sweep of
-# session 6 (docs/results.md): 32 KiB merge tiles 91-92% at T = 32K against 86%, but 80-81% against 85-86% at 2K.
+# session 6 (docs/results.md): 32 KiB merge tiles 91-92% at T = 32K against 86%, but 80-81% against 85-86% at 2K;
+# so the 2-way merge takes `long_tile_bytes` from `long_tokens` padded tokens on (`merge_tuning`).
 TUNING = {
-    "merge": dict(steps=8, concurrent=2, tile_bytes=16 * 1024, stores=2),
+    "merge": dict(steps=8, concurrent=2, tile_bytes=16 * 1024, stores=2, long_tokens=16384, long_tile_bytes=32 * 1024),
     "merge_n": dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1),
     "cp_rescale": dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2),
     # heads: LSE rows (of 128 tokens) per CTA; the output rows are split as many ways as the heads.
@@ -115,29 +117,43 @@ def column_chunk(head_dim: int, itemsize: int, tile_bytes: int = 32 * 1024) -> i
     raise AssertionError("unreachable: 8 columns (or 16 bytes) divide D")
 
 
-def lse_rows(lse, lse_layout: str, empty=None):
-    """A raw LSE as a kernel reads it: f32[H * T'] (rows h, T' >= BLOCK_T padded with -inf), the tokens of
-    `empty` (bool[T], the fused mask) at -inf. The sentinels and base 2 are the kernel's (`_math.natural_lse`);
-    an `[H, T]` LSE of T >= BLOCK_T without the fused mask is only reshaped (no XLA kernel)."""
+def merge_tuning(num_tokens: int) -> dict:
+    """The 2-way merge's launch choices for `num_tokens` padded tokens (`long_tile_bytes` tiles from `long_tokens`)."""
+    tune = dict(TUNING["merge"])
+    if num_tokens >= tune.pop("long_tokens", num_tokens + 1):
+        tune["tile_bytes"] = tune["long_tile_bytes"]
+    tune.pop("long_tile_bytes", None)
+    return tune
+
+
+def lse_rows(lse, lse_layout: str):
+    """A raw LSE as a kernel reads it: f32[H * T'] (rows h, T' >= BLOCK_T padded with -inf). The sentinels and
+    base 2 are the kernel's (`_math.natural_lse`); an `[H, T]` LSE of T >= BLOCK_T is only reshaped (no XLA
+    kernel)."""
     x = lse if lse_layout == "HT" else lse.T
-    if empty is not None:
-        x = jnp.where(empty[None, :], -jnp.inf, x)
     return padded_rows(x, x.shape[-1], -jnp.inf, axis=-1).reshape(-1)
 
 
-def stacked_lse_rows(lses, lse_layout: str, empties=None):
-    """`lse_rows` of N stacked LSEs (`empties`: bool[N, T], each partial's fused mask): f32[N * H * T'], rows (k, h)."""
+def stacked_lse_rows(lses, lse_layout: str):
+    """`lse_rows` of N stacked LSEs: f32[N * H * T'], rows (k, h)."""
     x = lses if lse_layout == "HT" else jnp.swapaxes(lses, 1, 2)
-    if empties is not None:
-        x = jnp.where(empties[:, None, :], -jnp.inf, x)
     return padded_rows(x, x.shape[-1], -jnp.inf, axis=-1).reshape(-1)
 
 
 def fused_empties(query_start_loc, cu_seq_lens, num_tokens: int):
-    """bool[N, T] of the N-way fused mask (docs/spec.md 8.1), or None without one."""
+    """bool[..., T]: the fused mask's tokens (docs/spec.md 4.5, 8.1) of each `cu_seq_lens` row (`[..., R + 1]`), or
+    None without a fused mask."""
     if query_start_loc is None or query_start_loc.shape[0] <= 1:
         return None
-    return jax.vmap(lambda cu: jnp_fallback._empty_tokens(query_start_loc, cu, num_tokens))(cu_seq_lens)
+    empty = functools.partial(jnp_fallback._empty_tokens, query_start_loc, num_tokens=num_tokens)
+    for _ in range(cu_seq_lens.ndim - 1):
+        empty = jax.vmap(empty)
+    return empty(cu_seq_lens)
+
+
+def flag_rows(flags):
+    """bool[..., T] as the f32[... * T'] rows a kernel reads per tile (1 where set; T' >= BLOCK_T padded with 0)."""
+    return padded_rows(flags.astype(jnp.float32), flags.shape[-1], 0.0, axis=-1).reshape(-1)
 
 
 def last_lse_ht(lses, lse_layout: str, empties):

@@ -8,7 +8,7 @@ Each device scales its own partial by its N-way weight, as `pallas_impl/cp_merge
 in its order: the N-way maximum and sum of every device's LSE (`_math.n_way_max_and_sum`), `w = exp(lse_rank - m)
 / z`, the weighted tile behind a select, 0 where every partial is empty, and on pass-through tokens the last
 device's own row (the others -0.0). Grid and pipeline: those of the 2-way merge (`merge.py`), one input.
-What runs in XLA around the kernel: `_common` (the fused mask on the raw LSEs, the layout; the pass-through LSE).
+What runs in XLA around the kernel: `_common` (the fused mask's token flags, the layout; the pass-through LSE).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ F32 = jnp.float32
 
 
 def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *,
-            output_lse: bool, copy_rows: bool, lse_base2: bool, interpret: bool):
+            output_lse: bool, empty_rows: bool, copy_rows: bool, lse_base2: bool, interpret: bool):
     """This device's weighted partial `[T', H * D]` (T' >= 128) from the raw `[N * H * T']` LSE rows."""
     plgpu = mc.plgpu()
     tune = mc.TUNING["cp_rescale"]
@@ -40,6 +40,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     LS = plgpu.Layout.WG_STRIDED((bt,), vec_size=1)
 
     def body(x_g, l_g, r_g, *rest):
+        e_g, rest = (rest[0], rest[1:]) if empty_rows else (None, rest)  # f32[N * T']: 1 on the fused mask's tokens
         c_g, rest = (rest[0], rest[1:]) if copy_rows else (None, rest)  # f32[T']: 1 where t copies the last partial
         o_g, rest = rest[0], rest[1:]
         lo_g, rest = (rest[0], rest[1:]) if output_lse else (None, rest)
@@ -54,6 +55,8 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
             t0 = mc.tile_start(sp, i, num_tokens, steps)
             def row_of(k):  # partial k's LSE row of the tile, one element per thread
                 row = plgpu.layout_cast(l_g[pl.ds((k * num_heads + h) * num_tokens + t0, bt)], LS)
+                if empty_rows:
+                    row = jnp.where(plgpu.layout_cast(e_g[pl.ds(k * num_tokens + t0, bt)], LS) > 0, -jnp.inf, row)
                 return _math.natural_lse(row, lse_base2)
 
             m, all_empty, _, z = _math.n_way_max_and_sum([row_of(k) for k in range(num_partials)])
@@ -96,18 +99,21 @@ def rescale_mosaic(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with
     prefill = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     empties = mc.fused_empties(query_start_loc, cu_seq_lens, num_tokens)
-    lf = mc.stacked_lse_rows(lses, lse_layout, empties)
+    lf = mc.stacked_lse_rows(lses, lse_layout)
     copy_rows = prefill_tokens_with_context is not None
     args = [mc.padded_rows(part.reshape(num_tokens, num_heads * head_dim), num_tokens, 0), lf,
             jnp.asarray(rank, jnp.int32).reshape(1)]
+    if empties is not None:
+        args.append(mc.flag_rows(empties))
     if copy_rows:
-        args.append(mc.padded_rows(copy_t.astype(F32), num_tokens, 0.0, axis=-1))
+        args.append(mc.flag_rows(copy_t))
     tp = max(num_tokens, mc.BLOCK_T)
     out_type = [c.out_struct((tp, num_heads * head_dim), reduce_dtype, *args)]
     if return_lse:
         out_type.append(c.out_struct((num_heads * tp,), F32, *args))
     results = _kernel(num_partials, tp, num_heads, head_dim, dc, out_type, output_lse=return_lse,
-                      copy_rows=copy_rows, lse_base2=lse_base2, interpret=interpret)(*args)
+                      empty_rows=empties is not None, copy_rows=copy_rows, lse_base2=lse_base2,
+                      interpret=interpret)(*args)
     res = mc.finish(results, part.shape, copy_t, None, mc.last_lse_ht(lses, lse_layout, empties), None,
                     out_dtype=reduce_dtype, return_lse=return_lse, lse_layout=lse_layout, pass_through=copy_rows)
     return res if return_lse else (res, None)

@@ -26,7 +26,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_impl import _common as c
-from pallas_impl import jnp_fallback
 from pallas_impl import _math
 from pallas_impl.mosaic import _common as mc
 
@@ -34,10 +33,10 @@ F32 = jnp.float32
 
 
 def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *, output_lse: bool,
-            copy_rows: bool, lse_base2: bool, interpret: bool):
+            empty_rows: bool, copy_rows: bool, lse_base2: bool, interpret: bool):
     """The merge of padded `[T', H * D]` prefix and suffix (T' >= 128) with raw `[H * T']` LSE rows."""
     plgpu = mc.plgpu()
-    tune = mc.TUNING["merge"]
+    tune = mc.merge_tuning(num_tokens)
     bt, steps = mc.BLOCK_T, tune["steps"]
     nc = head_dim // dc
     nsplit = pl.cdiv(pl.cdiv(num_tokens, bt), steps)
@@ -45,6 +44,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
     LS = plgpu.Layout.WG_STRIDED((bt,), vec_size=1)
 
     def body(a_g, b_g, p_g, s_g, *rest):
+        e_g, rest = (rest[0], rest[1:]) if empty_rows else (None, rest)  # f32[T']: 1 on the fused mask's tokens
         c_g, rest = (rest[0], rest[1:]) if copy_rows else (None, rest)  # f32[T']: 1 where t copies the suffix
         o_g, rest = rest[0], rest[1:]
         lo_g, rest = (rest[0], rest[1:]) if output_lse else (None, rest)
@@ -54,11 +54,15 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
         h = hc // nc
 
         def rows(i):
-            """The per-token rows of tile i (per-thread loads: any alignment): p, s and the copy flags."""
+            """The per-token rows of tile i (per-thread loads: any alignment): p (the fused mask's tokens at -inf),
+            s and the copy flags."""
             t0 = mc.tile_start(sp, jnp.minimum(i, steps - 1), num_tokens, steps)
-            got = (_math.natural_lse(plgpu.layout_cast(p_g[pl.ds(h * num_tokens + t0, bt)], LS), lse_base2),
-                   _math.natural_lse(plgpu.layout_cast(s_g[pl.ds(h * num_tokens + t0, bt)], LS), lse_base2))
-            return got + (plgpu.layout_cast(c_g[pl.ds(t0, bt)], LS),) if copy_rows else got
+            row = lambda g, start: plgpu.layout_cast(g[pl.ds(start, bt)], LS)  # noqa: E731
+            p = row(p_g, h * num_tokens + t0)
+            if empty_rows:
+                p = jnp.where(row(e_g, t0) > 0, -jnp.inf, p)
+            got = (_math.natural_lse(p, lse_base2), _math.natural_lse(row(s_g, h * num_tokens + t0), lse_base2))
+            return got + (row(c_g, t0),) if copy_rows else got
 
         def step(idx, a_s, b_s, carry):
             (i,) = idx
@@ -109,26 +113,26 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
                  interpret):
     """`pallas_impl.merge_attn_states` with backend="mosaic_gpu" (its arguments, checked there)."""
     num_tokens, num_heads, head_dim = prefix_output.shape
-    dc = mc.column_chunk(head_dim, jnp.dtype(prefix_output.dtype).itemsize, mc.TUNING["merge"]["tile_bytes"])
+    tp = max(num_tokens, mc.BLOCK_T)
+    dc = mc.column_chunk(head_dim, jnp.dtype(prefix_output.dtype).itemsize, mc.merge_tuning(tp)["tile_bytes"])
     fp8 = output_scale is not None
     prefill = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
-    # XLA before the kernel: the fused mask (4.5) on the raw prefix LSE, the layout, T < 128.
-    empty = None
-    if query_start_loc is not None and query_start_loc.shape[0] > 1:
-        empty = jnp_fallback._empty_tokens(query_start_loc, prefix_cu_seq_lens, num_tokens)
-    tp = max(num_tokens, mc.BLOCK_T)
+    # XLA before the kernel: the fused mask's token flags (4.5), the layout, T < 128.
+    empty = mc.fused_empties(query_start_loc, prefix_cu_seq_lens, num_tokens)
     rows = lambda x: mc.padded_rows(x.reshape(num_tokens, num_heads * head_dim), num_tokens, 0)  # noqa: E731
     copy_rows = prefill_tokens_with_context is not None and not fp8
-    args = [rows(prefix_output), rows(suffix_output), mc.lse_rows(prefix_lse, lse_layout, empty),
+    args = [rows(prefix_output), rows(suffix_output), mc.lse_rows(prefix_lse, lse_layout),
             mc.lse_rows(suffix_lse, lse_layout)]
+    if empty is not None:
+        args.append(mc.flag_rows(empty))
     if copy_rows:
-        args.append(mc.padded_rows(copy_t.astype(F32), num_tokens, 0.0, axis=-1))
+        args.append(mc.flag_rows(copy_t))
     out_type = [c.out_struct((tp, num_heads * head_dim), F32 if fp8 else out_dtype, *args)]
     if return_lse:
         out_type.append(c.out_struct((num_heads * tp,), F32, *args))
-    results = _kernel(tp, num_heads, head_dim, dc, out_type, output_lse=return_lse, copy_rows=copy_rows,
-                      lse_base2=lse_base2, interpret=interpret)(*args)
+    results = _kernel(tp, num_heads, head_dim, dc, out_type, output_lse=return_lse, empty_rows=empty is not None,
+                      copy_rows=copy_rows, lse_base2=lse_base2, interpret=interpret)(*args)
     # XLA after the kernel: fp8 (4.6), the pass-through LSE (4.4: the suffix's raw bits), the layout.
     return mc.finish(results, prefix_output.shape, copy_t, suffix_output,
                      suffix_lse if lse_layout == "HT" else suffix_lse.T, output_scale if fp8 else None,

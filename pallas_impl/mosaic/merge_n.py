@@ -34,7 +34,7 @@ F32 = jnp.float32
 
 
 def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *,
-            output_lse: bool, copy_rows: bool, lse_base2: bool, interpret: bool):
+            output_lse: bool, empty_rows: bool, copy_rows: bool, lse_base2: bool, interpret: bool):
     """The merge kernel over stacked partials `[N, T', H * D]`, T' >= 128 (padded)."""
     plgpu = mc.plgpu()
     tune = mc.TUNING["merge_n"]
@@ -47,6 +47,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     def body(*refs):
         # x_g: the partials; l_g: f32[N * H * T'] raw LSE rows, flattened ((k * H + h) * T' + t)
         x_g, l_g, rest = refs[0], refs[1], refs[2:]
+        e_g, rest = (rest[0], rest[1:]) if empty_rows else (None, rest)  # f32[N * T']: 1 on the fused mask's tokens
         c_g, rest = (rest[0], rest[1:]) if copy_rows else (None, rest)  # f32[T']: 1 where t copies the last partial
         o_g, rest = rest[0], rest[1:]
         lo_g, rest = (rest[0], rest[1:]) if output_lse else (None, rest)
@@ -61,8 +62,11 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
 
             @pl.when(n == 0)
             def _weights():  # docs/spec.md 8.2, 8.3
-                ls = [_math.natural_lse(plgpu.layout_cast(l_g[pl.ds((k * num_heads + h) * num_tokens + t0, bt)], LS),
-                                        lse_base2) for k in range(num_partials)]
+                row = lambda g, start: plgpu.layout_cast(g[pl.ds(start, bt)], LS)  # noqa: E731
+                ls = [row(l_g, (k * num_heads + h) * num_tokens + t0) for k in range(num_partials)]
+                if empty_rows:
+                    ls = [jnp.where(row(e_g, k * num_tokens + t0) > 0, -jnp.inf, x) for k, x in enumerate(ls)]
+                ls = [_math.natural_lse(x, lse_base2) for x in ls]
                 m, all_empty, e, z = _math.n_way_max_and_sum(ls)
                 for k in range(num_partials):
                     w_smem[k] = e[k] / z
@@ -115,20 +119,23 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
     fp8 = output_scale is not None
     prefill = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
-    # XLA before the kernel (docs/spec.md 8.1): the fused mask on the raw LSEs, the layout, T < 128.
+    # XLA before the kernel: the fused mask's token flags (docs/spec.md 8.1), the layout, T < 128.
     empties = mc.fused_empties(query_start_loc, cu_seq_lens, num_tokens)
-    lf = mc.stacked_lse_rows(lses, lse_layout, empties)
+    lf = mc.stacked_lse_rows(lses, lse_layout)
     tp = max(num_tokens, mc.BLOCK_T)
     x = mc.padded_rows(outputs.reshape(num_partials, num_tokens, num_heads * head_dim), num_tokens, 0)
     copy_rows = prefill_tokens_with_context is not None and not fp8
     args = [x, lf]
+    if empties is not None:
+        args.append(mc.flag_rows(empties))
     if copy_rows:
-        args.append(mc.padded_rows(copy_t.astype(F32), num_tokens, 0.0, axis=-1))
+        args.append(mc.flag_rows(copy_t))
     out_type = [c.out_struct((tp, num_heads * head_dim), F32 if fp8 else out_dtype, *args)]
     if return_lse:
         out_type.append(c.out_struct((num_heads * tp,), F32, *args))
     results = _kernel(num_partials, tp, num_heads, head_dim, dc, out_type, output_lse=return_lse,
-                      copy_rows=copy_rows, lse_base2=lse_base2, interpret=interpret)(*args)
+                      empty_rows=empties is not None, copy_rows=copy_rows, lse_base2=lse_base2,
+                      interpret=interpret)(*args)
     # XLA after the kernel: fp8 (4.6), the pass-through LSE (8.4), the layout.
     return mc.finish(results, outputs.shape[1:], copy_t, outputs[-1], mc.last_lse_ht(lses, lse_layout, empties),
                      output_scale if fp8 else None, out_dtype=out_dtype, return_lse=return_lse, lse_layout=lse_layout,
