@@ -41,18 +41,21 @@ CALLS = 20
 CANDIDATES = {
     "mask": [dict(mc.TUNING["mask"])] + [dict(heads=k, tokens=8) for k in (2, 8, 16)]
             + [dict(heads=4, tokens=1), dict(heads=16, tokens=1)],
-    "mask_lse": [dict(mc.TUNING["mask_lse"])] + [dict(heads=k) for k in (4, 8, 32)],
+    "mask_lse": [dict(mc.TUNING["mask_lse"])] + [dict(heads=k) for k in (4, 8, 32, 64)],
     "merge": [dict(mc.TUNING["merge"]),
               dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1),  # the previous kernel's choice
               dict(steps=16, concurrent=3, tile_bytes=16 * 1024, stores=2),
               dict(steps=8, concurrent=4, tile_bytes=8 * 1024, stores=2),
               dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2),
               dict(steps=8, concurrent=3, tile_bytes=16 * 1024, stores=2),
-              dict(steps=4, concurrent=2, tile_bytes=16 * 1024, stores=1)],
+              dict(steps=4, concurrent=2, tile_bytes=16 * 1024, stores=1),
+              dict(steps=16, concurrent=2, tile_bytes=32 * 1024, stores=2),
+              dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=1)],
     "merge_n": [dict(mc.TUNING["merge_n"]),
                 dict(steps=8, concurrent=3, tile_bytes=16 * 1024, stores=2),
                 dict(steps=8, concurrent=4, tile_bytes=16 * 1024, stores=2),
-                dict(steps=16, concurrent=2, tile_bytes=32 * 1024, stores=1)],
+                dict(steps=16, concurrent=2, tile_bytes=32 * 1024, stores=1),
+                dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2)],
 }
 
 

@@ -1,7 +1,8 @@
 """The Mosaic GPU kernels of pallas_impl once each on a small ragged batch, for `compute-sanitizer` (memcheck): the
 mask in place (donated; LSE only and with output zeroing), the 2-way merge (plain and fused, with pass-through
 rows), the N-way merge (fused, N = 4) and the context-parallel rescale (reduce_scatter over 4 ranks simulated by a
-named vmap). jax >= 0.11 on a GPU.
+named vmap); then 200 requests over 16384 tokens (the mask's window search, the 2-way merge's long tiles).
+jax >= 0.11 on a GPU.
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \\
         compute-sanitizer --tool memcheck --error-exitcode 1 python scripts/sanitize_mosaic.py
@@ -30,10 +31,10 @@ def main() -> int:
     qsl = jnp.array([0, 100, 101, 250, 300], jnp.int32)
     cu = jnp.array([0, 0, 5, 5, 9], jnp.int32)  # requests 0 and 2 empty
     cus = jnp.tile(cu, (N, 1))
-    mask_out = jax.jit(lambda l, x: pallas_impl.mask_empty_context_lse(l, qsl, cu, x, **KW), donate_argnums=(0, 1))
-    jax.block_until_ready(mask_out(lse[0] + 0, o[0] + 0))
-    mask = jax.jit(lambda l: pallas_impl.mask_empty_context_lse(l, qsl, cu, **KW), donate_argnums=0)
-    jax.block_until_ready(mask(lse[1] + 0))
+    mask_out = jax.jit(lambda l, x, q, c: pallas_impl.mask_empty_context_lse(l, q, c, x, **KW), donate_argnums=(0, 1))
+    jax.block_until_ready(mask_out(lse[0] + 0, o[0] + 0, qsl, cu))
+    mask = jax.jit(lambda l, q, c: pallas_impl.mask_empty_context_lse(l, q, c, **KW), donate_argnums=0)
+    jax.block_until_ready(mask(lse[1] + 0, qsl, cu))
     print("mask (with and without output zeroing) ok", flush=True)
     for fused in (dict(), dict(query_start_loc=qsl, prefix_cu_seq_lens=cu)):
         jax.block_until_ready(pallas_impl.merge_attn_states(o[0], lse[0], o[1], lse[1], prefill_tokens_with_context=290,
@@ -46,6 +47,17 @@ def main() -> int:
         a, b, axis_name="cp", method="reduce_scatter", query_start_loc=qsl, cu_seq_lens=c, **KW), axis_name="cp")
     jax.block_until_ready(jax.jit(combine)(o, lse, cus))
     print("cp rescale ok", flush=True)
+    # 200 requests (the mask's window search of the request bounds) over T = 16384 (the 2-way merge's long tiles).
+    t, r = 16384, 200
+    qsl = jnp.minimum(jnp.arange(r + 1, dtype=jnp.int32) * 83, t - 5)
+    cu = jnp.arange(r + 1, dtype=jnp.int32) // 2 * 7  # every other request empty
+    o = jax.random.normal(key, (2, t, 2, D), jnp.bfloat16)
+    lse = jax.random.normal(key, (2, 2, t), jnp.float32)
+    jax.block_until_ready(mask_out(lse[0] + 0, o[0] + 0, qsl, cu))
+    jax.block_until_ready(mask(lse[1] + 0, qsl, cu))
+    jax.block_until_ready(pallas_impl.merge_attn_states(o[0], lse[0], o[1], lse[1], query_start_loc=qsl,
+                                                        prefix_cu_seq_lens=cu, **KW))
+    print(f"mask of {r} requests, merge at T = {t} ok", flush=True)
     return 0
 
 

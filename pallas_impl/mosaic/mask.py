@@ -36,6 +36,7 @@ from pallas_impl import jnp_fallback
 from pallas_impl.mosaic import _common as mc
 
 SMEM_ZERO_TILE_BYTES = 96 * 1024  # the zero [H, D] tile must fit in shared memory
+WINDOW_MAX_REQUESTS = 1024  # from 128 requests up to this many, the request bounds come from `_window_bounds`
 
 
 def _searchsorted_right(refs, n, xs, nsteps):
@@ -51,6 +52,26 @@ def _searchsorted_right(refs, n, xs, nsteps):
 
     bounds = lax.fori_loop(0, nsteps, body, tuple((jnp.int32(0), jnp.int32(n)) for _ in refs))
     return [lo for lo, _ in bounds]
+
+
+def _window_bounds(qsl_g, cu_g, n: int, t0, t1):
+    """(r_lo, r_hi, any_empty) for n >= BLOCK_T requests: requests r in [r_lo, r_hi) intersect [t0, t1), and any_empty
+    says whether one of them is empty. Every offset is read by per-thread loads of 128-entry windows (the last one
+    shifted back to end at n; its entries read before are not counted), all issued before the first is used (one
+    memory latency against a binary search's chain of dependent scalar loads), then counted by warpgroup sums."""
+    plgpu = mc.plgpu()
+    bt = mc.BLOCK_T
+    iota = lax.broadcasted_iota(jnp.int32, (bt,), 0)
+    row = lambda ref, start: plgpu.layout_cast(ref[pl.ds(start, bt)], plgpu.Layout.WG_STRIDED((bt,), vec_size=1))  # noqa: E731
+    lo = hi = hit = jnp.zeros((bt,), jnp.int32)
+    for w in range(pl.cdiv(n, bt)):
+        s = min(w * bt, n - bt)
+        q0, q1, c0, c1 = row(qsl_g, s), row(qsl_g, s + 1), row(cu_g, s), row(cu_g, s + 1)  # r = s + lane
+        new = s + iota >= w * bt
+        lo = lo + jnp.where(new & (q1 <= t0), 1, 0)
+        hi = hi + jnp.where(new & (q0 < t1), 1, 0)
+        hit = hit + jnp.where(new & (q1 > t0) & (q0 < t1) & (c1 == c0) & (q0 < q1), 1, 0)
+    return jnp.sum(lo), jnp.sum(hi), jnp.sum(hit) > 0
 
 
 def _zero_tile(row_elems: int, itemsize: int) -> tuple[int, int]:
@@ -91,13 +112,16 @@ def _kernel(num_heads: int, num_tokens: int, zero_tile: tuple[int, int, int], nu
         t0 = jnp.minimum(b * bt, num_tokens - bt)
         t1 = t0 + bt
         # Requests r in [r_lo, r_hi) intersect [t0, t1): qsl[r + 1] > t0 and qsl[r] < t1.
-        r_lo, r_hi = _searchsorted_right([qsl_g.at[pl.ds(1, num_requests)], qsl_g.at[pl.ds(0, num_requests)]],
-                                         num_requests, [t0, t1 - 1], nsteps)
+        if bt <= num_requests <= WINDOW_MAX_REQUESTS:
+            r_lo, r_hi, any_empty = _window_bounds(qsl_g, cu_g, num_requests, t0, t1)
+        else:
+            r_lo, r_hi = _searchsorted_right([qsl_g.at[pl.ds(1, num_requests)], qsl_g.at[pl.ds(0, num_requests)]],
+                                             num_requests, [t0, t1 - 1], nsteps)
 
-        def empty_request(r):
-            return (cu_g[r + 1] == cu_g[r]) & (qsl_g[r] < qsl_g[r + 1])
+            def empty_request(r):
+                return (cu_g[r + 1] == cu_g[r]) & (qsl_g[r] < qsl_g[r + 1])
 
-        any_empty = lax.fori_loop(r_lo, r_hi, lambda r, acc: acc | empty_request(r), jnp.bool_(False))
+            any_empty = lax.fori_loop(r_lo, r_hi, lambda r, acc: acc | empty_request(r), jnp.bool_(False))
         iota = lax.broadcasted_iota(jnp.int32, (bt,), 0)
 
         def token_mask(tok):
@@ -110,19 +134,18 @@ def _kernel(num_heads: int, num_tokens: int, zero_tile: tuple[int, int, int], nu
         def _():
             if zero_output:
                 plgpu.copy_gmem_to_smem(z_g, z_s, bar)
-            block_mask = token_mask(t0 + iota) if lse_layout == "HT" else None
-
-            def chunk(j, carry):
-                if lse_layout == "HT":  # head j's row of the block
-                    start, mask = j * num_tokens + t0, block_mask
-                else:  # elements [j * 128, (j + 1) * 128) of the block's [128, H] rows
-                    start = t0 * num_heads + j * bt
-                    mask = token_mask(t0 + (j * bt + iota) // num_heads)
-                lse = plgpu.layout_cast(lse_g[pl.ds(start, bt)], LS)
+            # The group's chunks j (the last group shifted back to end at H: chunks two groups share get the same
+            # values from both), every load issued before the first store.
+            j0 = jnp.minimum(g * per_group, num_heads - per_group)
+            if lse_layout == "HT":  # head j's row of the block
+                block_mask = token_mask(t0 + iota)
+                chunks = [((j0 + q) * num_tokens + t0, block_mask) for q in range(per_group)]
+            else:  # elements [j * 128, (j + 1) * 128) of the block's [128, H] rows
+                chunks = [(t0 * num_heads + (j0 + q) * bt, token_mask(t0 + ((j0 + q) * bt + iota) // num_heads))
+                          for q in range(per_group)]
+            lses = [plgpu.layout_cast(lse_g[pl.ds(start, bt)], LS) for start, _ in chunks]
+            for (start, mask), lse in zip(chunks, lses):
                 lse_g[pl.ds(start, bt)] = jnp.where(mask, -jnp.inf, lse)
-                return carry
-
-            lax.fori_loop(g * per_group, jnp.minimum((g + 1) * per_group, num_heads), chunk, 0)
             if zero_output:
                 plgpu.barrier_wait(bar)
                 # This group's rows of the `[rows, cols]` output row (the last group's shifted back to fit).
