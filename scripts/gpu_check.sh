@@ -11,7 +11,7 @@
 #                 beside their floors, the layout axis), the host cost of every Triton entry point
 #                 (scripts/host_cost.py) and the mask's split sweep beside `fill_` (scripts/mask_floor.py):
 #                 bench.log bench.json bench.png host_cost.log mask_floor.log mask_floor.json
-#   mosaic        the Mosaic GPU backend of pallas_impl: its tests and the full check on it
+#   mosaic        the Mosaic GPU backend of pallas_impl: its tests, the full check on it, compute-sanitizer
 #   mosaic_speed  the Mosaic GPU kernels timed beside the Triton backend's, with a sweep of their launch choices
 #   all           tests, then bench (the default)
 # Always env.txt. A failing step does not stop the next one; each runs under `timeout`, sized from what is left of
@@ -95,14 +95,17 @@ if [ "$PLAN" = mosaic ] || [ "$PLAN" = mosaic_speed ]; then
     # The experimental Mosaic GPU backend of pallas_impl (docs/design.md, "Mosaic GPU backend"). PLAN=mosaic: the
     # Pallas test suite with that backend as the default (PALLAS_IMPL_BACKEND) and its own tests (bits against the
     # Triton backend), then the full parity check with Pallas on Mosaic GPU (its compiles take most of it: 3 shards
-    # did not finish in 150 s on the H200 in session 5; 8 shards took 78-83 s in session 6). PLAN=mosaic_speed: its
+    # did not finish in 150 s on the H200 in session 5; 8 shards took 78-83 s in session 6), then its kernels under
+    # compute-sanitizer (scripts/sanitize_mosaic.py). PLAN=mosaic_speed: its
     # kernels timed beside the Triton backend's with a sweep of their launch choices (scripts/mosaic_speed.py).
     if [ "$PLAN" = mosaic ]; then
         # shellcheck disable=SC2086
-        step pytest 240 300 "$OUT/pytest.log" env PALLAS_IMPL_BACKEND=mosaic_gpu "$PY" -m pytest -q -rs $XDIST \
+        step pytest 240 400 "$OUT/pytest.log" env PALLAS_IMPL_BACKEND=mosaic_gpu "$PY" -m pytest -q -rs $XDIST \
             tests/test_pallas_mask.py tests/test_pallas_merge.py tests/test_pallas_merge_n.py tests/test_pallas_mosaic.py
-        step check 300 5 "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json" \
+        step check 300 100 "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json" \
             --pallas-backend mosaic_gpu
+        step sanitize 150 5 "$OUT/sanitize.log" env XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer \
+            --tool memcheck --error-exitcode 1 "$PY" scripts/sanitize_mosaic.py
     else
         step mosaic_speed 200 5 "$OUT/mosaic_speed.log" "$PY" scripts/mosaic_speed.py --json "$OUT/mosaic_speed.json"
     fi
