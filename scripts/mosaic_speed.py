@@ -40,21 +40,16 @@ H, D, DTYPE = 64, 128, jnp.bfloat16
 CALLS = 20
 # Launch candidates per Mosaic GPU kernel (`TUNING` keys), the shipped default first.
 CANDIDATES = {
-    "mask": [dict(mc.TUNING["mask"])] + [dict(heads=k, tokens=8) for k in (2, 4, 16)]
-            + [dict(heads=4, tokens=1), dict(heads=16, tokens=1)],
-    "mask_lse": [dict(mc.TUNING["mask_lse"])] + [dict(heads=k) for k in (4, 8, 32, 64)],
+    "mask": [dict(mc.TUNING["mask"]), dict(heads=8, tokens=8, offsets_in_smem=False)]
+            + [dict(heads=k, tokens=8, offsets_in_smem=True) for k in (4, 16)],
+    "mask_lse": [dict(mc.TUNING["mask_lse"]), dict(heads=16, offsets_in_smem=False)]
+                + [dict(heads=k, offsets_in_smem=True) for k in (8, 32)],
     # (Candidates well behind in the sweeps of sessions 6 and 7 are dropped: docs/results.md.)
     "merge": [dict(mc.TUNING["merge"]),
-              # stores=0: from registers, no output slots (two CTAs per SM at 16 KiB tiles, three steps in flight)
-              dict(steps=8, concurrent=3, tile_bytes=16 * 1024, stores=0),
-              dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=0),
-              dict(steps=8, concurrent=3, tile_bytes=32 * 1024, stores=0),
               dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2),
               dict(steps=16, concurrent=2, tile_bytes=32 * 1024, stores=2),
               dict(steps=4, concurrent=2, tile_bytes=16 * 1024, stores=1)],
     "merge_n": [dict(mc.TUNING["merge_n"]),
-                dict(steps=4, concurrent=3, tile_bytes=32 * 1024, stores=0),
-                dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=0),
                 dict(steps=16, concurrent=2, tile_bytes=32 * 1024, stores=1)],
 }
 

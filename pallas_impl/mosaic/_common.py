@@ -32,7 +32,7 @@ MAX_COLS = 256  # a TMA box dimension holds at most 256 elements: wider heads ar
 # Launch choices per kernel (they change which CTA owns a tile, never an element's arithmetic):
 # steps: token tiles per CTA (one emit_pipeline); concurrent: pipelined steps in flight; tile_bytes: the most bytes
 # of one [128, dc] input tile; stores: output tiles whose TMA stores may be in flight (1 or 2 shared-memory slots;
-# 0: per-thread stores from registers, no slot).
+# per-thread stores from registers instead were slower: docs/results.md, session 7).
 # The 2-way merge keeps 2 inputs x `concurrent` tiles in shared memory, the N-way and the rescale 1 x `concurrent`:
 # smaller 2-way tiles keep two CTAs per SM (228 KiB of shared memory on an H100/H200).
 # `scripts/mosaic_speed.py` sweeps these on the GPU (it sets them here and clears jax's caches). Its 2-way sweep of
@@ -45,8 +45,9 @@ TUNING = {
     # heads: LSE rows (of 128 tokens) per CTA; the output rows are split as many ways as the heads.
     # tokens: output rows (of one head group's share) per TMA store of zeros. "mask_lse": without output zeroing
     # (from the H200 sweep of scripts/mosaic_speed.py, docs/results.md).
-    "mask": dict(heads=8, tokens=8),
-    "mask_lse": dict(heads=16),
+    # offsets_in_smem: with fewer than 128 requests, search copies of the offsets in shared memory.
+    "mask": dict(heads=8, tokens=8, offsets_in_smem=True),
+    "mask_lse": dict(heads=16, offsets_in_smem=True),
 }
 
 
@@ -91,19 +92,10 @@ def load_row(ref, start, row_smem):
     return load(row_smem, m.Layout.WGMMA.reduce(1))
 
 
-def out_slots(stores: int, dc: int, dtype) -> list:
-    """The scratch of `store_tile`: `stores` output tiles in shared memory (none: stores from registers)."""
-    return [plgpu().SMEM((stores, BLOCK_T, dc), dtype)] if stores else []
-
-
 def store_tile(result, o_scr, dst, count) -> None:
     """A finished `[BLOCK_T, dc]` tile to GMEM `dst` by a TMA store from slot `count % S` of `o_scr`
-    (`[S, BLOCK_T, dc]`), once the store that last used that slot has read it (at most S - 1 others in flight);
-    without slots (`o_scr` None) by per-thread stores from registers."""
+    (`[S, BLOCK_T, dc]`), once the store that last used that slot has read it (at most S - 1 others in flight)."""
     m = plgpu()
-    if o_scr is None:
-        dst[...] = result.astype(dst.dtype)
-        return
     slots = o_scr.shape[0]
     m.wait_smem_to_gmem(slots - 1, wait_read_only=True)
     slot = o_scr.at[count % slots] if slots > 1 else o_scr.at[0]

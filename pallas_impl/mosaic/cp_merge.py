@@ -44,7 +44,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
         c_g, rest = (rest[0], rest[1:]) if copy_rows else (None, rest)  # f32[T']: 1 where t copies the last partial
         o_g, rest = rest[0], rest[1:]
         lo_g, rest = (rest[0], rest[1:]) if output_lse else (None, rest)
-        w_smem, o_scr = rest[0], (rest[1] if len(rest) > 1 else None)  # w_smem rows: weight, all-empty, copy flag
+        w_smem, o_scr = rest  # rows of w_smem: this device's weight, the all-empty flag, the copy flag
         hc = lax.axis_index("hc")
         sp = lax.axis_index("s")
         h = hc // nc
@@ -84,7 +84,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
         plgpu.emit_pipeline(step, grid=(steps,), in_specs=[tile], max_concurrent_steps=tune["concurrent"])(x_g)
         plgpu.wait_smem_to_gmem(0)
 
-    scratch = [plgpu.SMEM((3, bt), F32), *mc.out_slots(tune["stores"], dc, out_type[0].dtype)]
+    scratch = [plgpu.SMEM((3, bt), F32), plgpu.SMEM((tune["stores"], bt, dc), out_type[0].dtype)]
     return mc.kernel(body, out_type=tuple(out_type), grid=(num_heads * nc, nsplit), grid_names=("hc", "s"),
                      scratch_types=scratch, interpret=interpret)
 

@@ -8,8 +8,9 @@ In place: the LSE (and output) enter the kernel as JAX refs, which the kernel ca
 store, so the ragged writes are done differently from the Triton kernel (the semantics are the same, and bit-exact
 by construction: the mask does no arithmetic):
 - grid (128-token blocks, head groups of `TUNING["mask"]["heads"]` LSE rows, `TUNING["mask_lse"]["heads"]` without
-  output zeroing); the last block is shifted to end at T.
-  Two scalar binary searches over `query_start_loc` find the requests that intersect the block; a block with no
+  output zeroing); the last block is shifted to end at T. The requests that intersect the block come from the offsets: with fewer than 128 requests by two binary searches
+  over copies in shared memory, up to `WINDOW_MAX_REQUESTS` by counting over 128-entry windows of per-thread loads
+  (`_window_bounds`), beyond by two scalar binary searches over `query_start_loc` in global memory; a block with no
   empty request among them writes nothing;
 - otherwise each of the group's 128-element LSE chunks (a head's row of the block, or with the `[T, H]` layout
   128 consecutive elements of the block's tokens) is rewritten as `where(mask, -inf, lse)` (the token mask built by
@@ -74,6 +75,23 @@ def _window_bounds(qsl_g, cu_g, n: int, t0, t1):
     return jnp.sum(lo), jnp.sum(hi), jnp.sum(hit) > 0
 
 
+def _offsets_to_smem(qsl_g, cu_g, q_s, c_s, bar) -> None:
+    """Both offset arrays (`n + 1 < 128` entries) into shared memory: the largest prefix of 16-byte multiples by TMA
+    (one memory latency; TMA needs 16-byte sizes), the last entries by scalar loads; then the request search reads
+    shared memory (a few cycles per step against a global load's latency)."""
+    plgpu = mc.plgpu()
+    size = q_s.shape[0]
+    bulk = size // 4 * 4
+    if bulk:
+        plgpu.copy_gmem_to_smem(qsl_g.at[pl.ds(0, bulk)], q_s.at[pl.ds(0, bulk)], bar)
+        plgpu.copy_gmem_to_smem(cu_g.at[pl.ds(0, bulk)], c_s.at[pl.ds(0, bulk)], bar)
+    for i in range(bulk, size):  # every thread stores the same values, then reads its own stores
+        q_s[i] = qsl_g[i]
+        c_s[i] = cu_g[i]
+    if bulk:
+        plgpu.barrier_wait(bar)
+
+
 def _zero_tile(row_elems: int, itemsize: int) -> tuple[int, int]:
     """(rows, cols) of one token's output row `[H * D]` for a single TMA store: cols the largest divisor within a
     TMA box (`MAX_COLS`) of 16-byte multiples; the tile must fit shared memory."""
@@ -97,16 +115,21 @@ def _kernel(num_heads: int, num_tokens: int, zero_tile: tuple[int, int, int], nu
     plgpu = mc.plgpu()
     bt = mc.BLOCK_T
     nsteps = max(1, math.ceil(math.log2(num_requests + 2)) + 1)
-    per_group = min(mc.TUNING["mask" if zero_output else "mask_lse"]["heads"], num_heads)
+    tune = mc.TUNING["mask" if zero_output else "mask_lse"]
+    per_group = min(tune["heads"], num_heads)
     groups = pl.cdiv(num_heads, per_group)
     k, rpg, cols, rows_total = zero_tile
     LS = plgpu.Layout.WG_STRIDED((bt,), vec_size=1)
+    in_smem = num_requests < bt and tune["offsets_in_smem"]
 
     def body(qsl_g, cu_g, *refs):
         if zero_output:
-            z_g, lse_g, out_g, z_s, bar = refs
+            z_g, lse_g, out_g, z_s, bar, *refs = refs
         else:
-            lse_g, = refs
+            lse_g, *refs = refs
+        if in_smem:  # the offsets' copies in shared memory, read in their place from here on
+            _offsets_to_smem(qsl_g, cu_g, *refs)
+            qsl_g, cu_g = refs[:2]
         b = lax.axis_index("b")
         g = lax.axis_index("g")
         t0 = jnp.minimum(b * bt, num_tokens - bt)
@@ -175,6 +198,8 @@ def _kernel(num_heads: int, num_tokens: int, zero_tile: tuple[int, int, int], nu
                 plgpu.wait_smem_to_gmem(0)
 
     scratch = [plgpu.SMEM(zero_tile[:3], out_dtype), plgpu.Barrier()] if zero_output else []
+    if in_smem:
+        scratch += [plgpu.SMEM((num_requests + 1,), jnp.int32)] * 2 + [plgpu.Barrier(num_arrivals=2)]
     return mc.kernel(body, out_type=(), grid=(pl.cdiv(num_tokens, bt), groups), grid_names=("b", "g"),
                      scratch_types=scratch, interpret=interpret)
 

@@ -48,7 +48,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
         c_g, rest = (rest[0], rest[1:]) if copy_rows else (None, rest)  # f32[T']: 1 where t copies the suffix
         o_g, rest = rest[0], rest[1:]
         lo_g, rest = (rest[0], rest[1:]) if output_lse else (None, rest)
-        w_smem, o_scr = rest[0], (rest[1] if len(rest) > 1 else None)  # w_smem rows: wp, ws, both-empty, copy flag
+        w_smem, o_scr = rest  # rows of w_smem: wp, ws, both-empty flag, copy flag
         hc = lax.axis_index("hc")
         sp = lax.axis_index("s")
         h = hc // nc
@@ -102,7 +102,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
                             init_carry=rows(0))(a_g, b_g)
         plgpu.wait_smem_to_gmem(0)
 
-    scratch = [plgpu.SMEM((4, bt), F32), *mc.out_slots(tune["stores"], dc, out_type[0].dtype)]
+    scratch = [plgpu.SMEM((4, bt), F32), plgpu.SMEM((tune["stores"], bt, dc), out_type[0].dtype)]
     return mc.kernel(body, out_type=tuple(out_type), grid=(num_heads * nc, nsplit), grid_names=("hc", "s"),
                      scratch_types=scratch, interpret=interpret)
 

@@ -51,8 +51,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
         c_g, rest = (rest[0], rest[1:]) if copy_rows else (None, rest)  # f32[T']: 1 where t copies the last partial
         o_g, rest = rest[0], rest[1:]
         lo_g, rest = (rest[0], rest[1:]) if output_lse else (None, rest)
-        w_smem, row_smem = rest[:2]  # (N + 1) rows: the weights, then the all-empty flag
-        o_scr = rest[2] if len(rest) > 2 else None
+        w_smem, row_smem, o_scr = rest  # (N + 1) rows: the weights, then the all-empty flag
         hc = lax.axis_index("hc")
         sp = lax.axis_index("s")
         h = hc // nc
@@ -93,7 +92,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                     copy = jnp.broadcast_to((mc.load_row(c_g, t0, row_smem) > 0)[:, None], (bt, dc))
                     result = jnp.where(copy, x, out.astype(x.dtype))
                 else:
-                    result = out.astype(o_g.dtype)
+                    result = out.astype(o_scr.dtype)
                 mc.store_tile(result, o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * dc, dc)], i)
 
             return acc
@@ -106,7 +105,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [plgpu.SMEM((num_partials + 1, bt), F32), plgpu.SMEM((bt,), F32),
-               *mc.out_slots(tune["stores"], dc, out_type[0].dtype)]
+               plgpu.SMEM((tune["stores"], bt, dc), out_type[0].dtype)]
     return mc.kernel(body, out_type=tuple(out_type), grid=(num_heads * nc, nsplit), grid_names=("hc", "s"),
                         scratch_types=scratch, interpret=interpret)
 
