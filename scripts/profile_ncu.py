@@ -5,8 +5,8 @@ captured by Nsight Compute (issue 19 item 4, issue 20: the experiment behind the
         --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
         --section MemoryWorkloadAnalysis \
         --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
-        python scripts/profile_ncu.py [--only SUBSTR] > ncu.csv
-    python scripts/profile_ncu.py --summarize ncu.csv          # the table of docs/results.md
+        python scripts/profile_ncu.py [--only SUBSTR ...] > ncu.csv
+    python scripts/profile_ncu.py --summarize ncu.csv [--only SUBSTR ...]   # the table of docs/results.md
 
 Every point is compiled and run once first (outside the capture); then, between cudaProfilerStart and
 cudaProfilerStop, each point runs once, in the order of `POINTS`, with a synchronisation after it, so the
@@ -43,10 +43,15 @@ POINTS = [
     ("pallas N=4 fused 32K", "pallas", "merge_n", 32768, 4, "fused"),
     ("pallas N=8 fused 32K", "pallas", "merge_n", 32768, 8, "fused"),
     ("mosaic 2-way lse 32K", "mosaic_gpu", "merge", 32768, 0, "lse"),
+    ("mosaic 2-way lse 2K", "mosaic_gpu", "merge", 2048, 0, "lse"),
+    ("mosaic N=2 lse 32K", "mosaic_gpu", "merge_n", 32768, 2, "lse"),
     ("mosaic N=4 lse 32K", "mosaic_gpu", "merge_n", 32768, 4, "lse"),
+    ("mosaic N=8 lse 32K", "mosaic_gpu", "merge_n", 32768, 8, "lse"),
     ("triton mask lse 131k", "triton", "mask", 0, 0, "131k_skewed"),
     ("pallas mask lse 131k", "pallas", "mask", 0, 0, "131k_skewed"),
     ("mosaic mask lse 131k", "mosaic_gpu", "mask", 0, 0, "131k_skewed"),
+    ("triton mask lse 2k", "triton", "mask", 0, 0, "2k_balanced"),
+    ("mosaic mask lse 2k", "mosaic_gpu", "mask", 0, 0, "2k_balanced"),
     ("triton mask+out 2k", "triton", "mask+out", 0, 0, "2k_balanced"),
     ("pallas mask+out 2k", "pallas", "mask+out", 0, 0, "2k_balanced"),
 ]
@@ -65,7 +70,11 @@ METRICS = {  # column: (section metric name, unit wanted)
 }
 
 
-def _calls(only: str | None):
+def _wanted(label: str, only: list[str] | None) -> bool:
+    return not only or any(o in label for o in only)
+
+
+def _calls(only: list[str] | None):
     import jax
     import jax.numpy as jnp
     import torch
@@ -79,7 +88,7 @@ def _calls(only: str | None):
     gen = torch.Generator(device=dev).manual_seed(0)
     calls = []
     for label, fw, op, T, N, what in POINTS:
-        if only and only not in label:
+        if not _wanted(label, only):
             continue
         if op.startswith("mask"):
             case = cases.by_name(what)
@@ -137,7 +146,7 @@ def _calls(only: str | None):
     return calls
 
 
-def run(only: str | None) -> None:
+def run(only: list[str] | None) -> None:
     import torch
 
     calls = _calls(only)
@@ -154,7 +163,7 @@ def run(only: str | None) -> None:
     cudart.cudaProfilerStop()
 
 
-def summarize(path: str, only: str | None) -> None:
+def summarize(path: str, only: list[str] | None) -> None:
     text = Path(path).read_text()
     start = text.find('"ID"')
     rows = list(csv.DictReader(io.StringIO(text[start:])))
@@ -166,7 +175,7 @@ def summarize(path: str, only: str | None) -> None:
             kernels[kid] = {"name": r["Kernel Name"]}
             order.append(kid)
         kernels[kid][r["Metric Name"]] = (r["Metric Value"], r["Metric Unit"])
-    labels = [p[0] for p in POINTS if not only or only in p[0]]
+    labels = [p[0] for p in POINTS if _wanted(p[0], only)]
     # XLA's own fusions around a Mosaic GPU call (layout and sentinel work, docs/design.md) are not points.
     extra = [kid for kid in order if "fusion" in kernels[kid]["name"]]
     order = [kid for kid in order if kid not in extra]
@@ -207,7 +216,7 @@ def summarize(path: str, only: str | None) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", help="points whose label contains this")
+    ap.add_argument("--only", nargs="+", help="points whose label contains one of these")
     ap.add_argument("--summarize", metavar="NCU_CSV", help="print the table of a captured run")
     a = ap.parse_args()
     if a.summarize:
