@@ -46,8 +46,6 @@ CANDIDATES = {
                 + [dict(heads=k, offsets_in_smem=True) for k in (8, 32)],
     # (Candidates well behind in the sweeps of sessions 6 and 7 are dropped: docs/results.md.)
     "merge": [dict(mc.TUNING["merge"]),
-              dict(mc.TUNING["merge"], compute_cols=64),  # the tile computed in column slices
-              dict(mc.TUNING["merge"], compute_cols=32),
               dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2),
               dict(steps=16, concurrent=2, tile_bytes=32 * 1024, stores=2),
               dict(steps=4, concurrent=2, tile_bytes=16 * 1024, stores=1)],

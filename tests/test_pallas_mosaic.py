@@ -151,7 +151,7 @@ def test_the_two_way_merge_takes_the_long_tiles_from_long_tokens():
     assert short != long
     assert mc.merge_tuning(mc.TUNING["merge"]["long_tokens"] - 1)["tile_bytes"] == short
     assert mc.merge_tuning(mc.TUNING["merge"]["long_tokens"])["tile_bytes"] == long
-    assert set(mc.merge_tuning(mc.BLOCK_T)) == {"steps", "concurrent", "tile_bytes", "stores", "compute_cols"}
+    assert set(mc.merge_tuning(mc.BLOCK_T)) == {"steps", "concurrent", "tile_bytes", "stores"}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -32,16 +32,14 @@ MAX_COLS = 256  # a TMA box dimension holds at most 256 elements: wider heads ar
 # Launch choices per kernel (they change which CTA owns a tile, never an element's arithmetic):
 # steps: token tiles per CTA (one emit_pipeline); concurrent: pipelined steps in flight; tile_bytes: the most bytes
 # of one [128, dc] input tile; stores: output tiles whose TMA stores may be in flight (1 or 2 shared-memory slots;
-# per-thread stores from registers instead were slower: docs/results.md, session 7); compute_cols: the 2-way merge
-# computes a tile in column slices of at most this many (fewer live registers per thread).
+# per-thread stores from registers instead were slower: docs/results.md, session 7).
 # The 2-way merge keeps 2 inputs x `concurrent` tiles in shared memory, the N-way and the rescale 1 x `concurrent`:
 # smaller 2-way tiles keep two CTAs per SM (228 KiB of shared memory on an H100/H200).
 # `scripts/mosaic_speed.py` sweeps these on the GPU (it sets them here and clears jax's caches). Its 2-way sweep of
 # session 6 (docs/results.md): 32 KiB merge tiles 91-92% at T = 32K against 86%, but 80-81% against 85-86% at 2K;
 # so the 2-way merge takes `long_tile_bytes` from `long_tokens` padded tokens on (`merge_tuning`).
 TUNING = {
-    "merge": dict(steps=8, concurrent=2, tile_bytes=16 * 1024, stores=2, long_tokens=16384, long_tile_bytes=32 * 1024,
-                  compute_cols=256),
+    "merge": dict(steps=8, concurrent=2, tile_bytes=16 * 1024, stores=2, long_tokens=16384, long_tile_bytes=32 * 1024),
     "merge_n": dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1),
     "cp_rescale": dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2),
     # heads: LSE rows (of 128 tokens) per CTA; the output rows are split as many ways as the heads.
@@ -94,26 +92,16 @@ def load_row(ref, start, row_smem):
     return load(row_smem, m.Layout.WGMMA.reduce(1))
 
 
-def free_slot(o_scr, count):
-    """Slot `count % S` of the output tiles `o_scr` (`[S, BLOCK_T, dc]`), once the store that last used it has read
-    it (at most S - 1 others in flight)."""
-    slots = o_scr.shape[0]
-    plgpu().wait_smem_to_gmem(slots - 1, wait_read_only=True)
-    return o_scr.at[count % slots] if slots > 1 else o_scr.at[0]
-
-
-def send(slot, dst) -> None:
-    """A filled output slot to GMEM `dst` by a TMA store."""
+def store_tile(result, o_scr, dst, count) -> None:
+    """A finished `[BLOCK_T, dc]` tile to GMEM `dst` by a TMA store from slot `count % S` of `o_scr`
+    (`[S, BLOCK_T, dc]`), once the store that last used that slot has read it (at most S - 1 others in flight)."""
     m = plgpu()
+    slots = o_scr.shape[0]
+    m.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+    slot = o_scr.at[count % slots] if slots > 1 else o_scr.at[0]
+    slot[...] = result.astype(o_scr.dtype)
     m.commit_smem()
     m.copy_smem_to_gmem(slot, dst)
-
-
-def store_tile(result, o_scr, dst, count) -> None:
-    """A finished `[BLOCK_T, dc]` tile to GMEM `dst` through a free slot of `o_scr` (`free_slot`, `send`)."""
-    slot = free_slot(o_scr, count)
-    slot[...] = result.astype(o_scr.dtype)
-    send(slot, dst)
 
 
 def column_chunk(head_dim: int, itemsize: int, tile_bytes: int = 32 * 1024) -> int:
@@ -137,7 +125,6 @@ def merge_tuning(num_tokens: int) -> dict:
     if num_tokens >= tune.pop("long_tokens", num_tokens + 1):
         tune["tile_bytes"] = tune["long_tile_bytes"]
     tune.pop("long_tile_bytes", None)
-    tune.setdefault("compute_cols", MAX_COLS)
     return tune
 
 

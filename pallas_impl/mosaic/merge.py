@@ -39,7 +39,6 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
     tune = mc.merge_tuning(num_tokens)
     bt, steps = mc.BLOCK_T, tune["steps"]
     nc = head_dim // dc
-    cc = max(c for c in range(8, min(dc, tune["compute_cols"]) + 1, 8) if dc % c == 0)  # columns computed at once
     nsplit = pl.cdiv(pl.cdiv(num_tokens, bt), steps)
     L = plgpu.Layout.WGMMA
     LS = plgpu.Layout.WG_STRIDED((bt,), vec_size=1)
@@ -86,20 +85,16 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
                     lse = jnp.where(both_empty, -jnp.inf, jnp.log(z) + m)
                     lo_g[pl.ds(h * num_tokens + t0, bt)] = _math.stored_lse(lse, lse_base2)
 
-            slot = mc.free_slot(o_scr, i)
-            for c0 in range(0, dc, cc):  # column slices of the tile
-                cols = pl.ds(c0, cc)
-                a = mc.load(a_s.at[:, cols], L)
-                b = mc.load(b_s.at[:, cols], L)
-                row = lambda k: jnp.broadcast_to(mc.load(w_smem.at[k], L.reduce(1))[:, None], (bt, cc))  # noqa: E731
-                wpb = row(0)
-                wsb = row(1)
-                # 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
-                out = jnp.where(wpb > 0, a.astype(F32) * wpb, 0.0) + jnp.where(wsb > 0, b.astype(F32) * wsb, 0.0)
-                out = jnp.where(row(2) > 0, 0.0, out)
-                result = jnp.where(row(3) > 0, b, out.astype(b.dtype)) if copy_rows else out  # 4.4: suffix's bits
-                slot.at[:, cols][...] = result.astype(slot.dtype)
-            mc.send(slot, o_g.at[pl.ds(t0, bt), pl.ds(hc * dc, dc)])
+            a = mc.load(a_s, L)
+            b = mc.load(b_s, L)
+            row = lambda k: jnp.broadcast_to(mc.load(w_smem.at[k], L.reduce(1))[:, None], (bt, dc))  # noqa: E731
+            wpb = row(0)
+            wsb = row(1)
+            # 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
+            out = jnp.where(wpb > 0, a.astype(F32) * wpb, 0.0) + jnp.where(wsb > 0, b.astype(F32) * wsb, 0.0)
+            out = jnp.where(row(2) > 0, 0.0, out)
+            result = jnp.where(row(3) > 0, b, out.astype(b.dtype)) if copy_rows else out  # 4.4: the suffix's bits
+            mc.store_tile(result, o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * dc, dc)], i)
             return following
 
         tile = plgpu.BlockSpec((pl.Element(bt), dc), lambda i: (mc.tile_start(sp, i, num_tokens, steps), hc))
