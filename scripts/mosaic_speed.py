@@ -140,6 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--budget-s", type=float, default=140.0, help="start no new point after this many seconds")
     p.add_argument("--no-sweep", action="store_true", help="time the default TUNING only")
+    p.add_argument("--first", type=int, default=None, help="sweep only the first FIRST candidates of each kernel")
     p.add_argument("--kernels", nargs="+", choices=sorted(CANDIDATES), default=None,
                    help="only the points of these kernels (TUNING keys)")
     args = p.parse_args(argv)
@@ -201,7 +202,7 @@ def main(argv=None) -> int:
     if not args.no_sweep:
         print("\nsweep of the other candidates:", flush=True)
         for kernel, label, fn in points:
-            for cand in CANDIDATES.get(kernel, [None])[1:]:
+            for cand in CANDIDATES.get(kernel, [None])[1:args.first]:
                 run(kernel, label, fn, "mosaic_gpu", cand)
 
     print("\nbest Mosaic GPU candidate per kernel (geometric mean of its time over the Triton backend's):")
