@@ -84,12 +84,17 @@ def tile_start(split, i, num_tokens: int, steps: int):
     return jnp.minimum((split * steps + i) * BLOCK_T, num_tokens - BLOCK_T)
 
 
+def strided_row(ref, start):
+    """`ref[start:start + BLOCK_T]` by per-thread loads (one element per thread: any alignment, which TMA lacks)."""
+    m = plgpu()
+    return m.layout_cast(ref[pl.ds(start, BLOCK_T)], m.Layout.WG_STRIDED((BLOCK_T,), vec_size=1))
+
+
 def load_row(ref, start, row_smem):
     """f32[BLOCK_T] of a flat GMEM `ref` from `start`, by per-thread loads (an LSE row may start anywhere; TMA
     needs 16-byte alignment), relaid out through `row_smem` into the row layout of a `[BLOCK_T, dc]` tile."""
-    m = plgpu()
-    row_smem[...] = m.layout_cast(ref[pl.ds(start, BLOCK_T)], m.Layout.WG_STRIDED((BLOCK_T,), vec_size=1))
-    return load(row_smem, m.Layout.WGMMA.reduce(1))
+    row_smem[...] = strided_row(ref, start)
+    return load(row_smem, plgpu().Layout.WGMMA.reduce(1))
 
 
 def store_tile(result, o_scr, dst, count) -> None:

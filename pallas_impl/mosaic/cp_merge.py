@@ -37,7 +37,6 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     nsplit = pl.cdiv(pl.cdiv(num_tokens, bt), steps)
     last = num_partials - 1
     L = plgpu.Layout.WGMMA
-    LS = plgpu.Layout.WG_STRIDED((bt,), vec_size=1)
 
     def body(x_g, l_g, r_g, *rest):
         e_g, rest = (rest[0], rest[1:]) if empty_rows else (None, rest)  # f32[N * T']: 1 on the fused mask's tokens
@@ -54,16 +53,16 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
             (i,) = idx
             t0 = mc.tile_start(sp, i, num_tokens, steps)
             def row_of(k):  # partial k's LSE row of the tile, one element per thread
-                row = plgpu.layout_cast(l_g[pl.ds((k * num_heads + h) * num_tokens + t0, bt)], LS)
+                row = mc.strided_row(l_g, (k * num_heads + h) * num_tokens + t0)
                 if empty_rows:
-                    row = jnp.where(plgpu.layout_cast(e_g[pl.ds(k * num_tokens + t0, bt)], LS) > 0, -jnp.inf, row)
+                    row = jnp.where(mc.strided_row(e_g, k * num_tokens + t0) > 0, -jnp.inf, row)
                 return _math.natural_lse(row, lse_base2)
 
             m, all_empty, _, z = _math.n_way_max_and_sum([row_of(k) for k in range(num_partials)])
             w_smem[0] = jnp.exp(row_of(rank) - m) / z  # 8.2, 8.3: partial `rank`'s weight
             w_smem[1] = jnp.where(all_empty, 1.0, 0.0)
             if copy_rows:
-                w_smem[2] = plgpu.layout_cast(c_g[pl.ds(t0, bt)], LS)
+                w_smem[2] = mc.strided_row(c_g, t0)
             if output_lse:  # the merged LSE of every head (the caller keeps its own)
                 @pl.when(hc % nc == 0)
                 def _():

@@ -8,10 +8,11 @@ In place: the LSE (and output) enter the kernel as JAX refs, which the kernel ca
 store, so the ragged writes are done differently from the Triton kernel (the semantics are the same, and bit-exact
 by construction: the mask does no arithmetic):
 - grid (128-token blocks, head groups of `TUNING["mask"]["heads"]` LSE rows, `TUNING["mask_lse"]["heads"]` without
-  output zeroing); the last block is shifted to end at T. The requests that intersect the block come from the offsets: with fewer than 128 requests by two binary searches
-  over copies in shared memory, up to `WINDOW_MAX_REQUESTS` by counting over 128-entry windows of per-thread loads
-  (`_window_bounds`), beyond by two scalar binary searches over `query_start_loc` in global memory; a block with no
-  empty request among them writes nothing;
+  output zeroing); the last block is shifted to end at T. The requests that intersect the block come from the
+  offsets: with fewer than 128 requests by two binary searches over copies in shared memory, up to
+  `WINDOW_MAX_REQUESTS` by counting over 128-entry windows of per-thread loads (`_window_bounds`), beyond by two
+  scalar binary searches over `query_start_loc` in global memory; a block with no empty request among them writes
+  nothing;
 - otherwise each of the group's 128-element LSE chunks (a head's row of the block, or with the `[T, H]` layout
   128 consecutive elements of the block's tokens) is rewritten as `where(mask, -inf, lse)` (the token mask built by
   a loop over those requests; per-thread accesses, any alignment; overlapping blocks write the same values);
@@ -60,14 +61,13 @@ def _window_bounds(qsl_g, cu_g, n: int, t0, t1):
     says whether one of them is empty. Every offset is read by per-thread loads of 128-entry windows (the last one
     shifted back to end at n; its entries read before are not counted), all issued before the first is used (one
     memory latency against a binary search's chain of dependent scalar loads), then counted by warpgroup sums."""
-    plgpu = mc.plgpu()
     bt = mc.BLOCK_T
     iota = lax.broadcasted_iota(jnp.int32, (bt,), 0)
-    row = lambda ref, start: plgpu.layout_cast(ref[pl.ds(start, bt)], plgpu.Layout.WG_STRIDED((bt,), vec_size=1))  # noqa: E731
     lo = hi = hit = jnp.zeros((bt,), jnp.int32)
     for w in range(pl.cdiv(n, bt)):
         s = min(w * bt, n - bt)
-        q0, q1, c0, c1 = row(qsl_g, s), row(qsl_g, s + 1), row(cu_g, s), row(cu_g, s + 1)  # r = s + lane
+        q0, q1 = mc.strided_row(qsl_g, s), mc.strided_row(qsl_g, s + 1)  # r = s + lane
+        c0, c1 = mc.strided_row(cu_g, s), mc.strided_row(cu_g, s + 1)
         new = s + iota >= w * bt
         lo = lo + jnp.where(new & (q1 <= t0), 1, 0)
         hi = hi + jnp.where(new & (q0 < t1), 1, 0)
@@ -119,7 +119,6 @@ def _kernel(num_heads: int, num_tokens: int, zero_tile: tuple[int, int, int], nu
     per_group = min(tune["heads"], num_heads)
     groups = pl.cdiv(num_heads, per_group)
     k, rpg, cols, rows_total = zero_tile
-    LS = plgpu.Layout.WG_STRIDED((bt,), vec_size=1)
     in_smem = num_requests < bt and tune["offsets_in_smem"]
 
     def body(qsl_g, cu_g, *refs):
@@ -166,7 +165,7 @@ def _kernel(num_heads: int, num_tokens: int, zero_tile: tuple[int, int, int], nu
             else:  # elements [j * 128, (j + 1) * 128) of the block's [128, H] rows
                 chunks = [(t0 * num_heads + (j0 + q) * bt, token_mask(t0 + ((j0 + q) * bt + iota) // num_heads))
                           for q in range(per_group)]
-            lses = [plgpu.layout_cast(lse_g[pl.ds(start, bt)], LS) for start, _ in chunks]
+            lses = [mc.strided_row(lse_g, start) for start, _ in chunks]
             for (start, mask), lse in zip(chunks, lses):
                 lse_g[pl.ds(start, bt)] = jnp.where(mask, -jnp.inf, lse)
             if zero_output:

@@ -10,8 +10,10 @@ tile the weights are computed one LSE row per thread (per-thread loads: an `[H, 
 needs 16-byte alignment), as the N-way kernel does, and relaid out through shared memory into the tile's row
 layout; a tile's LSE rows are loaded a step ahead, in the pipeline's carry (+1-2 points of the copy ceiling at
 T = 2K, none at 32K: docs/results.md, session 6); the merged tile leaves by a TMA store from one of the output
-slots in shared memory, the previous store still in flight. The last tile is shifted to end at T: no copy leaves the arrays, and overlapping tiles write
-identical values. Launch choices and their shared-memory budget: docs/design.md, "Mosaic GPU backend".
+slots in shared memory, the previous store still in flight. The last tile is shifted to end at T: no copy leaves
+the arrays, and overlapping tiles write identical values. Tiles of `TUNING["merge"]["tile_bytes"]`, from
+`long_tokens` padded tokens `long_tile_bytes` (`mc.merge_tuning`). Launch choices and their shared-memory budget:
+docs/design.md, "Mosaic GPU backend".
 
 Float math in the order of `pallas_impl/merge.py`; what runs in XLA around the kernel: `_common`.
 """
@@ -41,7 +43,6 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
     nc = head_dim // dc
     nsplit = pl.cdiv(pl.cdiv(num_tokens, bt), steps)
     L = plgpu.Layout.WGMMA
-    LS = plgpu.Layout.WG_STRIDED((bt,), vec_size=1)
 
     def body(a_g, b_g, p_g, s_g, *rest):
         e_g, rest = (rest[0], rest[1:]) if empty_rows else (None, rest)  # f32[T']: 1 on the fused mask's tokens
@@ -57,12 +58,12 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             """The per-token rows of tile i (per-thread loads: any alignment): p (the fused mask's tokens at -inf),
             s and the copy flags."""
             t0 = mc.tile_start(sp, jnp.minimum(i, steps - 1), num_tokens, steps)
-            row = lambda g, start: plgpu.layout_cast(g[pl.ds(start, bt)], LS)  # noqa: E731
-            p = row(p_g, h * num_tokens + t0)
+            p = mc.strided_row(p_g, h * num_tokens + t0)
             if empty_rows:
-                p = jnp.where(row(e_g, t0) > 0, -jnp.inf, p)
-            got = (_math.natural_lse(p, lse_base2), _math.natural_lse(row(s_g, h * num_tokens + t0), lse_base2))
-            return got + (row(c_g, t0),) if copy_rows else got
+                p = jnp.where(mc.strided_row(e_g, t0) > 0, -jnp.inf, p)
+            s = mc.strided_row(s_g, h * num_tokens + t0)
+            got = (_math.natural_lse(p, lse_base2), _math.natural_lse(s, lse_base2))
+            return got + (mc.strided_row(c_g, t0),) if copy_rows else got
 
         def step(idx, a_s, b_s, carry):
             (i,) = idx

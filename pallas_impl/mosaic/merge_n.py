@@ -42,7 +42,6 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     nc = head_dim // dc
     nsplit = pl.cdiv(pl.cdiv(num_tokens, bt), steps)
     L = plgpu.Layout.WGMMA
-    LS = plgpu.Layout.WG_STRIDED((bt,), vec_size=1)
 
     def body(*refs):
         # x_g: the partials; l_g: f32[N * H * T'] raw LSE rows, flattened ((k * H + h) * T' + t)
@@ -62,10 +61,10 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
 
             @pl.when(n == 0)
             def _weights():  # docs/spec.md 8.2, 8.3
-                row = lambda g, start: plgpu.layout_cast(g[pl.ds(start, bt)], LS)  # noqa: E731
-                ls = [row(l_g, (k * num_heads + h) * num_tokens + t0) for k in range(num_partials)]
+                ls = [mc.strided_row(l_g, (k * num_heads + h) * num_tokens + t0) for k in range(num_partials)]
                 if empty_rows:
-                    ls = [jnp.where(row(e_g, k * num_tokens + t0) > 0, -jnp.inf, x) for k, x in enumerate(ls)]
+                    ls = [jnp.where(mc.strided_row(e_g, k * num_tokens + t0) > 0, -jnp.inf, x)
+                          for k, x in enumerate(ls)]
                 ls = [_math.natural_lse(x, lse_base2) for x in ls]
                 m, all_empty, e, z = _math.n_way_max_and_sum(ls)
                 for k in range(num_partials):
