@@ -84,6 +84,12 @@ def tile_start(split, i, num_tokens: int, steps: int):
     return jnp.minimum((split * steps + i) * BLOCK_T, num_tokens - BLOCK_T)
 
 
+def optional_refs(refs, *present):
+    """The kernel refs `refs` in order, None in place of each absent one (`present` False), then the rest."""
+    it = iter(refs)
+    return [next(it) if p else None for p in present] + list(it)
+
+
 def strided_row(ref, start):
     """`ref[start:start + BLOCK_T]` by per-thread loads (one element per thread: any alignment, which TMA lacks)."""
     m = plgpu()

@@ -39,10 +39,8 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     L = plgpu.Layout.WGMMA
 
     def body(x_g, l_g, r_g, *rest):
-        e_g, rest = (rest[0], rest[1:]) if empty_rows else (None, rest)  # f32[N * T']: 1 on the fused mask's tokens
-        c_g, rest = (rest[0], rest[1:]) if copy_rows else (None, rest)  # f32[T']: 1 where t copies the last partial
-        o_g, rest = rest[0], rest[1:]
-        lo_g, rest = (rest[0], rest[1:]) if output_lse else (None, rest)
+        # e_g: f32[N * T'], 1 on the fused mask's tokens; c_g: f32[T'], 1 where t copies the last partial
+        e_g, c_g, o_g, lo_g, *rest = mc.optional_refs(rest, empty_rows, copy_rows, True, output_lse)
         w_smem, o_scr = rest  # rows of w_smem: this device's weight, the all-empty flag, the copy flag
         hc = lax.axis_index("hc")
         sp = lax.axis_index("s")

@@ -45,10 +45,8 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
     L = plgpu.Layout.WGMMA
 
     def body(a_g, b_g, p_g, s_g, *rest):
-        e_g, rest = (rest[0], rest[1:]) if empty_rows else (None, rest)  # f32[T']: 1 on the fused mask's tokens
-        c_g, rest = (rest[0], rest[1:]) if copy_rows else (None, rest)  # f32[T']: 1 where t copies the suffix
-        o_g, rest = rest[0], rest[1:]
-        lo_g, rest = (rest[0], rest[1:]) if output_lse else (None, rest)
+        # e_g: f32[T'], 1 on the fused mask's tokens; c_g: f32[T'], 1 where t copies the suffix
+        e_g, c_g, o_g, lo_g, *rest = mc.optional_refs(rest, empty_rows, copy_rows, True, output_lse)
         w_smem, o_scr = rest  # rows of w_smem: wp, ws, both-empty flag, copy flag
         hc = lax.axis_index("hc")
         sp = lax.axis_index("s")

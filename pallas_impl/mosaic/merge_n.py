@@ -43,13 +43,9 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     nsplit = pl.cdiv(pl.cdiv(num_tokens, bt), steps)
     L = plgpu.Layout.WGMMA
 
-    def body(*refs):
-        # x_g: the partials; l_g: f32[N * H * T'] raw LSE rows, flattened ((k * H + h) * T' + t)
-        x_g, l_g, rest = refs[0], refs[1], refs[2:]
-        e_g, rest = (rest[0], rest[1:]) if empty_rows else (None, rest)  # f32[N * T']: 1 on the fused mask's tokens
-        c_g, rest = (rest[0], rest[1:]) if copy_rows else (None, rest)  # f32[T']: 1 where t copies the last partial
-        o_g, rest = rest[0], rest[1:]
-        lo_g, rest = (rest[0], rest[1:]) if output_lse else (None, rest)
+    def body(x_g, l_g, *rest):  # x_g: the partials; l_g: f32[N * H * T'] raw LSE rows ((k * H + h) * T' + t)
+        # e_g: f32[N * T'], 1 on the fused mask's tokens; c_g: f32[T'], 1 where t copies the last partial
+        e_g, c_g, o_g, lo_g, *rest = mc.optional_refs(rest, empty_rows, copy_rows, True, output_lse)
         w_smem, row_smem, o_scr = rest  # (N + 1) rows: the weights, then the all-empty flag
         hc = lax.axis_index("hc")
         sp = lax.axis_index("s")
