@@ -1,6 +1,6 @@
 """JAX Pallas GPU kernels (functional, jit-friendly) for the empty-context LSE mask and the merges.
 
-jax and numpy only. Semantics: docs/spec.md sections 3, 4, 8 and 9, defined executably by `parity.reference`.
+jax and numpy only. Semantics: docs/spec.md sections 3, 4, 8 and 9, defined executably by `parity.harness.reference`.
 """
 
 from pallas_impl._common import has_empty_context

@@ -1,6 +1,6 @@
 """Plain-XLA (jnp) implementation of the mask and the merges, for backends without Pallas GPU (TPU, CPU).
 
-An implementation, tested against `parity.reference` like the kernels; not a second spec. Offsets and
+An implementation, tested against `parity.harness.reference` like the kernels; not a second spec. Offsets and
 `prefill_tokens_with_context` stay traced. The token->request lookup is a `searchsorted` with its levels unrolled
 (the default `scan` lowers to an XLA while loop); the kernels avoid per-token metadata instead. The float
 operations are the kernels' in the same order (sums over partials in index order, never a tree reduction), so on

@@ -6,7 +6,7 @@ mode before torch, triton or jax start) imports nothing heavy.
 """
 
 _EXPORTS = {"cross_check": "crosscheck", "assert_cross_check": "crosscheck", "Report": "crosscheck",
-            "Tolerance": "compare", "TOLERANCES": "compare"}
+            "Tolerance": "compare", "TOLERANCES": "compare"}  # parity.library.<module>
 __all__ = sorted(_EXPORTS) + ["recipe"]
 
 
@@ -14,7 +14,7 @@ def __getattr__(name):
     import importlib
 
     if name == "recipe":
-        return importlib.import_module("parity.recipe")
+        return importlib.import_module("parity.library.recipe")
     if name in _EXPORTS:
-        return getattr(importlib.import_module(f"parity.{_EXPORTS[name]}"), name)
+        return getattr(importlib.import_module(f"parity.library.{_EXPORTS[name]}"), name)
     raise AttributeError(f"module 'parity' has no attribute {name!r}")

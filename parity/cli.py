@@ -3,7 +3,7 @@
 Progress goes to stderr, tables to stdout, machine-readable output only to JSON files. Exit status: 0 success,
 1 parity failure, 2 usage error (argparse).
 
-The run mode is fixed here (`parity.impls.configure`), before anything imports `triton_impl`: without CUDA,
+The run mode is fixed here (`parity.harness.impls.configure`), before anything imports `triton_impl`: without CUDA,
 Triton kernels run in its interpreter (`TRITON_INTERPRET=1` is read when the kernels are imported) and Pallas
 kernels in interpret mode; `XLA_PYTHON_CLIENT_PREALLOCATE=false` lets torch and JAX share a GPU.
 Each subcommand imports its module inside its handler, so the others work when one is missing.
@@ -20,46 +20,65 @@ SUITES = ("ci", "default", "full", "seed")
 
 
 def _check(args) -> int:
-    from parity import check
+    from parity.harness import check
 
     return check.main(args)
 
 
 def _export(args) -> int:
-    from parity import golden
+    from parity.harness import golden
 
     return golden.export_main(args)
 
 
 def _verify(args) -> int:
-    from parity import golden
+    from parity.harness import golden
 
     return golden.verify_main(args)
 
 
 def _cross(args) -> int:
-    from parity import crosscheck
+    """`python -m parity cross`: 0 ok, 1 parity failure, 2 usage error."""
+    from parity.library import loading
+    from parity.library.crosscheck import cross_check
 
-    return crosscheck.cli_main(args)
+    try:
+        torch_fn, jax_fn = loading.load_callable(args.torch), loading.load_callable(args.jax)
+        reference = loading.load_callable(args.reference) if args.reference else None
+        inputs = loading.load_inputs(args.inputs)
+        ragged = None
+        if args.ragged:
+            name, _, axis = args.ragged.partition(":")
+            ragged = (name, axis or "token")
+        report = cross_check(torch_fn, jax_fn, inputs, reference=reference,
+                             outputs=loading.parse_outputs(args.outputs), ragged=ragged, bitwise=args.bitwise,
+                             name=f"{args.torch} vs {args.jax}")
+    except (OSError, ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(report)
+    if args.json:
+        report.to_json(args.json)
+    return EXIT_OK if report.ok else EXIT_FAIL
 
 
 def _bench(args) -> int:
     if getattr(args, "_bench_import_error", None) is not None:
         print(f"error: `bench` is unavailable: {args._bench_import_error}", file=sys.stderr)
         return EXIT_USAGE
-    from parity import bench
+    from parity.tools import bench
 
     return int(bench.run_bench(args))
 
 
 def _demo(args) -> int:
     try:
-        from parity import demo
+        from parity.tools import demo
     except ImportError as e:
         print(f"error: `demo` is unavailable: {e}", file=sys.stderr)
         return EXIT_USAGE
     if args.cp:
-        from parity import demo_cp
+        from parity.tools import demo_cp
 
         rows, ok = demo_cp.run_cp_demo(cp=args.cp, interleave=args.interleave, framework=args.framework,
                                        size=args.size, seed=args.seed)
@@ -82,10 +101,10 @@ def _shard_arg(text: str) -> tuple[int, int]:
 
 def _add_selection(p: argparse.ArgumentParser, default_suite: str) -> None:
     p.add_argument("--suite", choices=SUITES, default=default_suite,
-                   help=f"tag of parity.cases to run (default: {default_suite})")
+                   help=f"tag of parity.harness.cases to run (default: {default_suite})")
     p.add_argument("-k", dest="name_filter", metavar="SUBSTR", default=None,
                    help="only cases whose name contains SUBSTR")
-    p.add_argument("--seed", type=int, default=0, help="input seed of parity.cases.make_inputs (default: 0)")
+    p.add_argument("--seed", type=int, default=0, help="input seed of parity.harness.cases.make_inputs (default: 0)")
 
 
 def _add_pallas_backend(p: argparse.ArgumentParser) -> None:
@@ -170,11 +189,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=_cross)
 
     # bench defines its own options; import it only when it is the command being parsed.
-    p = sub.add_parser("bench", help="benchmarks on the docs/spec.md 7 workloads (see parity/bench/)")
+    p = sub.add_parser("bench", help="benchmarks on the docs/spec.md 7 workloads (see parity/tools/bench/)")
     p.set_defaults(func=_bench, _bench_import_error=None)
     if argv is not None and argv[:1] == ["bench"]:
         try:
-            from parity import bench
+            from parity.tools import bench
 
             bench.add_bench_arguments(p)
             _add_pallas_backend(p)
@@ -207,7 +226,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (argparse usage errors give 2)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    from parity import impls
+    from parity.harness import impls
 
     cp = _cp_ranks(argv)
     if cp and "jax" not in sys.modules:  # the CP demo's JAX side wants N devices: N CPU devices without a GPU

@@ -7,7 +7,7 @@
 For each seed workload and variant ("lse": LSE-only; "lse+out": with output zeroing) it times the Triton mask
 (CUDA-graph replay) and the Pallas mask (jax.profiler kernel time over back-to-back calls of the donated,
 jitted form), both in place and idempotent, beside `fill_` and `zero_` of exactly the mask's bytes in one
-contiguous buffer (`parity.bench.mask_bytes`; CUDA-graph replay), and prints each time over the fill_ floor.
+contiguous buffer (`parity.tools.bench.mask_bytes`; CUDA-graph replay), and prints each time over the fill_ floor.
 Candidates (docs/design.md, "Mask grid"): `--zero-split S` and `--lse-split S` fix the programs per 128-token
 block of that variant (`MASK_*_SPLIT = S`, no program target); `--targets N` keeps the caps and grows the split
 until the grid holds N programs (`MASK_TARGET_PROGRAMS`); `--warps W` sets `MASK_NUM_WARPS`. Every candidate is
@@ -35,7 +35,9 @@ import torch  # noqa: E402
 import pallas_impl  # noqa: E402
 import triton_impl  # noqa: E402
 from pallas_impl import _common as pc  # noqa: E402
-from parity import bench, bridge, cases  # noqa: E402
+from parity.library import bridge
+from parity.harness import cases
+from parity.tools import bench  # noqa: E402
 from triton_impl import _common as tc  # noqa: E402
 
 SEEDS = {c.name: c for c in cases.select("seed")}

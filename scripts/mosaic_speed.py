@@ -3,12 +3,12 @@ launch choices (`pallas_impl.mosaic._common.TUNING`), in one process on one GPU 
 
     python scripts/mosaic_speed.py [--json OUT.json] [--budget-s 140] [--no-sweep]
 
-What it times (jax.profiler kernel time per call, `parity.bench.timers.time_jax_gpu`; median of 20 calls):
-- the mask on the docs/spec.md 7 seed workloads (`parity.cases`, tag "seed"), LSE only and with output zeroing,
+What it times (jax.profiler kernel time per call, `parity.tools.bench.timers.time_jax_gpu`; median of 20 calls):
+- the mask on the docs/spec.md 7 seed workloads (`parity.harness.cases`, tag "seed"), LSE only and with output zeroing,
   as `jax.jit(mask_empty_context_lse, donate)` chained (the documented in-place form; has_empty=True);
 - the 2-way merge, variants plain / lse / fused, at T = 32768 and 2048 (H = 64, D = 128, bf16), and the N-way
   merge at N = 2, 4, 8 (T = 32768), as a fraction of the two-read-one-write ceiling measured here (an XLA
-  `a + b` of 2 x 1 GiB bf16; bytes as `parity.bench.FORMULAS`).
+  `a + b` of 2 x 1 GiB bf16; bytes as `parity.tools.bench.FORMULAS`).
 Every point runs on the Triton backend and on Mosaic GPU with the shipped defaults first, then with the other
 candidates of `CANDIDATES` (until `--budget-s`). The table ends with each kernel's candidates ranked over its
 points (the mask's two variants apart): put the best in `TUNING` if it is not the default. `--no-sweep` times
@@ -33,8 +33,8 @@ from jax.experimental import pallas as pl  # noqa: E402
 
 import pallas_impl  # noqa: E402
 from pallas_impl.mosaic import _common as mc  # noqa: E402
-from parity import cases  # noqa: E402
-from parity.bench import timers  # noqa: E402
+from parity.harness import cases  # noqa: E402
+from parity.tools.bench import timers  # noqa: E402
 
 H, D, DTYPE = 64, 128, jnp.bfloat16
 CALLS = 20

@@ -81,8 +81,8 @@ def _calls(only: list[str] | None):
 
     import pallas_impl
     import triton_impl
-    from parity import cases
-    from parity.bench.points import MergePoint
+    from parity.harness import cases
+    from parity.tools.bench.points import MergePoint
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)

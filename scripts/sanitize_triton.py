@@ -13,7 +13,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from parity import bridge, cases, impls  # noqa: E402
+from parity.library import bridge
+from parity.harness import cases, impls  # noqa: E402
 
 HAS_CUDA = impls.configure()  # without CUDA: Triton's interpreter (a dry run of this script)
 

@@ -16,7 +16,7 @@ Layouts (every sweep runs each combination): `--lse-layout` HT ([H, T] LSEs) / T
 and for merge_n `--partials-view` contig ([N, T, H, D]) / gather (the [T, N, H, D] all-gather buffer read through
 a [N, T, H, D] view; Triton only: JAX arrays have no strides, its columns are NaN). Rows carry the layout.
 The floors (an empty kernel, a `fill_` of each mask workload's bytes, the host and eager cost of an empty launch
-and of a jitted JAX dispatch) are recorded by every `python -m parity bench` run (parity/bench/).
+and of a jitted JAX dispatch) are recorded by every `python -m parity bench` run (parity/tools/bench/).
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ import torch  # noqa: E402
 import pallas_impl  # noqa: E402
 import triton_impl  # noqa: E402
 from pallas_impl import _common as pc  # noqa: E402
-from parity import bridge, cases  # noqa: E402
-from parity.bench import points, timers  # noqa: E402
+from parity.library import bridge
+from parity.harness import cases  # noqa: E402
+from parity.tools.bench import points, timers  # noqa: E402
 from triton_impl import _common as tc  # noqa: E402
 
 SEEDS = {c.name: c for c in cases.select("seed")}

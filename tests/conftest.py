@@ -19,7 +19,7 @@ def _has_cuda() -> bool:
 
 
 HAS_CUDA = _has_cuda()
-try:  # two torch threads fight XLA's for a 2-core CI machine (parity.compare runs torch ops)
+try:  # two torch threads fight XLA's for a 2-core CI machine (parity.library.compare runs torch ops)
     import torch
 
     torch.set_num_threads(1)

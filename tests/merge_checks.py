@@ -3,7 +3,8 @@ Pallas and Mosaic GPU merge tests)."""
 
 import numpy as np
 
-from parity import compare, expected, impls
+from parity.library import compare
+from parity.harness import expected, impls
 
 
 def assert_merge_matches_reference(case, op, arrays, out, lse=None, *, mode=None, name=None):

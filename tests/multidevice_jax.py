@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import pallas_impl  # noqa: E402
-from parity import cases, compare, expected, impls  # noqa: E402
+from parity.library import compare
+from parity.harness import cases, expected, impls  # noqa: E402
 
 RESULTS = {}
 IMPLS = ("pallas", "jnp")  # "pallas": the kernels, in interpret mode on CPU

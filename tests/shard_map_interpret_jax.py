@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import pallas_impl  # noqa: E402
-from parity import cases  # noqa: E402
+from parity.harness import cases  # noqa: E402
 
 DEVICES = 4
 REPEAT = 3  # executions of each compiled shard_map call

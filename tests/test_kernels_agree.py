@@ -2,7 +2,7 @@
 
 The mask is bit-exact on every runtime, so its agreement (Triton's interpreter vs Pallas interpret mode) also
 runs on CPU. The merge is bit-exact Triton-vs-Pallas only when both are compiled on the GPU (docs/spec.md 5). Inputs
-are uploaded once and shared between torch and JAX through parity.bridge (DLPack, no copy).
+are uploaded once and shared between torch and JAX through parity.library.bridge (DLPack, no copy).
 """
 
 import itertools
@@ -17,7 +17,9 @@ import jax
 import pallas_impl
 import triton_impl
 from pallas_impl import _common as pallas_common
-from parity import bridge, cases, compare, reference
+from parity.harness import expected
+from parity.library import bridge, compare
+from parity.harness import cases, reference
 from triton_impl import _common as triton_common
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -195,7 +197,7 @@ def test_n_way_tiles_shrink_as_partials_grow():
 @pytest.mark.parametrize("case", cases.select("ci", kind="n_way"), ids=lambda c: c.name)
 def test_merge_n_agrees_bitwise_gpu(case, fused):
     """Compiled Triton vs compiled Pallas vs jnp on XLA:GPU: the same bits on every output (docs/spec.md 5, 8)."""
-    from parity import impls
+    from parity.harness import impls
 
     rt = impls.make_runtime()
     inp = cases.make_inputs_n(case)
@@ -232,6 +234,6 @@ def test_merge_n_past_2_31_stacked_elements_gpu():
     tail = slice(T - 64, T)  # rows each partial reaches only past 2^31 elements into the stack
     outs_tail, lses_tail = bridge.to_numpy(outs[:, tail]), bridge.to_numpy(lses[:, :, tail])
     want_out, want_lse = reference.merge_attn_states_n(outs_tail, lses_tail)
-    mag = compare.merge_magnitude(outs_tail, reference.merge_weights_n(lses_tail))
+    mag = expected.merge_magnitude(outs_tail, reference.merge_weights_n(lses_tail))
     compare.assert_matches_reference(out_t[tail], want_out, mag=mag, tol="bfloat16", name="merge_n.out[tail]")
     compare.assert_matches_reference(lse_t[:, tail], want_lse, tol="lse", name="merge_n.lse[tail]", layout="HT")

@@ -1,4 +1,4 @@
-"""pallas_impl.jnp_fallback (implementation="jnp") against parity.reference, and the implementation choice.
+"""pallas_impl.jnp_fallback (implementation="jnp") against parity.harness.reference, and the implementation choice.
 
 The fallback is plain XLA: it runs on every backend, so these tests have no `mode`.
 """
@@ -12,7 +12,9 @@ import pallas_impl
 from pallas_impl import _common as pallas_common
 from pallas_impl import mask as pallas_mask
 from pallas_impl import merge as pallas_merge
-from parity import cases, compare, reference
+from parity.harness import expected
+from parity.library import compare
+from parity.harness import cases, reference
 
 CI_CASES = cases.select("ci")
 R33 = cases.by_name("r33_ragged_pad")  # R = 33, zero-length requests, padding tail
@@ -39,7 +41,7 @@ def _check_merge(out, lse, case, inp, opts, *, label=""):
     D, T = case.head_dim, case.num_tokens
     args = (inp["prefix_output"][..., :D], inp["prefix_lse"], inp["suffix_output"][..., :D], inp["suffix_lse"])
     want_out, want_lse = reference.merge_attn_states(*args, **opts)
-    mag = compare.merge_out_magnitude(*args, **opts)
+    mag = expected.merge_out_magnitude(*args, **opts)
     ptwc = opts.get("prefill_tokens_with_context")
     passthrough = np.arange(T) >= (T if ptwc is None else int(ptwc))
     want_th = want_lse.T if case.lse_layout == "HT" else want_lse

@@ -1,4 +1,4 @@
-"""pallas_impl.mask_empty_context_lse (docs/spec.md 3) against parity.reference, bit for bit.
+"""pallas_impl.mask_empty_context_lse (docs/spec.md 3) against parity.harness.reference, bit for bit.
 
 Every test takes the `mode` fixture: "interpret" runs everywhere, "compiled" (marked gpu) on the GPU, with
 identical bodies. Interpret-mode compiles dominate the runtime, so the hand-written tests reuse a few
@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import pallas_impl
 from pallas_impl import _common as pallas_common
 from pallas_impl import mask as pallas_mask
-from parity import cases, compare, reference
+from parity.library import compare
+from parity.harness import cases, reference
 
 CI_CASES = cases.select("ci")
 NAN_BITS = np.uint32(0x7FC0BEEF)  # a NaN with a payload: poisoned elements must keep these exact bits

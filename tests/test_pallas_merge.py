@@ -1,4 +1,4 @@
-"""pallas_impl.merge_attn_states (docs/spec.md 4) against parity.reference.
+"""pallas_impl.merge_attn_states (docs/spec.md 4) against parity.harness.reference.
 
 Float outputs are compared within `compare.TOLERANCES` (docs/spec.md 5: interpreters are not bitwise on CPU);
 the rows docs/spec.md defines exactly (pass-through copies, both-empty rows, +inf/NaN read as empty) are checked bit
@@ -19,7 +19,9 @@ import jax.numpy as jnp
 
 import pallas_impl
 from pallas_impl import merge as pallas_merge
-from parity import cases, compare, reference
+from parity.harness import expected
+from parity.library import compare
+from parity.harness import cases, reference
 
 CI_CASES = cases.select("ci")
 SPECIALS_CASES = [c for c in CI_CASES if c.specials]
@@ -68,7 +70,7 @@ def _check(got_out, got_lse, inp, opts, *, head_dim, case, mode, fp8=False):
     a, b = inp["prefix_output"][..., :head_dim], inp["suffix_output"][..., :head_dim]
     args = (a, inp["prefix_lse"], b, inp["suffix_lse"])
     want_out, want_lse = reference.merge_attn_states(*args, **opts)
-    mag = compare.merge_out_magnitude(*args, **opts)
+    mag = expected.merge_out_magnitude(*args, **opts)
     T, lse_layout = a.shape[0], opts.get("lse_layout", "HT")
     ptwc = opts.get("prefill_tokens_with_context")
     passthrough = np.arange(T) >= (T if ptwc is None else int(ptwc))

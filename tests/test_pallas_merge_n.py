@@ -1,8 +1,8 @@
-"""pallas_impl.merge_attn_states_n (docs/spec.md 8), kernel and jnp path, against parity.reference.
+"""pallas_impl.merge_attn_states_n (docs/spec.md 8), kernel and jnp path, against parity.harness.reference.
 
 Every kernel test takes the `mode` fixture ("interpret" everywhere, "compiled" on the GPU, identical bodies);
-the jnp path runs on whatever backend JAX has. Exact rows (`parity.expected.exact_masks`) bit for bit, the
-rest within `parity.compare.TOLERANCES`.
+the jnp path runs on whatever backend JAX has. Exact rows (`parity.harness.expected.exact_masks`) bit for bit, the
+rest within `parity.library.compare.TOLERANCES`.
 """
 
 import dataclasses
@@ -17,7 +17,9 @@ import jax.numpy as jnp
 
 import pallas_impl
 from pallas_impl import merge_n as pallas_merge_n
-from parity import cases, compare, impls, reference
+from parity.harness import expected
+from parity.library import compare
+from parity.harness import cases, impls, reference
 
 CI_N = cases.select("ci", kind="n_way")
 IMPLS = ["pallas-interpret", pytest.param("pallas-compiled", marks=pytest.mark.gpu), "jnp"]
@@ -88,7 +90,7 @@ def test_an_empty_partial_anywhere_changes_nothing(impl):
     o = jnp.asarray(rng.standard_normal((3, 19, 2, 32)).astype(np.float32))
     lse = jnp.asarray(rng.normal(2.0, 3.0, (3, 2, 19)).astype(np.float32))
     base = _call(impl, o, lse)
-    mag = compare.merge_magnitude(np.asarray(o), reference.merge_weights_n(np.asarray(lse)))
+    mag = expected.merge_magnitude(np.asarray(o), reference.merge_weights_n(np.asarray(lse)))
     tol = compare.TOLERANCES["float32"]
     for where in range(4):
         for empty in (-math.inf, math.inf, math.nan):

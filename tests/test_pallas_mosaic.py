@@ -2,7 +2,7 @@
 
 What runs where:
 - the backend's argument checks and shape limits: everywhere;
-- the kernels on the ci cases against the float64 reference (every operation of `parity.impls.ops_of`): with
+- the kernels on the ci cases against the float64 reference (every operation of `parity.harness.impls.ops_of`): with
   jax >= 0.11, in jax's Mosaic GPU interpreter on CPU and compiled on the GPU;
 - lowering every ci case for the GPU (`jax.export`, platforms=["cuda"]): with jax >= 0.11, on any machine (it
   catches what the interpreter cannot: layout inference, shared-memory budgets, TMA shapes);
@@ -28,7 +28,8 @@ import jax.numpy as jnp
 
 import pallas_impl
 from pallas_impl import _common as pallas_common
-from parity import cases, compare, impls
+from parity.library import compare
+from parity.harness import cases, impls
 
 
 def _has_mosaic() -> bool:
@@ -46,7 +47,7 @@ RT = impls.Runtime("cuda" if jax.default_backend() == "gpu" else "cpu",
 
 
 def _operands(case, op):
-    """numpy operands of `op` as `parity.check` builds them: the reference-masked prefix for "merge", the
+    """numpy operands of `op` as `parity.harness.check` builds them: the reference-masked prefix for "merge", the
     reference-masked LSEs for "merge_n" (the mask is exact)."""
     if case.n_way:
         inputs = cases.make_inputs_n(case)
@@ -418,7 +419,7 @@ def test_mask_of_many_short_requests_matches_the_reference(lse_layout, num_reque
     got = pallas_impl.mask_empty_context_lse(jnp.asarray(lse), jnp.asarray(qsl), jnp.asarray(cu),
                                              jnp.asarray(out) if with_output else None, lse_layout=lse_layout,
                                              backend="mosaic_gpu")
-    from parity import reference
+    from parity.harness import reference
 
     assert 0.25 * qsl[-1] < reference.empty_token_mask(qsl, cu, T).sum() < 0.75 * qsl[-1]
     want_lse, want_out = reference.mask_empty_context_lse(lse, qsl, cu, out, lse_layout=lse_layout)

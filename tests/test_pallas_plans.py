@@ -1,6 +1,6 @@
 """The per-signature plans of the public `pallas_impl` wrappers (`_common.cached_plan`, docs/design.md "Per-call
 cost (JAX)"): a cached plan never freezes a value, never hides an error of another signature, and follows the
-backend environment variable. Results are compared with `parity.reference` bit for bit (the mask's rows and the
+backend environment variable. Results are compared with `parity.harness.reference` bit for bit (the mask's rows and the
 merges' pass-through rows are exact by docs/spec.md)."""
 
 import numpy as np
@@ -14,7 +14,8 @@ from pallas_impl import _common as c
 from pallas_impl import mask as pallas_mask
 from pallas_impl import merge as pallas_merge
 from pallas_impl import merge_n as pallas_merge_n
-from parity import compare, reference
+from parity.library import compare
+from parity.harness import reference
 
 T, H, D = 16, 3, 8
 IMPLS = [dict(implementation="jnp"), dict(implementation="pallas", interpret=True)]

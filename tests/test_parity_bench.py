@@ -1,4 +1,4 @@
-"""parity/bench/: the smoke run's plumbing (JSON schema, PNG, tables, layout fields, host and eager metrics, the
+"""parity/tools/bench/: the smoke run's plumbing (JSON schema, PNG, tables, layout fields, host and eager metrics, the
 JAX re-trace check), byte formulas, grids, event grouping.
 
 No timing is asserted: the smoke mode runs tiny shapes under the interpreters on CPU and claims nothing.
@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from parity import bench, cases
+from parity.harness import cases
+from parity.tools import bench
 
 RECORD_FIELDS = {"op": str, "impl": str, "workload": str, "variant": str, "metric": str, "unit": str,
                  "method": str, "bytes": int}

@@ -1,4 +1,4 @@
-"""parity.bridge: zero-copy torch <-> JAX over DLPack, and the refusals of what DLPack gets wrong (docs/spec.md 6)."""
+"""parity.library.bridge: zero-copy torch <-> JAX over DLPack, and the refusals of what DLPack gets wrong (docs/spec.md 6)."""
 
 import ml_dtypes
 import numpy as np
@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from parity import bridge, cases
+from parity.library import bridge
+from parity.harness import cases
 
 DTYPES = [np.int32, np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

@@ -32,7 +32,7 @@ def test_check_passes_and_writes_the_report(tmp_path, capsys):
         assert key in env
     assert env["command"].startswith("python -m parity check")
     assert {"torch", "triton", "jax", "numpy"} <= set(env["versions"])
-    from parity import check
+    from parity.harness import check
 
     assert report["mode"] in check.RULES and report["rule"] == check.RULES[report["mode"]]
     assert report["summary"] == {"records": 3, "failed": 0, "ok": True, "cases": 1}
@@ -126,7 +126,7 @@ def test_check_runs_the_pallas_implementation_on_the_chosen_backend(tmp_path, ca
 
     import jax
 
-    from parity import impls
+    from parity.harness import impls
 
     try:
         rc, report = _run_check(tmp_path, "--pallas-backend", "mosaic_gpu")
@@ -144,7 +144,7 @@ def test_check_runs_the_pallas_implementation_on_the_chosen_backend(tmp_path, ca
 
 def test_check_shards_split_the_suite_between_them():
     """--shard K/N: N runs with K = 0..N-1 cover the selected cases once each, in suite order."""
-    from parity import check
+    from parity.harness import check
 
     every = [c.name for c in check.select("full", None)]
     shards = [[c.name for c in check.select("full", None, (k, 3))] for k in range(3)]

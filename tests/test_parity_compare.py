@@ -1,4 +1,4 @@
-"""parity.compare: ULP distances, value classes, located failure messages and the reference tolerances."""
+"""parity.library.compare: ULP distances, value classes, located failure messages and the reference tolerances."""
 
 import json
 import math
@@ -10,7 +10,9 @@ import pytest
 import jax.numpy as jnp
 import torch
 
-from parity import bridge, cases, compare, reference
+from parity.harness import expected
+from parity.library import bridge, compare
+from parity.harness import cases, reference
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 # Every bit pattern of the narrow formats: (torch dtype, numpy dtype, unsigned view).
@@ -381,7 +383,7 @@ def _check_merge(case, inp, out, lse):
               lse_base=case.lse_base)
     args = (inp["prefix_output"][..., :D], inp["prefix_lse"], inp["suffix_output"][..., :D], inp["suffix_lse"])
     want_out, want_lse = reference.merge_attn_states(*args, output_scale=inp.get("output_scale"), **kw)
-    mag = compare.merge_out_magnitude(*args, output_scale=inp.get("output_scale"), **kw)
+    mag = expected.merge_out_magnitude(*args, output_scale=inp.get("output_scale"), **kw)
     exact = np.zeros(case.num_tokens, dtype=bool)
     if case.prefill_tokens_with_context is not None:
         exact[case.prefill_tokens_with_context:] = True  # docs/spec.md 4.4: bit copies
@@ -414,7 +416,7 @@ def test_merge_magnitude_bounds_the_reference():
     args = (inp["prefix_output"], inp["prefix_lse"], inp["suffix_output"], inp["suffix_lse"])
     kw = dict(lse_layout=case.lse_layout, lse_base=case.lse_base)
     want, _ = reference.merge_attn_states(*args, **kw)
-    mag = compare.merge_out_magnitude(*args, **kw)
+    mag = expected.merge_out_magnitude(*args, **kw)
     ok = np.isfinite(want)
     assert ok.any() and (np.abs(want[ok]) <= mag[ok] * (1 + 1e-12)).all()
 

@@ -1,4 +1,4 @@
-"""`parity.cross_check` (parity/crosscheck.py) on small pairs written here and on the worked example of
+"""`parity.cross_check` (parity/library/crosscheck.py) on small pairs written here and on the worked example of
 docs/parity-library.md (docs/examples/rmsnorm_*.py): bit parity on the GPU, tolerance under the CPU interpreters,
 planted divergences found and located; the recipe's XLA flags; `python -m parity cross`; the docs snippet."""
 
@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import parity
-from parity import crosscheck, recipe
+from parity.library import crosscheck, recipe
+from parity.library import loading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "docs", "examples")
@@ -266,10 +267,10 @@ def _cross(argv):
 def test_cli_inputs_and_outputs_options(tmp_path):
     npz = tmp_path / "in.npz"
     inputs = _save_example(npz)
-    loaded = crosscheck.load_inputs(str(npz))
+    loaded = loading.load_inputs(str(npz))
     assert loaded["x"].dtype == np.dtype(ml_dtypes.bfloat16) and np.array_equal(
         loaded["x"].view(np.uint16), inputs["x"].view(np.uint16)) and loaded["eps"] == 1e-6
-    assert crosscheck.parse_outputs("out=token,dim; rstd=token;aux") == {
+    assert loading.parse_outputs("out=token,dim; rstd=token;aux") == {
         "out": ("token", "dim"), "rstd": ("token",), "aux": None}
 
 

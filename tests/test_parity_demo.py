@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from parity import chunked_prefill as cp
-from parity import demo
-from parity import reference
+from parity.tools import chunked_prefill as cp
+from parity.tools import demo
+from parity.harness import reference
 
 # A tiny batch for the per-behaviour path tests: budget 24 // 3 = 8 (pages of 4), cdiv(20, 8) = 3 chunks;
 # request 1 (3 tokens) runs out after chunk 0, request 2 (9) after chunk 1, request 3 has no context.
@@ -192,7 +192,7 @@ def test_reference_prefill_first_token_without_context():
 
 
 def test_float64_chunked_pipeline_matches_reference():
-    """The chunk plan, masked and merged by `parity.reference`, reproduces monolithic attention."""
+    """The chunk plan, masked and merged by `parity.harness.reference`, reproduces monolithic attention."""
     import torch
 
     batch = tiny_batch(seed=1)
@@ -335,7 +335,7 @@ def test_cp_demo_cli_reproduces_and_fixes_in_both_frameworks():
 
 
 def test_cp_demo_rejects():
-    from parity import demo_cp
+    from parity.tools import demo_cp
 
     with pytest.raises(ValueError, match="at least 2 ranks"):
         demo_cp.run_cp_demo(cp=1)

@@ -7,7 +7,8 @@ import shutil
 import numpy as np
 import pytest
 
-from parity import cases, cli, golden, reference
+from parity import cli
+from parity.harness import cases, golden, reference
 
 # padded_v_ptwc: bf16, V-padded buffers (head_pad 64), pass-through rows, padding tokens.
 # fp8_out: bf16 -> fp8 with a scale, +inf/NaN/-inf LSE specials, rows empty on both sides.
@@ -170,7 +171,7 @@ def test_export_cli(tmp_path, capsys):
 
 
 def _numpy_only_failures(entry, a, got_out, got_lse, tolerances):
-    """docs/golden.md's rule with numpy alone (parity.golden.numpy_*), on typed results."""
+    """docs/golden.md's rule with numpy alone (parity.harness.golden.numpy_*), on typed results."""
     p = entry["params"]
     D, dt = p["head_dim"], p["out_dtype"]
     bits = lambda x: golden.to_stored(np.asarray(x))[0]  # noqa: E731

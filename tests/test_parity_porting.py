@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from parity import cases, cli, golden
+from parity import cli
+from parity.harness import cases, golden
 
 ROOT = Path(__file__).resolve().parents[1]
 PORT = ROOT / "docs" / "examples" / "numpy_port.py"

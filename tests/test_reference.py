@@ -1,4 +1,4 @@
-"""parity.reference against numbers computed by hand in each test (docs/spec.md 3-4).
+"""parity.harness.reference against numbers computed by hand in each test (docs/spec.md 3-4).
 
 The reference is the one executable definition of the semantics, so it is checked here independently:
 tiny arrays whose expected values are written out explicitly, not produced by another implementation.
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from parity import reference
+from parity.harness import reference
 
 LN2 = math.log(2.0)
 INF = np.inf

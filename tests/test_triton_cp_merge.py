@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import triton_impl
-from parity import bridge, cases, compare, expected, impls, ranks
+from parity.library import bridge, compare
+from parity.harness import cases, expected, impls
+from parity.tools import ranks
 
 WORLD = 4
 CASE = cases.by_name("n4_bf16_fp8_out")  # N = 4, H = 4, R = 3, bf16, specials, partials without KV

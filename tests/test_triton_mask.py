@@ -1,4 +1,4 @@
-"""triton_impl.mask_empty_context_lse against parity.reference, bit for bit (docs/spec.md 3).
+"""triton_impl.mask_empty_context_lse against parity.harness.reference, bit for bit (docs/spec.md 3).
 
 Runs in the process's Triton mode (conftest): the interpreter on CPU, compiled on a GPU. The interpreter
 runs the grid's T // 128 + R programs one by one (R = 1000 takes ~20 s of CPU), so larger R is `gpu` only.
@@ -14,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import triton_impl
-from parity import bridge, cases, reference
-from parity.compare import assert_bitwise_equal
+from parity.library import bridge
+from parity.harness import cases, reference
+from parity.library.compare import assert_bitwise_equal
 from triton_impl import _common as triton_common
 from triton_impl import mask as mask_mod
 

@@ -1,7 +1,7 @@
-"""triton_impl.merge_attn_states against parity.reference (docs/spec.md 4).
+"""triton_impl.merge_attn_states against parity.harness.reference (docs/spec.md 4).
 
 Exact bits where the result is exact (pass-through copies, rows with one or both sides empty, -inf LSEs);
-elsewhere within `parity.compare.TOLERANCES` of the float64 reference, with the magnitude of the merge's
+elsewhere within `parity.library.compare.TOLERANCES` of the float64 reference, with the magnitude of the merge's
 terms (`merge_out_magnitude`). Runs in the process's Triton mode (conftest): the interpreter on CPU,
 compiled on a GPU.
 """
@@ -17,8 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import triton_impl
-from parity import bridge, cases, compare, reference
-from parity.compare import assert_bitwise_equal, assert_matches_reference
+from parity.harness import expected
+from parity.library import bridge, compare
+from parity.harness import cases, reference
+from parity.library.compare import assert_bitwise_equal, assert_matches_reference
 from triton_impl import _common as triton_common
 from triton_impl import merge as merge_mod
 
@@ -64,7 +66,7 @@ def _expected(a, p, b, s, *, ptwc, scale, fused_kw, lse_layout, lse_base):
     kw = dict(lse_layout=lse_layout, lse_base=lse_base, **fused_kw)
     want_out, want_lse = reference.merge_attn_states(a, p, b, s, prefill_tokens_with_context=ptwc,
                                                      output_scale=scale, **kw)
-    mag = compare.merge_out_magnitude(a, p, b, s, prefill_tokens_with_context=ptwc, output_scale=scale, **kw)
+    mag = expected.merge_out_magnitude(a, p, b, s, prefill_tokens_with_context=ptwc, output_scale=scale, **kw)
     T, H = a.shape[:2]
     ones, zeros = np.ones((T, H, 1)), np.zeros((T, H, 1))
     wp = reference.merge_attn_states(ones, p, zeros, s, **kw)[0][..., 0]  # f64[T, H]

@@ -1,7 +1,7 @@
-"""triton_impl.merge_attn_states_n (docs/spec.md 8) against parity.reference, and its properties.
+"""triton_impl.merge_attn_states_n (docs/spec.md 8) against parity.harness.reference, and its properties.
 
-Exact bits where the result is a copy or one partial alone has weight (`parity.expected.exact_masks`);
-elsewhere within `parity.compare.TOLERANCES` of the float64 reference, measured against the magnitude of the
+Exact bits where the result is a copy or one partial alone has weight (`parity.harness.expected.exact_masks`);
+elsewhere within `parity.library.compare.TOLERANCES` of the float64 reference, measured against the magnitude of the
 terms. Runs in the process's Triton mode (conftest): the interpreter on CPU, compiled on a GPU.
 """
 
@@ -16,8 +16,10 @@ from merge_checks import assert_merge_matches_reference
 from triton_keys import Recorder, assert_one_variant, kernel_params
 
 import triton_impl
-from parity import bridge, cases, compare, impls, reference
-from parity.compare import assert_bitwise_equal
+from parity.harness import expected
+from parity.library import bridge, compare
+from parity.harness import cases, impls, reference
+from parity.library.compare import assert_bitwise_equal
 from triton_impl import _common as triton_common
 from triton_impl import merge_n as merge_n_mod
 
@@ -201,7 +203,7 @@ def test_property_permuting_partials_stays_within_tolerance(n, seed):
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
     got = _merge(o[perm], lse[perm])
     w = reference.merge_weights_n(bridge.to_numpy(lse))
-    mag = torch.from_numpy(compare.merge_magnitude(bridge.to_numpy(o), w)).to(DEVICE)
+    mag = torch.from_numpy(expected.merge_magnitude(bridge.to_numpy(o), w)).to(DEVICE)
     tol = compare.TOLERANCES["float32"]
     assert _close(got[0], base[0], 2 * mag, tol), "permuted partials: out off by more than two roundings"
     assert _close(got[1], base[1], 2 * base[1].abs().double(), compare.TOLERANCES["lse"])
@@ -216,7 +218,7 @@ def test_property_merge_is_associative_within_tolerance(seed):
     ab = _merge(o[:2], lse[:2])
     chained = _merge(torch.stack([ab[0], o[2]]), torch.stack([ab[1], lse[2]]))
     w = reference.merge_weights_n(bridge.to_numpy(lse))
-    mag = torch.from_numpy(compare.merge_magnitude(bridge.to_numpy(o), w)).to(DEVICE)
+    mag = torch.from_numpy(expected.merge_magnitude(bridge.to_numpy(o), w)).to(DEVICE)
     assert _close(chained[0], three[0], 3 * mag, compare.TOLERANCES["float32"])
     assert _close(chained[1], three[1], 3 * three[1].abs().double(), compare.TOLERANCES["lse"])
 

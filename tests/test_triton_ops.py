@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import triton_impl
-from parity import bridge, cases
-from parity.compare import assert_bitwise_equal
+from parity.library import bridge
+from parity.harness import cases
+from parity.library.compare import assert_bitwise_equal
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 OPS = torch.ops.mla_lse_merge

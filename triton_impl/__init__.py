@@ -1,6 +1,6 @@
 """Triton kernels (PyTorch, in place) for the empty-context LSE mask and the attention-state merges.
 
-Semantics: docs/spec.md sections 3, 4, 8 and 9, defined executably by `parity.reference`.
+Semantics: docs/spec.md sections 3, 4, 8 and 9, defined executably by `parity.harness.reference`.
 """
 
 from triton_impl._common import has_empty_context

@@ -9,7 +9,7 @@
 and padding tokens get out = 0, rstd = 0. Returns (out[T, D] in x.dtype, rstd f32[T]).
 
 Written for bit parity with `rmsnorm_pallas.py` (same statements in the same order) by the recipe of
-`parity.recipe`: launched with enable_fp_fusion=False and enable_reflect_ftz=False, sqrt from libdevice,
+`parity.library.recipe`: launched with enable_fp_fusion=False and enable_reflect_ftz=False, sqrt from libdevice,
 division with `/`.
 Two planted bugs for the tests: `fma=True` launches with enable_fp_fusion=True (the sum of squares becomes an
 FMA chain: a few ulps that only the GPU shows), and `off_by_one=True` takes the last real token for padding
@@ -30,7 +30,7 @@ if not INTERPRET:
     from triton.language.extra.cuda import libdevice
 
 BLOCK_T = 16  # tokens per program
-PARITY_LAUNCH = dict(enable_fp_fusion=False, enable_reflect_ftz=False)  # parity.recipe.TRITON_LAUNCH
+PARITY_LAUNCH = dict(enable_fp_fusion=False, enable_reflect_ftz=False)  # parity.library.recipe.TRITON_LAUNCH
 
 
 @triton.jit

@@ -6,7 +6,7 @@ the protocol (`__dlpack__`, `torch.from_dlpack`, `jax.dlpack.from_dlpack`), not 
 package named `dlpack`.
 
 Supported dtypes: int32, float32, float16, bfloat16, float8_e4m3fn (all zero-copy both ways); also
-float8_e5m2, int16, int8, uint8 and bool, for pairs outside this project (`parity.crosscheck`).
+float8_e5m2, int16, int8, uint8 and bool, for pairs outside this project (`parity.library.crosscheck`).
 
 What `torch_to_jax` refuses, and why (each one is something DLPack gets wrong *silently*):
 

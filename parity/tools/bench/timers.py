@@ -1,4 +1,4 @@
-"""The benchmark's timers (`python -m parity bench`, parity/bench/__init__.py). Each returns (p20, p50, p80) in
+"""The benchmark's timers (`python -m parity bench`, parity/tools/bench/__init__.py). Each returns (p20, p50, p80) in
 microseconds, the method string, and the call count; `TraceCounter` counts JAX traces and compiles."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Benchmarks: `python -m parity bench`. One GPU, one run, both frameworks.
 
 Modules: `points` (the workload points and their byte formulas), `timers` (graph replay, do_bench, profiler,
-wall clock, JAX trace counting), `runner` (what is measured, through `parity.impls`), `report` (the tables
+wall clock, JAX trace counting), `runner` (what is measured, through `parity.harness.impls`), `report` (the tables
 and the PNG, from the JSON only); this module holds the command line.
 
 What is measured, in this order:
@@ -12,7 +12,7 @@ What is measured, in this order:
 2. **JAX re-trace check** (`retrace` in the JSON): each jitted public `pallas_impl` function (mask, fused merge,
    fused N-way merge) on tiny inputs, then a batch of the same shapes with other offsets and
    `prefill_tokens_with_context`: the second must trace and compile nothing (counted by `jax.monitoring`).
-3. **Mask** on the docs/spec.md 7 seed workloads (`parity.cases`, tag "seed"), public API with `has_empty=True`,
+3. **Mask** on the docs/spec.md 7 seed workloads (`parity.harness.cases`, tag "seed"), public API with `has_empty=True`,
    variants `lse` (LSE only, as upstream) and `lse+out` (the output rows are zeroed too).
    Bytes = masked tokens * H * 4 (+ masked tokens * H * D * out bytes for `lse+out`); compared with the
    write-only ceiling and with upstream's published H200 numbers (docs/spec.md 7, `UPSTREAM`).
@@ -70,13 +70,13 @@ import tempfile
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU (docs/spec.md 6)
 
-from parity.bench.points import (CEILING_ELEMS, FORMULAS, HEAD_DIMS, HOST_T, L2_BYTES,  # noqa: E402
+from parity.tools.bench.points import (CEILING_ELEMS, FORMULAS, HEAD_DIMS, HOST_T, L2_BYTES,  # noqa: E402
                                  LAYOUTS, MASK_VARIANTS, MEMORY_CAP_BYTES, MERGE_VARIANTS, N_WAY_VARIANTS, UPSTREAM,
                                  VIEWS, MergePoint, layout_points, mask_bytes, mask_cases, masked_tokens,
                                  merge_points, parse_layout, rotation)
-from parity.bench.report import format_table, plot_from_json, serving_rows  # noqa: E402
-from parity.bench.runner import SCHEMA, Runner, write_json  # noqa: E402
-from parity.bench.timers import (QUANTILES, TraceCounter, log, per_call_us, time_cudagraph,  # noqa: E402
+from parity.tools.bench.report import format_table, plot_from_json, serving_rows  # noqa: E402
+from parity.tools.bench.runner import SCHEMA, Runner, write_json  # noqa: E402
+from parity.tools.bench.timers import (QUANTILES, TraceCounter, log, per_call_us, time_cudagraph,  # noqa: E402
                                  time_do_bench, time_jax_profiler)
 
 __all__ = ["CEILING_ELEMS", "FORMULAS", "HEAD_DIMS", "HOST_T", "L2_BYTES", "LAYOUTS", "MASK_VARIANTS",
@@ -154,7 +154,7 @@ def run_bench(args) -> int:
     if mode != "smoke" and not has_cuda:
         log("error: `bench` measures on a CUDA GPU and none is visible; use --smoke to check the plumbing")
         return 2
-    from parity import impls
+    from parity.harness import impls
 
     impls.configure()
     device = "cuda" if has_cuda else "cpu"
@@ -185,8 +185,8 @@ def run_bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m parity.bench ...` (same options as `python -m parity bench`)."""
-    parser = argparse.ArgumentParser(prog="python -m parity.bench", description=__doc__.splitlines()[0])
+    """`python -m parity.tools.bench ...` (same options as `python -m parity bench`)."""
+    parser = argparse.ArgumentParser(prog="python -m parity.tools.bench", description=__doc__.splitlines()[0])
     add_bench_arguments(parser)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """End-to-end demo: the MLA chunked-context prefill corruption (docs/spec.md 1) and its fix, in both frameworks.
 
-A prefill batch with cached context is attended chunk by chunk (`parity.chunked_prefill`), the chunks
+A prefill batch with cached context is attended chunk by chunk (`parity.tools.chunked_prefill`), the chunks
 are merged, then merged with the causal attention over the new tokens, and the result is compared
 with monolithic float64 attention. Each framework runs three paths over the same attention partials:
 
@@ -29,7 +29,7 @@ import math
 
 import numpy as np
 
-from parity.chunked_prefill import (EMPTY_BEHAVIORS, REAL_BACKENDS, ChunkPlan, PrefillBatch, attention_jax,
+from parity.tools.chunked_prefill import (EMPTY_BEHAVIORS, REAL_BACKENDS, ChunkPlan, PrefillBatch, attention_jax,
                                     attention_real, attention_torch, bucket_size, chunk_gather_index,
                                     empty_row_classes, make_batch, real_backend, reference_prefill)
 
@@ -102,7 +102,7 @@ def _default_torch_device(device):
 
 # --------------------------------------------------------------------------------------------------
 # The chunked prefill. The attention partials are framework code (`_partials_torch`, `_partials_jax`); the
-# mask and merges run through `parity.impls`, the same loop for every implementation (`_combine`).
+# mask and merges run through `parity.harness.impls`, the same loop for every implementation (`_combine`).
 # --------------------------------------------------------------------------------------------------
 
 def _partials_torch(batch: PrefillBatch, plan: ChunkPlan, behavior: str, device: str) -> dict:
@@ -186,7 +186,7 @@ def _partials_real(batch: PrefillBatch, plan: ChunkPlan, backend: str, device: s
 
 
 def _host(x) -> np.ndarray:
-    from parity import bridge
+    from parity.library import bridge
 
     return bridge.to_numpy(x).astype(np.float32)
 
@@ -194,7 +194,7 @@ def _host(x) -> np.ndarray:
 def _to_framework(parts: dict, framework: str) -> dict:
     """The partials handed to the other framework over DLPack (zero-copy; a strided view is made contiguous first,
     a visible copy, since DLPack into JAX takes compact strides only)."""
-    from parity import bridge
+    from parity.library import bridge
 
     def conv(x):
         if framework == "jax":
@@ -228,7 +228,7 @@ def naive_merge(prefix_output, prefix_lse, suffix_output, suffix_lse, *, prefill
 def _combine(a, parts: dict, plan: ChunkPlan, ptwc, paths=PATHS) -> dict:
     """{path: f32[T, H, Dv] numpy}: each path's mask and merges over the partials, through adapter `a` (the naive
     paths merge with `naive_merge`)."""
-    from parity import bridge
+    from parity.library import bridge
 
     qsl, context_cu = parts["qsl"], parts["context_cu"]
     new_out, new_lse = parts["new"]
@@ -334,7 +334,8 @@ def run_batch(batch: PrefillBatch, *, framework: str = "both", device=None, tole
     for b in behaviors:
         if b not in EMPTY_BEHAVIORS:
             raise ValueError(f"unknown empty behaviour {b!r}; known: {list(EMPTY_BEHAVIORS)}")
-    from parity import bridge, impls
+    from parity.library import bridge
+    from parity.harness import impls
 
     plan = batch.plan()
     ptwc = batch.prefill_tokens_with_context()
@@ -416,7 +417,8 @@ def run_real_batch(batch: PrefillBatch, backend: str, *, framework: str = "both"
         raise ValueError(f"framework must be 'both', 'torch' or 'jax', got {framework!r}")
     frameworks = FRAMEWORKS if framework == "both" else (framework,)
     b = real_backend(backend)
-    from parity import bridge, impls
+    from parity.library import bridge
+    from parity.harness import impls
 
     rt = impls.make_runtime()
     if b.gpu_only and not rt.on_gpu:

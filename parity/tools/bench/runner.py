@@ -1,6 +1,6 @@
-"""The benchmark's runner (`python -m parity bench`, parity/bench/__init__.py): ceilings and floors, the mask and
+"""The benchmark's runner (`python -m parity bench`, parity/tools/bench/__init__.py): ceilings and floors, the mask and
 merge points, the per-call host cost on tiny inputs and the JAX re-trace check. Every op goes through
-`parity.impls` (the one place that says how to run each implementation)."""
+`parity.harness.impls` (the one place that says how to run each implementation)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import warnings
 
 import numpy as np
 
-from parity import cases
-from parity.bench import points as P
-from parity.bench import timers
+from parity.harness import cases
+from parity.tools.bench import points as P
+from parity.tools.bench import timers
 
 SCHEMA = 2  # 2: layout fields on every record; metrics host and eager (eager replaces schema 1's launch); retrace
 
@@ -62,7 +62,7 @@ class Runner:
         self.doc = {"schema": SCHEMA, "mode": mode, "env": {}, "reference": P.UPSTREAM, "formulas": P.FORMULAS,
                     "ceilings": {}, "records": [], "retrace": [], "skipped": [], "errors": []}
         self.host_done: set = set()  # (impl, tiny point) pairs whose `host` record exists
-        from parity import impls
+        from parity.harness import impls
 
         self.rt = impls.make_runtime()
         # Reps: do_bench_cudagraph's `rep` (ms), the target wall time of one latency trial, trial count.
@@ -79,8 +79,8 @@ class Runner:
             raise _Budget()
 
     def adapter(self, impl: str):
-        """The `parity.impls` adapter of "triton" or "pallas" (how the harness runs each implementation)."""
-        from parity import impls
+        """The `parity.harness.impls` adapter of "triton" or "pallas" (how the harness runs each implementation)."""
+        from parity.harness import impls
 
         return impls.adapter(self.rt, impl)
 
@@ -232,7 +232,7 @@ class Runner:
         donated, results fed back)."""
         import torch
 
-        from parity import bridge
+        from parity.library import bridge
 
         if impl == "triton":
             qsl, cu = (torch.from_numpy(v).to(self.device) for v in (qsl_np, cu_np))
@@ -420,7 +420,8 @@ class Runner:
         one call, or the chain of N - 1 two-way merges with output LSE."""
         import torch
 
-        from parity import bridge, impls
+        from parity.library import bridge
+        from parity.harness import impls
 
         def arr(x):
             return x if impl == "triton" else bridge.torch_to_jax(x)
@@ -474,7 +475,7 @@ class Runner:
 
     def _merge_calls(self, impl: str, pt: P.MergePoint, sets, offs):
         """(call, sync) of `impl` on `sets`: each call runs the next set (rotation)."""
-        from parity import bridge
+        from parity.library import bridge
 
         a = self.adapter(impl)
         jdev = bridge.jax_device_for(sets[0]["o"].device) if impl != "triton" else None
@@ -528,7 +529,7 @@ class Runner:
         (docs/design.md: batch-varying values are runtime values)."""
         import jax
 
-        from parity import impls
+        from parity.harness import impls
 
         jdev = jax.devices()[0]
         a = impls.adapter(self.rt, "pallas")

@@ -1,12 +1,12 @@
 """Parity testing for any PyTorch <-> JAX kernel pair (docs/parity-library.md).
 
-`cross_check(torch_fn, jax_fn, inputs)` shares the inputs with both frameworks (`parity.bridge`: one buffer,
+`cross_check(torch_fn, jax_fn, inputs)` shares the inputs with both frameworks (`parity.library.bridge`: one buffer,
 zero-copy through DLPack), runs both, and compares every output pair bit for bit and, given a float64
-`reference`, each side within tolerance (`parity.compare`). Mismatches are named by the caller's axes and,
+`reference`, each side within tolerance (`parity.library.compare`). Mismatches are named by the caller's axes and,
 through ragged offsets (query_start_loc-style), by request. The result is a `Report`.
 
 `compare_results` is the comparison engine: implementations pairwise bit for bit, and each one against a
-reference, bit for bit or within tolerance. `cross_check` and `python -m parity check` (`parity.check`) both
+reference, bit for bit or within tolerance. `cross_check` and `python -m parity check` (`parity.harness.check`) both
 call it; there is no second copy of the comparisons.
 """
 
@@ -63,19 +63,19 @@ def compare_results(results: Mapping[str, Mapping[str, Any]], keys: Sequence[str
 
     Args:
         results: implementation -> output key -> array (torch, JAX or numpy).
-        pairs: (a, b) implementations compared bit for bit, kind "a_vs_b" (`parity.compare.compare_bits`).
+        pairs: (a, b) implementations compared bit for bit, kind "a_vs_b" (`parity.library.compare.compare_bits`).
         reference: output key -> the expected array: float64 (compared within tolerance,
             `compare_to_reference`) or, with `reference_bitwise`, in the native dtype (compared bit for bit).
         against: the implementations compared with `reference`, kind "impl_vs_reference".
-        axes: output key -> a layout of `parity.compare` ("THD", "HT", ...) or a tuple of axis names.
+        axes: output key -> a layout of `parity.library.compare` ("THD", "HT", ...) or a tuple of axis names.
         tolerance, exact, mag: output key -> `compare_to_reference`'s tol, exact and mag (defaults: the
             output dtype's `TOLERANCES` entry, nothing exact, |reference|).
         prefix: put before each key in the report names (e.g. "merge.").
 
     Returns:
-        (kind, `parity.compare.Report`) per comparison, pairs first, for each key in order.
+        (kind, `parity.library.compare.Report`) per comparison, pairs first, for each key in order.
     """
-    from parity import compare
+    from parity.library import compare
 
     axes, tolerance, exact, mag = axes or {}, tolerance or {}, exact or {}, mag or {}
     loc = dict(query_start_loc=locating.offsets, ragged_axis=locating.ragged_axis, context=locating.context)
@@ -107,7 +107,7 @@ def compare_results(results: Mapping[str, Mapping[str, Any]], keys: Sequence[str
 
 @dataclasses.dataclass
 class Report:
-    """The result of `cross_check`: per output, per comparison kind, a `parity.compare.Report`.
+    """The result of `cross_check`: per output, per comparison kind, a `parity.library.compare.Report`.
 
     Kinds: "torch_vs_jax" (bit for bit), "torch_vs_reference" and "jax_vs_reference" (with a reference).
     `ok` iff every required comparison passes; "torch_vs_jax" is required with `bitwise=True`, and reported
@@ -116,7 +116,7 @@ class Report:
 
     name: str
     device: str
-    outputs: dict[str, dict[str, Any]]  # output -> kind -> parity.compare.Report
+    outputs: dict[str, dict[str, Any]]  # output -> kind -> parity.library.compare.Report
     required: tuple[str, ...]
     axes: dict[str, Any] = dataclasses.field(default_factory=dict)
     inputs: dict[str, str] = dataclasses.field(default_factory=dict)  # input -> "shared" / "copied" / "value"
@@ -218,7 +218,7 @@ class Report:
 def _default_device(inputs: Sequence[Any]):
     import torch
 
-    from parity import bridge
+    from parity.library import bridge
 
     for x in inputs:
         if isinstance(x, torch.Tensor):
@@ -233,14 +233,14 @@ def share(inputs: Mapping[str, Any] | Sequence[Any], device=None, *, host: bool 
 
     Arrays: numpy arrays are uploaded once to torch on `device` (a copy); torch tensors are used as they are
     when contiguous, 16-byte aligned and on `device` (else copied there); JAX arrays are handed to torch.
-    JAX then gets the torch buffer (`parity.bridge.torch_to_jax`, zero-copy, checked by pointer), and the
+    JAX then gets the torch buffer (`parity.library.bridge.torch_to_jax`, zero-copy, checked by pointer), and the
     reference a host copy taken before anything runs (with `host`; else the numpy args are empty). Anything
     else (eps, a flag) is passed to all three as it is. int64 and float64 arrays are refused (JAX without
-    x64 would copy them, `parity.bridge`).
+    x64 would copy them, `parity.library.bridge`).
     """
     import torch
 
-    from parity import bridge
+    from parity.library import bridge
 
     keys = list(inputs) if isinstance(inputs, Mapping) else list(range(len(inputs)))
     values = [inputs[k] for k in keys]
@@ -298,7 +298,7 @@ def _named(result: Any, names: list[str] | None, side: str) -> dict[str, Any]:
 
 def _ragged(ragged, t_args: dict) -> tuple[Any, str]:
     """(offsets, axis) of `ragged`: an input name, (input name or array, axis), or None. A host copy."""
-    from parity import bridge
+    from parity.library import bridge
 
     if ragged is None:
         return None, "token"
@@ -314,7 +314,7 @@ def _ragged(ragged, t_args: dict) -> tuple[Any, str]:
 
 
 def _tolerances(tolerance, names: list[str]) -> dict[str, Any]:
-    from parity import compare
+    from parity.library import compare
 
     def one(t):
         if t is None or isinstance(t, compare.Tolerance):
@@ -367,7 +367,7 @@ def cross_check(torch_fn: Callable, jax_fn: Callable, inputs: Mapping[str, Any] 
         ragged: offsets that name the request of a mismatch: an input name (indexing axis "token"), or
             (input name or array, axis name).
         bitwise: require torch and JAX to agree bit for bit (else the differing bits are reported only).
-        tolerance: for the reference comparisons: a `parity.compare.Tolerance`, (rtol, atol), a
+        tolerance: for the reference comparisons: a `parity.library.compare.Tolerance`, (rtol, atol), a
             `TOLERANCES` key, or a dict output -> one of those; None: the output dtype's `TOLERANCES` entry.
         name: shown in the report.
         device: torch device for numpy inputs (default: the first tensor's, else cuda when available).
@@ -417,63 +417,4 @@ def assert_cross_check(*args, **kwargs) -> Report:
 
 
 
-# ---------------------------------------------------------------------------------------------------------
-# `python -m parity cross`
-
-
-def load_inputs(path: str) -> dict[str, Any]:
-    """The inputs of `python -m parity cross` from a .npz: a 0-d array becomes a Python number, and an array
-    stored as NAME:DTYPE (bfloat16, float8_e4m3fn, float8_e5m2) holds that dtype's bits as unsigned integers."""
-    import ml_dtypes
-
-    out: dict[str, Any] = {}
-    with np.load(path) as f:
-        for key in f.files:
-            a = f[key]
-            name, _, dtype = key.partition(":")
-            if dtype:
-                if not hasattr(ml_dtypes, dtype):
-                    raise ValueError(f"{path}: {key!r}: unknown dtype {dtype!r}")
-                a = a.view(np.dtype(getattr(ml_dtypes, dtype)))
-            out[name] = a.item() if a.ndim == 0 else a
-    return out
-
-
-def parse_outputs(spec: str | None) -> dict[str, tuple[str, ...] | None] | None:
-    """'out=token,dim;rstd=token' -> {"out": ("token", "dim"), "rstd": ("token",)}; a bare name has no axes."""
-    if not spec:
-        return None
-    outputs: dict[str, tuple[str, ...] | None] = {}
-    for part in filter(None, (p.strip() for p in spec.split(";"))):
-        name, _, axes = part.partition("=")
-        outputs[name.strip()] = tuple(a.strip() for a in axes.split(",")) if axes else None
-    return outputs
-
-
-def cli_main(args) -> int:
-    """Handler of `python -m parity cross` (args from parity.cli): 0 ok, 1 parity failure, 2 usage error."""
-    import sys
-
-    from parity import golden
-
-    try:
-        torch_fn, jax_fn = golden.load_callable(args.torch), golden.load_callable(args.jax)
-        reference = golden.load_callable(args.reference) if args.reference else None
-        inputs = load_inputs(args.inputs)
-        ragged = None
-        if args.ragged:
-            name, _, axis = args.ragged.partition(":")
-            ragged = (name, axis or "token")
-        report = cross_check(torch_fn, jax_fn, inputs, reference=reference, outputs=parse_outputs(args.outputs),
-                             ragged=ragged, bitwise=args.bitwise, name=f"{args.torch} vs {args.jax}")
-    except (golden.GoldenError, OSError, ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(report)
-    if args.json:
-        report.to_json(args.json)
-    return 0 if report.ok else 1
-
-
-__all__ = ["Locating", "Report", "assert_cross_check", "cli_main", "compare_results", "cross_check", "jsonable",
-           "load_inputs", "parse_outputs", "share"]
+__all__ = ["Locating", "Report", "assert_cross_check", "compare_results", "cross_check", "jsonable", "share"]

@@ -3,7 +3,7 @@
 `check`, `golden`, `bench` and `demo` never call `triton_impl` or `pallas_impl` themselves; they ask this
 module. Implementations (`IMPLS`):
 
-- "reference": `parity.reference`, float64 numpy, in token chunks (every token is independent);
+- "reference": `parity.harness.reference`, float64 numpy, in token chunks (every token is independent);
 - "triton": `triton_impl` on torch tensors, in place into buffers allocated here (poisoned with NaN, so an
   element a kernel fails to write shows up);
 - "pallas": `pallas_impl` with `implementation="pallas"` (interpret mode on CPU) and the Pallas backend of
@@ -21,7 +21,7 @@ Three layers:
    `Bound`: `call()` is exactly one public call (what the benchmarks time, what a CUDA graph captures) and
    `results()` its outputs as a dict; `mask`, `merge` and `merge_n` do both. Arrays are the
    implementation's own type (numpy, torch tensors, JAX arrays); dtypes are named by string.
-3. `run(rt, impl, op, case, arrays)`: one operation of `OPS` on a `parity.cases` case's arrays.
+3. `run(rt, impl, op, case, arrays)`: one operation of `OPS` on a `parity.harness.cases` case's arrays.
 
 `collect_env()` is the environment record every command writes (devices, versions, commit, time, command).
 """
@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from parity import cases as cases_mod
-from parity import reference
+from parity.harness import cases as cases_mod
+from parity.harness import reference
 
 IMPLS = ("reference", "triton", "pallas", "jnp")
 EXPERIMENTAL_IMPLS = ("mosaic",)
@@ -246,7 +246,7 @@ class _Adapter:
 
 
 class ReferenceAdapter(_Adapter):
-    """`parity.reference` on numpy arrays. Merge results are float64 (fp8: the clamped, scaled value)."""
+    """`parity.harness.reference` on numpy arrays. Merge results are float64 (fp8: the clamped, scaled value)."""
 
     name = "reference"
 

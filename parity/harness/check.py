@@ -1,8 +1,8 @@
-"""`python -m parity check`: run every implementation on a suite of `parity.cases` and compare them.
+"""`python -m parity check`: run every implementation on a suite of `parity.harness.cases` and compare them.
 
 For every case the numpy inputs (`cases.make_inputs` / `make_inputs_n`) are uploaded once to torch and
-shared with JAX over DLPack (`parity.bridge.share_inputs`, zero-copy). Every implementation runs through
-`parity.impls` (reference, triton, pallas, jnp). The operations (`impls.OPS`):
+shared with JAX over DLPack (`parity.library.bridge.share_inputs`, zero-copy). Every implementation runs through
+`parity.harness.impls` (reference, triton, pallas, jnp). The operations (`impls.OPS`):
 
 - 2-way cases: `mask` (the prefix LSE, zeroing the prefix output; docs/spec.md 3); `merge` (each
   implementation merges its own masked prefix with the suffix: mask then merge, 4); `merge_fused` (the raw
@@ -11,10 +11,10 @@ shared with JAX over DLPack (`parity.bridge.share_inputs`, zero-copy). Every imp
   -inf) and `merge_n_fused` (the raw partials with each partial's KV offsets). At N = 2 both must also give
   the bits of the 2-way kernels on the same partials.
 
-Each result is compared bit for bit between implementations (`parity.compare.compare_bits`: Triton vs Pallas,
-Pallas vs jnp) and with the float64 reference (`parity.compare.compare_to_reference`): exactly where the
-result is a bit copy (`parity.expected.exact_masks`), within tolerance elsewhere, measured against
-`parity.expected.magnitude`. Which comparisons are required depends on the mode (docs/spec.md 5): `RULES`.
+Each result is compared bit for bit between implementations (`parity.library.compare.compare_bits`: Triton vs Pallas,
+Pallas vs jnp) and with the float64 reference (`parity.library.compare.compare_to_reference`): exactly where the
+result is a bit copy (`parity.harness.expected.exact_masks`), within tolerance elsewhere, measured against
+`parity.harness.expected.magnitude`. Which comparisons are required depends on the mode (docs/spec.md 5): `RULES`.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from parity import cases as cases_mod
-from parity import expected, impls
-from parity.crosscheck import jsonable
+from parity.harness import cases as cases_mod
+from parity.harness import expected, impls
+from parity.library.crosscheck import jsonable
 
 SCHEMA = "parity-check/2"
 KINDS = ("triton_vs_pallas", "pallas_vs_jnp", "triton_vs_reference", "pallas_vs_reference", "jnp_vs_reference")
@@ -208,11 +208,11 @@ def _error_text(e: BaseException) -> str:
 class _Judge:
     """Adds the comparisons of one record: implementations pairwise bit for bit, each one against the reference.
 
-    Every comparison goes through `parity.crosscheck.compare_results`, the engine of `parity.cross_check`.
+    Every comparison goes through `parity.library.crosscheck.compare_results`, the engine of `parity.cross_check`.
     """
 
     def __init__(self, rt: impls.Runtime, case: cases_mod.Case, seed: int, query_start_loc):
-        from parity import compare, crosscheck
+        from parity.library import compare, crosscheck
 
         self.engine = crosscheck.compare_results
         self.locating = crosscheck.Locating(query_start_loc, context=compare._context(case.name, seed, rt.mode))
@@ -246,7 +246,7 @@ class _Judge:
 
 def _shared(rt: impls.Runtime, inputs: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
     """The inputs of every implementation: numpy for the reference, one device buffer for the others."""
-    from parity import bridge
+    from parity.library import bridge
 
     t, j = bridge.share_inputs(inputs, rt.device)
     return {"reference": inputs, "triton": t, "pallas": j, "jnp": j}
@@ -273,7 +273,7 @@ def _judge_merge(rec: OpRecord, judge: _Judge, case: cases_mod.Case, op: str, re
 def run_case(rt: impls.Runtime, case: cases_mod.Case, seed: int, on_record=None) -> list[OpRecord]:
     """Run the operations of one case; `on_record(rec)` is called as each finishes.
 
-    Results stay on the device (torch tensors, JAX arrays): `parity.compare` scans them there in chunks.
+    Results stay on the device (torch tensors, JAX arrays): `parity.library.compare` scans them there in chunks.
     """
     records: list[OpRecord] = []
 
@@ -400,7 +400,7 @@ def run_check(*, suite: str, name_filter: str | None, seed: int, quiet: bool = F
 
 def build_report(rt: impls.Runtime, records: list[OpRecord], *, suite: str, name_filter, seed: int,
                  argv: list[str] | None, shard: tuple[int, int] | None = None) -> dict[str, Any]:
-    from parity import compare
+    from parity.library import compare
 
     n_fail = sum(not r.ok for r in records)
     return {

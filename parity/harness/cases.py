@@ -1,7 +1,7 @@
 """Named workloads (docs/spec.md sections 7-8 and edge cases) and the seeded input builders.
 
 Workloads are data: tests, the CLI and the benchmarks select them by tag and never re-type shapes.
-`make_inputs` builds numpy arrays once (framework-neutral); `parity.bridge` uploads them to torch and hands
+`make_inputs` builds numpy arrays once (framework-neutral); `parity.library.bridge` uploads them to torch and hands
 them to JAX over DLPack.
 
 Two kinds of case: 2-way cases (`partials == 0`: the mask and the 2-way merge of a prefix and a suffix) and

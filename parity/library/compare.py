@@ -2,7 +2,7 @@
 
 Everything runs on the device of `got` with torch ops, in chunks along the first axis, so a 1G-element
 output is never copied to the host; only counts, a ULP histogram and a few located mismatches come back.
-JAX arrays are accepted and handed to torch zero-copy through `parity.bridge.jax_to_torch`.
+JAX arrays are accepted and handed to torch zero-copy through `parity.library.bridge.jax_to_torch`.
 
 Two comparisons:
 
@@ -10,7 +10,7 @@ Two comparisons:
   a NaN by value class but a different NaN payload still counts as a difference (parity means the same
   bits), and +0 vs -0 is a difference of 0 ULP.
 - `compare_to_reference` / `assert_matches_reference`: an implementation vs the float64 reference
-  (`parity.reference`). Checks, in order: (1) the value class (finite, +inf, -inf, NaN) of every element
+  (`parity.harness.reference`). Checks, in order: (1) the value class (finite, +inf, -inf, NaN) of every element
   agrees; (2) elements marked `exact` (the mask, pass-through copies, zeroed rows) match the reference
   rounded to the native dtype bit for bit (NaN vs NaN agrees: float64 cannot carry f32 NaN payloads
   reliably, unless `want` is given in the native dtype, then its bits are compared as they are);
@@ -35,7 +35,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from parity import bridge
+from parity.library import bridge
 
 # Value classes (`value_class`).
 FINITE, POS_INF, NEG_INF, NAN = 0, 1, 2, 3
@@ -97,7 +97,7 @@ agree bitwise, so the merge is checked against float64 within these bounds; the 
 
 Derivation. The kernels compute in f32 and round once, at the store, to the output dtype with unit
 roundoff u (half an ULP at 1): u = 2^-24 (fp32), 2^-11 (fp16), 2^-8 (bf16), 2^-4 (fp8 e4m3). Let
-`mag = |a|*wp + |b|*ws` (float64; `merge_out_magnitude`), the size of the terms before any cancellation.
+`mag = |a|*wp + |b|*ws` (float64; `parity.harness.expected.merge_out_magnitude`), the size of the terms before any cancellation.
 The f32 evaluation of `a*wp + b*ws` (exp and divide within a few f32 ULPs, FMA or not, FTZ or not) errs
 by at most e*mag with e = 16 * 2^-24 = 2^-20. Rounding that f32 value y to the output dtype adds at most
 u*|y| <= u*(1 + e)*mag. Hence `rtol = u + e + 2^-24` (the last term bounds u*e). `|want| <= mag`, so the
@@ -291,7 +291,7 @@ def _native(bits: int, fmt: _Format) -> tuple[str, str]:
 class _Locator:
     """Names an element by layout axes and, through query_start_loc, its request.
 
-    `layout` is one of `LAYOUTS` or a tuple of axis names, one per dimension (any names: `parity.crosscheck`);
+    `layout` is one of `LAYOUTS` or a tuple of axis names, one per dimension (any names: `parity.library.crosscheck`);
     then `query_start_loc` indexes the axis named `ragged_axis` and the axes are named in array order.
     """
 
@@ -528,7 +528,7 @@ def compare_to_reference(got: Any, want: Any, *, name: str = "", tol: Tolerance 
         exact: True (everything bit for bit), False, or a bool mask: full shape or a token mask bool[T]
             (e.g. the pass-through rows `arange(T) >= prefill_tokens_with_context`).
         mag: float64 per-element magnitude for the tolerance (full shape), default |want|. For merge
-            outputs use `merge_out_magnitude`.
+            outputs use `parity.harness.expected.merge_out_magnitude`.
         query_start_loc, layout, context, lse_layout, case, seed, mode, ragged_axis: as in `compare_bits`.
         exact_mask: an alias of `exact` (used when given).
 
@@ -664,7 +664,7 @@ def assert_matches_reference(got: Any, want: Any, *, case: Any = None, exact: An
                              layout: str | None = None, tol: Tolerance | str | None = None) -> Report:
     """The one comparison helper of the tests: class, then exact bits, then tolerance.
 
-    `case` (a `parity.cases.Case`) supplies the failure context and, unless given, `query_start_loc`
+    `case` (a `parity.harness.cases.Case`) supplies the failure context and, unless given, `query_start_loc`
     (from its query lengths) and the LSE layout. `tol` defaults as in `compare_to_reference` (the LSE
     entry for 2-D arrays, the output dtype's entry otherwise). Raises AssertionError with `Report.format()`; returns the
     report when it passes.
@@ -698,54 +698,7 @@ def assert_bitwise_equal(got: Any, want: Any, *, name: str = "", case: Any = Non
     return report
 
 
-def merge_magnitude(outputs, weights, output_scale=None) -> np.ndarray:
-    """f64[T, H, D]: sum_i |o_i| * w_i, the scale of the merge's rounding error (the `mag` of `TOLERANCES`).
-
-    `outputs` are the N partials (a sequence of [T, H, D] arrays, or one [N, T, H, D] array), `weights` their
-    merge weights f64[N, T, H] (`parity.reference.merge_weights_n`). A zero weight contributes exactly 0
-    (docs/spec.md 4.3), so NaN in an empty partial does not reach the magnitude. With an fp8 output (4.6) it
-    is divided by the scale.
-    """
-    mag = None
-    for o, w in zip(outputs, np.asarray(weights, dtype=np.float64)):
-        with np.errstate(invalid="ignore"):
-            term = np.where(w[..., None] > 0, np.abs(np.asarray(o, dtype=np.float64)) * w[..., None], 0.0)
-        mag = term if mag is None else mag + term
-    if output_scale is not None:
-        mag /= float(np.asarray(output_scale, dtype=np.float32).reshape(-1)[0])
-    return mag
-
-
-def merge_out_magnitude(prefix_output: np.ndarray, prefix_lse: np.ndarray, suffix_output: np.ndarray,
-                        suffix_lse: np.ndarray, *, output_scale=None, query_start_loc=None, prefix_cu_seq_lens=None,
-                        prefill_tokens_with_context=None, lse_layout="HT", lse_base=math.e) -> np.ndarray:
-    """`merge_magnitude` of the 2-way merge with these options, its weights from `parity.reference`."""
-    from parity import reference
-
-    T = np.asarray(prefix_output).shape[0]
-    empty = None
-    if query_start_loc is not None:  # the fused mask covers the prefix only
-        empty = np.zeros((2, T), dtype=bool)
-        empty[0] = reference.empty_token_mask(query_start_loc, prefix_cu_seq_lens, T)
-    w = reference.merge_weights_n(np.stack([prefix_lse, suffix_lse]), empty=empty, lse_layout=lse_layout,
-                                  lse_base=lse_base, prefill_tokens_with_context=prefill_tokens_with_context)
-    return merge_magnitude((prefix_output, suffix_output), w, output_scale)
-
-
-def merge_out_magnitude_n(outputs: np.ndarray, lses: np.ndarray, *, output_scale=None, query_start_loc=None,
-                          cu_seq_lens=None, prefill_tokens_with_context=None, lse_layout="HT",
-                          lse_base=math.e) -> np.ndarray:
-    """`merge_magnitude` of the N-way merge with these options, its weights from `parity.reference`."""
-    from parity import reference
-
-    T = np.asarray(outputs).shape[1]
-    empty = None if query_start_loc is None else reference.empty_token_masks(query_start_loc, cu_seq_lens, T)
-    w = reference.merge_weights_n(lses, empty=empty, lse_layout=lse_layout, lse_base=lse_base,
-                                  prefill_tokens_with_context=prefill_tokens_with_context)
-    return merge_magnitude(outputs, w, output_scale)
-
-
 __all__ = ["CLASS_NAMES", "FINITE", "NAN", "NEG_INF", "POS_INF", "Report", "TOLERANCES", "Tolerance",
            "ULP_BUCKETS", "assert_bitwise_equal", "assert_matches_reference", "compare_bits",
-           "compare_to_reference", "merge_magnitude", "merge_out_magnitude", "merge_out_magnitude_n", "ordered_bits", "raw_bits", "tolerance_for",
+           "compare_to_reference", "ordered_bits", "raw_bits", "tolerance_for",
            "ulp_distance", "value_class"]

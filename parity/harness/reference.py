@@ -182,7 +182,7 @@ def merge_weights_n(lses, *, empty=None, prefill_tokens_with_context=None, lse_l
     `empty` is bool[N, T] (the fused mask: `empty_token_masks`, or for the 2-way merge the prefix's mask
     stacked on all-False) or None. Rows empty everywhere weigh every partial 0; pass-through rows (8.4) weigh
     the last partial 1 and the others 0. The weights give the scale of the merge's rounding error
-    (`parity.compare.merge_magnitude`).
+    (`parity.harness.expected.merge_magnitude`).
     """
     l_raw = _lses_as_nth(lses, lse_layout)
     w, _, _, both_empty = _weights(l_raw, empty, _lse_base_factor(lse_base))

@@ -1,4 +1,4 @@
-"""The benchmark's workload points and their byte formulas (`python -m parity bench`, parity/bench/__init__.py)."""
+"""The benchmark's workload points and their byte formulas (`python -m parity bench`, parity/tools/bench/__init__.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from parity import cases
+from parity.harness import cases
 
 L2_BYTES = 60e6  # H200 L2 rounded up: a working set below ~3x this is partly served from cache
 MEMORY_CAP_BYTES = 60e9  # merge points needing more (inputs + output + LSEs) are skipped

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from parity.chunked_prefill import (EMPTY_BEHAVIORS, PrefillBatch, attention_jax, attention_torch, bucket_size,
+from parity.tools.chunked_prefill import (EMPTY_BEHAVIORS, PrefillBatch, attention_jax, attention_torch, bucket_size,
                                     cp_shard, make_batch, reference_prefill)
-from parity.demo import CORRUPTING_BEHAVIOR, FRAMEWORKS, TOLERANCE, judge_row, verdict
+from parity.tools.demo import CORRUPTING_BEHAVIOR, FRAMEWORKS, TOLERANCE, judge_row, verdict
 
 CP_PATHS = ("no_mask", "gather", "reduce_scatter")
 CP_FIXED = ("gather", "reduce_scatter")
@@ -69,7 +69,8 @@ def _torch_rank(rank: int, world: int, group, config: dict, behavior: str, inter
     reduce_scatter)."""
     import torch
 
-    from parity import bridge, impls
+    from parity.library import bridge
+    from parity.harness import impls
 
     rt = impls.Runtime(device, "gpu-bitwise" if device == "cuda" else "cpu-interpreters")  # torch only: no JAX here
     a = impls.adapter(rt, "triton")
@@ -93,7 +94,7 @@ def _torch_rank(rank: int, world: int, group, config: dict, behavior: str, inter
 def _cp_torch(batch_config: dict, world: int, behavior: str, interleave: int) -> tuple[dict, str]:
     import torch
 
-    from parity import ranks
+    from parity.tools import ranks
 
     use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= world
     device, backend = ("cuda", "nccl") if use_nccl else ("cpu", "gloo")
@@ -122,7 +123,7 @@ def _cp_jax(batch: PrefillBatch, world: int, behavior: str, interleave: int, imp
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    from parity import impls
+    from parity.harness import impls
 
     a = impls.adapter(impls.make_runtime(), implementation)
     q, ctx_k, ctx_v = jnp.asarray(batch.q), jnp.asarray(batch.ctx_k), jnp.asarray(batch.ctx_v)
@@ -171,7 +172,7 @@ def _cp_jax(batch: PrefillBatch, world: int, behavior: str, interleave: int, imp
 
 def _final(framework: str, batch: PrefillBatch, path: str, ctx_out, ctx_lse, jax_impl: str):
     """The combined context merged with the causal attention over the new tokens (one process)."""
-    from parity import impls
+    from parity.harness import impls
 
     rt = impls.make_runtime()
     ptwc = batch.prefill_tokens_with_context()
@@ -195,7 +196,7 @@ def _final(framework: str, batch: PrefillBatch, path: str, ctx_out, ctx_lse, jax
                                               prefix_cu_seq_lens=up(batch.context_start_loc))
     r = a.merge(up(ctx_out), up(ctx_lse), new_out, new_lse, prefill_tokens_with_context=ptwc, return_lse=False,
                 **fused)
-    from parity import bridge
+    from parity.library import bridge
 
     return bridge.to_numpy(r["out"]), bridge.to_numpy(new_out)
 
@@ -204,7 +205,7 @@ def run_cp_demo(*, cp: int = 4, interleave: int = 1, framework: str = "both", si
                 seed: int = 0, jax_implementation: str | None = None) -> tuple[list[dict], bool]:
     """Reproduces the context-parallel corruption and its fix (see the module docstring).
 
-    Returns (rows, ok): one row per (framework, empty behaviour, path), as `parity.demo.run_demo`'s. `ok` holds
+    Returns (rows, ok): one row per (framework, empty behaviour, path), as `parity.tools.demo.run_demo`'s. `ok` holds
     when both fixed paths are clean for every behaviour and the unfixed path is corrupted for the finite-LSE one.
     """
     if cp < 2:

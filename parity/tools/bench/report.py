@@ -1,4 +1,4 @@
-"""The benchmark's report (`python -m parity bench`, parity/bench/__init__.py): the stdout tables and the PNG,
+"""The benchmark's report (`python -m parity bench`, parity/tools/bench/__init__.py): the stdout tables and the PNG,
 both drawn from the JSON document only."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from parity.bench import points as P
+from parity.tools.bench import points as P
 
 
 def _fmt(x, spec: str) -> str:

@@ -1,15 +1,17 @@
 """What a merge's results must be, read off the float64 reference: weights, tolerance magnitudes, exact elements.
 
 `check` and `golden` judge every implementation with these. numpy only. `arrays` is the numpy dict an op of
-`parity.impls.OPS` runs on (`impls.op_call`), so the weights follow exactly the operands the reference saw.
+`parity.harness.impls.OPS` runs on (`impls.op_call`), so the weights follow exactly the operands the reference saw.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from parity import cases as cases_mod
-from parity import compare, reference
+from parity.harness import cases as cases_mod
+from parity.harness import reference
 
 
 def _partials(case: cases_mod.Case, op: str, arrays: dict[str, np.ndarray]):
@@ -41,7 +43,7 @@ def merge_weights(case: cases_mod.Case, op: str, arrays: dict[str, np.ndarray]) 
 def magnitude(case: cases_mod.Case, op: str, arrays: dict[str, np.ndarray], weights: np.ndarray) -> np.ndarray:
     """f64[T, H, D]: the tolerance magnitude sum_i |o_i| * w_i (divided by the fp8 scale)."""
     outputs, _, _ = _partials(case, op, arrays)
-    return compare.merge_magnitude(outputs, weights, arrays.get("output_scale"))
+    return merge_magnitude(outputs, weights, arrays.get("output_scale"))
 
 
 def exact_masks(case: cases_mod.Case, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -61,3 +63,46 @@ def exact_masks(case: cases_mod.Case, weights: np.ndarray) -> tuple[np.ndarray, 
     out_exact = none if case.out_dtype is not None else none | alone | passthrough
     lse_exact = none | passthrough | (alone if case.lse_base != 2 else False)
     return out_exact, (lse_exact.T if case.lse_layout == "HT" else lse_exact)
+
+
+def merge_magnitude(outputs, weights, output_scale=None) -> np.ndarray:
+    """f64[T, H, D]: sum_i |o_i| * w_i, the scale of the merge's rounding error (the `mag` of `TOLERANCES`).
+
+    `outputs` are the N partials (a sequence of [T, H, D] arrays, or one [N, T, H, D] array), `weights` their
+    merge weights f64[N, T, H] (`parity.harness.reference.merge_weights_n`). A zero weight contributes exactly 0
+    (docs/spec.md 4.3), so NaN in an empty partial does not reach the magnitude. With an fp8 output (4.6) it
+    is divided by the scale.
+    """
+    mag = None
+    for o, w in zip(outputs, np.asarray(weights, dtype=np.float64)):
+        with np.errstate(invalid="ignore"):
+            term = np.where(w[..., None] > 0, np.abs(np.asarray(o, dtype=np.float64)) * w[..., None], 0.0)
+        mag = term if mag is None else mag + term
+    if output_scale is not None:
+        mag /= float(np.asarray(output_scale, dtype=np.float32).reshape(-1)[0])
+    return mag
+
+
+def merge_out_magnitude(prefix_output: np.ndarray, prefix_lse: np.ndarray, suffix_output: np.ndarray,
+                        suffix_lse: np.ndarray, *, output_scale=None, query_start_loc=None, prefix_cu_seq_lens=None,
+                        prefill_tokens_with_context=None, lse_layout="HT", lse_base=math.e) -> np.ndarray:
+    """`merge_magnitude` of the 2-way merge with these options, its weights from `parity.harness.reference`."""
+    T = np.asarray(prefix_output).shape[0]
+    empty = None
+    if query_start_loc is not None:  # the fused mask covers the prefix only
+        empty = np.zeros((2, T), dtype=bool)
+        empty[0] = reference.empty_token_mask(query_start_loc, prefix_cu_seq_lens, T)
+    w = reference.merge_weights_n(np.stack([prefix_lse, suffix_lse]), empty=empty, lse_layout=lse_layout,
+                                  lse_base=lse_base, prefill_tokens_with_context=prefill_tokens_with_context)
+    return merge_magnitude((prefix_output, suffix_output), w, output_scale)
+
+
+def merge_out_magnitude_n(outputs: np.ndarray, lses: np.ndarray, *, output_scale=None, query_start_loc=None,
+                          cu_seq_lens=None, prefill_tokens_with_context=None, lse_layout="HT",
+                          lse_base=math.e) -> np.ndarray:
+    """`merge_magnitude` of the N-way merge with these options, its weights from `parity.harness.reference`."""
+    T = np.asarray(outputs).shape[1]
+    empty = None if query_start_loc is None else reference.empty_token_masks(query_start_loc, cu_seq_lens, T)
+    w = reference.merge_weights_n(lses, empty=empty, lse_layout=lse_layout, lse_base=lse_base,
+                                  prefill_tokens_with_context=prefill_tokens_with_context)
+    return merge_magnitude(outputs, w, output_scale)

@@ -2,14 +2,14 @@
 
 `export` writes, per case of a suite (2-way and N-way cases), `<case>.npz` with the inputs and the expected
 results, and one `manifest.json` describing every case and array (format: docs/golden.md). Expected results
-come from the float64 reference (`parity.reference`, through `parity.impls` and `parity.expected`), never
+come from the float64 reference (`parity.harness.reference`, through `parity.harness.impls` and `parity.harness.expected`), never
 from the kernels. Every float array is stored as the unsigned integer of its width holding its bits, so
 numpy alone can read bf16 and fp8 (the manifest names the dtype).
 
 `verify` loads the vectors, checks the sha256 of every array against the manifest, runs one implementation
-(`triton`, `pallas`, `jnp` or `reference`, through `parity.impls`) on the inputs and compares: the mask bit for
+(`triton`, `pallas`, `jnp` or `reference`, through `parity.harness.impls`) on the inputs and compares: the mask bit for
 bit; the merges bit for bit where the result is a copy (`*_exact`) and elsewhere within the tolerance written
-in the manifest (`|got - want| <= atol + rtol * mag`, `parity.compare.TOLERANCES`).
+in the manifest (`|got - want| <= atol + rtol * mag`, `parity.library.compare.TOLERANCES`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from parity import cases as cases_mod
-from parity import expected, impls
+from parity.harness import cases as cases_mod
+from parity.harness import expected, impls
+from parity.library.loading import LoadError, load_callable
 
 FORMAT = "mla-lse-merge-golden"
 FORMAT_VERSION = 2
@@ -137,7 +138,7 @@ def sha256(stored: np.ndarray) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Case parameters <-> parity.cases.Case
+# Case parameters <-> parity.harness.cases.Case
 
 
 def case_params(case: cases_mod.Case, seed: int) -> dict[str, Any]:
@@ -265,7 +266,7 @@ def _role(key: str) -> str:
 
 
 def _tolerances() -> dict[str, dict[str, float]]:
-    from parity.compare import TOLERANCES
+    from parity.library.compare import TOLERANCES
 
     return {k: {"rtol": float(v.rtol), "atol": float(v.atol)} for k, v in TOLERANCES.items()}
 
@@ -427,7 +428,7 @@ def _as_result(case, op: str, key: str, x) -> np.ndarray:
 
 
 class _Runner:
-    """Runs one implementation: this project's through `parity.impls` (as `python -m parity check`), a port's
+    """Runs one implementation: this project's through `parity.harness.impls` (as `python -m parity check`), a port's
     callable `fn(op, inputs, params) -> dict` (`impl="module:function"` or `"path/to/file.py:function"`), or a
     port's results read from files (`outputs_dir`)."""
 
@@ -451,7 +452,7 @@ class _Runner:
                 got = {"out": got["out"].astype(_np_dtype(case.out_dtype or case.dtype)),
                        "lse": got["lse"].astype(np.float32)}
             return got
-        from parity import bridge
+        from parity.library import bridge
 
         t, j = bridge.share_inputs(inputs, self.rt.device)
         return impls.run(self.rt, self.impl, op, case, t if self.impl == "triton" else j)
@@ -470,31 +471,6 @@ class _Runner:
         return {k: _as_result(case, op, k, f[f"{op}.{k}"]) for k in _result_shapes(case, op)}
 
 
-def load_callable(spec: str):
-    """`module:function` (importable) or `path/to/file.py:function`: a port's entry point."""
-    import importlib
-    import importlib.util
-
-    target, _, name = spec.rpartition(":")
-    if not target or not name:
-        raise GoldenError(f"--impl {spec!r}: expected MODULE:FUNCTION or PATH.py:FUNCTION")
-    if target.endswith(".py"):
-        if not os.path.exists(target):
-            raise GoldenError(f"--impl {spec!r}: no file {target}")
-        mod_spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(target))[0], target)
-        module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as e:
-            raise GoldenError(f"--impl {spec!r}: cannot import {target}: {e}") from e
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise GoldenError(f"--impl {spec!r}: {target} has no callable {name!r}")
-    return fn
-
-
 def save_outputs(out_dir: str, case_name: str, results: dict[str, dict[str, np.ndarray]]) -> str:
     """Write a port's results of one case as `verify --outputs` reads them: `<out_dir>/<case>.npz`, one array
     `<op>.<result>` each, stored as the unsigned integers of its bits (docs/porting.md, "Results files")."""
@@ -507,7 +483,7 @@ def save_outputs(out_dir: str, case_name: str, results: dict[str, dict[str, np.n
 
 def verify_case(entry: dict[str, Any], a: dict[str, np.ndarray], runner: _Runner, tolerances: dict[str, dict]):
     """Runs the ops of one case; returns [(op, {array: Report}, error or None)]."""
-    from parity import compare
+    from parity.library import compare
 
     case = case_from_params(entry["name"], entry["params"])
     out_dtype = case.out_dtype or case.dtype
@@ -624,12 +600,12 @@ def verify_main(args) -> int:
     try:
         rows, ok = verify(args.dir, args.impl, outputs_dir=args.outputs, name_filter=args.name_filter,
                           progress=None if args.quiet else sys.stderr)
-    except GoldenError as e:
+    except (GoldenError, LoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(format_rows(rows, impl))
     if args.json:
-        from parity import check
+        from parity.harness import check
 
         report = {"schema": "parity-golden-verify/1", "env": impls.collect_env(getattr(args, "argv", None)),
                   "golden_dir": os.path.abspath(args.dir), "impl": impl, "outputs": args.outputs, "ok": ok,

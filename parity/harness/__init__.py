@@ -1,0 +1,3 @@
+"""The harness of this project's ops: the float64 reference (docs/spec.md), the workloads, the one table of how
+to run each implementation of each op (`impls`), expected values, the parity check and the golden vectors. It
+builds on `parity.library` and never imports `parity.tools`."""

@@ -1,0 +1,70 @@
+"""Loading what a command line names: a callable (`MODULE:FUNCTION` or `PATH.py:FUNCTION`), the inputs of
+`python -m parity cross` (a .npz) and its `--outputs` spec."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+
+class LoadError(ValueError):
+    """A callable, file or spec named on the command line that cannot be used."""
+
+
+def load_callable(spec: str):
+    """`module:function` (importable) or `path/to/file.py:function`: a port's entry point."""
+    import importlib
+    import importlib.util
+
+    target, _, name = spec.rpartition(":")
+    if not target or not name:
+        raise LoadError(f"--impl {spec!r}: expected MODULE:FUNCTION or PATH.py:FUNCTION")
+    if target.endswith(".py"):
+        if not os.path.exists(target):
+            raise LoadError(f"--impl {spec!r}: no file {target}")
+        mod_spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(target))[0], target)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as e:
+            raise LoadError(f"--impl {spec!r}: cannot import {target}: {e}") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise LoadError(f"--impl {spec!r}: {target} has no callable {name!r}")
+    return fn
+
+
+def load_inputs(path: str) -> dict[str, Any]:
+    """The inputs of `python -m parity cross` from a .npz: a 0-d array becomes a Python number, and an array
+    stored as NAME:DTYPE (bfloat16, float8_e4m3fn, float8_e5m2) holds that dtype's bits as unsigned integers."""
+    import ml_dtypes
+
+    out: dict[str, Any] = {}
+    with np.load(path) as f:
+        for key in f.files:
+            a = f[key]
+            name, _, dtype = key.partition(":")
+            if dtype:
+                if not hasattr(ml_dtypes, dtype):
+                    raise ValueError(f"{path}: {key!r}: unknown dtype {dtype!r}")
+                a = a.view(np.dtype(getattr(ml_dtypes, dtype)))
+            out[name] = a.item() if a.ndim == 0 else a
+    return out
+
+
+def parse_outputs(spec: str | None) -> dict[str, tuple[str, ...] | None] | None:
+    """'out=token,dim;rstd=token' -> {"out": ("token", "dim"), "rstd": ("token",)}; a bare name has no axes."""
+    if not spec:
+        return None
+    outputs: dict[str, tuple[str, ...] | None] = {}
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        name, _, axes = part.partition("=")
+        outputs[name.strip()] = tuple(a.strip() for a in axes.split(",")) if axes else None
+    return outputs
+
+
+__all__ = ["LoadError", "load_callable", "load_inputs", "parse_outputs"]

@@ -1,0 +1,2 @@
+"""Tools on top of the harness: benchmarks (`bench`), the demos, the chunked-prefill planner with its attention
+backends, and spawned `torch.distributed` ranks."""
