@@ -32,8 +32,8 @@ What is measured, in this order:
 
 Metrics per point and implementation (each record carries its `method`):
 
-- `gpu_time`: Triton via `triton.testing.do_bench_cudagraph` (graph replay on a side stream; quantiles over its
-  replays, each the mean of the calls in the graph). JAX via `jax.profiler` kernel time (CUPTI; the sum of
+- `gpu_time`: Triton by CUDA-graph replay (`timers.time_cudagraph`: thread-local capture on a side stream;
+  quantiles over its replays, each the mean of the calls in the graph). JAX via `jax.profiler` kernel time (CUPTI; the sum of
   the kernels of one call, quantiles over calls); if the trace holds no GPU kernels, back-to-back dispatches
   of the jitted call with one sync at the end, divided by N (labelled; an upper bound when the kernel is
   shorter than a dispatch). Never a jitted `fori_loop` chain (docs/spec.md 6: XLA copies the loop-carried buffers).

@@ -41,13 +41,44 @@ def _quantiles(samples) -> tuple[float, float, float]:
 
 
 def time_cudagraph(fn, rep_ms: float):
-    """GPU time of `fn` (torch/Triton launches only) by CUDA-graph replay."""
-    import triton.testing
+    """GPU time of `fn` (torch/Triton launches only) by CUDA-graph replay.
 
-    ms = triton.testing.do_bench_cudagraph(fn, rep=rep_ms, quantiles=list(QUANTILES))
-    q = tuple(float(x) * 1e3 for x in ms)
-    return q, "triton.testing.do_bench_cudagraph: graph replay, quantiles over 10 replays (each the mean " \
-              "of the calls captured in the graph)", None
+    The method of `triton.testing.do_bench_cudagraph` (a graph of as many calls as fill about `rep_ms`, replayed
+    10 times, each replay's time over its call count), captured in `thread_local` mode: work that another thread
+    (JAX's runtime) has in flight cannot invalidate the capture, as the process-global mode lets it.
+    """
+    import torch
+
+    stream = torch.cuda.Stream()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def captured(calls: int):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            for _ in range(calls):
+                fn()
+        return graph
+
+    def replay_ms(graph) -> float:
+        start.record(stream)
+        graph.replay()
+        end.record(stream)
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        fn()  # compiles and warms up outside the capture
+        torch.cuda.synchronize()
+        one = captured(1)
+        est = sum(replay_ms(one) for _ in range(5)) / 5
+        calls = max(1, int(rep_ms / max(est, 1e-4)))
+        graph = captured(calls)
+        replay_ms(graph)
+        ms = [replay_ms(graph) / calls for _ in range(10)]
+    q = _quantiles([x * 1e3 for x in ms])
+    return q, (f"CUDA-graph replay (thread-local capture) of {calls} calls, quantiles over 10 replays (each the mean "
+               "of the calls captured in the graph)"), None
 
 
 def time_do_bench(fn):
