@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import traceback
 
@@ -192,8 +193,20 @@ def _grid(head, body, wrap_last_text=None) -> str:
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in body])
 
 
+def _strict(x):
+    """NaN and infinities as the strings "nan", "inf", "-inf": the file is strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_strict(v) for v in x]
+    return x
+
+
 def write_json(report: dict, path: str) -> None:
-    text = json.dumps(report, indent=1, default=str, allow_nan=True)
+    """The report as strict JSON (`_strict`) to `path` ("-": stdout)."""
+    text = json.dumps(_strict(report), indent=1, default=str, allow_nan=False)
     if path == "-":
         sys.stdout.write(text + "\n")
     else:
