@@ -171,7 +171,9 @@ def reference(inputs: Inputs, vis: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _tolerance(dtype: str) -> float:
-    return 1e-3 if dtype == "float32" else 5e-2
+    """Data rows against float64: f32 kernels may use TF32 on a GPU (XLA's default), bf16 rounds its output. A
+    wiring mistake (wrong layout, alignment, scale) is off by O(1)."""
+    return 1e-2 if dtype == "float32" else 5e-2
 
 
 def lse_classes(lse: np.ndarray, poison: float | None = None) -> tuple[dict, list[float]]:

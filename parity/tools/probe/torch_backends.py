@@ -39,8 +39,6 @@ class TorchBackend:
 
         if self.needs == "cuda" and not torch.cuda.is_available():
             return "needs a CUDA GPU (none visible)"
-        if self.needs == "cpu" and torch.cuda.is_available():
-            return "a CPU kernel; this run uses the GPU (run the probe on a CPU machine for it)"
         return self._missing()
 
     def _missing(self) -> str | None:
