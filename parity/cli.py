@@ -94,9 +94,9 @@ def _probe(args) -> int:
     from parity.tools import probe
 
     try:
-        report = probe.run_probe(backends=args.backend, merge_impl=args.merge_impl, seed=args.seed,
-                                 end_to_end=not args.no_end_to_end, argv=args.argv,
-                                 progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))
+        report = (probe.run_isolated if args.isolate else probe.run_probe)(
+            backends=args.backend, merge_impl=args.merge_impl, seed=args.seed, end_to_end=not args.no_end_to_end,
+            argv=args.argv, progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -245,6 +245,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--merge-impl", choices=("triton", "pallas", "jnp", "reference"), default=None,
                    help="this project's mask and merge end to end (default: triton on a GPU, jnp otherwise)")
     p.add_argument("--no-end-to-end", action="store_true", help="skip the chunked-prefill merge of each backend")
+    p.add_argument("--isolate", action="store_true",
+                   help="each backend in its own process: a kernel that crashes or breaks the CUDA context is "
+                        "listed as crashed, the others still run")
     p.add_argument("--seed", type=int, default=0, help="data seed (default: 0)")
     p.add_argument("--json", metavar="FILE", default=None, help="write the JSON report to FILE ('-': stdout)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")

@@ -143,6 +143,13 @@ def test_cli_probe_writes_strict_json(tmp_path):
     assert cli.main(["probe", "--backend", "no-such-kernel", "--quiet"]) == 2
 
 
+def test_isolated_probe_runs_each_backend_in_its_own_process():
+    report = probe.run_isolated(backends=["torch-sdpa-math"], end_to_end=False)
+    (entry,) = report["backends"]
+    assert report["isolated"] and entry["status"] == "probed"
+    assert situations(entry)["zero_kv"]["empty_lse"]["-inf"] == 2 * core.NUM_HEADS
+
+
 # --------------------------------------------------------------------------------------------------
 # GPU kernels: the contracts measured on the H200
 # --------------------------------------------------------------------------------------------------

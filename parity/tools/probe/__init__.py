@@ -13,6 +13,6 @@ refuses the shape or cannot express a situation is listed with the reason.
 Modules: `core` (situations, reference, classes; numpy), `torch_backends`, `jax_backends`, `endtoend`, `run`.
 """
 
-from parity.tools.probe.run import all_backends, format_table, recommend, run_probe, write_json
+from parity.tools.probe.run import all_backends, format_table, recommend, run_isolated, run_probe, write_json
 
-__all__ = ["all_backends", "format_table", "recommend", "run_probe", "write_json"]
+__all__ = ["all_backends", "format_table", "recommend", "run_isolated", "run_probe", "write_json"]

@@ -140,6 +140,45 @@ def run_probe(*, backends=None, merge_impl: str | None = None, seed: int = 0, en
     return report
 
 
+def run_isolated(*, backends=None, merge_impl: str | None = None, seed: int = 0, end_to_end: bool = True,
+                 progress=None, argv=None, timeout_s: int = 600) -> dict:
+    """`run_probe` with each backend in its own `python -m parity probe --backend NAME` process: a kernel that
+    crashes the process or leaves the CUDA context broken costs its own entry only ("crashed", with the reason)."""
+    import os
+    import subprocess
+    import tempfile
+
+    from parity.harness import impls
+
+    names = list(backends) if backends else [b.name for b in all_backends()]
+    merge_impl = merge_impl or default_merge_impl()
+    report = dict(env=impls.collect_env(argv), merge_impl=merge_impl, seed=seed, isolated=True,
+                  situations={s.name: s.what for s in core.SITUATIONS.values()}, backends=[])
+    for name in names:
+        if progress:
+            progress(f"probe: {name} (own process)")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "probe.json")
+            cmd = [sys.executable, "-m", "parity", "probe", "--backend", name, "--json", path, "--quiet",
+                   "--merge-impl", merge_impl, "--seed", str(seed)] + ([] if end_to_end else ["--no-end-to-end"])
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+                rc, tail = r.returncode, (r.stderr.strip().splitlines() or [""])[-1][:300]
+            except subprocess.TimeoutExpired:
+                rc, tail = None, f"timed out after {timeout_s} s"
+            if rc == 0 and os.path.exists(path):
+                with open(path) as f:
+                    report["backends"] += json.load(f)["backends"]
+                continue
+        why = f"the probe process ended with status {rc}: {tail}" if rc is not None else tail
+        report["backends"].append(dict(backend=name, status="crashed", reason=why, recommendation="unknown", why=why))
+    return report
+
+
+def _err_cell(x) -> str:
+    return x if isinstance(x, str) else f"{x:.1e}"
+
+
 def _lse_cell(s: dict, key: str) -> str:
     if f"{key}_lse" not in s:
         return "(not in LSE)" if f"{key}_lse_missing" in s else "-"
@@ -153,7 +192,7 @@ def format_table(report: dict) -> str:
     body = []
     for b in report["backends"]:
         if b["status"] != "probed":
-            body.append((b["backend"], "-", "absent", b["reason"], "", "", "", "", "", "", ""))
+            body.append((b["backend"], "-", b["status"], b["reason"], "", "", "", "", "", "", ""))
             continue
         for s in b["situations"]:
             if s["status"] not in ("ok", "no_empty_rows"):
@@ -165,7 +204,7 @@ def format_table(report: dict) -> str:
                          core.class_label(s.get("empty_out")), _lse_cell(s, "padding"),
                          core.class_label(s.get("padding_out")), s.get("lse_base") or "?",
                          s["lse_layout"].split(" (")[0], f"{s['lse_dtype']}/{s['out_dtype']}",
-                         f"{s['data_max_err']:.1e}" + ("" if s["data_ok"] else " BAD")))
+                         _err_cell(s["data_max_err"]) + ("" if s["data_ok"] else " BAD")))
     lines = [_grid(head, body, wrap_last_text=3), ""]
     head2 = ("backend", "naive merge", "merge", "mask + merge", "recommendation", "why")
     body2 = []
