@@ -1,4 +1,4 @@
-"""Command line: `python -m parity check|bench|demo|export|verify|cross`.
+"""Command line: `python -m parity check|bench|demo|export|verify|cross|probe`.
 
 Progress goes to stderr, tables to stdout, machine-readable output only to JSON files. Exit status: 0 success,
 1 parity failure, 2 usage error (argparse).
@@ -87,6 +87,23 @@ def _demo(args) -> int:
                                  backend=args.backend)
     print(demo.format_demo_table(rows))
     return EXIT_OK if ok else EXIT_FAIL
+
+
+def _probe(args) -> int:
+    """`python -m parity probe`: 0 when every backend was probed or listed with its reason, 2 on a usage error."""
+    from parity.tools import probe
+
+    try:
+        report = (probe.run_isolated if args.isolate else probe.run_probe)(
+            backends=args.backend, merge_impl=args.merge_impl, seed=args.seed, end_to_end=not args.no_end_to_end,
+            argv=args.argv, progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(probe.format_table(report))
+    if args.json:
+        probe.write_json(report, args.json)
+    return EXIT_OK
 
 
 def _shard_arg(text: str) -> tuple[int, int]:
@@ -220,6 +237,22 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    help="with --cp: KV token j on rank (j // I) %% N (default: 1)")
     _add_pallas_backend(p)
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser("probe", help="what every attention kernel here leaves in rows that attend to nothing, and "
+                                     "whether the merge is safe on it without the mask (docs/porting.md)")
+    p.add_argument("--backend", action="append", metavar="NAME", default=None,
+                   help="probe only NAME (repeatable; default: every backend the probe knows, absent ones listed)")
+    p.add_argument("--merge-impl", choices=("triton", "pallas", "jnp", "reference"), default=None,
+                   help="this project's mask and merge end to end (default: triton on a GPU, jnp otherwise)")
+    p.add_argument("--no-end-to-end", action="store_true", help="skip the chunked-prefill merge of each backend")
+    p.add_argument("--isolate", action="store_true",
+                   help="each backend in its own process: a kernel that crashes or breaks the CUDA context is "
+                        "listed as crashed, the others still run")
+    p.add_argument("--seed", type=int, default=0, help="data seed (default: 0)")
+    p.add_argument("--json", metavar="FILE", default=None, help="write the JSON report to FILE ('-': stdout)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    _add_pallas_backend(p)
+    p.set_defaults(func=_probe)
     return parser
 
 
