@@ -24,7 +24,6 @@ import json
 import numpy as np
 
 from parity.tools.chunked_prefill.reference import PrefillBatch, reference_prefill
-from parity.tools.loop import capacity as capacity_mod
 from parity.tools.loop.capacity import CAPACITIES, Capacity, loop_batches, step_inputs
 
 FRAMEWORKS = ("torch", "jax")
@@ -153,8 +152,7 @@ def row_ok(row: dict) -> bool:
         return False
     if row["framework"] == "torch":
         return row["replay_bits_equal"] is not False
-    return (row["later_traces"] == 0 and row["later_compiles"] == 0 and row["first_call_compiles"] <= 1
-            and row["repeat_bits_equal"])
+    return row["later_traces"] == 0 and row["later_compiles"] == 0 and row["repeat_bits_equal"]
 
 
 def run_loop(*, framework: str = "both", chunks=CHUNKS, size: str | None = None, num_batches: int = 3, seed: int = 0,
@@ -217,30 +215,34 @@ def format_loop_table(report: dict) -> str:
     body = []
     for r in report["rows"]:
         if r["framework"] == "torch":
-            again = {None: "no graph (CPU)", True: "replay = eager bits", False: "REPLAY DIFFERS"}[r["replay_bits_equal"]]
+            again = {None: "no graph (CPU)", True: "replay = eager bits",
+                     False: "REPLAY DIFFERS"}[r["replay_bits_equal"]]
         else:
             again = (f"{r['first_call_compiles']} compile, {r['later_traces']} re-traces, "
                      + ("repeat = bits" if r["repeat_bits_equal"] else "REPEAT DIFFERS"))
-        body.append((r["framework"], str(r["num_chunks"]), r["method"], ",".join(str(b["tokens"]) for b in r["batches"]),
+        tokens = ",".join(str(b["tokens"]) for b in r["batches"])
+        body.append((r["framework"], str(r["num_chunks"]), r["method"], tokens,
                      f"{r['rows_corrupted']}/{r['rows_total']}", f"{r['max_abs_err']:.2e}", again,
                      "ok" if r["ok"] else "FAIL"))
     lines += _table(header, body)
     timed = [r for r in report["rows"] if "step_gpu_us" in r]
     if timed:
         lines.append("")
-        header = ("framework", "C", "method", "merges GPU us", "chained/fused", "bytes 3C/(C+2)", "step GPU us",
-                  "host us eager", "host us replay")
+        header = ("framework", "C", "method", "merges GPU us", "chained/fused", "bytes 3C/(C+2)", "of bytes",
+                  "step GPU us", "host us eager", "host us replay")
         by = {(r["framework"], r["num_chunks"], r["method"]): r for r in timed}
         body = []
         for r in timed:
             other = by.get((r["framework"], r["num_chunks"], "chained"))
-            ratio = (f"{other['merges_gpu_us'] / r['merges_gpu_us']:.2f}" if r["method"] == "fused" and other
-                     else "")
+            ratio = share = bytes_ = ""
+            if r["method"] == "fused" and other:
+                measured, bytes_ = other["merges_gpu_us"] / r["merges_gpu_us"], byte_ratio(r["num_chunks"])
+                ratio, share, bytes_ = f"{measured:.2f}", f"{measured / bytes_:.0%}", f"{bytes_:.2f}"
             eager = r.get("host_eager_us", r.get("host_dispatch_us"))
             replay = r.get("host_replay_us")
             body.append((r["framework"], str(r["num_chunks"]), r["method"], f"{r['merges_gpu_us']:.1f}", ratio,
-                         f"{byte_ratio(r['num_chunks']):.2f}" if r["method"] == "fused" else "",
-                         f"{r['step_gpu_us']:.1f}", f"{eager:.1f}", "-" if replay is None else f"{replay:.1f}"))
+                         bytes_, share, f"{r['step_gpu_us']:.1f}", f"{eager:.1f}",
+                         "-" if replay is None else f"{replay:.1f}"))
         lines += _table(header, body)
         lines.append("host us: torch eager = issuing the step's launches, replay = one graph replay; JAX eager = one "
                      "jitted dispatch (the whole step), no replay column.")
@@ -260,5 +262,5 @@ def write_json(report: dict, path: str, argv=None) -> None:
         json.dump(dict(report, env=impls.collect_env(argv)), f, indent=1, default=float)
 
 
-__all__ = ["CAPACITIES", "CHUNKS", "Capacity", "METHODS", "capacity_mod", "format_loop_table", "loop_batches",
-           "run_loop", "step_inputs", "write_json"]
+__all__ = ["CAPACITIES", "CHUNKS", "Capacity", "METHODS", "format_loop_table", "loop_batches", "run_jax", "run_loop",
+           "run_torch", "step_inputs", "write_json"]

@@ -50,6 +50,8 @@ def _attention_fn(cap: Capacity, attention: str):
         qr, q_lens = to_rows(q, qsl, q_rows)
         kr, kv_lens = to_rows(k, cu, rows)
         vr, _ = to_rows(v, cu, rows)
+        if attention == "cudnn":  # a request past the batch's has no query rows to read back: give it one
+            q_lens = jnp.maximum(q_lens, 1)
         out, lse = jax.nn.dot_product_attention(qr, kr, vr, scale=scale, is_causal=causal, query_seq_lengths=q_lens,
                                                 key_value_seq_lengths=kv_lens, implementation=attention,
                                                 return_residual=True)

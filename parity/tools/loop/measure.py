@@ -79,5 +79,5 @@ def measure_jax(step, inputs: dict, merges, merge_args: tuple, n: int = 20) -> d
     merge_q, _, _ = timers.time_jax_gpu(*_held(merges, *merge_args), n, 3, use_profiler=True)
     return dict(merges_gpu_us=merge_q[1], merges_gpu_us_q=merge_q, step_gpu_us=step_q[1], step_gpu_us_q=step_q,
                 gpu_method=step_how, host_dispatch_us=host_us(*_held(step, inputs))[1],
-                host_method=f"wall clock of one jitted dispatch, the device idle before each of {HOST_SAMPLES} samples; "
-                            "median")
+                host_method=f"wall clock of one jitted dispatch, the device idle before each of {HOST_SAMPLES} "
+                            "samples; median")

@@ -33,6 +33,9 @@ def flash_attention(q, k, v, query_start_loc, cu_seq_lens, max_q: int, max_k: in
 
     out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, query_start_loc, cu_seq_lens, max_q, max_k, 0.0,
                                                            causal, False, scale=scale)
+    if tuple(lse.shape) != (q.shape[1], q.shape[0]):  # shapes only: no device read
+        raise RuntimeError(f"this torch's flash kernel returned an LSE of shape {tuple(lse.shape)}, expected "
+                           f"[H, T] = {[q.shape[1], q.shape[0]]} (the varlen layout)")
     return out[..., :v_dim], lse
 
 
