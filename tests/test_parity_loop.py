@@ -98,6 +98,26 @@ def test_torch_loop_on_cpu_chained_and_fused_match_float64():
         assert r["replay_bits_equal"] is None  # no CUDA graphs on a CPU
 
 
+def test_torch_loop_masks_from_the_offsets_written():
+    # The step decides emptiness only from the offsets in its buffers: write whole-context offsets that say no
+    # request has context and the chained step's final merge drops every context, so exactly the tokens of the
+    # requests with context go wrong, while the fused step (which masks from the chunk offsets) stays clean.
+    from parity.tools.demo import compare_rows
+    from parity.tools.loop.torch_step import TorchLoop
+
+    cap, batches, wants = _ci_case(2, num_batches=1)
+    b, want = batches[0], wants[0]
+    x = step_inputs(cap, b)
+    loop = TorchLoop(cap, device="cpu", kernel="dense", dtype="float32")
+    loop.write(dataclasses.replace(x, context_cu=np.zeros_like(x.context_cu)))
+    with np.errstate(all="ignore"):
+        chained = loop.step("chained")[:b.num_tokens].numpy()
+        fused = loop.step("fused")[:b.num_tokens].numpy()
+    with_context = sum(q for c, q in zip(b.context_lens, b.query_lens) if c)
+    assert compare_rows(chained, want, b.query_start_loc)["rows_corrupted"] == with_context > 0
+    assert compare_rows(fused, want, b.query_start_loc)["rows_corrupted"] == 0
+
+
 @pytest.mark.parametrize("merge_impl", ["pallas", "jnp"])
 def test_jax_loop_compiles_once_and_never_retraces(merge_impl):
     cap, batches, wants = _ci_case(2)

@@ -189,7 +189,8 @@ class TorchLoop:
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: only this thread's calls must be capture-safe (JAX's runtime threads are not ours)
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.step(method)
         torch.cuda.synchronize()
         self.graphs[method] = graph
