@@ -67,7 +67,7 @@ class Capacity:
 CAPACITIES = {
     "ci": Capacity(num_tokens=16, num_requests=4, num_chunks=2, workspace_rows=16, block_size=4, max_query_len=4,
                    min_context_requests=2, num_heads=2, qk_dim=16, v_dim=8),
-    "gpu": Capacity(num_tokens=8192, num_requests=64, num_chunks=8, workspace_rows=16384, block_size=64,
+    "gpu": Capacity(num_tokens=8192, num_requests=64, num_chunks=8, workspace_rows=8192, block_size=64,
                     max_query_len=128, min_context_requests=32, num_heads=16, qk_dim=192, v_dim=128),
 }
 
