@@ -1,4 +1,4 @@
-"""Command line: `python -m parity check|bench|demo|export|verify|cross|probe`.
+"""Command line: `python -m parity check|bench|demo|export|verify|cross|probe|loop`.
 
 Progress goes to stderr, tables to stdout, machine-readable output only to JSON files. Exit status: 0 success,
 1 parity failure, 2 usage error (argparse).
@@ -104,6 +104,27 @@ def _probe(args) -> int:
     if args.json:
         probe.write_json(report, args.json)
     return EXIT_OK
+
+
+def _loop(args) -> int:
+    """`python -m parity loop`: 0 every row clean (replay / repeat bits equal, no re-trace), 1 otherwise."""
+    try:
+        from parity.tools import loop
+    except ImportError as e:
+        print(f"error: `loop` is unavailable: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        chunks = tuple(int(c) for c in args.chunks.split(","))
+        report, ok = loop.run_loop(framework=args.framework, chunks=chunks, size=args.size,
+                                   num_batches=args.batches, seed=args.seed, measure=args.measure,
+                                   merge_impl=args.merge_impl)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(loop.format_loop_table(report))
+    if args.json:
+        loop.write_json(report, args.json, args.argv)
+    return EXIT_OK if ok else EXIT_FAIL
 
 
 def _shard_arg(text: str) -> tuple[int, int]:
@@ -253,6 +274,24 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     _add_pallas_backend(p)
     p.set_defaults(func=_probe)
+
+    p = sub.add_parser("loop", help="the chunked-context prefill as one captured step: chained in-place merges vs one "
+                                    "fused N-way merge, CUDA graph / one jit, vs float64")
+    p.add_argument("--framework", choices=("both", "torch", "jax"), default="both",
+                   help="torch (Triton merges, CUDA graph), jax (pallas_impl merges, one jit) or both (default)")
+    p.add_argument("--chunks", default="1,2,4,8", metavar="C,C,...",
+                   help="context chunk counts of the capacity (default: 1,2,4,8)")
+    p.add_argument("--size", choices=("ci", "gpu"), default=None,
+                   help="capacity: ci (tiny, for the CPU interpreters) or gpu; default gpu on a GPU, else ci")
+    p.add_argument("--batches", type=int, default=3, help="batches of different lengths per capacity (default: 3)")
+    p.add_argument("--seed", type=int, default=0, help="data seed (default: 0)")
+    p.add_argument("--merge-impl", choices=("pallas", "jnp"), default="pallas",
+                   help="pallas_impl implementation of the JAX merges (default: pallas; interpreted on a CPU)")
+    p.add_argument("--no-measure", dest="measure", action="store_false",
+                   help="on a GPU, skip the timings (merges, step, host time per step)")
+    p.add_argument("--json", metavar="FILE", default=None, help="write the report (and the environment) to FILE")
+    _add_pallas_backend(p)
+    p.set_defaults(func=_loop)
     return parser
 
 

@@ -29,9 +29,10 @@ import math
 
 import numpy as np
 
-from parity.tools.chunked_prefill import (EMPTY_BEHAVIORS, REAL_BACKENDS, ChunkPlan, PrefillBatch, attention_jax,
-                                    attention_real, attention_torch, bucket_size, chunk_gather_index,
-                                    empty_row_classes, make_batch, real_backend, reference_prefill)
+from parity.tools.chunked_prefill.attention import EMPTY_BEHAVIORS, attention_jax, attention_torch, bucket_size
+from parity.tools.chunked_prefill.kernels import REAL_BACKENDS, attention_real, empty_row_classes, real_backend
+from parity.tools.chunked_prefill.planner import ChunkPlan, chunk_gather_index
+from parity.tools.chunked_prefill.reference import PrefillBatch, make_batch, reference_prefill
 
 FRAMEWORKS = ("torch", "jax")
 PATHS = ("no_mask", "mask_then_merge", "fused")

@@ -1,7 +1,7 @@
 """The context-parallel reproduction (docs/spec.md 9): `python -m parity demo --cp N`.
 
 A prefill batch's cached context is sharded over N context-parallel ranks the way vLLM's DCP places KV (token j
-of a request on rank `(j // interleave) % N`, `chunked_prefill.cp_shard`), so a short context leaves ranks with
+of a request on rank `(j // interleave) % N`, `chunked_prefill.planner.cp_shard`), so a short context leaves ranks with
 no KV for its request. Each rank runs attention of all queries over its local KV with a backend's empty-row
 behaviour (`EMPTY_BEHAVIORS`: FA2 +inf, FA3 -inf, a finite LSE with NaN output); the N partials are combined
 across the ranks, then merged with the causal attention over the new tokens, and compared with monolithic
@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from parity.tools.chunked_prefill import (EMPTY_BEHAVIORS, PrefillBatch, attention_jax, attention_torch, bucket_size,
-                                    cp_shard, make_batch, reference_prefill)
+from parity.tools.chunked_prefill.attention import EMPTY_BEHAVIORS, attention_jax, attention_torch, bucket_size
+from parity.tools.chunked_prefill.planner import cp_shard
+from parity.tools.chunked_prefill.reference import PrefillBatch, make_batch, reference_prefill
 from parity.tools.demo import CORRUPTING_BEHAVIOR, FRAMEWORKS, TOLERANCE, judge_row, verdict
 
 CP_PATHS = ("no_mask", "gather", "reduce_scatter")
