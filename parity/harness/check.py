@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from parity.harness import cases as cases_mod
-from parity.harness import expected, impls
+from parity.harness import expected, impls, provenance
 from parity.library.crosscheck import jsonable
 
 SCHEMA = "parity-check/2"
@@ -405,7 +405,7 @@ def build_report(rt: impls.Runtime, records: list[OpRecord], *, suite: str, name
     n_fail = sum(not r.ok for r in records)
     return {
         "schema": SCHEMA,
-        "env": impls.collect_env(argv),
+        "env": provenance.collect_env(argv),
         "mode": rt.mode,
         "rule": RULES[rt.mode],
         "tolerances": {k: v.describe() for k, v in compare.TOLERANCES.items()},

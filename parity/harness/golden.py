@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from parity.harness import cases as cases_mod
-from parity.harness import expected, impls
+from parity.harness import expected, impls, provenance
 from parity.library.loading import LoadError, load_callable
 
 FORMAT = "mla-lse-merge-golden"
@@ -206,8 +206,8 @@ def _merge_expectations(case: cases_mod.Case, op: str, arrays: dict[str, np.ndar
     if ptwc is not None:  # docs/spec.md 4.4, 8.4: bit copies (float64 cannot carry NaN payloads)
         if case.out_dtype is None:
             out_bits[ptwc:] = last_output[ptwc:, :, :case.head_dim]
-        impls._token_slice(lse_bits, case.lse_layout, ptwc, case.num_tokens)[...] = \
-            impls._token_slice(last_lse, case.lse_layout, ptwc, case.num_tokens)
+        impls.token_slice(lse_bits, case.lse_layout, ptwc, case.num_tokens)[...] = \
+            impls.token_slice(last_lse, case.lse_layout, ptwc, case.num_tokens)
     return {"merge.out": ref["out"], "merge.out_bits": out_bits, "merge.out_exact": out_exact,
             "merge.lse": ref["lse"], "merge.lse_bits": lse_bits, "merge.lse_exact": lse_exact, "merge.weights": w}
 
@@ -278,7 +278,7 @@ def export(out_dir: str, selected: list[cases_mod.Case], *, seed: int = 0, argv:
     manifest: dict[str, Any] = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "semantics_version": SEMANTICS_VERSION,
         "spec": SPEC_SECTIONS,
-        "generator": {k: v for k, v in impls.collect_env(argv).items()
+        "generator": {k: v for k, v in provenance.collect_env(argv).items()
                       if k in ("versions", "git_commit", "utc_time", "command")},
         "storage": ("numpy .npz (np.savez, uncompressed). Floats are stored as same-width unsigned integers "
                     "holding their bits (little-endian): reinterpret with .view(); bool as uint8; int32 as is."),
@@ -607,7 +607,7 @@ def verify_main(args) -> int:
     if args.json:
         from parity.harness import check
 
-        report = {"schema": "parity-golden-verify/1", "env": impls.collect_env(getattr(args, "argv", None)),
+        report = {"schema": "parity-golden-verify/1", "env": provenance.collect_env(getattr(args, "argv", None)),
                   "golden_dir": os.path.abspath(args.dir), "impl": impl, "outputs": args.outputs, "ok": ok,
                   "records": [{"case": r["case"], "op": r["op"], "ok": r["ok"], "error": r["error"],
                                "reports": {k: v.to_dict() for k, v in r["reports"].items()}} for r in rows]}

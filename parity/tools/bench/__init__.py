@@ -154,12 +154,12 @@ def run_bench(args) -> int:
     if mode != "smoke" and not has_cuda:
         log("error: `bench` measures on a CUDA GPU and none is visible; use --smoke to check the plumbing")
         return 2
-    from parity.harness import impls
+    from parity.harness import impls, provenance
 
     impls.configure()
     device = "cuda" if has_cuda else "cpu"
     runner = Runner(args, mode, device)
-    runner.doc["env"] = dict(impls.collect_env(argv), l2_bytes_assumed=L2_BYTES)
+    runner.doc["env"] = dict(provenance.collect_env(argv), l2_bytes_assumed=L2_BYTES)
     runner.save()
     try:
         runner.run()
