@@ -24,7 +24,7 @@ import numpy as np
 
 from parity.tools.chunked_prefill import (EMPTY_BEHAVIORS, PrefillBatch, attention_jax, attention_torch, bucket_size,
                                     cp_shard, make_batch, reference_prefill)
-from parity.tools.demo import CORRUPTING_BEHAVIOR, FRAMEWORKS, TOLERANCE, judge_row, verdict
+from parity.tools.demo.rows import CORRUPTING_BEHAVIOR, FRAMEWORKS, TOLERANCE, judge_row, verdict
 
 CP_PATHS = ("no_mask", "gather", "reduce_scatter")
 CP_FIXED = ("gather", "reduce_scatter")
