@@ -34,16 +34,23 @@ class TritonAdapter(Adapter):
         self.rt, self.torch, self.ti = rt, torch, triton_impl
 
     def bind_mask(self, lse, query_start_loc, cu_seq_lens, output=None, *, head_dim=None, lse_layout="HT",
-                  has_empty=None, donate=False, in_place=False):
+                  has_empty=None, donate=False, in_place=False, library_op=False):
+        """`in_place`: the mask writes `lse` / `output` themselves (no clones); `library_op`: through its
+        `torch.library` op, `torch.ops.mla_lse_merge.mask_empty_context_lse` (bare on a GPU: what a compiled
+        graph calls)."""
         if not in_place:
             lse = lse.clone()
             output = None if output is None else output.clone()
         view = None if output is None else output[..., :head_dim]
-
-        def call():
-            with np.errstate(all="ignore"):  # the interpreter evaluates with numpy: inf/NaN inputs are expected
-                self.ti.mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, view, has_empty=has_empty,
-                                               lse_layout=lse_layout)
+        if library_op:
+            op = functools.partial(self.torch.ops.mla_lse_merge.mask_empty_context_lse, lse, query_start_loc,
+                                   cu_seq_lens, view, has_empty=has_empty, lse_layout=lse_layout)
+            call = op if self.rt.on_gpu else _quiet(op)
+        else:
+            def call():
+                with np.errstate(all="ignore"):  # the interpreter evaluates with numpy: inf/NaN inputs are expected
+                    self.ti.mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, view, has_empty=has_empty,
+                                                   lse_layout=lse_layout)
 
         def results():
             self.rt.sync()

@@ -2,7 +2,7 @@
 
 Modules: `points` (the workload points and their byte formulas), `timers` (graph replay, do_bench, profiler,
 wall clock, JAX trace counting), `runner` (what is measured, through `parity.harness.impls`), `report` (the tables
-and the PNG, from the JSON only); this module holds `measure`, the run. The options, the output and the exit
+and the PNG, from the JSON only), `schedule` (the order of a run); this module holds `measure`, the run. The options, the output and the exit
 status are parity/cli.py's.
 
 What is measured, in this order:
@@ -74,6 +74,7 @@ from parity.tools.bench.points import (CEILING_ELEMS, FORMULAS, HEAD_DIMS, HOST_
                                  merge_points, parse_layout, rotation)
 from parity.tools.bench.report import format_table, plot_from_json, serving_rows  # noqa: E402
 from parity.tools.bench.records import SCHEMA, write_json  # noqa: E402
+from parity.tools.bench import schedule  # noqa: E402
 from parity.tools.bench.runner import Runner  # noqa: E402
 from parity.tools.bench.timers import (QUANTILES, TraceCounter, log, per_call_us, time_cudagraph,  # noqa: E402
                                  time_do_bench, time_jax_profiler)
@@ -96,7 +97,7 @@ def measure(options, mode: str, device: str, argv: list[str] | None = None) -> d
     runner.doc["env"] = dict(provenance.collect_env(argv), l2_bytes_assumed=L2_BYTES)
     runner.save()
     try:
-        runner.run()
+        schedule.run(runner)
     finally:
         runner.save()
     return runner.doc

@@ -3,7 +3,6 @@ only and with the output rows, through `parity.harness.impls`; their per-call ho
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import TYPE_CHECKING
 
@@ -92,8 +91,8 @@ def mask(runner: Runner, case: cases.Case, variant: str, lse_layout: str, idx: s
             results[impl] = (g, lat, eag)
             if impl == "triton" and runner.on_gpu:  # its torch.library op, like for like
                 qsl, cu = (torch.from_numpy(v).to(runner.device) for v in (qsl_np, cu_np))
-                op = functools.partial(torch.ops.mla_lse_merge.mask_empty_context_lse, lse, qsl, cu, out,
-                                       has_empty=True, lse_layout=lse_layout)
+                op = runner.adapter("triton").bind_mask(lse, qsl, cu, out, has_empty=True, in_place=True,
+                                                        library_op=True, lse_layout=lse_layout).call
                 add("triton-op", "eager", timers.time_do_bench(op))
                 add("triton-op", "latency", runner.latency(op, runner.sync, est), upstream=False)
             del bound

@@ -1,5 +1,6 @@
 """The benchmark's runner (`python -m parity bench`, parity/tools/bench/): the state of one run (options, timers by
-mode, the JSON document) and its driver; the points are `floors`, `mask_runs`, `merge_runs` and `retrace`'s.
+mode, the JSON document) and the points it measures (`work`); `floors`, `mask_runs`, `merge_runs` and `retrace`
+measure them and `schedule` runs them in order.
 Every op goes through `parity.harness.impls` (the one place that says how to run each implementation)."""
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import math
 import time
 
 from parity.harness import cases
-from parity.tools.bench import floors, mask_runs, merge_runs, retrace
 from parity.tools.bench import points as P
 from parity.tools.bench import timers
 from parity.tools.bench.records import SCHEMA, record, write_json
@@ -17,7 +17,7 @@ from parity.tools.bench.records import SCHEMA, record, write_json
 __all__ = ["SCHEMA", "Runner", "record", "write_json"]
 
 
-class _Budget(Exception):
+class BudgetSpent(Exception):
     pass
 
 
@@ -49,7 +49,7 @@ class Runner:
 
     def check_budget(self) -> None:
         if self.budget_s is not None and time.monotonic() - self.t_start > self.budget_s:
-            raise _Budget()
+            raise BudgetSpent()
 
     def adapter(self, impl: str):
         """The `parity.harness.impls` adapter of "triton" or "pallas" (how the harness runs each implementation)."""
@@ -138,7 +138,7 @@ class Runner:
                              f"{eag[0][1]:.1f} us")
         self.progress(f"[{idx}] {label}: " + ("; ".join(parts) if parts else "no result"))
 
-    # -- driver
+    # -- the points
     def work(self) -> list:
         """(kind, item, label) of every point this run measures, in order."""
         args = self.args
@@ -163,40 +163,3 @@ class Runner:
         if self.name_filter:
             work = [w for w in work if self.name_filter in w[2]]
         return work
-
-    def run(self) -> None:
-        work = self.work()
-        self.progress(f"bench mode={self.mode} device={self.device} impls={','.join(self.impls)}: "
-                      f"{len(work)} points" + (f", budget {self.budget_s:.0f} s" if self.budget_s else ""))
-        try:
-            floors.ceilings(self)
-        except Exception as e:  # noqa: BLE001 - fractions become null; the points still run
-            self.error("ceilings", "torch", e)
-            self.cleanup()
-        if "pallas" in self.impls and not getattr(self.args, "no_retrace", False):
-            retrace.retrace_check(self)
-        for i, (kind, item, label) in enumerate(work, 1):
-            idx = f"{i}/{len(work)}"
-            try:
-                self.check_budget()
-            except _Budget:
-                rest = [w[2] for w in work[i - 1:]]
-                self.doc["skipped"] += [{"point": r, "reason": "time budget"} for r in rest]
-                self.progress(f"[{idx}] time budget of {self.budget_s:.0f} s spent: skipping {len(rest)} points")
-                self.save()
-                break
-            if kind == "merge" and item.memory > P.MEMORY_CAP_BYTES:
-                self.doc["skipped"].append({"point": label, "reason": f"needs {item.memory / 1e9:.1f} GB > "
-                                                                       f"{P.MEMORY_CAP_BYTES / 1e9:.0f} GB"})
-                self.progress(f"[{idx}] {label}: skipped (needs {item.memory / 1e9:.1f} GB)")
-                continue
-            try:
-                if kind == "mask":
-                    mask_runs.mask(self, *item, idx)
-                else:
-                    merge_runs.merge(self, item, idx)
-            except Exception as e:  # noqa: BLE001 - setup failure (e.g. out of memory): next point
-                self.error(label, "setup", e)
-                self.cleanup()
-        self.doc["elapsed_s"] = round(time.monotonic() - self.t_start, 1)
-        self.save()
