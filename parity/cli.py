@@ -6,12 +6,15 @@ Progress goes to stderr, tables to stdout, machine-readable output only to JSON 
 The run mode is fixed here (`parity.harness.impls.configure`), before anything imports `triton_impl`: without CUDA,
 Triton kernels run in its interpreter (`TRITON_INTERPRET=1` is read when the kernels are imported) and Pallas
 kernels in interpret mode; `XLA_PYTHON_CLIENT_PREALLOCATE=false` lets torch and JAX share a GPU.
-Each subcommand imports its module inside its handler, so the others work when one is missing.
+Each subcommand is one handler `_<command>(args) -> exit status` and one parser block in `build_parser`; the
+handler holds the command's printing and exit status and calls its module's library functions (run a check and
+return records, export, verify, measure...), imported inside the handler, so the others work when one is missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -19,22 +22,65 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 SUITES = ("ci", "default", "full", "seed")
 
 
+def _write_json(path: str, report: dict) -> None:
+    from parity.library.crosscheck import jsonable
+
+    with open(path, "w") as f:
+        json.dump(jsonable(report), f, indent=1)
+        f.write("\n")
+
+
 def _check(args) -> int:
+    """`python -m parity check`: 0 every record ok, 1 parity failure, 2 no case selected."""
     from parity.harness import check
 
-    return check.main(args)
+    if not check.select(args.suite, args.name_filter, args.shard):
+        print(f"error: no case in suite {args.suite!r} matches -k {args.name_filter!r}"
+              + (f" in shard {args.shard[0]}/{args.shard[1]}" if args.shard else ""), file=sys.stderr)
+        return EXIT_USAGE
+    rt, records = check.run_check(suite=args.suite, name_filter=args.name_filter, seed=args.seed, shard=args.shard,
+                                  progress=None if args.quiet else sys.stderr)
+    print(check.format_table(records))
+    ok = all(r.ok for r in records)
+    print(f"{rt.mode}: {sum(r.ok for r in records)}/{len(records)} ok" + ("" if ok else " -- PARITY FAILURE"))
+    if args.json:
+        _write_json(args.json, check.build_report(rt, records, suite=args.suite, name_filter=args.name_filter,
+                                                  seed=args.seed, argv=args.argv, shard=args.shard))
+    return EXIT_OK if ok else EXIT_FAIL
 
 
 def _export(args) -> int:
-    from parity.harness import golden
+    """`python -m parity export`: 0 written, 2 no case selected."""
+    from parity.harness import cases, golden
 
-    return golden.export_main(args)
+    selected = cases.select(args.suite, args.name_filter, kind="all")
+    if not selected:
+        print(f"error: no case in suite {args.suite!r} matches -k {args.name_filter!r}", file=sys.stderr)
+        return EXIT_USAGE
+    manifest = golden.export(args.dir, selected, seed=args.seed, argv=args.argv,
+                             progress=None if args.quiet else sys.stderr)
+    print(f"wrote {len(manifest['cases'])} cases and {golden.MANIFEST} to {args.dir}")
+    return EXIT_OK
 
 
 def _verify(args) -> int:
+    """`python -m parity verify`: 0 every case ok; 1 a failure, or a folder, file or callable that cannot be used
+    (one line naming it)."""
     from parity.harness import golden
+    from parity.library.loading import LoadError
 
-    return golden.verify_main(args)
+    impl = args.impl or "outputs"
+    try:
+        rows, ok = golden.verify(args.dir, args.impl, outputs_dir=args.outputs, name_filter=args.name_filter,
+                                 progress=None if args.quiet else sys.stderr)
+    except (golden.GoldenError, LoadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    print(golden.format_rows(rows, impl))
+    if args.json:
+        _write_json(args.json, golden.build_report(rows, ok, golden_dir=args.dir, impl=impl, outputs_dir=args.outputs,
+                                                   argv=args.argv))
+    return EXIT_OK if ok else EXIT_FAIL
 
 
 def _cross(args) -> int:
@@ -63,12 +109,42 @@ def _cross(args) -> int:
 
 
 def _bench(args) -> int:
+    """`python -m parity bench`: 0 ok, 1 a point or check failed (errors in the JSON), 2 usage error."""
     if getattr(args, "_bench_import_error", None) is not None:
         print(f"error: `bench` is unavailable: {args._bench_import_error}", file=sys.stderr)
         return EXIT_USAGE
     from parity.tools import bench
 
-    return int(bench.run_bench(args))
+    if args.replot:
+        with open(args.replot) as f:
+            print(bench.format_table(json.load(f)))
+        if args.plot:
+            bench.plot_from_json(args.replot, args.plot)
+        return EXIT_OK
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    try:
+        import torch
+    except ImportError as e:
+        print(f"error: bench needs torch: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    has_cuda = torch.cuda.is_available()
+    if mode != "smoke" and not has_cuda:
+        print("error: `bench` measures on a CUDA GPU and none is visible; use --smoke to check the plumbing",
+              file=sys.stderr)
+        return EXIT_USAGE
+    doc = bench.measure(args, mode, "cuda" if has_cuda else "cpu", argv=args.argv)
+    print(bench.format_table(doc), flush=True)
+    if args.plot:  # the PNG is drawn from the JSON only: a temporary one without --json
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = args.json or os.path.join(tmp, "bench.json")
+            if not args.json:
+                bench.write_json(doc, path)
+            bench.plot_from_json(path, args.plot)
+        if not args.quiet:
+            print(f"plot written to {args.plot}", file=sys.stderr)
+    return EXIT_FAIL if doc["errors"] else EXIT_OK
 
 
 def _demo(args) -> int:
@@ -158,6 +234,53 @@ def _impl_arg(value: str) -> str:
                                      "MODULE:FUNCTION / PATH.py:FUNCTION)")
 
 
+def _layout_arg(value: str) -> str:
+    from parity.tools.bench import points
+
+    try:
+        points.parse_layout(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `bench` (parity/tools/bench/; imported only when `bench` is the command)."""
+    from parity.tools.bench import points
+
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help="subset: merge T in {2K, 32K, 131K}, H=64, D=128, bf16 (all variants); mask as full; "
+                           "layouts HT/e and TH/2 at D=128 and 512 (2-way lse; N-way lse, contiguous and gather)")
+    size.add_argument("--smoke", action="store_true",
+                      help="tiny shapes, 1-2 reps, runs on CPU (interpreters): checks the plumbing, no claims")
+    p.add_argument("--json", metavar="FILE", default=None,
+                   help="write the records to FILE (rewritten after every point)")
+    p.add_argument("--plot", metavar="FILE", default=None, help="draw a PNG from the JSON to FILE")
+    p.add_argument("--replot", metavar="JSON", default=None,
+                   help="measure nothing: print the table of an existing JSON (and --plot it)")
+    p.add_argument("--impl", choices=("both", "triton", "pallas"), default="both")
+    p.add_argument("--only", choices=("mask", "merge", "layouts"), default=None,
+                   help="one op only, or the layout section only (ceilings always run)")
+    p.add_argument("--tokens", type=int, nargs="+", default=None, metavar="T", help="merge points with these T only")
+    p.add_argument("--layouts", type=_layout_arg, nargs="+", default=None, metavar="L",
+                   help=f"layout section: LSE layout/base of {', '.join(points.LAYOUTS)} (default per mode)")
+    p.add_argument("--head-dims", type=int, nargs="+", default=None, metavar="D",
+                   help=f"layout section: head sizes (full: {' '.join(map(str, points.HEAD_DIMS))})")
+    p.add_argument("--views", choices=points.VIEWS, nargs="+", default=None,
+                   help="layout section: N-way partials contiguous [N, T, H, D] and/or the [T, N, H, D] "
+                        "all-gather view (Triton only)")
+    p.add_argument("-k", dest="name_filter", metavar="SUBSTR", default=None,
+                   help="only points whose label contains SUBSTR (e.g. 'merge T=32768', 'bfloat16 fused', "
+                        "'TH/2', 'gather')")
+    p.add_argument("--budget-s", type=float, default=None, metavar="S",
+                   help="stop starting new points after S seconds (the JSON and plot are still written)")
+    p.add_argument("--jax-timer", choices=("profiler", "dispatch"), default="profiler",
+                   help="JAX gpu_time: profiler kernel time (default) or the labelled dispatch loop")
+    p.add_argument("--no-retrace", action="store_true", help="skip the JAX re-trace check")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
 def _cp_ranks(argv: list[str]) -> int:
     """The N of `demo --cp N` (0 otherwise), read before JAX starts (it fixes its CPU device count then)."""
     if argv[:1] != ["demo"]:
@@ -231,9 +354,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=_bench, _bench_import_error=None)
     if argv is not None and argv[:1] == ["bench"]:
         try:
-            from parity.tools import bench
-
-            bench.add_bench_arguments(p)
+            add_bench_arguments(p)
             _add_pallas_backend(p)
         except ImportError as e:
             p.set_defaults(_bench_import_error=e)

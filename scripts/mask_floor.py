@@ -11,8 +11,8 @@ contiguous buffer (`parity.tools.bench.mask_bytes`; CUDA-graph replay), and prin
 Candidates (docs/design.md, "Mask grid"): `--zero-split S` and `--lse-split S` fix the programs per 128-token
 block of that variant (`MASK_*_SPLIT = S`, no program target); `--targets N` keeps the caps and grows the split
 until the grid holds N programs (`MASK_TARGET_PROGRAMS`); `--warps W` sets `MASK_NUM_WARPS`. Every candidate is
-set in both frameworks' `_common` at once. The committed constants run first ("committed"). About 2 minutes
-on an H200 with the defaults; `--budget-s` starts no new candidate after that many seconds.
+set in both frameworks' `_common` at once. The committed constants run first ("committed");
+`--budget-s` starts no new candidate after that many seconds.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """GPU time of the Mosaic GPU kernels of pallas_impl beside the Pallas Triton backend's, and a sweep of the Mosaic GPU
-launch choices (`pallas_impl.mosaic._common.TUNING`), in one process on one GPU (jax >= 0.11; ~2 min on an H200).
+launch choices (`pallas_impl.mosaic._common.TUNING`), in one process on one GPU (jax >= 0.11).
 
     python scripts/mosaic_speed.py [--json OUT.json] [--budget-s 140] [--no-sweep]
 
@@ -44,7 +44,7 @@ CANDIDATES = {
             + [dict(heads=k, tokens=8, offsets_in_smem=True) for k in (4, 16)],
     "mask_lse": [dict(mc.TUNING["mask_lse"]), dict(heads=16, offsets_in_smem=False)]
                 + [dict(heads=k, offsets_in_smem=True) for k in (8, 32)],
-    # (Candidates well behind in the sweeps of sessions 6 and 7 are dropped: docs/results.md.)
+    # (Candidates well behind in the committed sweeps are left out: docs/results.md.)
     "merge": [dict(mc.TUNING["merge"]),
               dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2),
               dict(steps=16, concurrent=2, tile_bytes=32 * 1024, stores=2),

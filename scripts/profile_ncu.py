@@ -1,5 +1,5 @@
 r"""Hardware counters of the kernels that miss their targets, beside the ones that meet them: one call of each,
-captured by Nsight Compute (issue 19 item 4, issue 20: the experiment behind the fused-merge and mask limits).
+captured by Nsight Compute (the experiment behind the fused-merge and mask limits, docs/design.md).
 
     ncu --profile-from-start off --clock-control none --csv --page details \
         --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
@@ -11,7 +11,7 @@ captured by Nsight Compute (issue 19 item 4, issue 20: the experiment behind the
 Every point is compiled and run once first (outside the capture); then, between cudaProfilerStart and
 cudaProfilerStop, each point runs once, in the order of `POINTS`, with a synchronisation after it, so the
 n-th captured kernel is the n-th point (the summary sets XLA's fusions around a call apart and prints the kernel
-names, so a mismatch shows). docs/results.md, session 6, has a captured run.
+names, so a mismatch shows). docs/results.md has a captured run.
 bf16, H = 64, D = 128, LSE [H, T] natural log; fused batches as the bench's (`MergePoint.fused_case`).
 """
 

@@ -1,9 +1,9 @@
 """Compile the fused merges (2-way and N-way, fused mask and output LSE) of both frameworks to sm_90 PTX offline
 and count what differs: memory instructions by width, barriers, shared-memory traffic, branches, labels.
 
-    python scripts/ptx_fused.py [OUT_DIR]        # about 30 s on a CPU; no GPU needed
+    python scripts/ptx_fused.py [OUT_DIR]        # on a CPU; no GPU needed
 
-The experiment behind issue #19 item 4 (the Pallas fused merges 1.11-1.15x Triton's fused time on the H200).
+The experiment behind the Pallas fused merges' gap to Triton's fused time on the H200 (docs/results.md).
 Same method and caveat as `scripts/ptx_offline.py` (its helpers): the Pallas kernel is its Triton IR through
 *this* Triton, not XLA's bundled one, so it shows what the lowering asks for, not XLA's final code. Shape:
 T = 32768, H = 64, D = 128 bf16, R = 256, [H, T] LSEs, N = 4 partials; each framework's own tiles.

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from parity import cli
 from parity.harness import cases
 from parity.tools import bench
 
@@ -22,18 +23,22 @@ ENV_FIELDS = ("gpu", "driver", "cuda", "versions", "devices", "git_commit", "utc
 
 def _parse(argv):
     parser = argparse.ArgumentParser()
-    bench.add_bench_arguments(parser)
+    cli.add_bench_arguments(parser)
     args = parser.parse_args(argv)
     args.argv = ["bench", *argv]
     return args
+
+
+def _run_bench(argv):
+    """`python -m parity bench ARGV` (parity/cli.py): its exit status."""
+    return cli.main(["bench", *argv])
 
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     json_path, png_path = out / "bench.json", out / "bench.png"
-    args = _parse(["--smoke", "--quiet", "--json", str(json_path), "--plot", str(png_path)])
-    rc = bench.run_bench(args)
+    rc = _run_bench(["--smoke", "--quiet", "--json", str(json_path), "--plot", str(png_path)])
     return rc, json_path, png_path
 
 
@@ -139,7 +144,7 @@ def test_trace_counter_counts_retraces():
 def test_table_and_replot_from_json(smoke_run, tmp_path, capsys):
     _, json_path, _ = smoke_run
     png = tmp_path / "again.png"
-    assert bench.run_bench(_parse(["--replot", str(json_path), "--plot", str(png)])) == 0
+    assert _run_bench(["--replot", str(json_path), "--plot", str(png)]) == 0
     table = capsys.readouterr().out
     assert "merge" in table and "two-read-one-write" in table and "p50 us" in table
     assert "what a serving step pays" in table and "eager/gpu" in table and "host/fl" in table
@@ -216,8 +221,6 @@ def test_per_call_grouping_of_profiler_events():
 
 
 def test_cli_wires_bench_options():
-    from parity import cli
-
     argv = ["bench", "--quick", "--json", "x.json", "-k", "fused"]
     args = cli.build_parser(argv).parse_args(argv)
     assert args.quick and args.json == "x.json" and args.name_filter == "fused"
@@ -229,7 +232,7 @@ def test_full_mode_without_cuda_is_a_usage_error():
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: the full run is legitimate")
-    assert bench.run_bench(_parse([])) == 2
+    assert _run_bench([]) == 2
 
 
 def test_layout_points():

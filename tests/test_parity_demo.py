@@ -406,7 +406,7 @@ def test_demo_real_backend_xla_cpu():
 
 
 def test_demo_gpu_backends_refuse_cpu():
-    if demo._default_torch_device(None) == "cuda":
+    if demo.default_torch_device(None) == "cuda":
         pytest.skip("a CUDA GPU is present: the GPU test runs the backend")
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         demo.run_demo(backend="torch-flash")

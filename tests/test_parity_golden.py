@@ -205,7 +205,7 @@ def test_numpy_only_rule_of_the_docs(golden_dir):
         for op in entry["ops"]:
             if op == "mask":
                 continue
-            got = golden._Runner("reference").run(case, a, op)
+            got = golden.Runner("reference").run(case, a, op)
             out, lse = got["out"], got["lse"]
             assert _numpy_only_failures(entry, a, out, lse, manifest["tolerances"]) == 0
         # Planted errors: one tolerance element 50% off, one exact element (an LSE copy or -inf) changed.
@@ -215,3 +215,39 @@ def test_numpy_only_rule_of_the_docs(golden_dir):
         bad_lse = np.array(lse, copy=True)
         bad_lse[np.argwhere(a["merge.lse_exact"])[0][0], np.argwhere(a["merge.lse_exact"])[0][1]] = 0.5
         assert _numpy_only_failures(entry, a, bad_out, bad_lse, manifest["tolerances"]) == 2
+
+
+def _verify_one_line_error(golden_dir, capsys):
+    """`verify` on a broken folder: exit 1 and the problem in one line, no traceback."""
+    rc = cli.main(["verify", str(golden_dir), "--impl", "reference", "--quiet"])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_corrupt_manifest_is_one_line_error(golden_dir, tmp_path, capsys):
+    bad = tmp_path / "corrupt_manifest"
+    shutil.copytree(golden_dir, bad)
+    text = (bad / golden.MANIFEST).read_text()
+    (bad / golden.MANIFEST).write_text(text[: len(text) // 2])  # truncated JSON
+    rc, out, err = _verify_one_line_error(bad, capsys)
+    assert rc == 1 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err
+    assert str(bad / golden.MANIFEST) in lines[0] and "not valid JSON" in lines[0]
+
+
+def test_truncated_npz_is_one_line_error(golden_dir, tmp_path, capsys):
+    bad = tmp_path / "truncated_npz"
+    shutil.copytree(golden_dir, bad)
+    entry = json.loads((bad / golden.MANIFEST).read_text())["cases"][0]
+    path = bad / entry["file"]
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # the zip's central directory is gone
+    rc, out, err = _verify_one_line_error(bad, capsys)
+    assert rc == 1 and "Traceback" not in out + err
+    named = [line for line in (out + err).splitlines() if str(path) in line]
+    assert len(named) == 1 and "not a readable .npz" in named[0], out + err
+    # No false pass: every op of the truncated case fails, the other cases still verify.
+    rows = [line for line in out.splitlines() if line.startswith(entry["name"] + " ")]
+    assert rows and all(line.rstrip().endswith("ERROR") for line in rows)
+    assert cli.main(["verify", str(bad), "--impl", "reference", "--quiet", "-k", CASES[1]]) == 0

@@ -1,4 +1,5 @@
-"""`python -m parity check`: run every implementation on a suite of `parity.harness.cases` and compare them.
+"""The parity check (`python -m parity check`): run every implementation on a suite of `parity.harness.cases` and
+compare them.
 
 For every case the numpy inputs (`cases.make_inputs` / `make_inputs_n`) are uploaded once to torch and
 shared with JAX over DLPack (`parity.library.bridge.share_inputs`, zero-copy). Every implementation runs through
@@ -11,18 +12,15 @@ shared with JAX over DLPack (`parity.library.bridge.share_inputs`, zero-copy). E
   -inf) and `merge_n_fused` (the raw partials with each partial's KV offsets). At N = 2 both must also give
   the bits of the 2-way kernels on the same partials.
 
-Each result is compared bit for bit between implementations (`parity.library.compare.compare_bits`: Triton vs Pallas,
-Pallas vs jnp) and with the float64 reference (`parity.library.compare.compare_to_reference`): exactly where the
-result is a bit copy (`parity.harness.expected.exact_masks`), within tolerance elsewhere, measured against
-`parity.harness.expected.magnitude`. Which comparisons are required depends on the mode (docs/spec.md 5): `RULES`.
+Each result is compared, through `parity.library.crosscheck.compare_results`, bit for bit between implementations
+(Triton vs Pallas, Pallas vs jnp) and with the float64 reference: exactly where the result is a bit copy
+(`parity.harness.expected.exact_masks`), within tolerance elsewhere, measured against
+`parity.harness.expected.magnitude`. Which comparisons are required depends on the mode (docs/spec.md 5):
+`RULES`; the records, the table and the JSON report are `parity.harness.check_report`'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
-import sys
 import time
 from typing import Any
 
@@ -30,171 +28,11 @@ import numpy as np
 
 from parity.harness import cases as cases_mod
 from parity.harness import expected, impls
-from parity.library.crosscheck import jsonable
+from parity.harness.check_report import (KINDS, N2_KINDS, PAIRS, RULES, SCHEMA, OpRecord, build_report,
+                                         dtype_label, format_table)
 
-SCHEMA = "parity-check/2"
-KINDS = ("triton_vs_pallas", "pallas_vs_jnp", "triton_vs_reference", "pallas_vs_reference", "jnp_vs_reference")
-N2_KINDS = ("triton_n2_vs_2way", "pallas_n2_vs_2way")  # N = 2 records only
-PAIRS = (("triton", "pallas"), ("pallas", "jnp"))
-
-RULES = {
-    "gpu-bitwise": (
-        "GPU, compiled: Triton, Pallas and jnp (XLA) must agree bit for bit (0 differing bits) on every output "
-        "of every operation, and at N = 2 the N-way kernels must give the 2-way kernels' bits (docs/spec.md 5, 8); "
-        "each must also match the float64 reference, bit for bit where the result is a copy and within the "
-        "stated tolerance elsewhere."),
-    "cpu-interpreters": (
-        "CPU, Triton interpreter, Pallas interpret mode and jnp on XLA:CPU: the mask must agree bit for bit "
-        "between all three; for the merges the differing bits between implementations are reported but not "
-        "required, because the interpreters' float math differs (XLA:CPU contracts FMAs and has its own "
-        "exp/log, docs/spec.md 5); each implementation must match the float64 reference, bit for bit where "
-        "the result is a copy and within the stated tolerance elsewhere."),
-}
-
-
-def _kinds(case: cases_mod.Case) -> tuple[str, ...]:
-    return KINDS + (N2_KINDS if case.partials == 2 else ())
-
-
-def _required(mode: str, op: str, case: cases_mod.Case) -> tuple[str, ...]:
-    if mode == "gpu-bitwise" or op == "mask":
-        return _kinds(case)
-    return ("triton_vs_reference", "pallas_vs_reference", "jnp_vs_reference")
-
-
-def dtype_label(case: cases_mod.Case) -> str:
-    short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "fp8"}
-    label = short[case.dtype]
-    return label if case.out_dtype is None else f"{label}->{short[case.out_dtype]}"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Records
-
-
-@dataclasses.dataclass
-class OpRecord:
-    """The comparisons of one operation of one case."""
-
-    case: cases_mod.Case
-    op: str  # one of impls.OPS
-    mode: str
-    comparisons: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # kind -> array -> Report
-    error: str | None = None
-    elapsed_s: float = 0.0
-
-    @property
-    def required(self) -> tuple[str, ...]:
-        return _required(self.mode, self.op, self.case)
-
-    @property
-    def ok(self) -> bool:
-        if self.error is not None:
-            return False
-        for kind in self.required:
-            if not self.comparisons.get(kind):
-                return False
-            if not all(r.ok for r in self.comparisons[kind].values()):
-                return False
-        return True
-
-    @property
-    def status(self) -> str:
-        return "ERROR" if self.error is not None else ("ok" if self.ok else "FAIL")
-
-    def add(self, kind: str, report) -> None:
-        self.comparisons.setdefault(kind, {})[str(report.name)] = report
-
-    def to_dict(self) -> dict[str, Any]:
-        c = self.case
-        return {
-            "case": c.name, "op": self.op, "partials": c.partials or None, "dtype": c.dtype,
-            "out_dtype": c.out_dtype or c.dtype, "num_tokens": c.num_tokens, "num_heads": c.num_heads,
-            "head_dim": c.head_dim, "num_requests": c.num_requests, "lse_layout": c.lse_layout,
-            "lse_base": "2" if c.lse_base == 2 else "e", "head_pad": c.head_pad,
-            "prefill_tokens_with_context": c.prefill_tokens_with_context,
-            "status": self.status.lower(), "ok": self.ok, "error": self.error,
-            "required": list(self.required),
-            "comparisons": {k: {n: r.to_dict() for n, r in v.items()} for k, v in self.comparisons.items()},
-            "elapsed_s": round(self.elapsed_s, 3),
-        }
-
-
-def _sum_diff(reports) -> int:
-    return int(sum(int(r.n_diff) for r in reports))
-
-
-def _max_ulp(reports):
-    vals = [r.max_ulp for r in reports if r.max_ulp is not None]
-    if not vals:
-        return None
-    return max(float(v) for v in vals)
-
-
-def _fmt_ulp(v) -> str:
-    if v is None:
-        return "-"
-    if math.isinf(v):
-        return "inf"
-    return f"{v:.0f}" if float(v).is_integer() else f"{v:.3g}"
-
-
-def _fmt_vs_ref(rec: OpRecord, kind: str) -> str:
-    """`ok (exact)` for bit comparisons; `ok (err/tol 0.41)`: the largest error as a fraction of the tolerance."""
-    reports = list(rec.comparisons.get(kind, {}).values())
-    if not reports:
-        return "-"
-    if not all(r.ok for r in reports):
-        return f"FAIL ({_sum_diff(r for r in reports if not r.ok)} bad)"
-    ratios = [r.max_err_ratio for r in reports if getattr(r, "max_err_ratio", None) is not None]
-    return f"ok (err/tol {max(ratios):.2f})" if ratios else "ok (exact)"
-
-
-def _fmt_bits(rec: OpRecord, kinds) -> tuple[str, bool]:
-    """Differing bits summed over `kinds` ("-" when none ran), and whether a '*' (not required) applies."""
-    reps = [r for k in kinds for r in rec.comparisons.get(k, {}).values()]
-    if not reps:
-        return "-", False
-    star = not all(k in rec.required for k in kinds if k in rec.comparisons)
-    return str(_sum_diff(reps)) + ("*" if star else ""), star
-
-
-def format_table(records: list[OpRecord]) -> str:
-    head = ("case", "op", "N", "dtype", "D", "tri-vs-pal bits", "pal-vs-jnp bits", "N=2 vs 2-way", "max ulp",
-            "triton-vs-ref", "pallas-vs-ref", "jnp-vs-ref", "status")
-    rows = [head]
-    footnote = False
-    for rec in records:
-        cells = []
-        for kinds in (("triton_vs_pallas",), ("pallas_vs_jnp",), N2_KINDS):
-            text, star = _fmt_bits(rec, kinds)
-            cells.append(text)
-            footnote |= star
-        tp = list(rec.comparisons.get("triton_vs_pallas", {}).values())
-        rows.append((rec.case.name, rec.op, str(rec.case.partials or 2), dtype_label(rec.case),
-                     str(rec.case.head_dim), *cells, _fmt_ulp(_max_ulp(tp)) if tp else "-",
-                     _fmt_vs_ref(rec, "triton_vs_reference"), _fmt_vs_ref(rec, "pallas_vs_reference"),
-                     _fmt_vs_ref(rec, "jnp_vs_reference"), rec.status))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    right = {2, 4, 5, 6, 7, 8}
-    lines = []
-    for n, row in enumerate(rows):
-        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
-        lines.append("  ".join(cells).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    if footnote:
-        lines.append("* reported, not required: the CPU interpreters' float math differs (docs/spec.md 5)")
-    for rec in records:
-        if rec.error is not None:
-            lines.append(f"{rec.case.name} {rec.op}: error: {rec.error}")
-        elif not rec.ok:
-            for kind in rec.required:
-                for r in rec.comparisons.get(kind, {}).values():
-                    if not r.ok:
-                        lines.append(f"{rec.case.name} {rec.op} {kind}:")
-                        lines.append("  " + r.format().replace("\n", "\n  "))
-    return "\n".join(lines)
+__all__ = ["KINDS", "N2_KINDS", "PAIRS", "RULES", "SCHEMA", "OpRecord", "build_report", "count_ops", "dtype_label",
+           "format_table", "run_case", "run_check", "select"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -366,7 +204,7 @@ def _n2_vs_two_way(rt, rec, judge, case, op, arrays, results) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The command
+# The run
 
 
 def count_ops(selected) -> int:
@@ -379,8 +217,9 @@ def select(suite: str, name_filter: str | None, shard: tuple[int, int] | None = 
     return selected if shard is None else selected[shard[0]::shard[1]]
 
 
-def run_check(*, suite: str, name_filter: str | None, seed: int, quiet: bool = False, shard=None,
+def run_check(*, suite: str, name_filter: str | None, seed: int, shard=None,
               progress=None) -> tuple[impls.Runtime, list[OpRecord]]:
+    """Run the selected cases; a line per finished record goes to `progress` (a stream) unless it is None."""
     selected = select(suite, name_filter, shard)
     rt = impls.make_runtime()
     total = count_ops(selected)
@@ -388,54 +227,10 @@ def run_check(*, suite: str, name_filter: str | None, seed: int, quiet: bool = F
 
     def on_record(rec: OpRecord) -> None:
         records.append(rec)
-        if not quiet:
-            line = (f"[{len(records)}/{total}] {rec.case.name} {rec.op} {dtype_label(rec.case)} "
-                    f"D={rec.case.head_dim} {rec.status} ({rec.elapsed_s:.1f}s)")
-            print(line, file=progress or sys.stderr, flush=True)
+        if progress is not None:
+            print(f"[{len(records)}/{total}] {rec.case.name} {rec.op} {dtype_label(rec.case)} "
+                  f"D={rec.case.head_dim} {rec.status} ({rec.elapsed_s:.1f}s)", file=progress, flush=True)
 
     for case in selected:
         run_case(rt, case, seed, on_record)
     return rt, records
-
-
-def build_report(rt: impls.Runtime, records: list[OpRecord], *, suite: str, name_filter, seed: int,
-                 argv: list[str] | None, shard: tuple[int, int] | None = None) -> dict[str, Any]:
-    from parity.library import compare
-
-    n_fail = sum(not r.ok for r in records)
-    return {
-        "schema": SCHEMA,
-        "env": impls.collect_env(argv),
-        "mode": rt.mode,
-        "rule": RULES[rt.mode],
-        "tolerances": {k: v.describe() for k, v in compare.TOLERANCES.items()},
-        "suite": suite,
-        "filter": name_filter,
-        "shard": None if shard is None else f"{shard[0]}/{shard[1]}",
-        "seed": seed,
-        "summary": {"records": len(records), "failed": n_fail, "ok": n_fail == 0,
-                    "cases": len({r.case.name for r in records})},
-        "records": [r.to_dict() for r in records],
-    }
-
-
-def main(args) -> int:
-    """Handler of `python -m parity check` (args from parity.cli)."""
-    shard = getattr(args, "shard", None)
-    selected = select(args.suite, args.name_filter, shard)
-    if not selected:
-        print(f"error: no case in suite {args.suite!r} matches -k {args.name_filter!r}"
-              + (f" in shard {shard[0]}/{shard[1]}" if shard else ""), file=sys.stderr)
-        return 2
-    rt, records = run_check(suite=args.suite, name_filter=args.name_filter, seed=args.seed, quiet=args.quiet,
-                            shard=shard)
-    print(format_table(records))
-    ok = all(r.ok for r in records)
-    print(f"{rt.mode}: {sum(r.ok for r in records)}/{len(records)} ok" + ("" if ok else " -- PARITY FAILURE"))
-    if args.json:
-        report = build_report(rt, records, suite=args.suite, name_filter=args.name_filter, seed=args.seed,
-                              argv=getattr(args, "argv", None), shard=shard)
-        with open(args.json, "w") as f:
-            json.dump(jsonable(report), f, indent=1)
-            f.write("\n")
-    return 0 if ok else 1

@@ -25,7 +25,7 @@ import numpy as np
 from parity.tools.chunked_prefill.attention import EMPTY_BEHAVIORS, attention_jax, attention_torch, bucket_size
 from parity.tools.chunked_prefill.planner import cp_shard
 from parity.tools.chunked_prefill.reference import PrefillBatch, make_batch, reference_prefill
-from parity.tools.demo import CORRUPTING_BEHAVIOR, FRAMEWORKS, TOLERANCE, judge_row, verdict
+from parity.tools.demo.rows import CORRUPTING_BEHAVIOR, FRAMEWORKS, TOLERANCE, judge_row, verdict
 
 CP_PATHS = ("no_mask", "gather", "reduce_scatter")
 CP_FIXED = ("gather", "reduce_scatter")

@@ -2,7 +2,8 @@
 
 Modules: `points` (the workload points and their byte formulas), `timers` (graph replay, do_bench, profiler,
 wall clock, JAX trace counting), `runner` (what is measured, through `parity.harness.impls`), `report` (the tables
-and the PNG, from the JSON only); this module holds the command line.
+and the PNG, from the JSON only), `schedule` (the order of a run); this module holds `measure`, the run. The options, the output and the exit
+status are parity/cli.py's.
 
 What is measured, in this order:
 
@@ -63,10 +64,7 @@ lse_layout, lse_base, partials_view, ...}], "retrace": [{op, impl, first_batch, 
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
-import tempfile
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU (docs/spec.md 6)
 
@@ -75,120 +73,31 @@ from parity.tools.bench.points import (CEILING_ELEMS, FORMULAS, HEAD_DIMS, HOST_
                                  VIEWS, MergePoint, layout_points, mask_bytes, mask_cases, masked_tokens,
                                  merge_points, parse_layout, rotation)
 from parity.tools.bench.report import format_table, plot_from_json, serving_rows  # noqa: E402
-from parity.tools.bench.runner import SCHEMA, Runner, write_json  # noqa: E402
+from parity.tools.bench.records import SCHEMA, write_json  # noqa: E402
+from parity.tools.bench import schedule  # noqa: E402
+from parity.tools.bench.runner import Runner  # noqa: E402
 from parity.tools.bench.timers import (QUANTILES, TraceCounter, log, per_call_us, time_cudagraph,  # noqa: E402
                                  time_do_bench, time_jax_profiler)
 
 __all__ = ["CEILING_ELEMS", "FORMULAS", "HEAD_DIMS", "HOST_T", "L2_BYTES", "LAYOUTS", "MASK_VARIANTS",
            "MEMORY_CAP_BYTES", "MERGE_VARIANTS", "N_WAY_VARIANTS", "QUANTILES", "SCHEMA", "UPSTREAM", "VIEWS",
-           "MergePoint", "Runner", "TraceCounter", "add_bench_arguments", "format_table", "layout_points",
-           "main", "mask_bytes", "mask_cases", "masked_tokens", "merge_points", "parse_layout", "per_call_us",
-           "plot_from_json", "rotation", "run_bench", "serving_rows", "time_cudagraph", "time_do_bench",
-           "time_jax_profiler"]
+           "MergePoint", "Runner", "TraceCounter", "format_table", "layout_points", "log", "mask_bytes",
+           "mask_cases", "masked_tokens", "measure", "merge_points", "parse_layout", "per_call_us", "plot_from_json",
+           "rotation", "serving_rows", "time_cudagraph", "time_do_bench", "time_jax_profiler", "write_json"]
 
 
-def _layout_arg(s: str) -> str:
-    try:
-        parse_layout(s)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return s
-
-
-def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of `python -m parity bench` (added to the `bench` subparser by parity/cli.py)."""
-    size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true",
-                      help="subset: merge T in {2K, 32K, 131K}, H=64, D=128, bf16 (all variants); mask as full; "
-                           "layouts HT/e and TH/2 at D=128 and 512 (2-way lse; N-way lse, contiguous and gather)")
-    size.add_argument("--smoke", action="store_true",
-                      help="tiny shapes, 1-2 reps, runs on CPU (interpreters): checks the plumbing, no claims")
-    parser.add_argument("--json", metavar="FILE", default=None,
-                        help="write the records to FILE (rewritten after every point)")
-    parser.add_argument("--plot", metavar="FILE", default=None, help="draw a PNG from the JSON to FILE")
-    parser.add_argument("--replot", metavar="JSON", default=None,
-                        help="measure nothing: print the table of an existing JSON (and --plot it)")
-    parser.add_argument("--impl", choices=("both", "triton", "pallas"), default="both")
-    parser.add_argument("--only", choices=("mask", "merge", "layouts"), default=None,
-                        help="one op only, or the layout section only (ceilings always run)")
-    parser.add_argument("--tokens", type=int, nargs="+", default=None, metavar="T",
-                        help="merge points with these T only")
-    parser.add_argument("--layouts", type=_layout_arg, nargs="+", default=None, metavar="L",
-                        help=f"layout section: LSE layout/base of {', '.join(LAYOUTS)} (default per mode)")
-    parser.add_argument("--head-dims", type=int, nargs="+", default=None, metavar="D",
-                        help=f"layout section: head sizes (full: {' '.join(map(str, HEAD_DIMS))})")
-    parser.add_argument("--views", choices=VIEWS, nargs="+", default=None,
-                        help="layout section: N-way partials contiguous [N, T, H, D] and/or the [T, N, H, D] "
-                             "all-gather view (Triton only)")
-    parser.add_argument("-k", dest="name_filter", metavar="SUBSTR", default=None,
-                        help="only points whose label contains SUBSTR (e.g. 'merge T=32768', 'bfloat16 fused', "
-                             "'TH/2', 'gather')")
-    parser.add_argument("--budget-s", type=float, default=None, metavar="S",
-                        help="stop starting new points after S seconds (the JSON and plot are still written)")
-    parser.add_argument("--jax-timer", choices=("profiler", "dispatch"), default="profiler",
-                        help="JAX gpu_time: profiler kernel time (default) or the labelled dispatch loop")
-    parser.add_argument("--no-retrace", action="store_true", help="skip the JAX re-trace check")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-
-
-def run_bench(args) -> int:
-    """Run the benchmark described by parsed `args`; returns the exit status (0 ok, 1 errors, 2 usage)."""
-    argv = getattr(args, "argv", None)
-    replot = getattr(args, "replot", None)
-    if replot:
-        import json
-
-        with open(replot) as f:
-            doc = json.load(f)
-        print(format_table(doc))
-        if getattr(args, "plot", None):
-            plot_from_json(replot, args.plot)
-        return 0
-    mode = "smoke" if getattr(args, "smoke", False) else "quick" if getattr(args, "quick", False) else "full"
-    try:
-        import torch
-    except ImportError as e:
-        log(f"error: bench needs torch: {e}")
-        return 2
-    has_cuda = torch.cuda.is_available()
-    if mode != "smoke" and not has_cuda:
-        log("error: `bench` measures on a CUDA GPU and none is visible; use --smoke to check the plumbing")
-        return 2
-    from parity.harness import impls
+def measure(options, mode: str, device: str, argv: list[str] | None = None) -> dict:
+    """Run the benchmark of `mode` ("full", "quick" or "smoke") on `device` ("cuda", or "cpu" for smoke) with
+    the parsed options of `python -m parity bench` (parity/cli.py); returns the JSON document, also written to
+    `options.json` after every point. `argv` is recorded as the command (`parity.harness.provenance`)."""
+    from parity.harness import impls, provenance
 
     impls.configure()
-    device = "cuda" if has_cuda else "cpu"
-    runner = Runner(args, mode, device)
-    runner.doc["env"] = dict(impls.collect_env(argv), l2_bytes_assumed=L2_BYTES)
+    runner = Runner(options, mode, device)
+    runner.doc["env"] = dict(provenance.collect_env(argv), l2_bytes_assumed=L2_BYTES)
     runner.save()
     try:
-        runner.run()
+        schedule.run(runner)
     finally:
         runner.save()
-    doc = runner.doc
-    print(format_table(doc), flush=True)
-    if getattr(args, "plot", None):
-        path = getattr(args, "json", None)
-        tmp = None
-        if not path:
-            fd, tmp = tempfile.mkstemp(suffix=".json")
-            os.close(fd)
-            write_json(doc, tmp)
-            path = tmp
-        try:
-            plot_from_json(path, args.plot)
-            runner.progress(f"plot written to {args.plot}")
-        finally:
-            if tmp:
-                os.unlink(tmp)
-    return 1 if doc["errors"] else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m parity.tools.bench ...` (same options as `python -m parity bench`)."""
-    parser = argparse.ArgumentParser(prog="python -m parity.tools.bench", description=__doc__.splitlines()[0])
-    add_bench_arguments(parser)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
-    args.argv = ["bench", *argv]  # recorded as the equivalent `python -m parity bench ...`
-    return run_bench(args)
+    return runner.doc

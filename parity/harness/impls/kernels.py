@@ -1,0 +1,237 @@
+"""The kernel implementations behind the calling convention of `parity.harness.impls.adapters`: `triton_impl`
+on torch tensors and `pallas_impl` (Pallas or its jnp path) on JAX arrays."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import numpy as np
+
+from parity.harness import cases as cases_mod
+from parity.harness.impls.adapters import Adapter, Bound
+from parity.harness.impls.runtime import Runtime
+
+def poisoned(shape, dtype: str, device):
+    """A NaN-filled torch tensor: an element a kernel fails to write shows up as a NaN mismatch (its bits are
+    torch's f32 NaN cast to `dtype`)."""
+    import torch
+
+    return torch.full(tuple(shape), float("nan"), dtype=torch.float32, device=device).to(getattr(torch, dtype))
+
+
+class TritonAdapter(Adapter):
+    """`triton_impl` on torch tensors. The mask runs in place on clones (the inputs are never written)."""
+
+    name = "triton"
+
+    def __init__(self, rt: Runtime):
+        import torch
+
+        import triton_impl
+
+        self.rt, self.torch, self.ti = rt, torch, triton_impl
+
+    def bind_mask(self, lse, query_start_loc, cu_seq_lens, output=None, *, head_dim=None, lse_layout="HT",
+                  has_empty=None, donate=False, in_place=False, library_op=False):
+        """`in_place`: the mask writes `lse` / `output` themselves (no clones); `library_op`: through its
+        `torch.library` op, `torch.ops.mla_lse_merge.mask_empty_context_lse` (bare on a GPU: what a compiled
+        graph calls)."""
+        if not in_place:
+            lse = lse.clone()
+            output = None if output is None else output.clone()
+        view = None if output is None else output[..., :head_dim]
+        if library_op:
+            op = functools.partial(self.torch.ops.mla_lse_merge.mask_empty_context_lse, lse, query_start_loc,
+                                   cu_seq_lens, view, has_empty=has_empty, lse_layout=lse_layout)
+            call = op if self.rt.on_gpu else _quiet(op)
+        else:
+            def call():
+                with np.errstate(all="ignore"):  # the interpreter evaluates with numpy: inf/NaN inputs are expected
+                    self.ti.mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, view, has_empty=has_empty,
+                                                   lse_layout=lse_layout)
+
+        def results():
+            self.rt.sync()
+            return {"lse": lse, "output": view, "output_buffer": output}
+
+        return Bound(call, results)
+
+    def _out_buffers(self, shape, dtype, lse_shape, device, head_pad, out, out_lse, return_lse):
+        T, H, D = shape
+        if out is None:
+            out = poisoned((T, H, D + head_pad), dtype, device)
+        if out_lse is None and return_lse:
+            out_lse = poisoned(lse_shape, "float32", device)
+        return out, out_lse
+
+    def bind_merge(self, prefix_output, prefix_lse, suffix_output, suffix_lse, *, head_dim=None,
+                   prefill_tokens_with_context=None, query_start_loc=None, prefix_cu_seq_lens=None, out_dtype=None,
+                   output_scale=None, return_lse=True, lse_layout="HT", lse_base=math.e, head_pad=0, out=None,
+                   out_lse=None, **_):
+        a, b = prefix_output[..., :head_dim], suffix_output[..., :head_dim]
+        dtype = out_dtype or str(a.dtype).replace("torch.", "")
+        buf, olse = self._out_buffers(a.shape, dtype, suffix_lse.shape, a.device, head_pad, out, out_lse, return_lse)
+        view = buf[..., :a.shape[2]]
+        kw = {}
+        if query_start_loc is not None:
+            kw = dict(query_start_loc=query_start_loc, prefix_cu_seq_lens=prefix_cu_seq_lens)
+        call = functools.partial(self.ti.merge_attn_states, view, a, prefix_lse, b, suffix_lse, olse,
+                                 prefill_tokens_with_context, output_scale, lse_layout=lse_layout, lse_base=lse_base,
+                                 **kw)
+
+        def results():
+            self.rt.sync()
+            return {"out": view, "lse": olse, "out_buffer": buf}
+
+        return Bound(_quiet(call), results)
+
+    def bind_merge_n(self, outputs, lses, *, head_dim=None, prefill_tokens_with_context=None, query_start_loc=None,
+                     cu_seq_lens=None, out_dtype=None, output_scale=None, return_lse=True, lse_layout="HT",
+                     lse_base=math.e, head_pad=0, strided=False, out=None, out_lse=None, **_):
+        if strided:  # the same values, read through views of a [T, N, H, D] gather and of the other LSE layout
+            outputs = outputs.transpose(0, 1).contiguous().transpose(0, 1)
+            lses = lses.transpose(1, 2).contiguous().transpose(1, 2)
+        o = outputs[..., :head_dim]
+        dtype = out_dtype or str(o.dtype).replace("torch.", "")
+        buf, olse = self._out_buffers(o.shape[1:], dtype, lses.shape[1:], o.device, head_pad, out, out_lse,
+                                      return_lse)
+        view = buf[..., :o.shape[3]]
+        call = functools.partial(self.ti.merge_attn_states_n, view, o, lses, olse, prefill_tokens_with_context,
+                                 output_scale, query_start_loc=query_start_loc, cu_seq_lens=cu_seq_lens,
+                                 lse_layout=lse_layout, lse_base=lse_base)
+
+        def results():
+            self.rt.sync()
+            return {"out": view, "lse": olse, "out_buffer": buf}
+
+        return Bound(_quiet(call), results)
+
+    def bind_cp_merge(self, partial_output, partial_lse, group, *, method="gather", query_start_loc=None,
+                      cu_seq_lens=None, prefill_tokens_with_context=None, out_dtype=None, output_scale=None,
+                      return_lse=True, lse_layout="HT", lse_base=math.e, reduce_dtype=None, validate=False, **_):
+        """The context-parallel combine on `group` (call on every rank): this rank's result, all heads for
+        "gather", its H / N heads for "reduce_scatter"."""
+        T, H, D = partial_output.shape
+        heads = H if method == "gather" else H // group.size()
+        dtype = out_dtype or str(partial_output.dtype).replace("torch.", "")
+        out = poisoned((T, heads, D), dtype, partial_output.device)
+        lse_shape = (heads, T) if lse_layout == "HT" else (T, heads)
+        out_lse = poisoned(lse_shape, "float32", partial_output.device) if return_lse else None
+        call = functools.partial(self.ti.cp_merge_attn_states, out, partial_output, partial_lse, group, out_lse,
+                                 prefill_tokens_with_context, output_scale, method=method,
+                                 query_start_loc=query_start_loc, cu_seq_lens=cu_seq_lens, lse_layout=lse_layout,
+                                 lse_base=lse_base, reduce_dtype=reduce_dtype, validate=validate)
+
+        def results():
+            self.rt.sync()
+            return {"out": out, "lse": out_lse}
+
+        return Bound(_quiet(call), results)
+
+
+def _quiet(call):
+    def run():
+        with np.errstate(all="ignore"):  # the interpreter evaluates with numpy: inf/NaN inputs are expected
+            call()
+
+    return run
+
+
+class JaxAdapter(Adapter):
+    """`pallas_impl` with one `implementation` ("pallas" or "jnp") and Pallas `backend`, functional."""
+
+    def __init__(self, rt: Runtime, implementation: str, backend: str | None = None, interpret: bool | None = None):
+        import jax
+        import jax.numpy as jnp
+
+        import pallas_impl
+
+        self.rt, self.jax, self.jnp, self.pi = rt, jax, jnp, pallas_impl
+        self.name = "mosaic" if backend == "mosaic_gpu" else implementation
+        self.kernel = dict(implementation=implementation, backend=backend)
+        if interpret is not None:
+            self.kernel["interpret"] = interpret
+
+    def _dtype(self, name):
+        return None if name is None else self.jnp.dtype(cases_mod.DTYPES[name])
+
+    def _holder(self, fn):
+        last: dict[str, Any] = {}
+
+        def call():
+            last["r"] = fn()
+
+        def results():
+            self.jax.block_until_ready(last["r"])
+            return last["r"]
+
+        return Bound(call, results)
+
+    def bind_mask(self, lse, query_start_loc, cu_seq_lens, output=None, *, head_dim=None, lse_layout="HT",
+                  has_empty=None, donate=False):
+        out = None if output is None else output[..., :head_dim]
+        api = functools.partial(self.pi.mask_empty_context_lse, has_empty=has_empty, lse_layout=lse_layout,
+                                **self.kernel)
+        if not donate:
+            def fn():
+                r = api(lse, query_start_loc, cu_seq_lens, out)
+                return {"lse": r, "output": None} if out is None else {"lse": r[0], "output": r[1]}
+
+            return self._holder(fn)
+        # The documented in-place form: jit with the buffers donated, each result fed back as the next input
+        # (the mask is idempotent). JAX-owned copies: a donated buffer must not be one torch still owns.
+        jnp = self.jnp
+        state = [jnp.copy(lse)] + ([] if out is None else [jnp.copy(out)])
+        step = self.jax.jit(api, donate_argnums=(0,) if out is None else (0, 3))
+
+        def call():
+            if out is None:
+                state[0] = step(state[0], query_start_loc, cu_seq_lens)
+            else:
+                state[0], state[1] = step(state[0], query_start_loc, cu_seq_lens, state[1])
+
+        def results():
+            self.jax.block_until_ready(state)
+            return {"lse": state[0], "output": state[1] if out is not None else None}
+
+        return Bound(call, results)
+
+    def bind_merge(self, prefix_output, prefix_lse, suffix_output, suffix_lse, *, head_dim=None,
+                   prefill_tokens_with_context=None, query_start_loc=None, prefix_cu_seq_lens=None, out_dtype=None,
+                   output_scale=None, return_lse=True, lse_layout="HT", lse_base=math.e, **_):
+        a, b = prefix_output[..., :head_dim], suffix_output[..., :head_dim]
+        api = functools.partial(
+            self.pi.merge_attn_states, prefill_tokens_with_context=prefill_tokens_with_context,
+            query_start_loc=query_start_loc, prefix_cu_seq_lens=prefix_cu_seq_lens, return_lse=return_lse,
+            out_dtype=self._dtype(out_dtype), output_scale=output_scale, lse_layout=lse_layout, lse_base=lse_base,
+            **self.kernel)
+        return self._holder(lambda: _as_results(api(a, prefix_lse, b, suffix_lse), return_lse))
+
+    def bind_merge_n(self, outputs, lses, *, head_dim=None, prefill_tokens_with_context=None, query_start_loc=None,
+                     cu_seq_lens=None, out_dtype=None, output_scale=None, return_lse=True, lse_layout="HT",
+                     lse_base=math.e, **_):
+        o = outputs[..., :head_dim]
+        api = functools.partial(
+            self.pi.merge_attn_states_n, prefill_tokens_with_context=prefill_tokens_with_context,
+            query_start_loc=query_start_loc, cu_seq_lens=cu_seq_lens, return_lse=return_lse,
+            out_dtype=self._dtype(out_dtype), output_scale=output_scale, lse_layout=lse_layout, lse_base=lse_base,
+            **self.kernel)
+        return self._holder(lambda: _as_results(api(o, lses), return_lse))
+
+
+    def cp_merge(self, out, lse, *, axis_name, method="gather", query_start_loc=None, cu_seq_lens=None,
+                 prefill_tokens_with_context=None, out_dtype=None, output_scale=None, return_lse=True,
+                 lse_layout="HT", lse_base=math.e, reduce_dtype=None, **_) -> dict[str, Any]:
+        """The context-parallel combine over `axis_name` (inside `jax.shard_map` or a named `jax.vmap`)."""
+        r = self.pi.cp_merge_attn_states(
+            out, lse, axis_name=axis_name, method=method, query_start_loc=query_start_loc, cu_seq_lens=cu_seq_lens,
+            prefill_tokens_with_context=prefill_tokens_with_context, return_lse=return_lse,
+            out_dtype=self._dtype(out_dtype), output_scale=output_scale, lse_layout=lse_layout, lse_base=lse_base,
+            reduce_dtype=reduce_dtype, **self.kernel)
+        return _as_results(r, return_lse)
+
+
+def _as_results(r, return_lse: bool) -> dict[str, Any]:
+    return {"out": r[0], "lse": r[1]} if return_lse else {"out": r, "lse": None}
