@@ -257,10 +257,10 @@ def _table(header, body) -> list[str]:
 
 
 def write_json(report: dict, path: str, argv=None) -> None:
-    from parity.harness import impls
+    from parity.harness import provenance
 
     with open(path, "w") as f:
-        json.dump(dict(report, env=impls.collect_env(argv)), f, indent=1, default=float)
+        json.dump(dict(report, env=provenance.collect_env(argv)), f, indent=1, default=float)
 
 
 __all__ = ["CAPACITIES", "CHUNKS", "Capacity", "METHODS", "format_loop_table", "loop_batches", "run_jax", "run_loop",

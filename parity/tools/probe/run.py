@@ -124,7 +124,7 @@ def run_probe(*, backends=None, merge_impl: str | None = None, seed: int = 0, en
     project's mask and merge end to end ("triton", "pallas", "jnp", "reference"; default triton on a GPU, jnp
     otherwise, the interpreters being slow).
     """
-    from parity.harness import impls
+    from parity.harness import provenance
 
     known = all_backends()
     if backends:
@@ -133,7 +133,7 @@ def run_probe(*, backends=None, merge_impl: str | None = None, seed: int = 0, en
             raise ValueError(f"unknown backend(s) {unknown}; known: {[b.name for b in known]}")
         known = tuple(b for b in known if b.name in backends)
     merge_impl = merge_impl or default_merge_impl()
-    report = dict(env=impls.collect_env(argv), merge_impl=merge_impl, seed=seed,
+    report = dict(env=provenance.collect_env(argv), merge_impl=merge_impl, seed=seed,
                   situations={s.name: s.what for s in core.SITUATIONS.values()},
                   backends=[probe_backend(b, merge_impl=merge_impl, seed=seed, end_to_end=end_to_end,
                                           progress=progress) for b in known])
@@ -148,11 +148,11 @@ def run_isolated(*, backends=None, merge_impl: str | None = None, seed: int = 0,
     import subprocess
     import tempfile
 
-    from parity.harness import impls
+    from parity.harness import provenance
 
     names = list(backends) if backends else [b.name for b in all_backends()]
     merge_impl = merge_impl or default_merge_impl()
-    report = dict(env=impls.collect_env(argv), merge_impl=merge_impl, seed=seed, isolated=True,
+    report = dict(env=provenance.collect_env(argv), merge_impl=merge_impl, seed=seed, isolated=True,
                   situations={s.name: s.what for s in core.SITUATIONS.values()}, backends=[])
     for name in names:
         if progress:
