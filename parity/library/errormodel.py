@@ -1,12 +1,13 @@
 """The default error model of `cross_check`: a per-element bound derived from the caller's own reference, and the
 audit of that reference's precision (docs/parity-library.md, "The default error model").
 
-The reference is evaluated on float64 copies of the inputs (`want`), and again, `TRIALS` times, on copies whose
-float values each carry one rounding at the compute precision (`x * (1 + s * u_c)`, s = +1 everywhere in the
-first trial, random signs in the others, u_c = 2^-24: f32 math). `eps` is, per element, the largest move of
-the reference over the trials: the error a correct evaluation in f32 makes before any of its own intermediate
-roundings, scaled by what feeds the element (the terms of a sum before they cancel, the maximum of a
-log-sum-exp whose result is near 0). The bound of each side is
+The reference is evaluated on the inputs as given (`want`), on float64 copies of them, and again, `TRIALS`
+times, on float64 copies whose values each carry one rounding at the compute precision u_c = 2^-24 (f32 math):
+relative to the value (`x * (1 + s*u_c)`) and relative to the typical magnitude of its array
+(`x + s*u_c*median|x|`, what a rounding of an intermediate of the array's scale does), each with s = +1 everywhere
+and with random signs. `eps` is, per element, the largest move of the reference over the trials: the error a
+correct f32 evaluation makes, scaled by what feeds the element (the terms of a sum before they cancel, the
+maximum and the inputs' scale for a log-sum-exp whose result is near 0). The bound of each side is
 
     |got - want| <= K * eps + R * u_c * |want| + ulp_out(|want| + K * eps + R * u_c * |want|) + atol_out
 
@@ -29,7 +30,7 @@ from parity.library.tolerances import TOLERANCES, Tolerance
 U_COMPUTE = 2.0**-24  # unit roundoff of the compute precision (f32)
 K_PROPAGATED = 16  # roundings along a computation, each moving the result by up to eps
 R_RESULT = 8  # roundings of the result itself that no input carries (constants, the last log or divide)
-TRIALS = 3  # one all-up perturbation, two of random signs
+TRIALS = 4  # relative and array-scaled roundings, each all up and of random signs
 SEED = 0x5EED
 
 _LOW = {  # numpy dtype -> (unit roundoff, mantissa bits incl. the implicit one, smallest subnormal)
@@ -75,15 +76,27 @@ def as_float64(args: Mapping[Any, Any]) -> dict[Any, Any]:
     return {k: (np.asarray(v, np.float64) if is_float_array(v) else v) for k, v in args.items()}
 
 
+def typical_magnitude(v: np.ndarray) -> float:
+    """The median of the nonzero finite |v| (0 if none): the scale of an array's intermediates, robust to a few
+    outliers (a maximum would let one huge element loosen every bound)."""
+    a = np.abs(v[np.isfinite(v) & (v != 0)])
+    return float(np.median(a)) if a.size else 0.0
+
+
 def perturbed(args64: Mapping[Any, Any], trial: int, u: float = U_COMPUTE) -> dict[Any, Any]:
-    """`args64` with every float value carrying one rounding of relative size u (trial 0: all up; else random
-    signs, seeded by the trial). Python floats move as well (an `eps`); integers and bools do not."""
+    """`args64` with every float value carrying one rounding of size u: relative to the value itself
+    (`x * (1 + s*u)`: trials 0, 1) or to the largest magnitude of its array (`x + s*u*max|x|`: trials 2, 3);
+    s = +1 everywhere in trials 0 and 2, random signs (seeded) in 1 and 3. Python floats move relatively
+    (an `eps`); integers and bools do not."""
     rng = np.random.default_rng(SEED + trial)
     out = {}
     for k, v in args64.items():
         if isinstance(v, np.ndarray) and v.dtype == np.float64:
-            s = np.ones(v.shape) if trial == 0 else rng.choice((-1.0, 1.0), size=v.shape)
-            out[k] = v * (1.0 + s * u)
+            s = np.ones(v.shape) if trial in (0, 2) else rng.choice((-1.0, 1.0), size=v.shape)
+            if trial < 2:
+                out[k] = v * (1.0 + s * u)
+            else:
+                out[k] = v + s * u * typical_magnitude(v)
         elif isinstance(v, float):
             out[k] = v * (1.0 + u)
         else:
@@ -141,7 +154,7 @@ def bound(want: np.ndarray, eps: np.ndarray, out_dtype, ref_unit: float | None =
 
 def describe_rule(out_dtype) -> str:
     return (f"computed: |got-want| <= {K_PROPAGATED}*eps + {R_RESULT}*2^-24*|want| + 1 {_TOL_KEY[np.dtype(_np_dtype(out_dtype))]}"
-            f" ulp + atol (eps: the reference's move under one f32 rounding of its inputs)")
+            " ulp + atol (eps: the reference's move under one f32 rounding of its inputs)")
 
 
 def evaluate(call, n_args: Mapping[Any, Any], named) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray],
