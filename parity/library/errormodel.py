@@ -173,7 +173,8 @@ def evaluate(call, n_args: Mapping[Any, Any], named) -> tuple[dict[str, np.ndarr
     for trial in range(TRIALS):
         moved = named(call(perturbed(args64, trial)))
         for k in eps:
-            d = np.abs(np.asarray(moved[k], np.float64) - base[k])
+            with np.errstate(invalid="ignore", over="ignore"):
+                d = np.abs(np.asarray(moved[k], np.float64) - base[k])
             eps[k] = np.maximum(eps[k], np.where(np.isfinite(d), d, 0.0))
     dtypes = {k: str(v.dtype) for k, v in native.items()}
     return native, ref64, eps, dtypes
@@ -192,7 +193,8 @@ def audit_and_bound(native: np.ndarray, ref64: np.ndarray, eps: np.ndarray, out_
     r64 = np.asarray(ref64, np.float64)
     feed = np.abs(_finite(w)) + eps / U_COMPUTE
     b = bound(w, eps, out_dtype)
-    diff = np.where(np.isfinite(w) & np.isfinite(r64), np.abs(w - r64), 0.0)
+    both = np.isfinite(w) & np.isfinite(r64)
+    diff = np.where(both, np.abs(np.where(both, w, 0.0) - np.where(both, r64, 0.0)), 0.0)
     native_vs = float(np.max(diff / b)) if diff.size else 0.0
     eps_ulp = float(np.max(eps / spacing(np.abs(_finite(w)), out_dtype))) if eps.size else 0.0
     reasons, ref_unit = [], None
