@@ -407,13 +407,16 @@ def test_cli_cross_usage_errors_name_the_flag(tmp_path):
         assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
-def test_docs_snippet_runs():
-    """The first ```python block of docs/parity-library.md, as a reader would run it (from the repo root)."""
+@pytest.mark.parametrize("block, expect", [(0, ("cross_check rmsnorm", "req 4 token 31", "audit out: reference")),
+                                           (1, ("audit lse: reference float64", "special values planted at: x["))])
+def test_docs_snippets_run(block, expect):
+    """The ```python blocks of docs/parity-library.md (the quick start, the error model), as a reader would run
+    them (from the repo root)."""
     with open(os.path.join(ROOT, "docs", "parity-library.md")) as f:
         text = f.read()
-    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    code = re.findall(r"```python\n(.*?)```", text, re.S)[block]
     env = dict(os.environ, PYTHONPATH=ROOT)
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "cross_check rmsnorm" in res.stdout and "req 4 token 31" in res.stdout
+    assert all(e in res.stdout for e in expect), res.stdout

@@ -284,3 +284,51 @@ def test_the_bound_scales_with_what_feeds_each_element():
     want, bound, _, audit = errormodel.audit_and_bound(native["out"], ref64["out"], eps["out"], "float32")
     assert list(want) == [1.0, 1.5] and eps["out"][0] >= 1000 * 2.0**-24
     assert bound[0] >= 16 * 1000 * 2.0**-24 and not audit.imprecise
+
+
+# ---------------------------------------------------------------------------------------------------------
+# On the GPU: the Triton and Pallas sides agree bit for bit; a planted FMA or reordered sum is found
+
+
+LSE_GPU = dict(query_lens=(70, 0, 333, 1, 190, 64), padding=21, H=8)
+WSUM_GPU = dict(T=203, N=40, D=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_lse_pair_is_bit_identical_on_gpu(dtype):
+    report = _lse(bitwise=True, device="cuda")(lse_reference.make_inputs(seed=3, dtype=dtype, **LSE_GPU))
+    assert report.ok, report
+    assert report.n_diff("lse") == 0 and report.device.startswith("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_wsum_pair_is_bit_identical_on_gpu(dtype):
+    report = _wsum(bitwise=True, device="cuda")(wsum_reference.make_inputs(seed=3, dtype=dtype, **WSUM_GPU))
+    assert report.ok, report
+    assert report.n_diff("out") == 0 and report.device.startswith("cuda")
+
+
+@pytest.mark.gpu
+def test_special_values_agree_on_gpu():
+    assert _lse(device="cuda", special_values=3)(lse_reference.make_inputs(seed=3, **LSE_GPU)).ok
+    assert _wsum(device="cuda", special_values=3)(wsum_reference.make_inputs(seed=3, **WSUM_GPU)).ok
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("planted", [dict(fma=True), dict(reverse=True)])
+def test_wsum_planted_divergence_is_found_on_gpu(planted):
+    inputs = wsum_reference.make_inputs(seed=3, dtype="float32", **WSUM_GPU)
+    report = _wsum(functools.partial(wsum_triton.softmax_wsum, **planted), device="cuda")(inputs)
+    assert not report.ok and report["out"]["torch_vs_reference"].ok and report["out"]["jax_vs_reference"].ok
+    assert report.n_diff("out") > 0
+    assert all(re.match(r"(worst: )?row \d+ dim \d+: got 0x", m) for m in report.mismatches("out"))
+
+
+@pytest.mark.gpu
+def test_lse_planted_reordered_sum_is_found_on_gpu():
+    inputs = lse_reference.make_inputs(seed=3, dtype="float32", **LSE_GPU)
+    report = _lse(functools.partial(lse_triton.ragged_lse, reverse=True), device="cuda")(inputs)
+    assert not report.ok and report["lse"]["torch_vs_reference"].ok and report.n_diff("lse") > 0
+    assert all(re.match(r"(worst: )?req [02345] head \d: got 0x", m) for m in report.mismatches("lse"))
