@@ -162,7 +162,8 @@ def evaluate(call, n_args: Mapping[Any, Any], named) -> tuple[dict[str, np.ndarr
     """(want on the inputs as given, want on float64 copies, eps, returned dtype) per output.
 
     `call(args)` runs the reference on an argument dict; `named(result)` names its outputs."""
-    native = {k: np.asarray(v) for k, v in named(call(n_args)).items()}
+    fresh = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in n_args.items()}  # it may write them
+    native = {k: np.asarray(v) for k, v in named(call(fresh)).items()}
     args64 = as_float64(n_args)
     ref64 = {k: np.asarray(v) for k, v in named(call(args64)).items()}
     if set(ref64) != set(native):
