@@ -222,6 +222,22 @@ def test_outputs_of_different_dtypes_are_cast_to_the_narrower_on_request():
     assert report["out"]["torch_vs_jax"].dtype == "bf16" and "note: output 'out': jax_fn" in str(report)
 
 
+def test_special_values_without_a_reference_compare_the_classes_of_the_two_sides():
+    x = np.linspace(-2, 2, 24, dtype=np.float32).reshape(4, 6)
+    report = parity.cross_check(lambda x: x * 2, lambda x: x * 2, {"x": x}, outputs={"y": "token,dim"},
+                                special_values=True)
+    assert report.ok and report.required == ("torch_vs_jax", "special_torch_vs_jax")
+    assert [p.split(" = ")[1] for p in report.special] == ["nan", "+inf", "-inf", "-0.0", "subnormal"]
+    scrub = parity.cross_check(lambda x: torch.nan_to_num(x * 2), lambda x: x * 2, {"x": x},
+                               outputs={"y": "token,dim"}, special_values=True)
+    rep = scrub["y"]["special_torch_vs_jax"]
+    assert not scrub.ok and scrub["y"]["torch_vs_jax"].ok and rep.n_diff == 3  # nan, +inf, -inf scrubbed
+    planted = {p.split(" = ")[0]: p.split(" = ")[1] for p in scrub.special}
+    for m in rep.first_mismatches:
+        t, d = re.match(r"token (\d+) dim (\d+): got ", m).groups()
+        assert planted[f"x[{t}, {d}]"] in ("nan", "+inf", "-inf")
+
+
 def test_the_audit_is_in_every_report_with_a_reference():
     x = np.linspace(1, 2, 16, dtype=np.float32)
     report = parity.cross_check(lambda x: x * 3, lambda x: x * 3, {"x": x}, reference=lambda x: np.float64(x) * 3)

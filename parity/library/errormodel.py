@@ -171,11 +171,15 @@ def evaluate(call, n_args: Mapping[Any, Any], named) -> tuple[dict[str, np.ndarr
                          "float64 copies of them")
     eps = {k: np.zeros(np.shape(v)) for k, v in ref64.items()}
     base = {k: np.asarray(v, np.float64) for k, v in ref64.items()}
+    # A reference that rounds to a low precision even on float64 inputs would round a 2^-24 move away: move it
+    # by 4 of its own units instead and scale the moves back to 2^-24 (they are linear in a small move).
+    low = [_LOW[np.dtype(v.dtype)][0] for v in ref64.values() if np.dtype(v.dtype) in _LOW]
+    u = 4 * max(low) if low else U_COMPUTE
     for trial in range(TRIALS):
-        moved = named(call(perturbed(args64, trial)))
+        moved = named(call(perturbed(args64, trial, u)))
         for k in eps:
             with np.errstate(invalid="ignore", over="ignore"):
-                d = np.abs(np.asarray(moved[k], np.float64) - base[k])
+                d = np.abs(np.asarray(moved[k], np.float64) - base[k]) * (U_COMPUTE / u)
             eps[k] = np.maximum(eps[k], np.where(np.isfinite(d), d, 0.0))
     dtypes = {k: str(v.dtype) for k, v in native.items()}
     return native, ref64, eps, dtypes
@@ -212,7 +216,7 @@ def audit_and_bound(native: np.ndarray, ref64: np.ndarray, eps: np.ndarray, out_
     tol = Tolerance(rtol=1.0, atol=0.0, text=describe_rule(out_dtype))
     audit = Audit(dtype=str(np.dtype(native.dtype)), eps_ulp=eps_ulp, native_vs_f64=native_vs,
                   imprecise=bool(reasons), why="; ".join(reasons))
-    return w, b, tol, audit
+    return np.asarray(w), np.asarray(b, np.float64), tol, audit
 
 
 __all__ = ["Audit", "K_PROPAGATED", "R_RESULT", "TRIALS", "U_COMPUTE", "audit_and_bound", "bound", "evaluate",
