@@ -62,7 +62,7 @@ class Report:
     tolerance: str
     ok: bool
     context: str = ""
-    kind: str = "bitwise"  # or "reference"
+    kind: str = "bitwise"  # or "reference", or "classes" (value classes only: `parity.library.special`)
     n_exact: int = 0  # elements checked bit for bit (reference mode)
     n_exact_mismatch: int = 0
     n_tol_fail: int = 0
@@ -75,6 +75,8 @@ class Report:
         ulp = "n/a" if self.max_ulp is None else f"{self.max_ulp:,}"
         if self.kind == "bitwise":
             return f"{where}: {self.n_diff:,} / {self.n:,} differ, max {ulp} ulp, {classes}"
+        if self.kind == "classes":
+            return f"{where}: {self.n_diff:,} / {self.n:,} differ in value class"
         ratio = "n/a" if self.max_err_ratio is None else f"{self.max_err_ratio:.3g}"
         return (f"{where}: {self.n_diff:,} / {self.n:,} fail (class {self.n_class_mismatch:,}, "
                 f"exact {self.n_exact_mismatch:,} of {self.n_exact:,}, tolerance {self.n_tol_fail:,}), "
@@ -83,6 +85,8 @@ class Report:
     def format(self) -> str:
         lines = [self.header()]
         lines += [f"  {m}" for m in self.first_mismatches]
+        if self.kind == "classes":
+            return "\n".join(lines)
         hist = ", ".join(f"{k}: {v:,}" for k, v in self.ulp_hist.items() if v)
         lines.append(f"  ulp histogram: {hist or 'empty'}")
         if self.kind == "reference":

@@ -96,7 +96,8 @@ class Report:
     def table(self) -> str:
         kinds = [k for k in KINDS
                  if any(k in v for v in self.outputs.values())]
-        head = ("output", "dtype", "shape", *(k.replace("_vs_", "-vs-") for k in kinds))
+        head = ("output", "dtype", "shape",
+                *("special values" if k == KIND_SPECIAL else k.replace("_vs_", "-vs-") for k in kinds))
         rows = [head]
         for out, reps in self.outputs.items():
             any_rep = next(iter(reps.values()))
