@@ -78,7 +78,7 @@ def _lse_kernel(x_ptr, qsl_ptr, lse_ptr, H: tl.constexpr, BLOCK_H: tl.constexpr,
 
 
 def ragged_lse(x: torch.Tensor, query_start_loc: torch.Tensor, *, reverse: bool = False, off_by_one: bool = False,
-               base2: bool = False, fma: bool = False) -> torch.Tensor:
+               base2: bool = False) -> torch.Tensor:
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous [T, H] tensor, got {tuple(x.shape)=} {x.stride()=}")
     if query_start_loc.dtype != torch.int32 or query_start_loc.dim() != 1 or query_start_loc.numel() < 1:
@@ -88,7 +88,6 @@ def ragged_lse(x: torch.Tensor, query_start_loc: torch.Tensor, *, reverse: bool 
     lse = torch.empty((R, H), dtype=torch.float32, device=x.device)
     if R == 0 or H == 0:
         return lse
-    launch = dict(PARITY_LAUNCH, enable_fp_fusion=True) if fma else PARITY_LAUNCH
     _lse_kernel[(R,)](x, query_start_loc, lse, H=H, BLOCK_H=triton.next_power_of_2(H), REVERSE=reverse,
-                      OFF_BY_ONE=int(off_by_one), BASE2=base2, INTERPRET=INTERPRET, **launch)
+                      OFF_BY_ONE=int(off_by_one), BASE2=base2, INTERPRET=INTERPRET, **PARITY_LAUNCH)
     return lse

@@ -1,7 +1,7 @@
 """Softmax-weighted sum of mixed-sign values as a Pallas kernel (JAX): the jax half of the third worked pair of
 docs/parity-library.md. The semantics are in `wsum_triton.py`'s docstring; this file follows that kernel
 statement by statement (f32, the maximum, then weights, denominator and weighted sum in key order, `jnp.exp`
-(libdevice on GPU), a zero weight selected away before the sum, one cast at the store). `reverse=True` is the
+(libdevice on GPU), the value behind a zero weight selected away before the multiply-add, one cast at the store). `reverse=True` is the
 planted reordered sum. jax and numpy only.
 """
 
@@ -42,9 +42,8 @@ def _wsum_kernel(s_ref, v_ref, out_ref, *, T, N, D, block_d, reverse):
         den = den + p
         vn = pltriton.load(v_ref.at[pl.ds(t0, BLOCK_T), pl.ds(n, 1), pl.ds(0, block_d)], mask=td_mask[:, None, :],
                            other=0.0)
-        pv = p[:, None] * vn.reshape(BLOCK_T, block_d).astype(jnp.float32)
-        pv = jnp.where(p[:, None] == 0.0, 0.0, pv)
-        return den, acc + pv
+        vn = jnp.where(p[:, None] == 0.0, 0.0, vn.reshape(BLOCK_T, block_d).astype(jnp.float32))
+        return den, acc + p[:, None] * vn
 
     init = (jnp.zeros((BLOCK_T,), jnp.float32), jnp.zeros((BLOCK_T, block_d), jnp.float32))
     den, acc = jax.lax.fori_loop(0, N, step, init)

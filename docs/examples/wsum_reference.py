@@ -16,7 +16,7 @@ def softmax_wsum(scores, values):
         m = np.where(np.isinf(m), 0.0, m)
         p = np.exp(s - m)
         den = p.sum(axis=1)
-        pv = np.where(p[:, :, None] == 0, 0.0, p[:, :, None] * v)
+        pv = p[:, :, None] * np.where(p[:, :, None] == 0, 0.0, v)
         return np.where(den[:, None] > 0, pv.sum(axis=1) / np.where(den > 0, den, 1.0)[:, None], 0.0)
 
 

@@ -7,7 +7,7 @@ over the keys n = 0, 1, ..., N - 1 in that order:
     m = max_n scores[t, n]               (0 if that is +inf or -inf)
     p_n = exp(scores[t, n] - m)
     den = sum_n p_n
-    acc[d] = sum_n (0 if p_n == 0 else p_n * values[t, n, d])   (a zero weight never reads its value)
+    acc[d] = sum_n p_n * (0 if p_n == 0 else values[t, n, d])   (a zero weight never reads its value)
     out[t, d] = acc[d] / den if den > 0 else 0                   (rounded once to values.dtype)
 
 Returns out[T, D] in values.dtype.
@@ -15,7 +15,7 @@ Returns out[T, D] in values.dtype.
 Written for bit parity with `wsum_pallas.py` by the recipe of `parity.library.recipe`. Planted bugs for the
 tests: `fma=True` launches with enable_fp_fusion=True (acc + p * v becomes one FMA: one rounding less per key,
 seen only on a GPU), `reverse=True` sums the keys last to first (a reordered sum), `nan_leak=True` multiplies
-the zero weights too (0 * NaN = NaN leaks into the row). torch and triton only.
+the values behind zero weights too (0 * NaN = NaN leaks into the row). torch and triton only.
 """
 
 from __future__ import annotations
@@ -64,10 +64,9 @@ def _wsum_kernel(s_ptr, v_ptr, out_ptr, T, N: tl.constexpr, D: tl.constexpr, BLO
         p = _exp(tl.load(s_ptr + t * N + n, mask=t_mask, other=float("-inf")) - m, INTERPRET)
         den = den + p
         vn = tl.load(v_ptr + (t[:, None] * N + n) * D + dims[None, :], mask=td_mask, other=0.0).to(tl.float32)
-        pv = p[:, None] * vn
         if not NAN_LEAK:
-            pv = tl.where(p[:, None] == 0.0, 0.0, pv)
-        acc = acc + pv
+            vn = tl.where(p[:, None] == 0.0, 0.0, vn)
+        acc = acc + p[:, None] * vn
     out = tl.where(den[:, None] > 0.0, acc / den[:, None], 0.0)
     tl.store(out_ptr + t[:, None] * D + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=td_mask)
 
