@@ -331,4 +331,4 @@ def test_lse_planted_reordered_sum_is_found_on_gpu():
     inputs = lse_reference.make_inputs(seed=3, dtype="float32", **LSE_GPU)
     report = _lse(functools.partial(lse_triton.ragged_lse, reverse=True), device="cuda")(inputs)
     assert not report.ok and report["lse"]["torch_vs_reference"].ok and report.n_diff("lse") > 0
-    assert all(re.match(r"(worst: )?req [02345] head \d: got 0x", m) for m in report.mismatches("lse"))
+    assert all(re.match(r"(worst: )?req [0245] head \d: got 0x", m) for m in report.mismatches("lse"))
