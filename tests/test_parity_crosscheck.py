@@ -204,6 +204,12 @@ def test_bad_functions_and_inputs_are_named():
         parity.cross_check(lambda x: x, None, {"x": x})
     with pytest.raises(TypeError, match="inputs must be a dict"):
         parity.cross_check(lambda x: x, lambda x: x, x.tobytes())
+    with pytest.raises(ValueError, match=r"device='gpu7': expected a torch device"):
+        parity.cross_check(lambda x: x, lambda x: x, {"x": x}, device="gpu7")
+    with pytest.raises(TypeError, match=r"output 'out' of torch_fn is a float; expected a torch tensor"):
+        parity.cross_check(lambda x: 1.0, lambda x: x, {"x": x})
+    with pytest.raises(ValueError, match=r"output 'out': the reference returned shape \(2, 2\), torch_fn \(4,\)"):
+        parity.cross_check(lambda x: x, lambda x: x, {"x": x}, reference=lambda x: np.ones((2, 2)))
     with pytest.raises(TypeError, match=r"output 'out' of torch_fn is torch.int32; compared outputs are float"):
         parity.cross_check(lambda x: x.to(torch.int32), lambda x: x.astype(jnp.int32), {"x": x})
 

@@ -39,7 +39,11 @@ def share(inputs: Mapping[str, Any] | Sequence[Any], device=None, *, host: bool 
 
     keys = list(inputs) if isinstance(inputs, Mapping) else list(range(len(inputs)))
     values = [inputs[k] for k in keys]
-    device = torch.device(device) if device is not None else _default_device(values)
+    try:
+        device = torch.device(device) if device is not None else _default_device(values)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r}: expected a torch device ('cpu', 'cuda', 'cuda:1' or a torch.device): "
+                         f"{e}") from None
     t_args, j_args, n_args, how = {}, {}, {}, {}
     for k, x in zip(keys, values):
         try:

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from parity.library import arguments as args_
 from parity.library.arguments import share
 from parity.library.crossreport import KIND_PAIR, KIND_SPECIAL, SCHEMA, Report, jsonable
@@ -41,7 +43,11 @@ def _one_dtype(torch_out: dict, jax_out: dict, cast: bool, notes: list[str] | No
 
     for k in torch_out:
         for side, out in (("torch_fn", torch_out), ("jax_fn", jax_out)):
-            dt = bits._as_torch(out[k]).dtype
+            try:
+                dt = bits._as_torch(out[k]).dtype
+            except TypeError:
+                raise TypeError(f"output {k!r} of {side} is a {type(out[k]).__name__}; expected a torch tensor, a "
+                                "JAX array or a numpy array") from None
             if dt not in bits._FORMATS:
                 raise TypeError(f"output {k!r} of {side} is {dt}; compared outputs are float: "
                                 f"{[str(d).replace('torch.', '') for d in bits._FORMATS]}")
@@ -118,6 +124,10 @@ def cross_check(torch_fn: Callable, jax_fn: Callable, inputs: Mapping[str, Any] 
     notes: list[str] = []
     _one_dtype(torch_out, jax_out, cast_to_narrower, notes)
     order = list(torch_out)
+    for k in order if native is not None else ():
+        got, ref_shape = tuple(torch_out[k].shape), tuple(np.shape(native[k]))
+        if got != ref_shape:
+            raise ValueError(f"output {k!r}: the reference returned shape {ref_shape}, torch_fn {got}")
     layouts = {k: args_.axes_of(axes.get(k)) for k in order}
     args_.check_axes(layouts, {k: tuple(torch_out[k].shape) for k in order})
     tols = args_.tolerances(tolerance, order)
