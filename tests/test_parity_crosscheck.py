@@ -390,14 +390,17 @@ def test_cli_cross_checks_a_pair_from_files(tmp_path):
     ex = "docs/examples"
     argv = ["--torch", f"{ex}/rmsnorm_triton.py:rmsnorm", "--jax", f"{ex}/rmsnorm_pallas.py:rmsnorm",
             "--reference", f"{ex}/rmsnorm_reference.py:rmsnorm", "--inputs", str(npz),
-            "--outputs", "out=token,dim;rstd=token", "--ragged", "query_start_loc", "--json", str(tmp_path / "r.json")]
+            "--outputs", "out=token,dim;rstd=token", "--ragged", "query_start_loc", "--json", str(tmp_path / "r.json"),
+            "--special-values"]
     if not GPU:
         argv.append("--no-bitwise")
     res = _cross(argv)
     d = json.loads((tmp_path / "r.json").read_text())
     assert d["outputs"]["out"]["axes"] == ["token", "dim"]
     assert res.returncode == 0 and d["ok"], res.stdout + res.stderr
-    assert d["required"] == (["torch_vs_jax"] if GPU else []) + ["torch_vs_reference", "jax_vs_reference"]
+    assert d["required"] == (["torch_vs_jax"] if GPU else []) + ["torch_vs_reference", "jax_vs_reference",
+                                                                 "special_torch_vs_jax"]
+    assert len(d["special"]) == 10 and d["outputs"]["rstd"]["audit"]["imprecise"] is False
     assert "cross_check docs/examples/rmsnorm_triton.py:rmsnorm vs" in res.stdout
 
 

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from parity.library import bridge
+# Also the names of parity.library.compare for its callers (the bits, the scan, the tolerance table).
 from parity.library.bits import (CLASS_NAMES, FINITE, NAN, NEG_INF, POS_INF, _as_torch, _format_of, _FORMATS,
                                  _native, ordered_bits, raw_bits, ulp_distance, value_class)
 from parity.library.scan import (LAYOUTS, MAX_SHOWN, ULP_BUCKETS, _Accumulator, _Locator, _chunk_of, _mask_chunk,
