@@ -260,9 +260,10 @@ def test_an_imprecise_reference_is_flagged_instead_of_failing_the_kernels():
             (x.astype(jnp.float32) @ w.astype(jnp.float32)).astype(x.dtype))
 
     xb, wb = x.astype(ml_dtypes.bfloat16), w.astype(ml_dtypes.bfloat16)
-    good = parity.cross_check(kernel, kernel, {"x": xb, "w": wb}, reference=ref_f64, outputs=["y"])
+    cpu = dict(device="cpu", bitwise=False)  # f32 matmuls: on a GPU XLA may take TF32
+    good = parity.cross_check(kernel, kernel, {"x": xb, "w": wb}, reference=ref_f64, outputs=["y"], **cpu)
     assert good.ok and not good.audit["y"].imprecise, good
-    flagged = parity.cross_check(kernel, kernel, {"x": xb, "w": wb}, reference=ref_as_given, outputs=["y"])
+    flagged = parity.cross_check(kernel, kernel, {"x": xb, "w": wb}, reference=ref_as_given, outputs=["y"], **cpu)
     assert flagged.ok and flagged.audit["y"].imprecise, flagged
     assert "differs from its result on float64 copies" in flagged.audit["y"].why
     assert "IMPRECISE REFERENCE" in str(flagged)
