@@ -89,16 +89,18 @@ def _cross(args) -> int:
     from parity.library.crosscheck import cross_check
 
     try:
-        torch_fn, jax_fn = loading.load_callable(args.torch), loading.load_callable(args.jax)
-        reference = loading.load_callable(args.reference) if args.reference else None
-        inputs = loading.load_inputs(args.inputs)
+        torch_fn = loading.load_callable(args.torch, "--torch")
+        jax_fn = loading.load_callable(args.jax, "--jax")
+        reference = loading.load_callable(args.reference, "--reference") if args.reference else None
+        inputs = loading.load_inputs(args.inputs, "--inputs")
         ragged = None
         if args.ragged:
             name, _, axis = args.ragged.partition(":")
             ragged = (name, axis or "token")
         report = cross_check(torch_fn, jax_fn, inputs, reference=reference,
                              outputs=loading.parse_outputs(args.outputs), ragged=ragged, bitwise=args.bitwise,
-                             name=f"{args.torch} vs {args.jax}")
+                             name=f"{args.torch} vs {args.jax}", cast_to_narrower=args.cast_to_narrower,
+                             special_values=args.special_values)
     except (OSError, ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -346,6 +348,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    help="the input holding query_start_loc-style offsets, and the axis they index (default token)")
     p.add_argument("--no-bitwise", dest="bitwise", action="store_false",
                    help="report differing bits between torch and JAX without requiring none (the CPU interpreters)")
+    p.add_argument("--cast-to-narrower", action="store_true",
+                   help="compare an output whose dtype differs between the sides after rounding the wider to the "
+                        "narrower")
+    p.add_argument("--special-values", action="store_true",
+                   help="also run the pair with NaN, +-inf, -0.0 and subnormals planted in the float inputs and "
+                        "require both sides to agree on the value class of every output")
     p.add_argument("--json", metavar="FILE", default=None, help="write the JSON report to FILE")
     p.set_defaults(func=_cross)
 

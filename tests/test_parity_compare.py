@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import torch
 
 from parity.harness import expected
-from parity.library import bridge, compare
+from parity.library import bridge, compare, scan
 from parity.harness import cases, reference
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -200,7 +200,7 @@ def test_class_mismatch_is_reported():
 
 
 def test_chunked_scan_keeps_global_positions(monkeypatch):
-    monkeypatch.setattr(compare, "_CHUNK", 7)  # one row of H*D = 6 per chunk
+    monkeypatch.setattr(scan, "_CHUNK", 7)  # one row of H*D = 6 per chunk
     qsl = np.array([0, 5, 9, 40], dtype=np.int32)
     want = torch.randn(40, 2, 3, dtype=torch.float16)
     got = want.clone()

@@ -152,6 +152,107 @@ def test_mismatched_outputs_are_a_usage_error():
         parity.cross_check(lambda x: x, lambda x: x, {"x": x}, ragged="qsl")
 
 
+def _ragged_pair():
+    qsl = np.array([0, 3, 3, 7, 10], dtype=np.int32)
+    x = np.random.default_rng(0).standard_normal((12, 4)).astype(np.float32)
+    return qsl, x, (lambda x, cu: x * 1), (lambda x, cu: x.at[5, 2].add(1e-3))
+
+
+@pytest.mark.parametrize("form", ["name", "array", "torch", "list", "name_axis", "array_axis"])
+def test_ragged_takes_a_name_an_array_or_a_pair_with_an_axis(form):
+    qsl, x, ok_fn, bad_fn = _ragged_pair()
+    ragged = {"name": "cu", "array": qsl, "torch": torch.from_numpy(qsl), "list": qsl.tolist(),
+              "name_axis": ("cu", "seq"), "array_axis": (qsl, "seq")}[form]
+    axis = "seq" if form.endswith("_axis") else "token"
+    report = parity.cross_check(ok_fn, bad_fn, {"x": x, "cu": qsl}, outputs={"o": (axis, "dim")}, ragged=ragged)
+    assert report.mismatches("o")[0].startswith(f"req 2 {axis} 5 dim 2: got ")
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(ragged="nope"), ValueError, r"ragged='nope': no input named 'nope'"),
+    (dict(ragged=np.zeros((2, 2), np.int32)), TypeError, r"ragged: offsets must be a 1-D integer array"),
+    (dict(ragged=np.array([0.0, 1.0])), TypeError, r"ragged: offsets must be a 1-D integer array"),
+    (dict(ragged=[0, 5, 3]), ValueError, r"ragged: offsets must start >= 0 and not decrease"),
+    (dict(ragged=("cu", "")), ValueError, r"ragged: the axis name is empty"),
+    (dict(ragged=object()), TypeError, r"ragged: expected an input name"),
+    (dict(outputs="o"), TypeError, r"outputs must be a dict name -> axes or a sequence of names"),
+    (dict(outputs={"o": 3}), TypeError, r"outputs\['o'\]: axes must be"),
+    (dict(outputs={"o": ("a", "b", "c")}), ValueError, r"outputs\['o'\]: 3 axis names"),
+    (dict(outputs=["o", "o"]), ValueError, r"outputs: names repeat"),
+    (dict(tolerance="float31"), ValueError, r"tolerance: unknown key 'float31'"),
+    (dict(tolerance=(1e-3,)), TypeError, r"tolerance: expected None, a parity.Tolerance, \(rtol, atol\)"),
+    (dict(tolerance=(-1, 0)), ValueError, r"tolerance: rtol and atol must be >= 0"),
+    (dict(tolerance={"p": (1e-3, 0)}), ValueError, r"tolerance: no outputs named \['p'\]"),
+    (dict(bitwise="yes"), TypeError, r"bitwise must be True or False"),
+    (dict(cast_to_narrower=1), TypeError, r"cast_to_narrower must be True or False"),
+    (dict(special_values=-1), TypeError, r"special_values must be True, False or a count"),
+    (dict(reference=3), TypeError, r"reference must be callable or None"),
+    (dict(name=3), TypeError, r"name must be a string"),
+])
+def test_every_bad_argument_is_named(kwargs, error, match):
+    qsl, x, ok_fn, _ = _ragged_pair()
+    kwargs = {"outputs": {"o": ("token", "dim")}, **kwargs}
+    with pytest.raises(error, match=match):
+        parity.cross_check(ok_fn, ok_fn, {"x": x, "cu": qsl}, **kwargs)
+
+
+def test_bad_functions_and_inputs_are_named():
+    x = np.ones(4, np.float32)
+    with pytest.raises(TypeError, match="torch_fn must be callable"):
+        parity.cross_check("f", lambda x: x, {"x": x})
+    with pytest.raises(TypeError, match="jax_fn must be callable"):
+        parity.cross_check(lambda x: x, None, {"x": x})
+    with pytest.raises(TypeError, match="inputs must be a dict"):
+        parity.cross_check(lambda x: x, lambda x: x, x.tobytes())
+    with pytest.raises(ValueError, match=r"device='gpu7': expected a torch device"):
+        parity.cross_check(lambda x: x, lambda x: x, {"x": x}, device="gpu7")
+    with pytest.raises(TypeError, match=r"output 'out' of torch_fn is a float; expected a torch tensor"):
+        parity.cross_check(lambda x: 1.0, lambda x: x, {"x": x})
+    with pytest.raises(ValueError, match=r"output 'out': the reference returned shape \(2, 2\), torch_fn \(4,\)"):
+        parity.cross_check(lambda x: x, lambda x: x, {"x": x}, reference=lambda x: np.ones((2, 2)))
+    with pytest.raises(TypeError, match=r"output 'out' of torch_fn is torch.int32; compared outputs are float"):
+        parity.cross_check(lambda x: x.to(torch.int32), lambda x: x.astype(jnp.int32), {"x": x})
+
+
+def test_outputs_of_different_dtypes_are_cast_to_the_narrower_on_request():
+    x = (np.arange(16, dtype=np.float32) / 7).astype(ml_dtypes.bfloat16)
+    torch_fn = lambda x: x * 3  # noqa: E731 - bf16
+    jax_fn = lambda x: x.astype(jnp.float32) * 3  # noqa: E731 - f32 for bf16 inputs
+    with pytest.raises(TypeError, match=r"output 'out': torch_fn returned torch.bfloat16, jax_fn torch.float32; "
+                                        r"pass cast_to_narrower=True"):
+        parity.cross_check(torch_fn, jax_fn, {"x": x})
+    report = parity.cross_check(torch_fn, jax_fn, {"x": x}, cast_to_narrower=True,
+                                reference=lambda x: np.asarray(x, np.float64) * 3)
+    assert report.ok, report
+    assert report.notes == ["output 'out': jax_fn fp32 -> bf16 before comparing (cast_to_narrower)"]
+    assert report["out"]["torch_vs_jax"].dtype == "bf16" and "note: output 'out': jax_fn" in str(report)
+
+
+def test_special_values_without_a_reference_compare_the_classes_of_the_two_sides():
+    x = np.linspace(-2, 2, 24, dtype=np.float32).reshape(4, 6)
+    report = parity.cross_check(lambda x: x * 2, lambda x: x * 2, {"x": x}, outputs={"y": "token,dim"},
+                                special_values=True)
+    assert report.ok and report.required == ("torch_vs_jax", "special_torch_vs_jax")
+    assert [p.split(" = ")[1] for p in report.special] == ["nan", "+inf", "-inf", "-0.0", "subnormal"]
+    scrub = parity.cross_check(lambda x: torch.nan_to_num(x * 2), lambda x: x * 2, {"x": x},
+                               outputs={"y": "token,dim"}, special_values=True)
+    rep = scrub["y"]["special_torch_vs_jax"]
+    assert not scrub.ok and scrub["y"]["torch_vs_jax"].ok and rep.n_diff == 3  # nan, +inf, -inf scrubbed
+    planted = {p.split(" = ")[0]: p.split(" = ")[1] for p in scrub.special}
+    for m in rep.first_mismatches:
+        t, d = re.match(r"token (\d+) dim (\d+): got ", m).groups()
+        assert planted[f"x[{t}, {d}]"] in ("nan", "+inf", "-inf")
+
+
+def test_the_audit_is_in_every_report_with_a_reference():
+    x = np.linspace(1, 2, 16, dtype=np.float32)
+    report = parity.cross_check(lambda x: x * 3, lambda x: x * 3, {"x": x}, reference=lambda x: np.float64(x) * 3)
+    audit = report.audit["out"]
+    assert not audit.imprecise and audit.native_vs_f64 == 0 and 0 < audit.eps_ulp < 4
+    assert "audit out: reference float64" in str(report)
+    assert json.loads(report.to_json())["outputs"]["out"]["audit"]["imprecise"] is False
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The worked example
 
@@ -165,6 +266,13 @@ def test_example_matches_the_reference_under_the_interpreters(dtype):
     assert report["rstd"]["torch_vs_reference"].n == 35 and report["out"]["jax_vs_reference"].n == 35 * 96
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_example_matches_the_reference_with_the_default_error_model(dtype):
+    """No tolerance given: the bound derived from the reference covers bf16 under the truncating interpreter."""
+    report = _example(bitwise=GPU)(rmsnorm_reference.make_inputs(seed=1, dtype=dtype))
+    assert report.ok, report
+
+
 def test_example_planted_ragged_bug_is_located():
     """`off_by_one` takes the last real token (request 4, token 31) for padding: caught on any device."""
     inputs = rmsnorm_reference.make_inputs(seed=0, dtype="float32")
@@ -176,7 +284,7 @@ def test_example_planted_ragged_bug_is_located():
     assert report.n_diff("rstd", "torch_vs_reference") == 1
     assert report.mismatches("rstd", "torch_vs_reference")[0].startswith("req 4 token 31: [tol] got 0x00000000")
     assert report.n_diff("out", "torch_vs_reference") == 96
-    assert all(m.startswith("req 4 token 31 dim ") for m in report.mismatches("out", "torch_vs_reference"))
+    assert all(re.match(r"(worst: )?req 4 token 31 dim ", m) for m in report.mismatches("out", "torch_vs_reference"))
     assert any("req 4 token 31: got 0x00000000" in m for m in report.mismatches("rstd"))  # the bit comparison too
 
 
@@ -282,14 +390,17 @@ def test_cli_cross_checks_a_pair_from_files(tmp_path):
     ex = "docs/examples"
     argv = ["--torch", f"{ex}/rmsnorm_triton.py:rmsnorm", "--jax", f"{ex}/rmsnorm_pallas.py:rmsnorm",
             "--reference", f"{ex}/rmsnorm_reference.py:rmsnorm", "--inputs", str(npz),
-            "--outputs", "out=token,dim;rstd=token", "--ragged", "query_start_loc", "--json", str(tmp_path / "r.json")]
+            "--outputs", "out=token,dim;rstd=token", "--ragged", "query_start_loc", "--json", str(tmp_path / "r.json"),
+            "--special-values"]
     if not GPU:
         argv.append("--no-bitwise")
     res = _cross(argv)
     d = json.loads((tmp_path / "r.json").read_text())
     assert d["outputs"]["out"]["axes"] == ["token", "dim"]
     assert res.returncode == 0 and d["ok"], res.stdout + res.stderr
-    assert d["required"] == (["torch_vs_jax"] if GPU else []) + ["torch_vs_reference", "jax_vs_reference"]
+    assert d["required"] == (["torch_vs_jax"] if GPU else []) + ["torch_vs_reference", "jax_vs_reference",
+                                                                 "special_torch_vs_jax"]
+    assert len(d["special"]) == 10 and d["outputs"]["rstd"]["audit"]["imprecise"] is False
     assert "cross_check docs/examples/rmsnorm_triton.py:rmsnorm vs" in res.stdout
 
 
@@ -301,19 +412,36 @@ def test_cli_cross_exits_1_on_a_parity_failure(tmp_path):
     assert res.returncode == 1 and "i 0: got 0x" in res.stdout
 
 
-def test_cli_cross_usage_errors(tmp_path):
-    res = _cross(["--torch", "no_such_module:f", "--jax", "docs/examples/rmsnorm_pallas.py:rmsnorm",
-                  "--inputs", str(tmp_path / "missing.npz")])
-    assert res.returncode == 2 and "error:" in res.stderr
+def test_cli_cross_usage_errors_name_the_flag(tmp_path):
+    good = "docs/examples/rmsnorm_pallas.py:rmsnorm"
+    npz = tmp_path / "in.npz"
+    np.savez(npz, x=np.ones(4, np.float32))
+    truncated = tmp_path / "cut.npz"
+    truncated.write_bytes(npz.read_bytes()[:40])
+    cases = [
+        (["--torch", "nosuch:fn", "--jax", good, "--inputs", str(npz)], "error: --torch 'nosuch:fn': cannot import"),
+        (["--torch", good, "--jax", "tests/none.py:f", "--inputs", str(npz)], "error: --jax 'tests/none.py:f': no file"),
+        (["--torch", good, "--jax", good, "--reference", "nocolon", "--inputs", str(npz)],
+         "error: --reference 'nocolon': expected MODULE:FUNCTION"),
+        (["--torch", good, "--jax", good, "--inputs", str(tmp_path / "missing.npz")], "error: --inputs "),
+        (["--torch", good, "--jax", good, "--inputs", str(truncated)], "not a readable .npz"),
+    ]
+    for argv, message in cases:
+        res = _cross(argv)
+        assert res.returncode == 2 and message in res.stderr, (argv, res.stderr)
+        assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
-def test_docs_snippet_runs():
-    """The first ```python block of docs/parity-library.md, as a reader would run it (from the repo root)."""
+@pytest.mark.parametrize("block, expect", [(0, ("cross_check rmsnorm", "req 4 token 31", "audit out: reference")),
+                                           (1, ("audit lse: reference float64", "special values planted at: x["))])
+def test_docs_snippets_run(block, expect):
+    """The ```python blocks of docs/parity-library.md (the quick start, the error model), as a reader would run
+    them (from the repo root)."""
     with open(os.path.join(ROOT, "docs", "parity-library.md")) as f:
         text = f.read()
-    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    code = re.findall(r"```python\n(.*?)```", text, re.S)[block]
     env = dict(os.environ, PYTHONPATH=ROOT)
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "cross_check rmsnorm" in res.stdout and "req 4 token 31" in res.stdout
+    assert all(e in res.stdout for e in expect), res.stdout

@@ -31,182 +31,16 @@ import dataclasses
 import math
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import torch
 
 from parity.library import bridge
-
-# Value classes (`value_class`).
-FINITE, POS_INF, NEG_INF, NAN = 0, 1, 2, 3
-CLASS_NAMES = {FINITE: "finite", POS_INF: "+inf", NEG_INF: "-inf", NAN: "nan"}
-
-LAYOUTS = ("THD", "HT", "TH", "flat")
-_AXES = {"THD": ("token", "head", "dim"), "HT": ("head", "token"), "TH": ("token", "head")}
-
-ULP_BUCKETS = ("0", "1", "2", "3-4", "5-8", "9-16", ">16")
-_BUCKET_EDGES = (0, 1, 2, 4, 8, 16)  # bucketize(right=False): x <= edge[i] lands in bucket i
-
-_CHUNK = 1 << 24  # elements per device chunk: bounds the temporaries (~10 int64/f64 arrays of a chunk)
-MAX_SHOWN = 8
-
-
-@dataclasses.dataclass(frozen=True)
-class _Format:
-    short: str  # name in reports
-    int_dtype: torch.dtype  # same-width signed integer for bit views
-    width: int  # bits
-    exp_mask: int | None  # IEEE exponent field (None: e4m3fn, which has no inf)
-    np_dtype: np.dtype
-    unit_roundoff: float  # half the gap between 1 and the next value
-
-
-_FORMATS = {
-    torch.float32: _Format("fp32", torch.int32, 32, 0x7F800000, np.dtype(np.float32), 2.0**-24),
-    torch.float16: _Format("fp16", torch.int16, 16, 0x7C00, np.dtype(np.float16), 2.0**-11),
-    torch.bfloat16: _Format("bf16", torch.int16, 16, 0x7F80, np.dtype(ml_dtypes.bfloat16), 2.0**-8),
-    torch.float8_e4m3fn: _Format("fp8e4m3", torch.int8, 8, None, np.dtype(ml_dtypes.float8_e4m3fn), 2.0**-4),
-    torch.float8_e5m2: _Format("fp8e5m2", torch.int8, 8, 0x7C, np.dtype(ml_dtypes.float8_e5m2), 2.0**-3),
-}
-_NP_INT = {8: np.int8, 16: np.int16, 32: np.int32}
-
-
-@dataclasses.dataclass(frozen=True)
-class Tolerance:
-    """`|got - want| <= atol + rtol * mag`, elementwise, in float64."""
-
-    rtol: float
-    atol: float
-
-    def describe(self) -> str:
-        return f"|got-want| <= {self.atol:.3g} + {self.rtol:.4g}*mag"
-
-
-_F32_COMPUTE = 16 * 2.0**-24  # f32 math of the merge: exp, divide, multiply-add, log (a few ulp each)
-
-TOLERANCES: dict[str, Tolerance] = {
-    "float32": Tolerance(rtol=2.0**-24 + _F32_COMPUTE + 2.0**-24, atol=2.0**-120),
-    "float16": Tolerance(rtol=2.0**-11 + _F32_COMPUTE + 2.0**-24, atol=2.0**-24),
-    "bfloat16": Tolerance(rtol=2.0**-8 + _F32_COMPUTE + 2.0**-24, atol=2.0**-120),
-    "float8_e4m3fn": Tolerance(rtol=2.0**-4 + _F32_COMPUTE + 2.0**-24, atol=2.0**-9),
-    "float8_e5m2": Tolerance(rtol=2.0**-3 + _F32_COMPUTE + 2.0**-24, atol=2.0**-16),
-    "lse": Tolerance(rtol=2.0**-24 + _F32_COMPUTE, atol=2.0**-20),
-}
-"""Tolerances of float outputs against the float64 reference (docs/spec.md 5: on CPU the interpreters do not
-agree bitwise, so the merge is checked against float64 within these bounds; the mask is exact).
-
-Derivation. The kernels compute in f32 and round once, at the store, to the output dtype with unit
-roundoff u (half an ULP at 1): u = 2^-24 (fp32), 2^-11 (fp16), 2^-8 (bf16), 2^-4 (fp8 e4m3). Let
-`mag = |a|*wp + |b|*ws` (float64; `parity.harness.expected.merge_out_magnitude`), the size of the terms before any cancellation.
-The f32 evaluation of `a*wp + b*ws` (exp and divide within a few f32 ULPs, FMA or not, FTZ or not) errs
-by at most e*mag with e = 16 * 2^-24 = 2^-20. Rounding that f32 value y to the output dtype adds at most
-u*|y| <= u*(1 + e)*mag. Hence `rtol = u + e + 2^-24` (the last term bounds u*e). `|want| <= mag`, so the
-default `mag = |want|` is valid for a plain rounding and stricter otherwise.
-
-atol covers what scales with nothing: fp16 and fp8 round tiny values to multiples of their smallest
-subnormal (2^-24, 2^-9, e5m2 2^-16: a full quantum, half for the rounding, half for a flushed f32 intermediate); for
-fp32 and bf16 (8-bit exponent) a flushed f32 intermediate (< 2^-126) times a partial value (< 64) stays
-below 2^-120. fp8 outputs are `out / scale`: pass `mag / scale`.
-
-LSE (`lse = log(z) + m`, f32 out): log and the final add err by a few f32 ULPs of |m| + log(z) with
-0 <= log(z) <= ln 2, and |lse| >= |m| - ln 2, so `rtol = 2^-24 + 2^-20` relative to |lse| plus
-`atol = 2^-20` absolute (16 ULP at 1, for |lse| near 0). Base-2 LSEs add one f32 multiply each way.
-"""
-
-_DTYPE_KEY = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-              torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
-
-
-def tolerance_for(dtype: torch.dtype | str, *, lse: bool = False) -> Tolerance:
-    """The `TOLERANCES` entry of an output dtype (or the LSE entry)."""
-    if lse:
-        return TOLERANCES["lse"]
-    key = _DTYPE_KEY.get(dtype, dtype) if isinstance(dtype, torch.dtype) else str(dtype)
-    if key not in TOLERANCES:
-        raise TypeError(f"no tolerance for {dtype=}; known: {sorted(TOLERANCES)}")
-    return TOLERANCES[key]
-
-
-# --------------------------------------------------------------------------------------------------------
-# Bits, ordered integers, value classes
-
-
-def _as_torch(x: Any, device: torch.device | None = None) -> torch.Tensor:
-    """torch tensor as is; JAX array zero-copy through the bridge; numpy uploaded. Moved to `device`."""
-    if isinstance(x, torch.Tensor):
-        t = x
-    elif isinstance(x, np.ndarray):
-        t = bridge.to_torch(x, device or "cpu")
-    elif bridge._is_jax_array(x):
-        t = bridge.jax_to_torch(x)
-    else:
-        raise TypeError(f"expected a torch tensor, jax array or numpy array, got {type(x)=}")
-    if device is not None and t.device != device:
-        t = t.to(device)
-    return t
-
-
-def _format_of(dtype: torch.dtype) -> _Format:
-    try:
-        return _FORMATS[dtype]
-    except KeyError:
-        raise TypeError(f"{dtype=} is not a compared float dtype; supported: {list(_FORMATS)}") from None
-
-
-def raw_bits(x: Any) -> torch.Tensor:
-    """The bits of a float tensor as a same-width signed integer tensor (a view when `x` allows)."""
-    t = _as_torch(x)
-    return t.view(_format_of(t.dtype).int_dtype)
-
-
-def ordered_bits(x: Any) -> torch.Tensor:
-    """int64 positions of the values on an ordered integer line: ULP distance = |ordered(a) - ordered(b)|.
-
-    IEEE-like formats are sign-magnitude; mapping a negative value to -(magnitude bits) makes the line
-    monotonic in the value, with +0 and -0 both at 0. Infinities sit one step past the largest finite
-    value. NaN positions are meaningless (callers exclude NaN by `value_class`).
-    """
-    t = _as_torch(x)
-    fmt = _format_of(t.dtype)
-    b = t.view(fmt.int_dtype).to(torch.int64)
-    magnitude = b & ((1 << (fmt.width - 1)) - 1)
-    return torch.where(b < 0, -magnitude, magnitude)
-
-
-def ulp_distance(a: Any, b: Any) -> torch.Tensor:
-    """int64 |ordered(a) - ordered(b)| elementwise, in the (shared) native dtype of a and b."""
-    a, b = _as_torch(a), _as_torch(b)
-    if a.dtype != b.dtype:
-        raise TypeError(f"ULP distance needs one dtype: {a.dtype=} {b.dtype=}")
-    return (ordered_bits(a) - ordered_bits(b.to(a.device))).abs()
-
-
-def value_class(x: Any) -> torch.Tensor:
-    """int8 class per element: FINITE (0), POS_INF (1), NEG_INF (2), NAN (3).
-
-    Float formats are decoded from their bits (works for fp8, where torch lacks isinf/isnan kernels on
-    some devices); float64 through isnan/isinf. fp8 e4m3fn has no infinity: its classes are finite/NaN.
-    """
-    t = _as_torch(x)
-    if t.dtype == torch.float64:
-        cls = torch.zeros(t.shape, dtype=torch.int8, device=t.device)
-        cls[torch.isposinf(t)] = POS_INF
-        cls[torch.isneginf(t)] = NEG_INF
-        cls[torch.isnan(t)] = NAN
-        return cls
-    fmt = _format_of(t.dtype)
-    b = t.view(fmt.int_dtype).to(torch.int64)
-    magnitude = b & ((1 << (fmt.width - 1)) - 1)
-    cls = torch.zeros(t.shape, dtype=torch.int8, device=t.device)
-    if fmt.exp_mask is None:  # e4m3fn: S.1111.111 is NaN, nothing is inf
-        cls[magnitude == 0x7F] = NAN
-        return cls
-    is_inf = magnitude == fmt.exp_mask
-    cls[is_inf & (b >= 0)] = POS_INF
-    cls[is_inf & (b < 0)] = NEG_INF
-    cls[magnitude > fmt.exp_mask] = NAN
-    return cls
-
+# Also the names of parity.library.compare for its callers (the bits, the scan, the tolerance table).
+from parity.library.bits import (CLASS_NAMES, FINITE, NAN, NEG_INF, POS_INF, _as_torch, _format_of, _FORMATS,
+                                 _native, ordered_bits, raw_bits, ulp_distance, value_class)
+from parity.library.scan import (LAYOUTS, MAX_SHOWN, ULP_BUCKETS, _Accumulator, _Locator, _chunk_of, _mask_chunk,
+                                 _pick_layout, _row_chunks, _shape_of, _show)
+from parity.library.tolerances import TOLERANCES, Tolerance, tolerance_for
 
 # --------------------------------------------------------------------------------------------------------
 # Report
@@ -229,7 +63,7 @@ class Report:
     tolerance: str
     ok: bool
     context: str = ""
-    kind: str = "bitwise"  # or "reference"
+    kind: str = "bitwise"  # or "reference", or "classes" (value classes only: `parity.library.special`)
     n_exact: int = 0  # elements checked bit for bit (reference mode)
     n_exact_mismatch: int = 0
     n_tol_fail: int = 0
@@ -242,6 +76,8 @@ class Report:
         ulp = "n/a" if self.max_ulp is None else f"{self.max_ulp:,}"
         if self.kind == "bitwise":
             return f"{where}: {self.n_diff:,} / {self.n:,} differ, max {ulp} ulp, {classes}"
+        if self.kind == "classes":
+            return f"{where}: {self.n_diff:,} / {self.n:,} differ in value class"
         ratio = "n/a" if self.max_err_ratio is None else f"{self.max_err_ratio:.3g}"
         return (f"{where}: {self.n_diff:,} / {self.n:,} fail (class {self.n_class_mismatch:,}, "
                 f"exact {self.n_exact_mismatch:,} of {self.n_exact:,}, tolerance {self.n_tol_fail:,}), "
@@ -250,6 +86,8 @@ class Report:
     def format(self) -> str:
         lines = [self.header()]
         lines += [f"  {m}" for m in self.first_mismatches]
+        if self.kind == "classes":
+            return "\n".join(lines)
         hist = ", ".join(f"{k}: {v:,}" for k, v in self.ulp_hist.items() if v)
         lines.append(f"  ulp histogram: {hist or 'empty'}")
         if self.kind == "reference":
@@ -267,150 +105,6 @@ class Report:
     def __str__(self) -> str:
         return self.format()
 
-
-# --------------------------------------------------------------------------------------------------------
-# Chunked scans
-
-
-def _number(v: float) -> str:
-    if math.isnan(v):
-        return "nan"
-    if math.isinf(v):
-        return "inf" if v > 0 else "-inf"
-    s = f"{v:.5g}"
-    return s + ".0" if s.lstrip("-").isdigit() else s
-
-
-def _native(bits: int, fmt: _Format) -> tuple[str, str]:
-    """(hex bits, value) of one element given its signed bits."""
-    unsigned = bits & ((1 << fmt.width) - 1)
-    value = float(np.array(bits, dtype=_NP_INT[fmt.width]).view(fmt.np_dtype)[()])
-    return f"0x{unsigned:0{fmt.width // 4}x}", _number(value)
-
-
-class _Locator:
-    """Names an element by layout axes and, through query_start_loc, its request.
-
-    `layout` is one of `LAYOUTS` or a tuple of axis names, one per dimension (any names: `parity.library.crosscheck`);
-    then `query_start_loc` indexes the axis named `ragged_axis` and the axes are named in array order.
-    """
-
-    def __init__(self, shape: tuple[int, ...], layout: str | tuple[str, ...] | None, query_start_loc: Any,
-                 ragged_axis: str = "token"):
-        if layout is None:
-            layout = {3: "THD", 2: "HT"}.get(len(shape), "flat")
-        if isinstance(layout, (tuple, list)):
-            self.axes, self.order = tuple(str(a) for a in layout), tuple(str(a) for a in layout)
-            self.ragged_axis = ragged_axis
-            if len(self.axes) != len(shape):
-                raise ValueError(f"axes {self.axes} name {len(self.axes)} dims, got {shape=}")
-        elif layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS} or a tuple of axis names, got {layout!r}")
-        elif layout != "flat" and len(_AXES[layout]) != len(shape):
-            raise ValueError(f"layout {layout!r} needs {len(_AXES[layout])} dims, got {shape=}")
-        else:
-            self.axes = _AXES.get(layout, ())
-            self.order, self.ragged_axis = ("head", "token", "dim"), "token"
-        self.shape, self.layout = shape, layout
-        self.qsl = None
-        if query_start_loc is not None:
-            self.qsl = np.asarray(bridge.to_numpy(query_start_loc), dtype=np.int64).reshape(-1)
-            if self.qsl.size < 1:
-                raise ValueError(f"query_start_loc needs at least one entry, got {self.qsl.shape=}")
-
-    def __call__(self, flat: int) -> str:
-        idx = tuple(int(i) for i in np.unravel_index(flat, self.shape)) if self.shape else ()
-        if self.layout == "flat":
-            return f"index {idx}"
-        named = dict(zip(self.axes, idx))
-        parts = []
-        if self.qsl is not None and self.ragged_axis in named:
-            t = named[self.ragged_axis]
-            if t >= self.qsl[-1]:
-                parts.append("padding")
-            else:
-                parts.append(f"req {int(np.searchsorted(self.qsl, t, side='right')) - 1}")
-        parts += [f"{axis} {named[axis]}" for axis in self.order if axis in named]
-        return " ".join(parts)
-
-    def token_axis(self) -> int | None:
-        return self.axes.index(self.ragged_axis) if self.ragged_axis in self.axes else None
-
-
-def _pick_layout(layout: str | None, lse_layout: str | None, ndim: int) -> str | None:
-    if layout is None and lse_layout is not None and ndim == 2:
-        if lse_layout not in ("HT", "TH"):
-            raise ValueError(f"lse_layout must be 'HT' or 'TH', got {lse_layout!r}")
-        return lse_layout
-    return layout
-
-
-def _row_chunks(n_rows: int, row_numel: int):
-    rows = max(1, _CHUNK // max(1, row_numel))
-    for i in range(0, n_rows, rows):
-        yield i, min(n_rows, i + rows)
-
-
-def _chunk_of(x: Any, i: int, j: int, device: torch.device) -> torch.Tensor:
-    """Rows [i, j) of a full-shape operand (torch, numpy or jax) as a flat tensor on `device`."""
-    if isinstance(x, np.ndarray):
-        return bridge.to_torch(x[i:j], device).reshape(-1)
-    return _as_torch(x)[i:j].to(device).reshape(-1)
-
-
-def _shape_of(x: Any) -> tuple[int, ...]:
-    return tuple(int(s) for s in x.shape)
-
-
-class _Accumulator:
-    def __init__(self, max_shown: int):
-        self.max_shown = max_shown
-        self.counts: dict[str, int] = {}
-        self.hist = torch.zeros(len(ULP_BUCKETS), dtype=torch.int64)
-        self.max_ulp: int | None = None
-        self.examples: list[tuple[int, dict]] = []  # (flat index, fields)
-        self.worst: tuple[float, int, dict] | None = None  # (score, flat index, fields)
-
-    def count(self, key: str, mask: torch.Tensor) -> None:
-        self.counts[key] = self.counts.get(key, 0) + int(mask.sum().item())
-
-    def ulps(self, ulp: torch.Tensor, valid: torch.Tensor) -> None:
-        u = ulp[valid]
-        if u.numel() == 0:
-            return
-        edges = torch.tensor(_BUCKET_EDGES, dtype=torch.int64, device=u.device)
-        self.hist += torch.bincount(torch.bucketize(u, edges), minlength=len(ULP_BUCKETS)).cpu()
-        m = int(u.max().item())
-        self.max_ulp = m if self.max_ulp is None else max(self.max_ulp, m)
-
-    def examples_from(self, base: int, fail: torch.Tensor, fields: dict[str, torch.Tensor]) -> None:
-        need = self.max_shown - len(self.examples)
-        if need <= 0:
-            return
-        idx = fail.nonzero().flatten()[:need]
-        if idx.numel() == 0:
-            return
-        got = {k: v[idx].tolist() for k, v in fields.items()}
-        for n, i in enumerate(idx.tolist()):
-            self.examples.append((base + i, {k: v[n] for k, v in got.items()}))
-
-    def worst_from(self, base: int, score: torch.Tensor, fields: dict[str, torch.Tensor]) -> None:
-        """Keeps the element with the highest score (score < 0: not a candidate)."""
-        if score.numel() == 0:
-            return
-        value, i = torch.max(score, dim=0)
-        value = float(value.item())
-        if value < 0 or (self.worst is not None and value <= self.worst[0]):
-            return
-        i = int(i.item())
-        self.worst = (value, base + i, {k: v[i].item() for k, v in fields.items()})
-
-
-def _show(acc: _Accumulator, locate: _Locator, line) -> list[str]:
-    shown = [f"{locate(flat)}: {line(f)}" for flat, f in acc.examples]
-    if acc.worst is not None and acc.worst[1] not in {flat for flat, _ in acc.examples}:
-        shown.append(f"worst: {locate(acc.worst[1])}: {line(acc.worst[2])}")
-    return shown
 
 
 def _check_pair(got: torch.Tensor, want_shape: tuple[int, ...], what: str) -> None:
@@ -478,38 +172,6 @@ def compare_bits(got: Any, want: Any, *, name: str = "", query_start_loc: Any = 
         ulp_hist=dict(zip(ULP_BUCKETS, acc.hist.tolist())), classes_agree=n_class == 0,
         n_class_mismatch=n_class, first_mismatches=_show(acc, locate, line) if n_diff else [],
         tolerance="identical bits", ok=n_diff == 0, context=context, kind="bitwise")
-
-
-def _mask_chunk(mask: Any, locate: _Locator, shape: tuple[int, ...], i: int, j: int,
-                device: torch.device) -> torch.Tensor | bool:
-    """Rows [i, j) of a bool mask given as a scalar, a full-shape array or a token mask bool[T]."""
-    if isinstance(mask, (bool, np.bool_)):
-        return bool(mask)
-    if isinstance(mask, torch.Tensor):
-        m = mask
-    else:
-        m = np.asarray(bridge.to_numpy(mask))
-        if m.dtype != np.bool_:
-            raise TypeError(f"masks must be bool, got {m.dtype=}")
-        if m.shape == shape:  # copy just the rows (the mask may be a read-only broadcast view)
-            return torch.from_numpy(np.array(m[i:j])).to(device).reshape(-1)
-        m = torch.from_numpy(np.array(m))
-    if m.dtype != torch.bool:
-        raise TypeError(f"masks must be bool, got {m.dtype=}")
-    if tuple(m.shape) == shape:
-        return m[i:j].to(device).reshape(-1)
-    axis = locate.token_axis()
-    if m.dim() == 1 and axis is not None and m.shape[0] == shape[axis]:
-        rows = list(shape)
-        rows[0] = j - i
-        view = [1] * len(shape)
-        view[axis] = shape[axis]
-        full = m.to(device).view(view)
-        if axis == 0:
-            full = full[i:j]
-        return full.expand(rows).reshape(-1)
-    raise ValueError(f"mask shape {tuple(m.shape)} is neither the full shape {shape} nor a token mask "
-                     f"bool[T] for layout {locate.layout!r}")
 
 
 def compare_to_reference(got: Any, want: Any, *, name: str = "", tol: Tolerance | str | None = None,
