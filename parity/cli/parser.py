@@ -1,208 +1,11 @@
-"""Command line: `python -m parity check|bench|demo|export|verify|cross|probe|loop`.
-
-Progress goes to stderr, tables to stdout, machine-readable output only to JSON files. Exit status: 0 success,
-1 parity failure, 2 usage error (argparse).
-
-The run mode is fixed here (`parity.harness.impls.configure`), before anything imports `triton_impl`: without CUDA,
-Triton kernels run in its interpreter (`TRITON_INTERPRET=1` is read when the kernels are imported) and Pallas
-kernels in interpret mode; `XLA_PYTHON_CLIENT_PREALLOCATE=false` lets torch and JAX share a GPU.
-Each subcommand is one handler `_<command>(args) -> exit status` and one parser block in `build_parser`; the
-handler holds the command's printing and exit status and calls its module's library functions (run a check and
-return records, export, verify, measure...), imported inside the handler, so the others work when one is missing.
-"""
+"""The argparse parser of `python -m parity`: one block per subcommand, each bound to its handler."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
-SUITES = ("ci", "default", "full", "seed")
-
-
-def _write_json(path: str, report: dict) -> None:
-    from parity.library.crosscheck import jsonable
-
-    with open(path, "w") as f:
-        json.dump(jsonable(report), f, indent=1)
-        f.write("\n")
-
-
-def _check(args) -> int:
-    """`python -m parity check`: 0 every record ok, 1 parity failure, 2 no case selected."""
-    from parity.harness import check
-
-    if not check.select(args.suite, args.name_filter, args.shard):
-        print(f"error: no case in suite {args.suite!r} matches -k {args.name_filter!r}"
-              + (f" in shard {args.shard[0]}/{args.shard[1]}" if args.shard else ""), file=sys.stderr)
-        return EXIT_USAGE
-    rt, records = check.run_check(suite=args.suite, name_filter=args.name_filter, seed=args.seed, shard=args.shard,
-                                  progress=None if args.quiet else sys.stderr)
-    print(check.format_table(records))
-    ok = all(r.ok for r in records)
-    print(f"{rt.mode}: {sum(r.ok for r in records)}/{len(records)} ok" + ("" if ok else " -- PARITY FAILURE"))
-    if args.json:
-        _write_json(args.json, check.build_report(rt, records, suite=args.suite, name_filter=args.name_filter,
-                                                  seed=args.seed, argv=args.argv, shard=args.shard))
-    return EXIT_OK if ok else EXIT_FAIL
-
-
-def _export(args) -> int:
-    """`python -m parity export`: 0 written, 2 no case selected."""
-    from parity.harness import cases, golden
-
-    selected = cases.select(args.suite, args.name_filter, kind="all")
-    if not selected:
-        print(f"error: no case in suite {args.suite!r} matches -k {args.name_filter!r}", file=sys.stderr)
-        return EXIT_USAGE
-    manifest = golden.export(args.dir, selected, seed=args.seed, argv=args.argv,
-                             progress=None if args.quiet else sys.stderr)
-    print(f"wrote {len(manifest['cases'])} cases and {golden.MANIFEST} to {args.dir}")
-    return EXIT_OK
-
-
-def _verify(args) -> int:
-    """`python -m parity verify`: 0 every case ok; 1 a failure, or a folder, file or callable that cannot be used
-    (one line naming it)."""
-    from parity.harness import golden
-    from parity.library.loading import LoadError
-
-    impl = args.impl or "outputs"
-    try:
-        rows, ok = golden.verify(args.dir, args.impl, outputs_dir=args.outputs, name_filter=args.name_filter,
-                                 progress=None if args.quiet else sys.stderr)
-    except (golden.GoldenError, LoadError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_FAIL
-    print(golden.format_rows(rows, impl))
-    if args.json:
-        _write_json(args.json, golden.build_report(rows, ok, golden_dir=args.dir, impl=impl, outputs_dir=args.outputs,
-                                                   argv=args.argv))
-    return EXIT_OK if ok else EXIT_FAIL
-
-
-def _cross(args) -> int:
-    """`python -m parity cross`: 0 ok, 1 parity failure, 2 usage error."""
-    from parity.library import loading
-    from parity.library.crosscheck import cross_check
-
-    try:
-        torch_fn = loading.load_callable(args.torch, "--torch")
-        jax_fn = loading.load_callable(args.jax, "--jax")
-        reference = loading.load_callable(args.reference, "--reference") if args.reference else None
-        inputs = loading.load_inputs(args.inputs, "--inputs")
-        ragged = None
-        if args.ragged:
-            name, _, axis = args.ragged.partition(":")
-            ragged = (name, axis or "token")
-        report = cross_check(torch_fn, jax_fn, inputs, reference=reference,
-                             outputs=loading.parse_outputs(args.outputs), ragged=ragged, bitwise=args.bitwise,
-                             name=f"{args.torch} vs {args.jax}", cast_to_narrower=args.cast_to_narrower,
-                             special_values=args.special_values)
-    except (OSError, ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    print(report)
-    if args.json:
-        report.to_json(args.json)
-    return EXIT_OK if report.ok else EXIT_FAIL
-
-
-def _bench(args) -> int:
-    """`python -m parity bench`: 0 ok, 1 a point or check failed (errors in the JSON), 2 usage error."""
-    if getattr(args, "_bench_import_error", None) is not None:
-        print(f"error: `bench` is unavailable: {args._bench_import_error}", file=sys.stderr)
-        return EXIT_USAGE
-    from parity.tools import bench
-
-    if args.replot:
-        with open(args.replot) as f:
-            print(bench.format_table(json.load(f)))
-        if args.plot:
-            bench.plot_from_json(args.replot, args.plot)
-        return EXIT_OK
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
-    try:
-        import torch
-    except ImportError as e:
-        print(f"error: bench needs torch: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    has_cuda = torch.cuda.is_available()
-    if mode != "smoke" and not has_cuda:
-        print("error: `bench` measures on a CUDA GPU and none is visible; use --smoke to check the plumbing",
-              file=sys.stderr)
-        return EXIT_USAGE
-    doc = bench.measure(args, mode, "cuda" if has_cuda else "cpu", argv=args.argv)
-    print(bench.format_table(doc), flush=True)
-    if args.plot:  # the PNG is drawn from the JSON only: a temporary one without --json
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as tmp:
-            path = args.json or os.path.join(tmp, "bench.json")
-            if not args.json:
-                bench.write_json(doc, path)
-            bench.plot_from_json(path, args.plot)
-        if not args.quiet:
-            print(f"plot written to {args.plot}", file=sys.stderr)
-    return EXIT_FAIL if doc["errors"] else EXIT_OK
-
-
-def _demo(args) -> int:
-    try:
-        from parity.tools import demo
-    except ImportError as e:
-        print(f"error: `demo` is unavailable: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    if args.cp:
-        from parity.tools import demo_cp
-
-        rows, ok = demo_cp.run_cp_demo(cp=args.cp, interleave=args.interleave, framework=args.framework,
-                                       size=args.size, seed=args.seed)
-    else:
-        rows, ok = demo.run_demo(framework=args.framework, device=args.device, size=args.size, seed=args.seed,
-                                 backend=args.backend)
-    print(demo.format_demo_table(rows))
-    return EXIT_OK if ok else EXIT_FAIL
-
-
-def _probe(args) -> int:
-    """`python -m parity probe`: 0 when every backend was probed or listed with its reason, 2 on a usage error."""
-    from parity.tools import probe
-
-    try:
-        report = (probe.run_isolated if args.isolate else probe.run_probe)(
-            backends=args.backend, merge_impl=args.merge_impl, seed=args.seed, end_to_end=not args.no_end_to_end,
-            argv=args.argv, progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    print(probe.format_table(report))
-    if args.json:
-        probe.write_json(report, args.json)
-    return EXIT_OK
-
-
-def _loop(args) -> int:
-    """`python -m parity loop`: 0 every row clean (replay / repeat bits equal, no re-trace), 1 otherwise."""
-    try:
-        from parity.tools import loop
-    except ImportError as e:
-        print(f"error: `loop` is unavailable: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        chunks = tuple(int(c) for c in args.chunks.split(","))
-        report, ok = loop.run_loop(framework=args.framework, chunks=chunks, size=args.size,
-                                   num_batches=args.batches, seed=args.seed, measure=args.measure,
-                                   merge_impl=args.merge_impl)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    print(loop.format_loop_table(report))
-    if args.json:
-        loop.write_json(report, args.json, args.argv)
-    return EXIT_OK if ok else EXIT_FAIL
+from parity.cli import handlers as h
+from parity.cli.codes import SUITES
 
 
 def _shard_arg(text: str) -> tuple[int, int]:
@@ -283,17 +86,6 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
-def _cp_ranks(argv: list[str]) -> int:
-    """The N of `demo --cp N` (0 otherwise), read before JAX starts (it fixes its CPU device count then)."""
-    if argv[:1] != ["demo"]:
-        return 0
-    for i, a in enumerate(argv):
-        value = a.split("=", 1)[1] if a.startswith("--cp=") else (argv[i + 1] if a == "--cp" and i + 1 < len(argv) else None)
-        if value is not None:
-            return int(value) if value.isdigit() else 0
-    return 0
-
-
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m parity",
@@ -310,13 +102,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", default=None, help="write the JSON report to FILE")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     _add_pallas_backend(p)
-    p.set_defaults(func=_check)
+    p.set_defaults(func=h.check)
 
     p = sub.add_parser("export", help="write golden vectors (inputs + float64-reference expectations)")
     p.add_argument("dir", metavar="DIR", help="output folder (created; existing files are overwritten)")
     _add_selection(p, "default")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    p.set_defaults(func=_export)
+    p.set_defaults(func=h.export)
 
     p = sub.add_parser("verify", help="check an implementation (this project's or a port) against golden vectors")
     p.add_argument("dir", metavar="DIR", help="folder holding manifest.json and the .npz files")
@@ -331,7 +123,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", default=None, help="write the JSON report to FILE")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     _add_pallas_backend(p)
-    p.set_defaults(func=_verify)
+    p.set_defaults(func=h.verify)
 
     p = sub.add_parser("cross", help="cross-check any PyTorch <-> JAX kernel pair on inputs from a .npz "
                                      "(docs/parity-library.md)")
@@ -355,11 +147,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    help="also run the pair with NaN, +-inf, -0.0 and subnormals planted in the float inputs and "
                         "require both sides to agree on the value class of every output")
     p.add_argument("--json", metavar="FILE", default=None, help="write the JSON report to FILE")
-    p.set_defaults(func=_cross)
+    p.set_defaults(func=h.cross)
 
     # bench defines its own options; import it only when it is the command being parsed.
     p = sub.add_parser("bench", help="benchmarks on the docs/spec.md 7 workloads (see parity/tools/bench/)")
-    p.set_defaults(func=_bench, _bench_import_error=None)
+    p.set_defaults(func=h.bench, _bench_import_error=None)
     if argv is not None and argv[:1] == ["bench"]:
         try:
             add_bench_arguments(p)
@@ -386,7 +178,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--interleave", type=int, default=1, metavar="I",
                    help="with --cp: KV token j on rank (j // I) %% N (default: 1)")
     _add_pallas_backend(p)
-    p.set_defaults(func=_demo)
+    p.set_defaults(func=h.demo)
 
     p = sub.add_parser("probe", help="what every attention kernel here leaves in rows that attend to nothing, and "
                                      "whether the merge is safe on it without the mask (docs/porting.md)")
@@ -402,7 +194,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", default=None, help="write the JSON report to FILE ('-': stdout)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     _add_pallas_backend(p)
-    p.set_defaults(func=_probe)
+    p.set_defaults(func=h.probe)
 
     p = sub.add_parser("loop", help="the chunked-context prefill as one captured step: chained in-place merges vs one "
                                     "fused N-way merge, CUDA graph / one jit, vs float64")
@@ -420,24 +212,5 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    help="on a GPU, skip the timings (merges, step, host time per step)")
     p.add_argument("--json", metavar="FILE", default=None, help="write the report (and the environment) to FILE")
     _add_pallas_backend(p)
-    p.set_defaults(func=_loop)
+    p.set_defaults(func=h.loop)
     return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (argparse usage errors give 2)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    from parity.harness import impls
-
-    cp = _cp_ranks(argv)
-    if cp and "jax" not in sys.modules:  # the CP demo's JAX side wants N devices: N CPU devices without a GPU
-        os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={cp}")
-    impls.configure()
-    parser = build_parser(argv)
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse: 2 for a usage error, 0 after --help
-        return int(e.code or 0) if not isinstance(e.code, str) else EXIT_USAGE
-    args.argv = argv
-    impls.set_pallas_backend(getattr(args, "pallas_backend", None))
-    return int(args.func(args))

@@ -1,0 +1,53 @@
+"""Command line: `python -m parity check|bench|demo|export|verify|cross|probe|loop`.
+
+Progress goes to stderr, tables to stdout, machine-readable output only to JSON files. Exit status: 0 success,
+1 parity failure, 2 usage error (argparse).
+
+The run mode is fixed here (`parity.harness.impls.configure`), before anything imports `triton_impl`: without CUDA,
+Triton kernels run in its interpreter (`TRITON_INTERPRET=1` is read when the kernels are imported) and Pallas
+kernels in interpret mode; `XLA_PYTHON_CLIENT_PREALLOCATE=false` lets torch and JAX share a GPU.
+Each subcommand is one handler `_<command>(args) -> exit status` (`parity/cli/handlers.py`) and one parser block
+in `build_parser` (`parity/cli/parser.py`); the handler holds the command's printing and exit status and calls its module's library functions (run a check and
+return records, export, verify, measure...), imported inside the handler, so the others work when one is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from parity.cli.codes import EXIT_FAIL, EXIT_OK, EXIT_USAGE, SUITES
+from parity.cli.parser import add_bench_arguments, build_parser
+
+
+def _cp_ranks(argv: list[str]) -> int:
+    """The N of `demo --cp N` (0 otherwise), read before JAX starts (it fixes its CPU device count then)."""
+    if argv[:1] != ["demo"]:
+        return 0
+    for i, a in enumerate(argv):
+        value = a.split("=", 1)[1] if a.startswith("--cp=") else (argv[i + 1] if a == "--cp" and i + 1 < len(argv) else None)
+        if value is not None:
+            return int(value) if value.isdigit() else 0
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (argparse usage errors give 2)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from parity.harness import impls
+
+    cp = _cp_ranks(argv)
+    if cp and "jax" not in sys.modules:  # the CP demo's JAX side wants N devices: N CPU devices without a GPU
+        os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={cp}")
+    impls.configure()
+    parser = build_parser(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: 2 for a usage error, 0 after --help
+        return int(e.code or 0) if not isinstance(e.code, str) else EXIT_USAGE
+    args.argv = argv
+    impls.set_pallas_backend(getattr(args, "pallas_backend", None))
+    return int(args.func(args))
+
+
+__all__ = ["EXIT_FAIL", "EXIT_OK", "EXIT_USAGE", "SUITES", "add_bench_arguments", "build_parser", "main"]
