@@ -3,7 +3,7 @@
 Modules: `store` (the format: raw-bit storage, the manifest, case parameters, loading with hash checks, and
 the docs' numpy-only rule), `writer` (`export`: the `.npz` files and `manifest.json`), `verifier` (`verify`:
 one implementation, a port's callable or a port's results files, judged by `parity.library`'s comparison
-engine). `python -m parity export` / `verify` are parity/cli.py's.
+engine). `python -m parity export` / `verify` are parity/cli/'s.
 """
 
 from parity.harness.golden.store import (FORMAT, FORMAT_VERSION, MANIFEST, OPS, SEMANTICS_VERSION, SPEC_SECTIONS,

@@ -21,7 +21,7 @@ breaks the unfixed path: the merge reads -inf (FA3) as empty and normalises +inf
 
 Modules: `modelled` (the batch and the modelled backends), `real` (real attention kernels), `chain` (the paths'
 masks and merges, through `parity.harness.impls`), `rows` (the comparison with the reference, the verdict, the
-table). `run_demo` runs one; `format_demo_table` renders its rows; the command is parity/cli.py's.
+table). `run_demo` runs one; `format_demo_table` renders its rows; the command is parity/cli/'s.
 """
 
 from __future__ import annotations
