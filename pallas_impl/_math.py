@@ -18,39 +18,48 @@ LOG2E = 1.4426950408889634
 MOSAIC_MIN_JAX = (0, 11)  # Mosaic GPU: Warpgroup lowering by default, plgpu.kernel(out_type=...), its interpreter
 
 
-def natural_lse(x, lse_base2: bool):
-    """An LSE tile as the merges read it (docs/spec.md 4.1): natural log, +inf and NaN as -inf."""
-    if lse_base2:
-        x = x * LN2
+def clean_lse(x):
+    """An LSE tile as the merges read it (docs/spec.md 4.1): +inf and NaN as -inf. No base conversion: a base-2
+    LSE stays base 2 and the merge works in base 2 (`exp_base`, `merged_lse`), so an identity stays exact."""
     return jnp.where((x == jnp.inf) | (x != x), -jnp.inf, x)
 
 
-def stored_lse(lse, lse_base2: bool):
-    """A merged natural-log LSE tile in the caller's base."""
-    return lse * LOG2E if lse_base2 else lse
+def exp_base(x, lse_base2: bool):
+    """exp(x), or 2^x for base-2 LSEs (docs/spec.md 4.3; libdevice `__nv_expf` / `__nv_exp2f` on the GPU)."""
+    return jnp.exp2(x) if lse_base2 else jnp.exp(x)
 
 
-def two_way_weights(p, s):
-    """(m, both_empty, z, wp, ws) of two natural-log LSE tiles whose empty rows are -inf (docs/spec.md 4.2, 4.3):
-    m is 0 where both are empty, z = e_p + e_s."""
+def merged_lse(z, m, empty, lse_base2: bool):
+    """The merge's LSE tile in the LSEs' base (docs/spec.md 4.3): log(z) + m, for base 2 log(z) * log2(e) + m;
+    -inf where every partial is empty (m is 0 there). The product sits behind the select, so no backend contracts
+    it with the add into an FMA."""
+    lz = jnp.log(z)
+    if lse_base2:
+        lz = lz * LOG2E
+    return jnp.where(empty, -jnp.inf, lz) + m
+
+
+def two_way_weights(p, s, lse_base2: bool):
+    """(m, both_empty, z, wp, ws) of two LSE tiles (in their base) whose empty rows are -inf (docs/spec.md 4.2,
+    4.3): m is 0 where both are empty, z = e_p + e_s."""
     m = jnp.maximum(p, s)
     both_empty = m == -jnp.inf
     m = jnp.where(both_empty, 0.0, m)
-    pe = jnp.exp(p - m)
-    se = jnp.exp(s - m)
+    pe = exp_base(p - m, lse_base2)
+    se = exp_base(s - m, lse_base2)
     z = pe + se
     return m, both_empty, z, pe / z, se / z
 
 
-def n_way_max_and_sum(lses):
-    """(m, all_empty, e, z) of N natural-log LSE tiles whose empty rows are -inf (docs/spec.md 8.2): the maximum in
-    index order, 0 where all are empty; e_i = exp(lse_i - m); z their sum in index order."""
+def n_way_max_and_sum(lses, lse_base2: bool):
+    """(m, all_empty, e, z) of N LSE tiles (in their base) whose empty rows are -inf (docs/spec.md 8.2): the maximum
+    in index order, 0 where all are empty; e_i = exp(lse_i - m) (base 2: exp2); z their sum in index order."""
     m = lses[0]
     for x in lses[1:]:
         m = jnp.maximum(m, x)
     all_empty = m == -jnp.inf
     m = jnp.where(all_empty, 0.0, m)
-    e = [jnp.exp(x - m) for x in lses]
+    e = [exp_base(x - m, lse_base2) for x in lses]
     z = e[0]
     for x in e[1:]:
         z = z + x

@@ -3,14 +3,15 @@
 The context-parallel building block: N partials stacked on a leading axis, as an all-gather produces them.
 Grid: `(cdiv(T, BLOCK_T) * cdiv(H, BLOCK_H),)`, head blocks fastest, as the 2-way merge; a program merges a
 [BLOCK_T, BLOCK_H, BLOCK_D] tile of every partial (`_common.MERGE_N_TILES`). The loops over the N partials are
-unrolled at compile time (N is fixed by the deployment: the context-parallel group size). Three passes over
+runtime loops (`range` over the constexpr N, which Triton does not unroll): the compile time does not grow
+with N, and each pass does the spec's operations in index order (docs/spec.md 8). Three passes over
 the partials' LSE tiles: the largest LSE, the sum of the exponentials, then the weighted sum of the outputs;
 an LSE tile is reloaded (from cache) and its exponential recomputed in each pass, which gives the same bits.
 The fused mask finds each token's request once, with the two-level 32-wide compare-and-sum of the mask
 kernel, and reads each partial's own KV offsets.
 
 Float math (docs/spec.md 5), identical to `pallas_impl/merge_n.py` and, at N = 2, to `triton_impl/merge.py`
-operation by operation: f32, libdevice exp and log, no FMA contraction, no flush-to-zero, division with `/`,
+operation by operation: f32, libdevice exp (exp2 for base-2 LSEs) and log, no FMA contraction, no flush-to-zero, division with `/`,
 the sums in index order starting from partial 0, cast only at the store.
 """
 
@@ -23,7 +24,7 @@ import triton
 import triton.language as tl
 
 from triton_impl import _common as c
-from triton_impl.merge import LN2, _exp, _merged_lse, _program_tile, _store_output, _token_requests
+from triton_impl.merge import _clean_lse, _exp_base, _merged_lse, _program_tile, _store_output, _token_requests
 
 @triton.jit
 def _empty_tokens(cu_ptr, req, in_req):
@@ -41,13 +42,9 @@ def _copied_lse(last_raw, last_cu_ptr, req, in_req, FUSED_MASK: tl.constexpr):
 
 
 @triton.jit
-def _partial_lse(lse_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2: tl.constexpr,
-                 FUSED_MASK: tl.constexpr):
-    """f32[BLOCK_T, BLOCK_H]: one partial's LSE tile, natural log, empty rows -inf (8.1)."""
-    lse = tl.load(lse_ptr + lse_offs, mask=th_mask, other=float("-inf"))
-    if LSE_BASE2:
-        lse = lse * LN2
-    lse = tl.where((lse == float("inf")) | (lse != lse), float("-inf"), lse)  # 4.1: +inf and NaN read as -inf
+def _partial_lse(lse_ptr, lse_offs, th_mask, cu_ptr, req, in_req, FUSED_MASK: tl.constexpr):
+    """f32[BLOCK_T, BLOCK_H]: one partial's LSE tile in the LSEs' base, empty rows -inf (8.1)."""
+    lse = _clean_lse(tl.load(lse_ptr + lse_offs, mask=th_mask, other=float("-inf")))  # 4.1
     if FUSED_MASK:  # 8.1: a token of a request with no KV in this partial has LSE -inf
         lse = tl.where(_empty_tokens(cu_ptr, req, in_req)[:, None], float("-inf"), lse)
     return lse
@@ -58,16 +55,17 @@ def _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n,
                  NUM_PARTIALS: tl.constexpr, LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr,
                  INTERPRET: tl.constexpr):
     """(m, all_empty, z) of the N-way weights (8.2, 8.3): the largest LSE (0 where every partial is empty) and
-    z = e_0 + ... + e_{N-1} in index order."""
-    m = _partial_lse(lses_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2, FUSED_MASK)
-    for i in tl.static_range(1, NUM_PARTIALS):
+    z = e_0 + ... + e_{N-1} in index order. Runtime loops over the partials (`range`, not unrolled): the compiled
+    code is the same at every N."""
+    m = _partial_lse(lses_ptr, lse_offs, th_mask, cu_ptr, req, in_req, FUSED_MASK)
+    for i in range(1, NUM_PARTIALS):
         m = tl.maximum(m, _partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n,
-                                       req, in_req, LSE_BASE2, FUSED_MASK))
+                                       req, in_req, FUSED_MASK))
     all_empty = m == float("-inf")
     m = tl.where(all_empty, 0.0, m)
     z = _partial_exp(lses_ptr, stride_lse_n, 0, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, LSE_BASE2,
                      FUSED_MASK, INTERPRET)
-    for i in tl.static_range(1, NUM_PARTIALS):
+    for i in range(1, NUM_PARTIALS):
         z = z + _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
                              LSE_BASE2, FUSED_MASK, INTERPRET)
     return m, all_empty, z
@@ -76,9 +74,9 @@ def _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n,
 @triton.jit
 def _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
                  LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr, INTERPRET: tl.constexpr):
-    """e_i = exp(lse_i - m) of partial i (8.3); its weight is e_i / z."""
-    return _exp(_partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n, req, in_req,
-                             LSE_BASE2, FUSED_MASK) - m, INTERPRET)
+    """e_i = exp(lse_i - m) (base 2: exp2) of partial i (8.3); its weight is e_i / z."""
+    return _exp_base(_partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n, req,
+                                  in_req, FUSED_MASK) - m, LSE_BASE2, INTERPRET)
 
 
 @triton.jit
@@ -142,7 +140,7 @@ def _merge_attn_states_n_kernel(
         w = _partial_exp(lses_ptr, stride_lse_n, 0, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
                          LSE_BASE2, FUSED_MASK, INTERPRET) / z
         out = _weighted(tl.load(outs_ptr + o_offs, mask=thd_mask, other=0.0), w)
-        for i in tl.static_range(1, NUM_PARTIALS - 1):
+        for i in range(1, NUM_PARTIALS - 1):  # a runtime loop, as in _max_and_sum
             w = _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
                              LSE_BASE2, FUSED_MASK, INTERPRET) / z
             out = out + _weighted(tl.load(outs_ptr + i * stride_o_n + o_offs, mask=thd_mask, other=0.0), w)
@@ -174,15 +172,19 @@ def _lses_strides(lses: torch.Tensor, lse_layout: str, num_partials: int, num_he
     return s0, stride_h, stride_t
 
 
+EMPTY = "empty"  # the launch plan of N = 0: no kernel, output 0 and LSE -inf (docs/spec.md 8.2)
+
+
 def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_with_context=None,
                         output_scale=None, *, query_start_loc=None, cu_seq_lens=None, lse_layout="HT",
                         lse_base=math.e, validate=False) -> None:
     """Merge N attention partials by their LSEs (docs/spec.md section 8), in place.
 
     Args:
-      output: dtype[T, H, D] (or float8_e4m3fn with output_scale), any strides. Written in place.
+      output: f32/f16/bf16[T, H, D], any of them whatever the partials' dtype (one rounding at the store), or
+        float8_e4m3fn with output_scale; any strides. Written in place.
       outputs: dtype[N, T, H, D], fp32/fp16/bf16, any strides (a view of an all-gather buffer, a V-padded
-        buffer sliced to [..., :D]); 1 <= N <= 64.
+        buffer sliced to [..., :D]); any N >= 0 (N = 0: output 0, LSE -inf).
       lses: f32[N, H, T] ([N, T, H] with lse_layout="TH"), any strides; natural log unless lse_base=2. +inf
         and NaN mean an empty partial.
       output_lse: optional f32[H, T] ([T, H]) LSE of the merge, same base. Written in place.
@@ -221,8 +223,6 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
     c.check_tensor("outputs", outputs, ndim=4, dtypes=c.OUTPUT_DTYPES)
     device = outputs.device
     num_partials, num_tokens, num_heads, head_dim = outputs.shape
-    if not 1 <= num_partials <= c.MAX_PARTIALS:
-        raise ValueError(f"outputs must stack 1 to {c.MAX_PARTIALS} partials; got outputs.shape={tuple(outputs.shape)}")
     fp8 = c.check_output(output, outputs, output_scale)
     c.check_tensor("lses", lses, ndim=3, dtypes=(torch.float32,), device=device)
     stride_lse_n, stride_lse_h, stride_lse_t = _lses_strides(lses, lse_layout, num_partials, num_heads, num_tokens)
@@ -255,7 +255,9 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
     if validate and fused:
         c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
     launch = None
-    if num_tokens and num_heads:
+    if num_partials == 0:  # 8.2: no partial, every row empty (pass-through rows too: there is no last partial)
+        launch = EMPTY
+    elif num_tokens and num_heads:
         variant = c.merge_variant(output_lse is not None, fused)
         itemsize = outputs.element_size()
         block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize, num_partials)
@@ -282,6 +284,11 @@ def _launch(launch, output, output_lse, outputs, lses, output_scale, query_start
             prefill_tokens, lse_layout) -> None:
     """The kernel launch of a plan: (grid, fused, the strides and T, R, the compile-time arguments, `c.launch`'s
     state)."""
+    if launch is EMPTY:
+        output.zero_()
+        if output_lse is not None:
+            output_lse.fill_(float("-inf"))
+        return
     grid, fused, ints, num_requests, constexprs, state = launch
     placeholder = lses  # for the pointers a variant does not read
     c.launch(_merge_attn_states_n_kernel[lse_layout], grid, (

@@ -48,7 +48,7 @@ class Case:
     suffix_head_pad: int | None = None  # the suffix buffer's own pad (None: head_pad): partials with different strides
     specials: bool = False  # inject +inf / NaN / -inf LSEs, including rows empty on both sides
     prefill_tokens_with_context: int | None = None
-    out_dtype: str | None = None  # "float8_e4m3fn" for the fp8 output path
+    out_dtype: str | None = None  # None: `dtype`; "float8_e4m3fn" (the fp8 output path) or another float dtype
     # N-way cases only (docs/spec.md section 8). KV token j of request r lives on partial (j // interleave) % N,
     # as vLLM places KV over a context-parallel group; a request shorter than N * interleave leaves partials
     # with no KV for it. `empty` is unused: emptiness per partial follows from `context_lens`.
@@ -65,6 +65,10 @@ class Case:
     @property
     def num_tokens(self) -> int:
         return sum(self.query_lens) + self.padding
+
+    @property
+    def fp8_out(self) -> bool:
+        return self.out_dtype == "float8_e4m3fn"
 
     @property
     def n_way(self) -> bool:
@@ -299,7 +303,7 @@ def make_inputs(case: Case, seed: int = 0) -> dict[str, np.ndarray]:
 
     inputs = dict(query_start_loc=qsl, cu_seq_lens=cu, prefix_output=prefix_output,
                   prefix_lse=prefix_lse, suffix_output=suffix_output, suffix_lse=suffix_lse)
-    if case.out_dtype is not None:
+    if case.fp8_out:
         inputs["output_scale"] = np.array([0.05], dtype=np.float32)
     return inputs
 
@@ -373,6 +377,6 @@ def make_inputs_n(case: Case, seed: int = 0) -> dict[str, np.ndarray]:
     if case.lse_layout == "TH":
         lse = np.ascontiguousarray(lse.transpose(0, 2, 1))
     inputs = dict(query_start_loc=qsl, cu_seq_lens=cu, outputs=x.astype(DTYPES[case.dtype]), lses=lse)
-    if case.out_dtype is not None:
+    if case.fp8_out:
         inputs["output_scale"] = np.array([0.05], dtype=np.float32)
     return inputs
