@@ -93,6 +93,9 @@ def _random_empty(seed: int, num_requests: int, frac: float = 0.4) -> tuple[int,
 
 _CI = frozenset({"ci", "default", "full"})
 _FULL = frozenset({"full"})
+# The `check` suites only: the CPU test suites' ci cases take an output dtype other than the partials' for fp8
+# (the other output dtypes have their CPU tests in tests/test_merge_limits.py).
+_CHECK = frozenset({"default", "full"})
 _SEED = frozenset({"seed", "bench", "full"})
 _SEED_BENCH_ONLY = frozenset({"seed", "bench"})  # too large for a float64 host reference in `check`
 
@@ -123,6 +126,12 @@ CASES: tuple[Case, ...] = (
     Case("fp8_out", (40, 20, 70), (0,), num_heads=4, head_dim=64, dtype="bfloat16",
          out_dtype="float8_e4m3fn", specials=True, tags=_CI),
     Case("d512_h1", (9, 0, 23), (0,), num_heads=1, head_dim=512, dtype="float32", tags=_CI),
+    # Another output dtype than the partials' (docs/spec.md 4.3): f32 partials into a bf16 output, base 2, with
+    # pass-through rows (rounded once); fp16 partials into an f32 output.
+    Case("fp32_to_bf16_base2_ptwc", (12, 0, 9), (0,), num_heads=2, head_dim=32, dtype="float32",
+         out_dtype="bfloat16", lse_base=2, specials=True, prefill_tokens_with_context=15, tags=_CHECK),
+    Case("fp16_to_fp32_th", _ragged(15, 30, 40), _random_empty(15, 30), num_heads=4, head_dim=64, dtype="float16",
+         out_dtype="float32", lse_layout="TH", specials=True, tags=_FULL),
     Case("d192_fp16", (33, 17), (1,), num_heads=3, head_dim=192, dtype="float16", specials=True, tags=_CI),
     Case("d256_bf16_th", (65, 3), (0,), num_heads=2, head_dim=256, lse_layout="TH", tags=_CI),
     # T = 740, a multiple of 4, and empty requests owning whole 128-token blocks: the mask's unmasked
@@ -203,6 +212,21 @@ CASES_N: tuple[Case, ...] = (
     Case("n3_ptwc_last_partial_empty", (20, 30, 25, 10, 5), (), num_heads=4, head_dim=64, dtype="float16",
          lse_base=2, partials=3, context_lens=(9, 4, 1, 12, 0), interleave=2, prefill_tokens_with_context=30,
          padding=2, tags=_CI),
+    # Past the Mosaic backend's 64 partials (docs/spec.md 8, "Any N"), base 2 with pass-through rows; most
+    # partials hold no KV for a request. Then into another output dtype (4.3): f32 partials into a bf16 output.
+    Case("n65_fp32_base2_ptwc", (3, 5), (), num_heads=2, head_dim=16, dtype="float32", lse_base=2, partials=65,
+         context_lens=(70, 9), interleave=1, prefill_tokens_with_context=6, specials=True, tags=_CI),
+    Case("n65_fp32_to_bf16_base2", (3, 5), (), num_heads=2, head_dim=16, dtype="float32", out_dtype="bfloat16",
+         lse_base=2, partials=65, context_lens=(70, 9), interleave=1, prefill_tokens_with_context=6,
+         specials=True, tags=_CHECK),
+    Case("n130_bf16_to_fp32_th", _ragged(12, 6, 20), (), num_heads=4, head_dim=64, out_dtype="float32",
+         lse_layout="TH", partials=130, context_lens=_contexts(12, 6, 300), interleave=1, specials=True,
+         tags=_FULL),
+    Case("n256_fp16_to_bf16_base2_strided", _ragged(13, 5, 24), (), num_heads=3, head_dim=128, dtype="float16",
+         out_dtype="bfloat16", lse_base=2, partials=256, context_lens=_contexts(13, 5, 600), interleave=2,
+         prefill_tokens_with_context=40, strided=True, specials=True, tags=_FULL),
+    Case("n256_bf16_fp8", _ragged(14, 4, 16), (), num_heads=2, head_dim=64, out_dtype="float8_e4m3fn",
+         partials=256, context_lens=_contexts(14, 4, 512), interleave=1, specials=True, tags=_FULL),
 ) + _n_way_matrix()
 
 KINDS = ("two_way", "n_way", "all")
