@@ -13,10 +13,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from pallas_impl import _common as c
-from pallas_impl._math import clean_lse, exp_base, merged_lse, two_way_weights
+from pallas_impl._math import clean_lse, exp_base, fold_partials, merged_lse, two_way_weights
 
 
 def _empty_tokens(query_start_loc, cu_seq_lens, num_tokens):
@@ -91,8 +90,8 @@ def _copied_lse(last_raw, empty):
 
 def _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout, lse_base2):
     """(raw [N, T, H] LSEs, e(i) = exp(lse_i - m) (base 2: exp2), m, all_empty, z, empty bool[N, T] or None) of the
-    N-way merge (8.1-8.3), in index order: loops over the partials (`lax.fori_loop`), not unrolled, so the trace
-    and compile time do not grow with N."""
+    N-way merge (8.1-8.3), in index order: the loops over the partials unroll up to N = UNROLLED_PARTIALS and are
+    `lax.fori_loop`s beyond (`_math.fold_partials`), so the trace and compile time do not grow with N."""
     num_partials = lses.shape[0]
     l_raw = jnp.swapaxes(lses, 1, 2) if lse_layout == "HT" else lses  # [N, T, H]
     lse = clean_lse(l_raw)  # 4.1; a base-2 LSE stays base 2
@@ -100,14 +99,14 @@ def _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout, l
     if query_start_loc is not None:
         empty = jax.vmap(lambda cu: _empty_tokens(query_start_loc, cu, num_tokens))(cu_seq_lens)  # [N, T]
         lse = jnp.where(empty[:, :, None], -jnp.inf, lse)
-    m = lax.fori_loop(1, num_partials, lambda i, m: jnp.maximum(m, lse[i]), lse[0])
+    m = fold_partials(1, num_partials, lambda i, m: jnp.maximum(m, lse[i]), lse[0], num_partials)
     all_empty = m == -jnp.inf
     m = jnp.where(all_empty, 0.0, m)
 
     def e(i):
         return exp_base(lse[i] - m, lse_base2)
 
-    z = lax.fori_loop(1, num_partials, lambda i, z: z + e(i), e(0))  # index order, as the kernels
+    z = fold_partials(1, num_partials, lambda i, z: z + e(i), e(0), num_partials)  # index order, as the kernels
     return l_raw, e, m, all_empty, z, empty
 
 
@@ -123,7 +122,7 @@ def merge_attn_states_n(outputs, lses, output_scale, query_start_loc, cu_seq_len
         w = (e(i) / z)[..., None]
         return jnp.where(w > 0, outputs[i].astype(jnp.float32) * w, 0.0)
 
-    out = lax.fori_loop(1, num_partials, lambda i, out: out + term(i), term(0))
+    out = fold_partials(1, num_partials, lambda i, out: out + term(i), term(0), num_partials)
     out = jnp.where(all_empty[..., None], 0.0, out)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill_tokens[0]
     out = _stored(out, outputs[-1], copy_t, output_scale, out_dtype)

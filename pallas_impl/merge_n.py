@@ -2,8 +2,9 @@
 
 The same algorithm as `triton_impl/merge_n.py`, statement by statement. Grid: `(cdiv(T, block_t) *
 cdiv(H, block_h),)`, head blocks fastest; a program merges a [block_t, block_h, block_d] tile of every
-partial (`_common.MERGE_N_TILES`). The loops over the N partials are runtime loops (`lax.fori_loop`, an
-`scf.for` in the Triton IR): the compile time does not grow with N. Three passes over the
+partial (`_common.MERGE_N_TILES`). The loops over the N partials unroll at trace time up to N =
+`_math.UNROLLED_PARTIALS` and are runtime loops beyond (`lax.fori_loop`, an `scf.for` in the Triton IR), so the
+compile time stays short at every N; the same operations in the same order either way. Three passes over the
 partials' LSE tiles (the largest LSE, the sum of the exponentials, the weighted sum of the outputs); an LSE
 tile is reloaded and its exponential recomputed in each pass, as in the Triton kernel. The fused mask finds
 each token's request once and reads each partial's own KV offsets.
@@ -20,12 +21,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_impl import _common as c
 from pallas_impl import jnp_fallback
-from pallas_impl._math import clean_lse, exp_base
+from pallas_impl._math import clean_lse, exp_base, fold_partials
 from pallas_impl.merge import _load_lse, _merged_lse, _program_tile, _store_lse, _store_output, _token_requests
 
 
@@ -56,13 +56,13 @@ def _partial_lse(lses_ref, i, t0, h0, block_t, block_h, th_mask, cu_ref, cu_row,
 
 def _max_and_sum(lse_i, num_partials, lse_base2):
     """(m, all_empty, z) of the N-way weights (8.2, 8.3): the largest LSE (0 where every partial is empty) and
-    z = e_0 + ... + e_{N-1} in index order. `lse_i(i)`: partial i's LSE tile (`_partial_lse`). Runtime loops over
-    the partials (`lax.fori_loop`, not unrolled): the compiled code is the same at every N."""
-    m = lax.fori_loop(1, num_partials, lambda i, m: jnp.maximum(m, lse_i(i)), lse_i(0))
+    z = e_0 + ... + e_{N-1} in index order. `lse_i(i)`: partial i's LSE tile (`_partial_lse`). The loops over the
+    partials unroll up to N = UNROLLED_PARTIALS and are runtime loops beyond (`_math.fold_partials`)."""
+    m = fold_partials(1, num_partials, lambda i, m: jnp.maximum(m, lse_i(i)), lse_i(0), num_partials)
     all_empty = m == -jnp.inf
     m = jnp.where(all_empty, 0.0, m)
-    z = lax.fori_loop(1, num_partials, lambda i, z: z + exp_base(lse_i(i) - m, lse_base2),
-                      exp_base(lse_i(0) - m, lse_base2))
+    z = fold_partials(1, num_partials, lambda i, z: z + exp_base(lse_i(i) - m, lse_base2),
+                      exp_base(lse_i(0) - m, lse_base2), num_partials)
     return m, all_empty, z
 
 
@@ -112,9 +112,10 @@ def _merge_attn_states_n_kernel(
         out = _weighted(b, w_last)
     else:
         out = _weighted(c.pltriton.load(tile(0), mask=thd_mask, other=0.0), weight(0))
-        out = lax.fori_loop(  # a runtime loop, as in _max_and_sum
+        out = fold_partials(  # unrolled or a runtime loop, as in _max_and_sum
             1, num_partials - 1,
-            lambda i, out: out + _weighted(c.pltriton.load(tile(i), mask=thd_mask, other=0.0), weight(i)), out)
+            lambda i, out: out + _weighted(c.pltriton.load(tile(i), mask=thd_mask, other=0.0), weight(i)), out,
+            num_partials)
         out = out + _weighted(b, w_last)
     out = jnp.where(all_empty[:, :, None], 0.0, out)
     copy_t = t >= ptwc_ref[0]  # 8.4

@@ -182,6 +182,47 @@ def test_n2_gives_the_two_way_bits_with_another_out_dtype(impl, base):
             np.testing.assert_array_equal(x.view(BITS[x.dtype.itemsize]), y.view(BITS[y.dtype.itemsize]))
 
 
+@pytest.fixture
+def runtime_loops(monkeypatch):
+    """Every N-way loop over the partials a runtime loop (no unrolling), with fresh plan and compile caches."""
+    from pallas_impl import _math
+    from pallas_impl import merge_n as pallas_merge_n
+    from triton_impl import _common as triton_common
+    from triton_impl import merge_n as triton_merge_n
+
+    def fresh():
+        monkeypatch.setattr(triton_common, "PLANS", {})
+        pallas_merge_n._PLANS.clear()
+        jax.clear_caches()
+
+    yield lambda: (monkeypatch.setattr(triton_merge_n, "UNROLLED_PARTIALS", 0),
+                   monkeypatch.setattr(_math, "UNROLLED_PARTIALS", 0), fresh())
+    monkeypatch.undo()
+    fresh()
+
+
+def test_both_frameworks_unroll_to_the_same_n():
+    from pallas_impl import _math
+    from triton_impl import merge_n as triton_merge_n
+
+    assert triton_merge_n.UNROLLED_PARTIALS == _math.UNROLLED_PARTIALS
+
+
+# XLA:CPU compiles an unrolled loop and a while loop into different float code (docs/spec.md 5): bit for bit on a
+# CPU only Triton's interpreter, which evaluates each operation with numpy.
+@pytest.mark.parametrize("impl", ["triton"] + [pytest.param(i, marks=pytest.mark.gpu) for i in ("pallas", "jnp")])
+def test_unrolled_and_runtime_loops_give_the_same_bits(impl, runtime_loops):
+    """docs/spec.md 8, "Any N": the loops over the partials do the same operations in the same order unrolled
+    (N <= UNROLLED_PARTIALS) and as runtime loops."""
+    outputs, lses, cu = _partials(6, "bfloat16", seed=9)
+    kw = dict(cu=cu, ptwc=2, base=2, out_dtype="float32")
+    want = _merge_n(impl, outputs, lses, **kw)
+    runtime_loops()
+    got = _merge_n(impl, outputs, lses, **kw)
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(x.view(BITS[x.dtype.itemsize]), y.view(BITS[y.dtype.itemsize]))
+
+
 # -- output dtypes independent of the partials' ------------------------------------------------------------
 
 IN_DTYPES = ("float32", "float16", "bfloat16")
