@@ -139,7 +139,8 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
         device r's heads [r * H / N, (r + 1) * H / N); H must be a multiple of N).
       prefill_tokens_with_context: tokens at or past it copy the last device's row and LSE bits (8.4).
       return_lse: also return the merged LSE ([H, T], or [H / N, T] for "reduce_scatter"; layout and base kept).
-      out_dtype, output_scale: float8_e4m3fn output with its scale (4.6).
+      out_dtype, output_scale: None (the partials' dtype), float32/float16/bfloat16 (one rounding), or
+        float8_e4m3fn with its scale (4.6).
       reduce_dtype: "reduce_scatter" only: None (float32: one rounding, at the end) or the partials' dtype.
       interpret, implementation, backend, validate: as `merge_attn_states_n` (backend="mosaic_gpu": the N-way
         merge's and the rescale kernel's Mosaic GPU versions).

@@ -199,7 +199,8 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
         the suffix row and LSE bits. Changing it never recompiles.
       query_start_loc, prefix_cu_seq_lens: i32[R+1] both or neither: the fused mask (docs/spec.md 4.5). Traced.
       return_lse: also return the merged LSE (same layout and base).
-      out_dtype: None (the inputs' dtype) or float8_e4m3fn, which needs output_scale.
+      out_dtype: None (the inputs' dtype), float32/float16/bfloat16 whatever the inputs' dtype (one rounding at the
+        store), or float8_e4m3fn, which needs output_scale.
       output_scale: f32 scalar or f32[1], for (and only for) an fp8 output (docs/spec.md 4.6).
       lse_layout: "HT" or "TH", for all LSEs.
       lse_base: math.e or 2, for all LSEs.

@@ -223,7 +223,8 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
 
     Args:
       output: method "gather": dtype[T, H, D], every head. method "reduce_scatter": dtype[T, H / N, D], this
-        rank's heads [rank * H / N, (rank + 1) * H / N). fp8 (float8_e4m3fn) with output_scale. Written in place.
+        rank's heads [rank * H / N, (rank + 1) * H / N). f32/f16/bf16 whatever the partials' dtype, or fp8
+        (float8_e4m3fn) with output_scale. Written in place.
       partial_output: dtype[T, H, D], fp32/fp16/bf16: attention of all T queries over this rank's KV shard. A
         strided view is copied to a contiguous buffer for the collective.
       partial_lse: f32[H, T] ([T, H] with lse_layout="TH"), its LSE; +inf and NaN mean empty.

@@ -207,7 +207,8 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
     """Merge two attention partials by their LSEs (docs/spec.md 4), vLLM's positional signature, in place.
 
     Args:
-      output: dtype[T, H, D] (or float8_e4m3fn with output_scale), any strides. Written in place.
+      output: f32/f16/bf16[T, H, D], any of them whatever the partials' dtype (one rounding at the store), or
+        float8_e4m3fn with output_scale; any strides. Written in place.
       prefix_output, suffix_output: dtype[T, H, D], fp32/fp16/bf16, each with its own strides (a V-padded
         [T, H, 192] buffer sliced to [..., :128] works).
       prefix_lse, suffix_lse: f32[H, T] ([T, H] with lse_layout="TH"), any strides; natural log unless
