@@ -15,22 +15,30 @@ import jax.numpy as jnp
 FP8_E4M3_MAX = 448.0
 LN2 = 0.6931471805599453
 LOG2E = 1.4426950408889634
-# The N-way loops over the partials (docs/spec.md 8, "Any N"): unrolled at trace time up to this N (fast code, a
-# short compile), runtime loops beyond (a compile that does not grow with N); the same operations in the same order
-# either way, so the same bits. Equal to triton_impl/merge_n.py's.
+# The N-way loops over the partials (docs/spec.md 8, "Any N"): unrolled at trace time up to N = UNROLLED_PARTIALS
+# (fast code, a short compile); beyond, runtime steps of PARTIALS_PER_STEP partials (`lax.fori_loop`, each step
+# unrolled), the last count % PARTIALS_PER_STEP unrolled: a compile that does not grow with N. The same operations
+# in the same order either way, so the same bits. Equal to triton_impl/merge_n.py's.
 UNROLLED_PARTIALS = 16
+PARTIALS_PER_STEP = 4
 MOSAIC_MIN_JAX = (0, 11)  # Mosaic GPU: Warpgroup lowering by default, plgpu.kernel(out_type=...), its interpreter
 
 
 def fold_partials(lo: int, hi: int, body, init, num_partials: int):
-    """`body(i, x)` for i = lo .. hi - 1 in order from `init`: a Python loop (unrolled at trace time) for
-    N = `num_partials` <= UNROLLED_PARTIALS, else `lax.fori_loop` (one loop body, `scf.for` in a Pallas kernel)."""
-    if num_partials <= UNROLLED_PARTIALS:
-        x = init
-        for i in range(lo, hi):
-            x = body(i, x)
+    """`body(i, x)` for i = lo .. hi - 1 in order from `init`, for the merge of N = `num_partials` partials: all
+    unrolled at trace time up to N = UNROLLED_PARTIALS, else `lax.fori_loop` steps of PARTIALS_PER_STEP partials
+    (an `scf.for` in a Pallas kernel) and the rest unrolled; the partition of triton_impl/merge_n.py's loops."""
+    steps = 0 if num_partials <= UNROLLED_PARTIALS else max(hi - lo, 0) // PARTIALS_PER_STEP
+
+    def step(k, x):
+        for j in range(PARTIALS_PER_STEP):
+            x = body(lo + k * PARTIALS_PER_STEP + j, x)
         return x
-    return jax.lax.fori_loop(lo, hi, body, init)
+
+    x = jax.lax.fori_loop(0, steps, step, init) if steps else init
+    for i in range(lo + steps * PARTIALS_PER_STEP, hi):
+        x = body(i, x)
+    return x
 
 
 def clean_lse(x):

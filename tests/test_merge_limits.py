@@ -206,6 +206,7 @@ def test_both_frameworks_unroll_to_the_same_n():
     from triton_impl import merge_n as triton_merge_n
 
     assert triton_merge_n.UNROLLED_PARTIALS == _math.UNROLLED_PARTIALS
+    assert triton_merge_n.PARTIALS_PER_STEP == _math.PARTIALS_PER_STEP == triton_merge_n.STEP.value
 
 
 # XLA:CPU compiles an unrolled loop and a while loop into different float code (docs/spec.md 5): bit for bit on a
@@ -214,7 +215,8 @@ def test_both_frameworks_unroll_to_the_same_n():
 def test_unrolled_and_runtime_loops_give_the_same_bits(impl, runtime_loops):
     """docs/spec.md 8, "Any N": the loops over the partials do the same operations in the same order unrolled
     (N <= UNROLLED_PARTIALS) and as runtime loops."""
-    outputs, lses, cu = _partials(6, "bfloat16", seed=9)
+    # N = 11: partials 1 .. 10 in 2 steps of 4 and 2 unrolled; 1 .. 9 (the weighted sum) in 2 steps and 1.
+    outputs, lses, cu = _partials(11, "bfloat16", seed=9)
     kw = dict(cu=cu, ptwc=2, base=2, out_dtype="float32")
     want = _merge_n(impl, outputs, lses, **kw)
     runtime_loops()
