@@ -12,8 +12,8 @@ The fused mask finds each token's request once, with the two-level 32-wide compa
 kernel, and reads each partial's own KV offsets.
 
 Float math (docs/spec.md 5), identical to `pallas_impl/merge_n.py` and, at N = 2, to `triton_impl/merge.py`
-operation by operation: f32, libdevice exp (exp2 for base-2 LSEs) and log, no FMA contraction, no flush-to-zero, division with `/`,
-the sums in index order starting from partial 0, cast only at the store.
+operation by operation: f32, libdevice exp (exp2 for base-2 LSEs) and log, no FMA contraction, no flush-to-zero,
+division with `/`, the sums in index order starting from partial 0, cast only at the store.
 """
 
 from __future__ import annotations

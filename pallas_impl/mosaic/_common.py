@@ -1,14 +1,14 @@
 """Shared pieces of the Mosaic GPU kernels (`jax.experimental.pallas.mosaic_gpu`, jax >= 0.11).
 
-The Mosaic GPU kernels do in their body the arithmetic the Triton kernels do per element — the LSE sentinels
-(+inf and NaN read as -inf, `_math.clean_lse`), the maximum, the exponentials (exp2 for base-2 LSEs, which stay
-base 2), their sum, the weights, the weighted sum, the log (`_math.merged_lse`) — and leave the per-row bookkeeping to XLA around the call, as the same operations in the same order (the
-jnp path's, which gives the Triton kernels' bits on the GPU): the fused mask's per-token emptiness from the
-offsets (`jnp_fallback._empty_tokens`), the pass-through LSE, `[T, H]` layouts (transposed), and `T < 128`
-(padded with empty rows). Inside the kernel, per-token flag rows set the fused mask's raw LSEs to -inf and give
-pass-through rows of the output the last partial's own bits. For the common call (`[H, T]` LSEs, T >= 128, no
-fused mask, no pass-through, no fp8) what runs in XLA is reshapes only: no kernel but the merge (docs/results.md,
-session 6).
+The Mosaic GPU kernels do in their body the arithmetic the Triton kernels do per element — the LSE sentinels (+inf
+and NaN read as -inf, `_math.clean_lse`), the maximum, the exponentials (exp2 for base-2 LSEs, which stay base 2),
+their sum, the weights, the weighted sum, the log (`_math.merged_lse`) — and leave the per-row bookkeeping to XLA
+around the call, as the same operations in the same order (the jnp path's, which gives the Triton kernels' bits on
+the GPU): the fused mask's per-token emptiness from the offsets (`jnp_fallback._empty_tokens`), the pass-through
+LSE, `[T, H]` layouts (transposed), and `T < 128` (padded with empty rows). Inside the kernel, per-token flag rows
+set the fused mask's raw LSEs to -inf and give pass-through rows of the output the last partial's own bits. For the
+common call (`[H, T]` LSEs, T >= 128, no fused mask, no pass-through, no fp8) what runs in XLA is reshapes only: no
+kernel but the merge (docs/results.md, session 6).
 
 Why this split (docs/design.md, "Mosaic GPU backend"): Mosaic GPU has no masked loads or stores, its TMA copies need
 16-byte aligned rows (an `[H, T]` LSE row at an odd T is not), its Warpgroup layout inference needs tiles of
