@@ -48,8 +48,10 @@ def clean_lse(x):
 
 
 def exp_base(x, lse_base2: bool):
-    """exp(x), or 2^x for base-2 LSEs (docs/spec.md 4.3; libdevice `__nv_expf` / `__nv_exp2f` on the GPU)."""
-    return jnp.exp2(x) if lse_base2 else jnp.exp(x)
+    """exp(x), or for a difference x of base-2 LSEs 2^x = exp(x * ln2) (docs/spec.md 4.3; x = 0 gives exactly 1).
+    Not `jnp.exp2`: XLA lowers it to exp(ln2 * x) while Pallas' Triton lowering calls `__nv_exp2f`, so the jnp path
+    and the kernels would differ in bits."""
+    return jnp.exp(x * LN2) if lse_base2 else jnp.exp(x)
 
 
 def merged_lse(z, m, empty, lse_base2: bool):
@@ -76,7 +78,7 @@ def two_way_weights(p, s, lse_base2: bool):
 
 def n_way_max_and_sum(lses, lse_base2: bool):
     """(m, all_empty, e, z) of N LSE tiles (in their base) whose empty rows are -inf (docs/spec.md 8.2): the maximum
-    in index order, 0 where all are empty; e_i = exp(lse_i - m) (base 2: exp2); z their sum in index order."""
+    in index order, 0 where all are empty; e_i = exp(lse_i - m) (base 2: exp((lse_i - m) * ln2)); z their sum in index order."""
     m = lses[0]
     for x in lses[1:]:
         m = jnp.maximum(m, x)

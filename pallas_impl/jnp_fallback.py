@@ -89,7 +89,7 @@ def _copied_lse(last_raw, empty):
 
 
 def _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout, lse_base2):
-    """(raw [N, T, H] LSEs, e(i) = exp(lse_i - m) (base 2: exp2), m, all_empty, z, empty bool[N, T] or None) of the
+    """(raw [N, T, H] LSEs, e(i) = exp(lse_i - m) (base 2: of (lse_i - m) * ln2), m, all_empty, z, empty bool[N, T] or None) of the
     N-way merge (8.1-8.3), in index order: the loops over the partials unroll up to N = UNROLLED_PARTIALS and are
     `lax.fori_loop`s beyond (`_math.fold_partials`), so the trace and compile time do not grow with N."""
     num_partials = lses.shape[0]

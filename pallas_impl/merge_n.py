@@ -10,7 +10,7 @@ tile is reloaded and its exponential recomputed in each pass, as in the Triton k
 each token's request once and reads each partial's own KV offsets.
 
 Float math (docs/spec.md 5), identical to the Triton kernel and, at N = 2, to `pallas_impl/merge.py`: f32,
-`jnp.exp` (`jnp.exp2` for base-2 LSEs) and `jnp.log`, no FMA contraction, no flush-to-zero, division with `/`,
+`jnp.exp` and `jnp.log`, no FMA contraction, no flush-to-zero, division with `/`,
 the sums in index order from partial 0, cast only at the store.
 """
 

@@ -48,14 +48,11 @@ def _log(x, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _exp_base(x, LSE_BASE2: tl.constexpr, INTERPRET: tl.constexpr):
-    """exp(x), or 2^x for base-2 LSEs (docs/spec.md 4.3): the weights are computed in the LSEs' own base."""
+    """exp(x), or for a difference x of base-2 LSEs 2^x = exp(x * ln2) (docs/spec.md 4.3): the weights are computed
+    from differences in the LSEs' own base (x = 0 gives exactly 1)."""
     if LSE_BASE2:
-        if INTERPRET:
-            return tl.exp2(x)
-        else:
-            return libdevice.exp2(x)
-    else:
-        return _exp(x, INTERPRET)
+        x = x * LN2
+    return _exp(x, INTERPRET)
 
 
 @triton.jit

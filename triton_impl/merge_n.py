@@ -12,7 +12,7 @@ The fused mask finds each token's request once, with the two-level 32-wide compa
 kernel, and reads each partial's own KV offsets.
 
 Float math (docs/spec.md 5), identical to `pallas_impl/merge_n.py` and, at N = 2, to `triton_impl/merge.py`
-operation by operation: f32, libdevice exp (exp2 for base-2 LSEs) and log, no FMA contraction, no flush-to-zero,
+operation by operation: f32, libdevice exp and log, no FMA contraction, no flush-to-zero,
 division with `/`, the sums in index order starting from partial 0, cast only at the store.
 """
 
@@ -107,7 +107,7 @@ def _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n,
 @triton.jit
 def _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
                  LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr, INTERPRET: tl.constexpr):
-    """e_i = exp(lse_i - m) (base 2: exp2) of partial i (8.3); its weight is e_i / z."""
+    """e_i = exp(lse_i - m) (base 2: exp((lse_i - m) * ln2)) of partial i (8.3); its weight is e_i / z."""
     return _exp_base(_partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n, req,
                                   in_req, FUSED_MASK) - m, LSE_BASE2, INTERPRET)
 

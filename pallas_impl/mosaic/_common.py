@@ -1,7 +1,7 @@
 """Shared pieces of the Mosaic GPU kernels (`jax.experimental.pallas.mosaic_gpu`, jax >= 0.11).
 
 The Mosaic GPU kernels do in their body the arithmetic the Triton kernels do per element — the LSE sentinels (+inf
-and NaN read as -inf, `_math.clean_lse`), the maximum, the exponentials (exp2 for base-2 LSEs, which stay base 2),
+and NaN read as -inf, `_math.clean_lse`), the maximum, the exponentials (of base-2 differences for base-2 LSEs),
 their sum, the weights, the weighted sum, the log (`_math.merged_lse`) — and leave the per-row bookkeeping to XLA
 around the call, as the same operations in the same order (the jnp path's, which gives the Triton kernels' bits on
 the GPU): the fused mask's per-token emptiness from the offsets (`jnp_fallback._empty_tokens`), the pass-through
