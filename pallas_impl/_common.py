@@ -46,7 +46,6 @@ MERGE_TILES = {"plain": (2048, 4, 4), "lse": (4096, 4, 4), "fused": (8192, 8, 4)
 # (docs/results.md, "N-way merge"; `scripts/tune.py merge_n`).
 MERGE_N_TILES = {"plain": (16384, 4, 4), "lse": (16384, 4, 4), "fused": (16384, 4, 4)}
 N_TILE_BYTES = (2048, 4096)  # (fewest, most) bytes of one partial's tile in the N-way merge
-MAX_PARTIALS = 64  # the N-way kernels unroll their loops over the partials at trace time
 IMPLEMENTATIONS = ("pallas", "jnp")
 BACKENDS = ("triton", "mosaic_gpu")  # the Pallas GPU backend of implementation="pallas" (resolve_backend)
 BACKEND_ENV = "PALLAS_IMPL_BACKEND"  # the process-wide default of backend=None
@@ -503,11 +502,12 @@ def check_offset_values(query_start_loc, cu_seq_lens, num_tokens: int, *, cu_nam
 
 
 def check_out_dtype(out_dtype, in_dtype, output_scale):
-    """The merge's output dtype (None: the inputs'), checked against the fp8 scale; returns it as a dtype."""
+    """The merge's output dtype (None: the inputs'; any of OUTPUT_DTYPES or fp8 whatever the inputs' dtype, docs/spec.md
+    4.3), checked against the fp8 scale; returns it as a dtype."""
     out_dtype = jnp.dtype(in_dtype if out_dtype is None else out_dtype)
-    if out_dtype not in (jnp.dtype(in_dtype), FP8):
-        raise TypeError(f"out_dtype must be {jnp.dtype(in_dtype).name} (the inputs' dtype) or float8_e4m3fn; "
-                        f"got {out_dtype.name}")
+    if out_dtype not in tuple(map(jnp.dtype, OUTPUT_DTYPES)) + (FP8,):
+        raise TypeError(f"out_dtype must be None (the inputs' dtype {jnp.dtype(in_dtype).name}), float32, float16, "
+                        f"bfloat16 or float8_e4m3fn; got {out_dtype.name}")
     fp8 = out_dtype == FP8
     if fp8 != (output_scale is not None):
         raise ValueError("output_scale is required for a float8_e4m3fn output and only for it; got "

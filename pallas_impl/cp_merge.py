@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 
 from pallas_impl import _common as c
 from pallas_impl import jnp_fallback
+from pallas_impl._math import exp_base
 from pallas_impl.merge import _load_lse, _merged_lse, _program_tile, _store_lse, _token_requests
 from pallas_impl.merge_n import _copied_lse, _max_and_sum, _partial_lse, _weighted, merge_attn_states_n
 
@@ -63,11 +64,11 @@ def _cp_rescale_kernel(
     req, in_req = _token_requests(qsl_ref, t, t_mask, num_requests, fused_mask)
     lse_i = functools.partial(_partial_lse, lses_ref, t0=t0, h0=h0, block_t=block_t, block_h=block_h,
                               th_mask=th_mask, cu_ref=cu_ref, cu_row=num_requests + 1, req=req, in_req=in_req,
-                              lse_layout=lse_layout, lse_base2=lse_base2, fused_mask=fused_mask)
+                              lse_layout=lse_layout, fused_mask=fused_mask)
 
     # The N-way merge's weights (8.2, 8.3), for partial `rank` only.
-    m, all_empty, z = _max_and_sum(lse_i, num_partials)
-    w = jnp.exp(lse_i(rank) - m) / z
+    m, all_empty, z = _max_and_sum(lse_i, num_partials, lse_base2)
+    w = exp_base(lse_i(rank) - m, lse_base2) / z
     scaled = _weighted(o, w)
     scaled = jnp.where(all_empty[:, :, None], 0.0, scaled)
     # 8.4: the last partial's row, exactly. The other devices add -0.0, the identity of the sum (x + -0.0 == x).
@@ -138,7 +139,8 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
         device r's heads [r * H / N, (r + 1) * H / N); H must be a multiple of N).
       prefill_tokens_with_context: tokens at or past it copy the last device's row and LSE bits (8.4).
       return_lse: also return the merged LSE ([H, T], or [H / N, T] for "reduce_scatter"; layout and base kept).
-      out_dtype, output_scale: float8_e4m3fn output with its scale (4.6).
+      out_dtype, output_scale: None (the partials' dtype), float32/float16/bfloat16 (one rounding), or
+        float8_e4m3fn with its scale (4.6).
       reduce_dtype: "reduce_scatter" only: None (float32: one rounding, at the end) or the partials' dtype.
       interpret, implementation, backend, validate: as `merge_attn_states_n` (backend="mosaic_gpu": the N-way
         merge's and the rescale kernel's Mosaic GPU versions).

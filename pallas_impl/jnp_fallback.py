@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_impl import _common as c
+from pallas_impl._math import clean_lse, exp_base, fold_partials, merged_lse, two_way_weights
 
 
 def _empty_tokens(query_start_loc, cu_seq_lens, num_tokens):
@@ -38,11 +39,22 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ls
 
 
 def _merged_lse(z, m, empty, copy_t, passthrough, lse_base2):
-    """The merge's LSE (docs/spec.md 4.2, 4.4, 8.4), `[T, H]`."""
-    lse = jnp.where(empty, -jnp.inf, jnp.log(z) + m)
-    if lse_base2:
-        lse = lse * c.LOG2E
-    return jnp.where(copy_t[:, None], passthrough, lse)
+    """The merge's LSE (docs/spec.md 4.2, 4.3, 4.4, 8.4), `[T, H]`, in the LSEs' base."""
+    return jnp.where(copy_t[:, None], passthrough, merged_lse(z, m, empty, lse_base2))
+
+
+def _stored(out, last, copy_t, output_scale, out_dtype):
+    """The f32 merge `out` [T, H, D] as `out_dtype` (docs/spec.md 4.4, 4.6): pass-through tokens take `last` (the
+    suffix, or the last partial) bit for bit where the output has its dtype, else rounded once (fp8: scaled and
+    clamped as a merged row)."""
+    copy = copy_t[:, None, None]
+    if output_scale is not None:
+        out = jnp.where(copy, last.astype(jnp.float32), out) / output_scale.reshape(-1)[0]
+        out = jnp.where(out < -c.FP8_E4M3_MAX, -c.FP8_E4M3_MAX, out)
+        return jnp.where(out > c.FP8_E4M3_MAX, c.FP8_E4M3_MAX, out).astype(out_dtype)
+    if last.dtype == out_dtype:
+        return jnp.where(copy, last, out.astype(out_dtype))
+    return jnp.where(copy, last.astype(jnp.float32), out).astype(out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2"))
@@ -53,30 +65,17 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, outp
     prefill_tokens = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     p_raw = prefix_lse.T if lse_layout == "HT" else prefix_lse  # [T, H]
     s_raw = suffix_lse.T if lse_layout == "HT" else suffix_lse
-    p, s = p_raw, s_raw
-    if lse_base2:
-        p, s = p * c.LN2, s * c.LN2
-    p = jnp.where((p == jnp.inf) | jnp.isnan(p), -jnp.inf, p)
-    s = jnp.where((s == jnp.inf) | jnp.isnan(s), -jnp.inf, s)
+    p, s = clean_lse(p_raw), clean_lse(s_raw)  # 4.1; a base-2 LSE stays base 2
     if query_start_loc is not None:
         p = jnp.where(_empty_tokens(query_start_loc, prefix_cu_seq_lens, num_tokens)[:, None], -jnp.inf, p)
-    m = jnp.maximum(p, s)
-    both_empty = m == -jnp.inf
-    m = jnp.where(both_empty, 0.0, m)
-    pe, se = jnp.exp(p - m), jnp.exp(s - m)
-    z = pe + se
-    wp, ws = (pe / z)[..., None], (se / z)[..., None]
+    m, both_empty, z, wp, ws = two_way_weights(p, s, lse_base2)
+    wp, ws = wp[..., None], ws[..., None]
     a = prefix_output.astype(jnp.float32)
     b = suffix_output.astype(jnp.float32)
     out = jnp.where(wp > 0, a * wp, 0.0) + jnp.where(ws > 0, b * ws, 0.0)
     out = jnp.where(both_empty[..., None], 0.0, out)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill_tokens[0]
-    if output_scale is not None:
-        out = jnp.where(copy_t[:, None, None], b, out) / output_scale.reshape(-1)[0]
-        out = jnp.where(out < -c.FP8_E4M3_MAX, -c.FP8_E4M3_MAX, out)
-        out = jnp.where(out > c.FP8_E4M3_MAX, c.FP8_E4M3_MAX, out).astype(out_dtype)
-    else:
-        out = jnp.where(copy_t[:, None, None], suffix_output, out.astype(out_dtype))
+    out = _stored(out, suffix_output, copy_t, output_scale, out_dtype)
     if not return_lse:
         return out
     lse = _merged_lse(z, m, both_empty, copy_t, s_raw, lse_base2)
@@ -90,25 +89,24 @@ def _copied_lse(last_raw, empty):
 
 
 def _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout, lse_base2):
-    """(raw [N, T, H] LSEs, e_i = exp(lse_i - m), m, all_empty, z, empty bool[N, T] or None) of the N-way merge
-    (8.1-8.3), in index order."""
+    """(raw [N, T, H] LSEs, e(i) = exp(lse_i - m) (base 2: of (lse_i - m) * ln2), m, all_empty, z, empty bool[N, T] or None) of the
+    N-way merge (8.1-8.3), in index order: the loops over the partials unroll up to N = UNROLLED_PARTIALS and are
+    `lax.fori_loop`s beyond (`_math.fold_partials`), so the trace and compile time do not grow with N."""
     num_partials = lses.shape[0]
     l_raw = jnp.swapaxes(lses, 1, 2) if lse_layout == "HT" else lses  # [N, T, H]
-    lse = l_raw * c.LN2 if lse_base2 else l_raw
-    lse = jnp.where((lse == jnp.inf) | jnp.isnan(lse), -jnp.inf, lse)
+    lse = clean_lse(l_raw)  # 4.1; a base-2 LSE stays base 2
     empty = None
     if query_start_loc is not None:
         empty = jax.vmap(lambda cu: _empty_tokens(query_start_loc, cu, num_tokens))(cu_seq_lens)  # [N, T]
         lse = jnp.where(empty[:, :, None], -jnp.inf, lse)
-    m = lse[0]
-    for i in range(1, num_partials):
-        m = jnp.maximum(m, lse[i])
+    m = fold_partials(1, num_partials, lambda i, m: jnp.maximum(m, lse[i]), lse[0], num_partials)
     all_empty = m == -jnp.inf
     m = jnp.where(all_empty, 0.0, m)
-    e = jnp.exp(lse - m)
-    z = e[0]
-    for i in range(1, num_partials):  # index order, as the kernels
-        z = z + e[i]
+
+    def e(i):
+        return exp_base(lse[i] - m, lse_base2)
+
+    z = fold_partials(1, num_partials, lambda i, z: z + e(i), e(0), num_partials)  # index order, as the kernels
     return l_raw, e, m, all_empty, z, empty
 
 
@@ -119,23 +117,29 @@ def merge_attn_states_n(outputs, lses, output_scale, query_start_loc, cu_seq_len
     prefill_tokens = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     l_raw, e, m, all_empty, z, empty = _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout,
                                                       lse_base2)
-    w = (e / z)[..., None]
-    o = outputs.astype(jnp.float32)
-    out = jnp.where(w[0] > 0, o[0] * w[0], 0.0)
-    for i in range(1, num_partials):
-        out = out + jnp.where(w[i] > 0, o[i] * w[i], 0.0)
+
+    def term(i):  # 4.3: a zero weight gives exactly 0
+        w = (e(i) / z)[..., None]
+        return jnp.where(w > 0, outputs[i].astype(jnp.float32) * w, 0.0)
+
+    out = fold_partials(1, num_partials, lambda i, out: out + term(i), term(0), num_partials)
     out = jnp.where(all_empty[..., None], 0.0, out)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill_tokens[0]
-    if output_scale is not None:
-        out = jnp.where(copy_t[:, None, None], o[-1], out) / output_scale.reshape(-1)[0]
-        out = jnp.where(out < -c.FP8_E4M3_MAX, -c.FP8_E4M3_MAX, out)
-        out = jnp.where(out > c.FP8_E4M3_MAX, c.FP8_E4M3_MAX, out).astype(out_dtype)
-    else:
-        out = jnp.where(copy_t[:, None, None], outputs[-1], out.astype(out_dtype))
+    out = _stored(out, outputs[-1], copy_t, output_scale, out_dtype)
     if not return_lse:
         return out
     lse_out = _merged_lse(z, m, all_empty, copy_t, _copied_lse(l_raw[-1], empty), lse_base2)
     return out, (lse_out.T if lse_layout == "HT" else lse_out)
+
+
+@functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2"))
+def empty_merge_n(outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context, *,
+                  return_lse, out_dtype, lse_layout, lse_base2):
+    """The N-way merge of N = 0 partials (docs/spec.md 8.2), on every implementation and backend: every row is
+    empty, output 0 and LSE -inf, pass-through rows too (there is no last partial to copy)."""
+    del output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context, lse_layout, lse_base2
+    out = jnp.zeros(outputs.shape[1:], out_dtype)
+    return (out, jnp.full(lses.shape[1:], -jnp.inf, jnp.float32)) if return_lse else out
 
 
 @functools.partial(jax.jit, static_argnames=("reduce_dtype", "return_lse", "lse_layout", "lse_base2"))
@@ -145,8 +149,8 @@ def cp_rescale(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with_con
     num_partials, num_tokens = lses.shape[0], part.shape[0]
     prefill_tokens = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     l_raw, e, m, all_empty, z, empty = _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout,
-                                                  lse_base2)
-    w = (e[rank] / z)[..., None]
+                                                      lse_base2)
+    w = (e(rank) / z)[..., None]
     o = part.astype(jnp.float32)
     scaled = jnp.where(w > 0, o * w, 0.0)
     scaled = jnp.where(all_empty[..., None], 0.0, scaled)

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 
 from pallas_impl import _common as c
 from pallas_impl import jnp_fallback
-from pallas_impl._math import two_way_weights
+from pallas_impl._math import clean_lse, merged_lse, two_way_weights
 
 
 def _lse_index(t0, h0, block_t, block_h, lse_layout, lead=()):
@@ -75,24 +75,24 @@ def _token_requests(qsl_ref, t, t_mask, num_requests, fused_mask):
 
 def _store_output(out_block, out, last, copy_t, scale_ref, thd_mask, fp8_out):
     """The merged f32 tile `out` to `out_block` (docs/spec.md 4.4, 4.6): pass-through tokens take `last` (the
-    suffix, or the last partial) bit for bit, or with an fp8 output through the scale and clamp of a merged row."""
+    suffix, or the last partial) bit for bit where the output has its dtype, else rounded once to the output dtype
+    (through the scale and clamp of a merged row for fp8)."""
     if fp8_out:
         out = jnp.where(copy_t[:, None, None], last.astype(jnp.float32), out)
         out = out / scale_ref[0]
         out = jnp.where(out < -c.FP8_E4M3_MAX, -c.FP8_E4M3_MAX, out)  # comparisons, not min/max: NaN stays NaN
         out = jnp.where(out > c.FP8_E4M3_MAX, c.FP8_E4M3_MAX, out)
         c.pltriton.store(out_block, out.astype(out_block.dtype), mask=thd_mask)
-    else:
+    elif last.dtype == out_block.dtype:
         c.pltriton.store(out_block, jnp.where(copy_t[:, None, None], last, out.astype(out_block.dtype)), mask=thd_mask)
+    else:  # 4.4: another output dtype: the copied row, as f32, takes the one rounding of a merged row
+        out = jnp.where(copy_t[:, None, None], last.astype(jnp.float32), out)
+        c.pltriton.store(out_block, out.astype(out_block.dtype), mask=thd_mask)
 
 
 def _merged_lse(z, m, empty, copy_t, passthrough, lse_base2):
-    """The merge's LSE tile (docs/spec.md 4.2, 4.4, 8.4)."""
-    lse = jnp.log(z) + m
-    lse = jnp.where(empty, -jnp.inf, lse)
-    if lse_base2:
-        lse = lse * c.LOG2E
-    return jnp.where(copy_t[:, None], passthrough, lse)
+    """The merge's LSE tile (docs/spec.md 4.2, 4.3, 4.4, 8.4), in the LSEs' base (`_math.merged_lse`)."""
+    return jnp.where(copy_t[:, None], passthrough, merged_lse(z, m, empty, lse_base2))
 
 
 def _merge_attn_states_kernel(
@@ -122,20 +122,15 @@ def _merge_attn_states_kernel(
     b = c.pltriton.load(suffix_out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)],
                       mask=thd_mask, other=0.0)
 
-    p = p_raw
-    s = s_raw
-    if lse_base2:
-        p = p * c.LN2
-        s = s * c.LN2
-    # docs/spec.md 4.1: +inf (FA2's empty row) and NaN read as -inf.
-    p = jnp.where((p == jnp.inf) | (p != p), -jnp.inf, p)
-    s = jnp.where((s == jnp.inf) | (s != s), -jnp.inf, s)
+    # docs/spec.md 4.1: +inf (FA2's empty row) and NaN read as -inf; a base-2 LSE stays base 2.
+    p = clean_lse(p_raw)
+    s = clean_lse(s_raw)
     if fused_mask:  # docs/spec.md 4.5: a token of a request whose prefix chunk is empty has p = -inf
         req, in_req = _token_requests(qsl_ref, t, t_mask, num_requests, fused_mask)
         empty_t = in_req & (cu_ref[req + 1] == cu_ref[req])
         p = jnp.where(empty_t[:, None], -jnp.inf, p)
 
-    m, both_empty, z, wp, ws = two_way_weights(p, s)
+    m, both_empty, z, wp, ws = two_way_weights(p, s, lse_base2)
     # docs/spec.md 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
     out = (jnp.where(wp[:, :, None] > 0.0, a.astype(jnp.float32) * wp[:, :, None], 0.0)
            + jnp.where(ws[:, :, None] > 0.0, b.astype(jnp.float32) * ws[:, :, None], 0.0))
@@ -204,7 +199,8 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
         the suffix row and LSE bits. Changing it never recompiles.
       query_start_loc, prefix_cu_seq_lens: i32[R+1] both or neither: the fused mask (docs/spec.md 4.5). Traced.
       return_lse: also return the merged LSE (same layout and base).
-      out_dtype: None (the inputs' dtype) or float8_e4m3fn, which needs output_scale.
+      out_dtype: None (the inputs' dtype), float32/float16/bfloat16 whatever the inputs' dtype (one rounding at the
+        store), or float8_e4m3fn, which needs output_scale.
       output_scale: f32 scalar or f32[1], for (and only for) an fp8 output (docs/spec.md 4.6).
       lse_layout: "HT" or "TH", for all LSEs.
       lse_base: math.e or 2, for all LSEs.

@@ -2,14 +2,16 @@
 
 The same algorithm as `triton_impl/merge_n.py`, statement by statement. Grid: `(cdiv(T, block_t) *
 cdiv(H, block_h),)`, head blocks fastest; a program merges a [block_t, block_h, block_d] tile of every
-partial (`_common.MERGE_N_TILES`). The loops over the N partials unroll at trace time. Three passes over the
+partial (`_common.MERGE_N_TILES`). The loops over the N partials unroll at trace time up to N =
+`_math.UNROLLED_PARTIALS` and are runtime loops beyond (`lax.fori_loop`, an `scf.for` in the Triton IR), so the
+compile time stays short at every N; the same operations in the same order either way. Three passes over the
 partials' LSE tiles (the largest LSE, the sum of the exponentials, the weighted sum of the outputs); an LSE
 tile is reloaded and its exponential recomputed in each pass, as in the Triton kernel. The fused mask finds
 each token's request once and reads each partial's own KV offsets.
 
 Float math (docs/spec.md 5), identical to the Triton kernel and, at N = 2, to `pallas_impl/merge.py`: f32,
-`jnp.exp`/`jnp.log`, no FMA contraction, no flush-to-zero, division with `/`, the sums in index order from
-partial 0, cast only at the store.
+`jnp.exp` and `jnp.log`, no FMA contraction, no flush-to-zero, division with `/`,
+the sums in index order from partial 0, cast only at the store.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from jax.experimental import pallas as pl
 
 from pallas_impl import _common as c
 from pallas_impl import jnp_fallback
+from pallas_impl._math import clean_lse, exp_base, fold_partials
 from pallas_impl.merge import _load_lse, _merged_lse, _program_tile, _store_lse, _store_output, _token_requests
 
 
@@ -41,28 +44,25 @@ def _copied_lse(last_raw, cu_ref, last, cu_row, req, in_req, fused_mask):
 
 
 def _partial_lse(lses_ref, i, t0, h0, block_t, block_h, th_mask, cu_ref, cu_row, req, in_req, *, lse_layout,
-                 lse_base2, fused_mask):
-    """f32[block_t, block_h]: partial i's LSE tile, natural log, empty rows -inf (8.1)."""
-    lse = _load_lse(lses_ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=(jnp.int32(i),))
-    if lse_base2:
-        lse = lse * c.LN2
-    lse = jnp.where((lse == jnp.inf) | (lse != lse), -jnp.inf, lse)  # 4.1: +inf and NaN read as -inf
+                 fused_mask):
+    """f32[block_t, block_h]: partial i's LSE tile (i a Python int or a traced loop index) in the LSEs' base, empty
+    rows -inf (8.1)."""
+    lse = clean_lse(_load_lse(lses_ref, t0, h0, block_t, block_h, th_mask, lse_layout,
+                              lead=(jnp.asarray(i, jnp.int32),)))  # 4.1
     if fused_mask:  # 8.1: a token of a request with no KV in this partial has LSE -inf
         lse = jnp.where(_empty_tokens(cu_ref, i, cu_row, req, in_req)[:, None], -jnp.inf, lse)
     return lse
 
 
-def _max_and_sum(lse_i, num_partials):
+def _max_and_sum(lse_i, num_partials, lse_base2):
     """(m, all_empty, z) of the N-way weights (8.2, 8.3): the largest LSE (0 where every partial is empty) and
-    z = e_0 + ... + e_{N-1} in index order. `lse_i(i)`: partial i's LSE tile (`_partial_lse`)."""
-    m = lse_i(0)
-    for i in range(1, num_partials):
-        m = jnp.maximum(m, lse_i(i))
+    z = e_0 + ... + e_{N-1} in index order. `lse_i(i)`: partial i's LSE tile (`_partial_lse`). The loops over the
+    partials unroll up to N = UNROLLED_PARTIALS and are runtime loops beyond (`_math.fold_partials`)."""
+    m = fold_partials(1, num_partials, lambda i, m: jnp.maximum(m, lse_i(i)), lse_i(0), num_partials)
     all_empty = m == -jnp.inf
     m = jnp.where(all_empty, 0.0, m)
-    z = jnp.exp(lse_i(0) - m)
-    for i in range(1, num_partials):
-        z = z + jnp.exp(lse_i(i) - m)
+    z = fold_partials(1, num_partials, lambda i, z: z + exp_base(lse_i(i) - m, lse_base2),
+                      exp_base(lse_i(0) - m, lse_base2), num_partials)
     return m, all_empty, z
 
 
@@ -90,7 +90,7 @@ def _merge_attn_states_n_kernel(
     last = num_partials - 1
 
     def tile(i):
-        return outs_ref.at[jnp.int32(i), pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)]
+        return outs_ref.at[jnp.asarray(i, jnp.int32), pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)]
 
     # The last partial: also the pass-through row and LSE (8.4). Its loads are issued first.
     b = c.pltriton.load(tile(last), mask=thd_mask, other=0.0)
@@ -99,19 +99,23 @@ def _merge_attn_states_n_kernel(
     req, in_req = _token_requests(qsl_ref, t, t_mask, num_requests, fused_mask)  # once for every partial
     lse_i = functools.partial(_partial_lse, lses_ref, t0=t0, h0=h0, block_t=block_t, block_h=block_h,
                               th_mask=th_mask, cu_ref=cu_ref, cu_row=num_requests + 1, req=req, in_req=in_req,
-                              lse_layout=lse_layout, lse_base2=lse_base2, fused_mask=fused_mask)
+                              lse_layout=lse_layout, fused_mask=fused_mask)
 
-    m, all_empty, z = _max_and_sum(lse_i, num_partials)  # 8.2, 8.3
-    # out = sum_i w_i * o_i in index order, w_i = e_i / z.
-    w_last = jnp.exp(lse_i(last) - m) / z
+    m, all_empty, z = _max_and_sum(lse_i, num_partials, lse_base2)  # 8.2, 8.3
+
+    def weight(i):  # w_i = e_i / z
+        return exp_base(lse_i(i) - m, lse_base2) / z
+
+    # out = sum_i w_i * o_i in index order.
+    w_last = weight(last)
     if num_partials == 1:
         out = _weighted(b, w_last)
     else:
-        w = jnp.exp(lse_i(0) - m) / z
-        out = _weighted(c.pltriton.load(tile(0), mask=thd_mask, other=0.0), w)
-        for i in range(1, num_partials - 1):
-            w = jnp.exp(lse_i(i) - m) / z
-            out = out + _weighted(c.pltriton.load(tile(i), mask=thd_mask, other=0.0), w)
+        out = _weighted(c.pltriton.load(tile(0), mask=thd_mask, other=0.0), weight(0))
+        out = fold_partials(  # unrolled or a runtime loop, as in _max_and_sum
+            1, num_partials - 1,
+            lambda i, out: out + _weighted(c.pltriton.load(tile(i), mask=thd_mask, other=0.0), weight(i)), out,
+            num_partials)
         out = out + _weighted(b, w_last)
     out = jnp.where(all_empty[:, :, None], 0.0, out)
     copy_t = t >= ptwc_ref[0]  # 8.4
@@ -170,7 +174,7 @@ def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, quer
 
     Args:
       outputs: dtype[N, T, H, D], fp32/fp16/bf16 (an all-gather of the partials along a new leading axis);
-        1 <= N <= 64.
+        any N >= 0 (N = 0: output 0, LSE -inf; backend="mosaic_gpu": 1 <= N <= 64).
       lses: f32[N, H, T] ([N, T, H] with lse_layout="TH"), natural log unless lse_base=2. +inf and NaN mean an
         empty partial.
       prefill_tokens_with_context: None (= T) or an integer scalar, traced or not. Tokens at or past it copy
@@ -178,7 +182,8 @@ def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, quer
       query_start_loc, cu_seq_lens: i32[R+1] and i32[N, R+1], both or neither: the fused mask (8.1); a token of
         a request with no KV in partial i gives partial i LSE -inf. Traced.
       return_lse: also return the merged LSE (same layout and base).
-      out_dtype: None (the inputs' dtype) or float8_e4m3fn, which needs output_scale.
+      out_dtype: None (the inputs' dtype), float32/float16/bfloat16 whatever the inputs' dtype (one rounding at the
+        store), or float8_e4m3fn, which needs output_scale.
       output_scale: f32 scalar or f32[1], for (and only for) an fp8 output (4.6).
       lse_layout: "HT" or "TH", for all LSEs.
       lse_base: math.e or 2, for all LSEs.
@@ -220,8 +225,6 @@ def _merge_n_plan(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pre
     lse_base2 = c.check_lse_base(lse_base)
     c.check_array("outputs", outputs, ndim=4, dtypes=c.OUTPUT_DTYPES)
     num_partials, num_tokens, num_heads, _ = outputs.shape
-    if not 1 <= num_partials <= c.MAX_PARTIALS:
-        raise ValueError(f"outputs must stack 1 to {c.MAX_PARTIALS} partials; got outputs.shape={tuple(outputs.shape)}")
     c.check_array("lses", lses, ndim=3, dtypes=(jnp.float32,))
     if lses.shape[0] != num_partials:
         raise ValueError(f"outputs and lses disagree on N: outputs has {num_partials} partials, "
@@ -244,6 +247,8 @@ def _merge_n_plan(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pre
     impl = c.resolve_implementation(implementation, backend)
     backend = c.resolve_backend(backend)
     options = dict(return_lse=return_lse, out_dtype=out_dtype, lse_layout=lse_layout, lse_base2=lse_base2)
+    if num_partials == 0:  # 8.2: no partial, every row empty (pass-through rows too); no kernel on any backend
+        return functools.partial(jnp_fallback.empty_merge_n, **options)
     if impl == "jnp":
         return functools.partial(jnp_fallback.merge_attn_states_n, **options)
     c.filter_triton_deprecation()

@@ -84,8 +84,8 @@ def test_a_cached_signature_gives_the_checked_paths_bits(plans):
 def test_bad_calls_leave_no_plan_and_keep_their_errors(plans):
     t = _merge_inputs()
     for _ in range(2):
-        with pytest.raises(TypeError, match=r"output must be torch.bfloat16 \(the inputs. dtype\)"):
-            _merge(torch.empty(T, H, D, dtype=torch.float16, device=DEVICE), t)
+        with pytest.raises(TypeError, match=r"output must be float32, float16, bfloat16, float8_e4m3fn"):
+            _merge(torch.empty(T, H, D, dtype=torch.float64, device=DEVICE), t)
         with pytest.raises(ValueError, match="lse_layout must be one of"):
             _merge(torch.empty(T, H, D, dtype=torch.bfloat16, device=DEVICE), t, lse_layout=["HT"])
     assert not plans

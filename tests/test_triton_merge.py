@@ -529,7 +529,7 @@ ERRORS = [
     ("prefix_int", dict(prefix_output=torch.zeros(6, 2, 8, **I32)), TypeError, "prefix_output.dtype"),
     ("suffix_dtype", dict(suffix_output=torch.zeros(6, 2, 8, dtype=torch.float16, device=DEVICE)), TypeError,
      "suffix_output.dtype"),
-    ("output_dtype", dict(output=torch.zeros(6, 2, 8, device=DEVICE)), TypeError, "output.dtype"),
+    ("output_dtype", dict(output=torch.zeros(6, 2, 8, dtype=torch.float64, device=DEVICE)), TypeError, "output.dtype"),
     ("prefix_lse_f16", dict(prefix_lse=torch.zeros(2, 6, **BF16)), TypeError, "prefix_lse.dtype"),
     ("suffix_lse_f64", dict(suffix_lse=torch.zeros(2, 6, dtype=torch.float64, device=DEVICE)), TypeError,
      "suffix_lse.dtype"),

@@ -27,7 +27,7 @@ from triton_impl import _common as c
 from triton_impl._common import _cast_rne
 from triton_impl.merge import _merged_lse, _program_tile, _token_requests
 from triton_impl.merge_n import (_copied_lse, _lses_strides, _max_and_sum, _partial_exp, _weighted,
-                                 merge_attn_states_n)
+                                 loop_steps, merge_attn_states_n)
 
 METHODS = ("gather", "reduce_scatter")
 # The rescale kernel reads one partial's tile and writes one: it takes the N-way tile of two partials (the 2-way
@@ -56,6 +56,7 @@ def _cp_rescale_kernel(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     SCAN: tl.constexpr, N_INTERPRET: tl.constexpr,
     LSE_BASE2: tl.constexpr, OUTPUT_LSE: tl.constexpr, FUSED_MASK: tl.constexpr, INTERPRET: tl.constexpr,
+    LSE_STEPS: tl.constexpr,
 ):
     t, t_mask, th_mask, thd_mask, t64, h64, d64 = _program_tile(num_tokens, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H,
                                                                   BLOCK_D)
@@ -73,7 +74,7 @@ def _cp_rescale_kernel(
     # The N-way merge's weights (8.2, 8.3), for partial `rank` only.
     req, in_req = _token_requests(qsl_ptr, t, t_mask, num_requests, SCAN, N_INTERPRET, FUSED_MASK)
     m, all_empty, z = _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
-                                   NUM_PARTIALS, LSE_BASE2, FUSED_MASK, INTERPRET)
+                                   NUM_PARTIALS, LSE_BASE2, FUSED_MASK, INTERPRET, LSE_STEPS)
     w = _partial_exp(lses_ptr, stride_lse_n, rank, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
                      LSE_BASE2, FUSED_MASK, INTERPRET) / z
     scaled = _weighted(o, w)
@@ -222,7 +223,8 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
 
     Args:
       output: method "gather": dtype[T, H, D], every head. method "reduce_scatter": dtype[T, H / N, D], this
-        rank's heads [rank * H / N, (rank + 1) * H / N). fp8 (float8_e4m3fn) with output_scale. Written in place.
+        rank's heads [rank * H / N, (rank + 1) * H / N). f32/f16/bf16 whatever the partials' dtype, or fp8
+        (float8_e4m3fn) with output_scale. Written in place.
       partial_output: dtype[T, H, D], fp32/fp16/bf16: attention of all T queries over this rank's KV shard. A
         strided view is copied to a contiguous buffer for the collective.
       partial_lse: f32[H, T] ([T, H] with lse_layout="TH"), its LSE; +inf and NaN mean empty.
@@ -344,6 +346,6 @@ def _rescale_plan(scaled, output_lse, partial_output, lses, cus, params, lse_lay
                  BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
                  SCAN=c.SCAN, N_INTERPRET=c.n_interpret(max(params["num_requests"], 0) + 1),
                  LSE_BASE2=params["base2"], OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused,
-                 INTERPRET=c.interpreting(),
+                 INTERPRET=c.interpreting(), LSE_STEPS=loop_steps(num_partials - 1, num_partials),
                  num_warps=c.merge_num_warps(variant, RESCALE_TILE_PARTIALS), **c.PARITY_LAUNCH),
             c.launch_state(key))

@@ -47,6 +47,21 @@ def _log(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _exp_base(x, LSE_BASE2: tl.constexpr, INTERPRET: tl.constexpr):
+    """exp(x), or for a difference x of base-2 LSEs 2^x = exp(x * ln2) (docs/spec.md 4.3): the weights are computed
+    from differences in the LSEs' own base (x = 0 gives exactly 1)."""
+    if LSE_BASE2:
+        x = x * LN2
+    return _exp(x, INTERPRET)
+
+
+@triton.jit
+def _clean_lse(x):
+    """docs/spec.md 4.1: +inf (FA2's empty row) and NaN read as -inf; no base conversion."""
+    return tl.where((x == float("inf")) | (x != x), float("-inf"), x)
+
+
+@triton.jit
 def _token_requests(qsl_ptr, t, t_mask, num_requests, SCAN: tl.constexpr, N_INTERPRET: tl.constexpr,
                     FUSED_MASK: tl.constexpr):
     """(req, in_req) of the fused mask: each token's request (clamped to R - 1) and whether it is in one."""
@@ -60,14 +75,14 @@ def _token_requests(qsl_ptr, t, t_mask, num_requests, SCAN: tl.constexpr, N_INTE
 
 
 @triton.jit
-def _two_way_weights(p, s, INTERPRET: tl.constexpr):
-    """(m, both_empty, z, wp, ws) of two natural-log LSE tiles whose empty rows are -inf (docs/spec.md 4.2, 4.3):
-    m is 0 where both are empty, z = e_p + e_s."""
+def _two_way_weights(p, s, LSE_BASE2: tl.constexpr, INTERPRET: tl.constexpr):
+    """(m, both_empty, z, wp, ws) of two LSE tiles (base e, or base 2) whose empty rows are -inf (docs/spec.md 4.2,
+    4.3): m is 0 where both are empty, z = e_p + e_s."""
     m = tl.maximum(p, s)
     both_empty = m == float("-inf")
     m = tl.where(both_empty, 0.0, m)
-    pe = _exp(p - m, INTERPRET)
-    se = _exp(s - m, INTERPRET)
+    pe = _exp_base(p - m, LSE_BASE2, INTERPRET)
+    se = _exp_base(s - m, LSE_BASE2, INTERPRET)
     z = pe + se
     return m, both_empty, z, pe / z, se / z
 
@@ -76,7 +91,8 @@ def _two_way_weights(p, s, INTERPRET: tl.constexpr):
 def _store_output(out_ptr, out_ptrs, out, last, copy_t, scale_ptr, thd_mask, FP8_OUT: tl.constexpr,
                   INTERPRET: tl.constexpr):
     """The merged f32 tile `out` to `out_ptrs` (docs/spec.md 4.4, 4.6): pass-through tokens take `last` (the
-    suffix, or the last partial) bit for bit, or with an fp8 output through the scale and clamp of a merged row."""
+    suffix, or the last partial) bit for bit where the output has its dtype, else rounded once to the output dtype
+    (through the scale and clamp of a merged row for fp8)."""
     if FP8_OUT:
         out = tl.where(copy_t[:, None, None], last.to(tl.float32), out)
         out = out / tl.load(scale_ptr)
@@ -84,17 +100,22 @@ def _store_output(out_ptr, out_ptrs, out, last, copy_t, scale_ptr, thd_mask, FP8
         out = tl.where(out > FP8_MAX, FP8_MAX, out)
         tl.store(out_ptrs, _cast_rne(out, out_ptr.dtype.element_ty, INTERPRET), mask=thd_mask)
     else:
-        tl.store(out_ptrs, tl.where(copy_t[:, None, None], last, _cast_rne(out, out_ptr.dtype.element_ty, INTERPRET)),
-                 mask=thd_mask)
+        if last.dtype == out_ptr.dtype.element_ty:
+            tl.store(out_ptrs, tl.where(copy_t[:, None, None], last,
+                                        _cast_rne(out, out_ptr.dtype.element_ty, INTERPRET)), mask=thd_mask)
+        else:  # 4.4: another output dtype: the copied row, as f32, takes the one rounding of a merged row
+            out = tl.where(copy_t[:, None, None], last.to(tl.float32), out)
+            tl.store(out_ptrs, _cast_rne(out, out_ptr.dtype.element_ty, INTERPRET), mask=thd_mask)
 
 
 @triton.jit
 def _merged_lse(z, m, empty, copy_t, passthrough, LSE_BASE2: tl.constexpr, INTERPRET: tl.constexpr):
-    """The merge's LSE tile (docs/spec.md 4.2, 4.4, 8.4)."""
-    lse = _log(z, INTERPRET) + m
-    lse = tl.where(empty, float("-inf"), lse)
+    """The merge's LSE tile (docs/spec.md 4.2, 4.3, 4.4, 8.4), in the LSEs' base: log(z) + m, or for base 2
+    log(z) * log2(e) + m (m is base 2 there); -inf where every partial is empty (m = 0 there)."""
+    lz = _log(z, INTERPRET)
     if LSE_BASE2:
-        lse = lse * LOG2E
+        lz = lz * LOG2E
+    lse = tl.where(empty, float("-inf"), lz) + m
     return tl.where(copy_t[:, None], passthrough, lse)
 
 
@@ -155,20 +176,15 @@ def _merge_attn_states_kernel(
     b = tl.load(suffix_ptr + t64[:, :, None] * stride_s_t + h64[:, :, None] * stride_s_h + d64 * stride_s_d,
                 mask=thd_mask, other=0.0)
 
-    p = p_raw
-    s = s_raw
-    if LSE_BASE2:
-        p = p * LN2
-        s = s * LN2
-    # docs/spec.md 4.1: +inf (FA2's empty row) and NaN read as -inf.
-    p = tl.where((p == float("inf")) | (p != p), float("-inf"), p)
-    s = tl.where((s == float("inf")) | (s != s), float("-inf"), s)
+    # docs/spec.md 4.1: +inf (FA2's empty row) and NaN read as -inf; a base-2 LSE stays base 2.
+    p = _clean_lse(p_raw)
+    s = _clean_lse(s_raw)
     if FUSED_MASK:  # docs/spec.md 4.5: a token of a request whose prefix chunk is empty has p = -inf
         req, in_req = _token_requests(qsl_ptr, t, t_mask, num_requests, SCAN, N_INTERPRET, FUSED_MASK)
         empty_t = in_req & (tl.load(cu_ptr + req + 1) == tl.load(cu_ptr + req))
         p = tl.where(empty_t[:, None], float("-inf"), p)
 
-    m, both_empty, z, wp, ws = _two_way_weights(p, s, INTERPRET)
+    m, both_empty, z, wp, ws = _two_way_weights(p, s, LSE_BASE2, INTERPRET)
     # docs/spec.md 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
     out = (tl.where(wp[:, :, None] > 0.0, a.to(tl.float32) * wp[:, :, None], 0.0)
            + tl.where(ws[:, :, None] > 0.0, b.to(tl.float32) * ws[:, :, None], 0.0))
@@ -188,7 +204,8 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
     """Merge two attention partials by their LSEs (docs/spec.md 4), vLLM's positional signature, in place.
 
     Args:
-      output: dtype[T, H, D] (or float8_e4m3fn with output_scale), any strides. Written in place.
+      output: f32/f16/bf16[T, H, D], any of them whatever the partials' dtype (one rounding at the store), or
+        float8_e4m3fn with output_scale; any strides. Written in place.
       prefix_output, suffix_output: dtype[T, H, D], fp32/fp16/bf16, each with its own strides (a V-padded
         [T, H, 192] buffer sliced to [..., :128] works).
       prefix_lse, suffix_lse: f32[H, T] ([T, H] with lse_layout="TH"), any strides; natural log unless

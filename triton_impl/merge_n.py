@@ -2,16 +2,18 @@
 
 The context-parallel building block: N partials stacked on a leading axis, as an all-gather produces them.
 Grid: `(cdiv(T, BLOCK_T) * cdiv(H, BLOCK_H),)`, head blocks fastest, as the 2-way merge; a program merges a
-[BLOCK_T, BLOCK_H, BLOCK_D] tile of every partial (`_common.MERGE_N_TILES`). The loops over the N partials are
-unrolled at compile time (N is fixed by the deployment: the context-parallel group size). Three passes over
+[BLOCK_T, BLOCK_H, BLOCK_D] tile of every partial (`_common.MERGE_N_TILES`). The loops over the N partials unroll
+(`tl.static_range`) up to N = UNROLLED_PARTIALS and beyond run in runtime steps of PARTIALS_PER_STEP partials
+(`range`, which Triton does not unroll), so the compile time stays short at every N; each pass does the spec's
+operations in index order either way (docs/spec.md 8). Three passes over
 the partials' LSE tiles: the largest LSE, the sum of the exponentials, then the weighted sum of the outputs;
 an LSE tile is reloaded (from cache) and its exponential recomputed in each pass, which gives the same bits.
 The fused mask finds each token's request once, with the two-level 32-wide compare-and-sum of the mask
 kernel, and reads each partial's own KV offsets.
 
 Float math (docs/spec.md 5), identical to `pallas_impl/merge_n.py` and, at N = 2, to `triton_impl/merge.py`
-operation by operation: f32, libdevice exp and log, no FMA contraction, no flush-to-zero, division with `/`,
-the sums in index order starting from partial 0, cast only at the store.
+operation by operation: f32, libdevice exp and log, no FMA contraction, no flush-to-zero,
+division with `/`, the sums in index order starting from partial 0, cast only at the store.
 """
 
 from __future__ import annotations
@@ -23,7 +25,23 @@ import triton
 import triton.language as tl
 
 from triton_impl import _common as c
-from triton_impl.merge import LN2, _exp, _merged_lse, _program_tile, _store_output, _token_requests
+from triton_impl.merge import _clean_lse, _exp_base, _merged_lse, _program_tile, _store_output, _token_requests
+
+# The loops over the partials (docs/spec.md 8, "Any N") unroll up to N = UNROLLED_PARTIALS (fast code, a short
+# compile); beyond, they run in runtime steps of PARTIALS_PER_STEP partials (each step unrolled: its loads are in
+# flight together), the last count % PARTIALS_PER_STEP unrolled: a compile that does not grow with N. The same
+# operations in the same order, so the same bits. Equal to pallas_impl/_math.py's.
+UNROLLED_PARTIALS = 16
+PARTIALS_PER_STEP = 4
+
+
+def loop_steps(count: int, num_partials: int) -> int:
+    """The runtime steps of a loop over `count` of the N = `num_partials` partials (0: all unrolled)."""
+    return 0 if num_partials <= UNROLLED_PARTIALS else max(count, 0) // PARTIALS_PER_STEP
+
+
+STEP = tl.constexpr(PARTIALS_PER_STEP)  # a jitted function reads constexpr globals only
+
 
 @triton.jit
 def _empty_tokens(cu_ptr, req, in_req):
@@ -41,33 +59,46 @@ def _copied_lse(last_raw, last_cu_ptr, req, in_req, FUSED_MASK: tl.constexpr):
 
 
 @triton.jit
-def _partial_lse(lse_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2: tl.constexpr,
-                 FUSED_MASK: tl.constexpr):
-    """f32[BLOCK_T, BLOCK_H]: one partial's LSE tile, natural log, empty rows -inf (8.1)."""
-    lse = tl.load(lse_ptr + lse_offs, mask=th_mask, other=float("-inf"))
-    if LSE_BASE2:
-        lse = lse * LN2
-    lse = tl.where((lse == float("inf")) | (lse != lse), float("-inf"), lse)  # 4.1: +inf and NaN read as -inf
+def _partial_lse(lse_ptr, lse_offs, th_mask, cu_ptr, req, in_req, FUSED_MASK: tl.constexpr):
+    """f32[BLOCK_T, BLOCK_H]: one partial's LSE tile in the LSEs' base, empty rows -inf (8.1)."""
+    lse = _clean_lse(tl.load(lse_ptr + lse_offs, mask=th_mask, other=float("-inf")))  # 4.1
     if FUSED_MASK:  # 8.1: a token of a request with no KV in this partial has LSE -inf
         lse = tl.where(_empty_tokens(cu_ptr, req, in_req)[:, None], float("-inf"), lse)
     return lse
 
 
 @triton.jit
+def _max_step(m, i, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
+              FUSED_MASK: tl.constexpr):
+    """max(m, lse_i): one step of the maximum (8.2)."""
+    return tl.maximum(m, _partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n, req,
+                                      in_req, FUSED_MASK))
+
+
+@triton.jit
 def _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
                  NUM_PARTIALS: tl.constexpr, LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr,
-                 INTERPRET: tl.constexpr):
+                 INTERPRET: tl.constexpr, LSE_STEPS: tl.constexpr):
     """(m, all_empty, z) of the N-way weights (8.2, 8.3): the largest LSE (0 where every partial is empty) and
-    z = e_0 + ... + e_{N-1} in index order."""
-    m = _partial_lse(lses_ptr, lse_offs, th_mask, cu_ptr, req, in_req, LSE_BASE2, FUSED_MASK)
-    for i in tl.static_range(1, NUM_PARTIALS):
-        m = tl.maximum(m, _partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n,
-                                       req, in_req, LSE_BASE2, FUSED_MASK))
+    z = e_0 + ... + e_{N-1} in index order. Partials 1 .. N-1 in LSE_STEPS runtime steps of STEP partials (a
+    runtime loop, `range`, each step unrolled), then the rest unrolled (`tl.static_range`); LSE_STEPS = 0 up to
+    N = UNROLLED_PARTIALS: all unrolled. The same operations in the same order either way."""
+    m = _partial_lse(lses_ptr, lse_offs, th_mask, cu_ptr, req, in_req, FUSED_MASK)
+    for k in range(0, LSE_STEPS):
+        for j in tl.static_range(STEP):
+            m = _max_step(m, 1 + k * STEP + j, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req,
+                          in_req, FUSED_MASK)
+    for i in tl.static_range(1 + LSE_STEPS * STEP, NUM_PARTIALS):
+        m = _max_step(m, i, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, FUSED_MASK)
     all_empty = m == float("-inf")
     m = tl.where(all_empty, 0.0, m)
     z = _partial_exp(lses_ptr, stride_lse_n, 0, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, LSE_BASE2,
                      FUSED_MASK, INTERPRET)
-    for i in tl.static_range(1, NUM_PARTIALS):
+    for k in range(0, LSE_STEPS):
+        for j in tl.static_range(STEP):
+            z = z + _partial_exp(lses_ptr, stride_lse_n, 1 + k * STEP + j, lse_offs, th_mask, cu_ptr, stride_cu_n,
+                                 req, in_req, m, LSE_BASE2, FUSED_MASK, INTERPRET)
+    for i in tl.static_range(1 + LSE_STEPS * STEP, NUM_PARTIALS):
         z = z + _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
                              LSE_BASE2, FUSED_MASK, INTERPRET)
     return m, all_empty, z
@@ -76,9 +107,19 @@ def _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n,
 @triton.jit
 def _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
                  LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr, INTERPRET: tl.constexpr):
-    """e_i = exp(lse_i - m) of partial i (8.3); its weight is e_i / z."""
-    return _exp(_partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n, req, in_req,
-                             LSE_BASE2, FUSED_MASK) - m, INTERPRET)
+    """e_i = exp(lse_i - m) (base 2: exp((lse_i - m) * ln2)) of partial i (8.3); its weight is e_i / z."""
+    return _exp_base(_partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n, req,
+                                  in_req, FUSED_MASK) - m, LSE_BASE2, INTERPRET)
+
+
+@triton.jit
+def _out_step(out, i, outs_ptr, stride_o_n, o_offs, thd_mask, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr,
+              stride_cu_n, req, in_req, m, z, LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr,
+              INTERPRET: tl.constexpr):
+    """out + w_i * o_i, w_i = e_i / z: one step of the weighted sum (8.3)."""
+    w = _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, LSE_BASE2,
+                     FUSED_MASK, INTERPRET) / z
+    return out + _weighted(tl.load(outs_ptr + i * stride_o_n + o_offs, mask=thd_mask, other=0.0), w)
 
 
 @triton.jit
@@ -113,7 +154,7 @@ def _merge_attn_states_n_kernel(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     SCAN: tl.constexpr, N_INTERPRET: tl.constexpr,
     LSE_BASE2: tl.constexpr, OUTPUT_LSE: tl.constexpr, FUSED_MASK: tl.constexpr, FP8_OUT: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, LSE_STEPS: tl.constexpr, OUT_STEPS: tl.constexpr,
 ):
     t, t_mask, th_mask, thd_mask, t64, h64, d64 = _program_tile(num_tokens, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H,
                                                                   BLOCK_D)
@@ -132,7 +173,7 @@ def _merge_attn_states_n_kernel(
     # The request of each token, once for every partial; m and z (8.2, 8.3).
     req, in_req = _token_requests(qsl_ptr, t, t_mask, num_requests, SCAN, N_INTERPRET, FUSED_MASK)
     m, all_empty, z = _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
-                                   NUM_PARTIALS, LSE_BASE2, FUSED_MASK, INTERPRET)
+                                   NUM_PARTIALS, LSE_BASE2, FUSED_MASK, INTERPRET, LSE_STEPS)
     # out = sum_i w_i * o_i in index order, w_i = e_i / z.
     w_last = _partial_exp(lses_ptr, stride_lse_n, last, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
                           LSE_BASE2, FUSED_MASK, INTERPRET) / z
@@ -142,10 +183,14 @@ def _merge_attn_states_n_kernel(
         w = _partial_exp(lses_ptr, stride_lse_n, 0, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
                          LSE_BASE2, FUSED_MASK, INTERPRET) / z
         out = _weighted(tl.load(outs_ptr + o_offs, mask=thd_mask, other=0.0), w)
-        for i in tl.static_range(1, NUM_PARTIALS - 1):
-            w = _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
-                             LSE_BASE2, FUSED_MASK, INTERPRET) / z
-            out = out + _weighted(tl.load(outs_ptr + i * stride_o_n + o_offs, mask=thd_mask, other=0.0), w)
+        for k in range(0, OUT_STEPS):  # partials 1 .. N-2, in steps as in _max_and_sum
+            for j in tl.static_range(STEP):
+                out = _out_step(out, 1 + k * STEP + j, outs_ptr, stride_o_n, o_offs, thd_mask, lses_ptr, stride_lse_n,
+                                lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, z, LSE_BASE2, FUSED_MASK,
+                                INTERPRET)
+        for i in tl.static_range(1 + OUT_STEPS * STEP, NUM_PARTIALS - 1):
+            out = _out_step(out, i, outs_ptr, stride_o_n, o_offs, thd_mask, lses_ptr, stride_lse_n, lse_offs, th_mask,
+                            cu_ptr, stride_cu_n, req, in_req, m, z, LSE_BASE2, FUSED_MASK, INTERPRET)
         out = out + _weighted(b, w_last)
     out = tl.where(all_empty[:, :, None], 0.0, out)
     copy_t = t >= prefill_tokens_with_context  # 8.4
@@ -174,15 +219,17 @@ def _lses_strides(lses: torch.Tensor, lse_layout: str, num_partials: int, num_he
     return s0, stride_h, stride_t
 
 
+EMPTY = "empty"  # the launch plan of N = 0: no kernel, output 0 and LSE -inf (docs/spec.md 8.2)
 def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_with_context=None,
                         output_scale=None, *, query_start_loc=None, cu_seq_lens=None, lse_layout="HT",
                         lse_base=math.e, validate=False) -> None:
     """Merge N attention partials by their LSEs (docs/spec.md section 8), in place.
 
     Args:
-      output: dtype[T, H, D] (or float8_e4m3fn with output_scale), any strides. Written in place.
+      output: f32/f16/bf16[T, H, D], any of them whatever the partials' dtype (one rounding at the store), or
+        float8_e4m3fn with output_scale; any strides. Written in place.
       outputs: dtype[N, T, H, D], fp32/fp16/bf16, any strides (a view of an all-gather buffer, a V-padded
-        buffer sliced to [..., :D]); 1 <= N <= 64.
+        buffer sliced to [..., :D]); any N >= 0 (N = 0: output 0, LSE -inf).
       lses: f32[N, H, T] ([N, T, H] with lse_layout="TH"), any strides; natural log unless lse_base=2. +inf
         and NaN mean an empty partial.
       output_lse: optional f32[H, T] ([T, H]) LSE of the merge, same base. Written in place.
@@ -221,8 +268,6 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
     c.check_tensor("outputs", outputs, ndim=4, dtypes=c.OUTPUT_DTYPES)
     device = outputs.device
     num_partials, num_tokens, num_heads, head_dim = outputs.shape
-    if not 1 <= num_partials <= c.MAX_PARTIALS:
-        raise ValueError(f"outputs must stack 1 to {c.MAX_PARTIALS} partials; got outputs.shape={tuple(outputs.shape)}")
     fp8 = c.check_output(output, outputs, output_scale)
     c.check_tensor("lses", lses, ndim=3, dtypes=(torch.float32,), device=device)
     stride_lse_n, stride_lse_h, stride_lse_t = _lses_strides(lses, lse_layout, num_partials, num_heads, num_tokens)
@@ -255,7 +300,9 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
     if validate and fused:
         c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
     launch = None
-    if num_tokens and num_heads:
+    if num_partials == 0:  # 8.2: no partial, every row empty (pass-through rows too: there is no last partial)
+        launch = EMPTY
+    elif num_tokens and num_heads:
         variant = c.merge_variant(output_lse is not None, fused)
         itemsize = outputs.element_size()
         block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize, num_partials)
@@ -268,7 +315,9 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
                  BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
                  SCAN=c.SCAN, N_INTERPRET=c.n_interpret(num_requests + 1),
                  LSE_BASE2=base2, OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused, FP8_OUT=fp8,
-                 INTERPRET=c.interpreting(), num_warps=c.merge_num_warps(variant, num_partials), **c.PARITY_LAUNCH),
+                 INTERPRET=c.interpreting(), LSE_STEPS=loop_steps(num_partials - 1, num_partials),
+                 OUT_STEPS=loop_steps(num_partials - 2, num_partials),
+                 num_warps=c.merge_num_warps(variant, num_partials), **c.PARITY_LAUNCH),
             c.launch_state(key))
     # A non-contiguous cu_seq_lens row is copied per call: no plan for it (its copy would be the launch's pointer).
     if not (fused and cu_seq_lens is not cu_given):
@@ -282,6 +331,11 @@ def _launch(launch, output, output_lse, outputs, lses, output_scale, query_start
             prefill_tokens, lse_layout) -> None:
     """The kernel launch of a plan: (grid, fused, the strides and T, R, the compile-time arguments, `c.launch`'s
     state)."""
+    if launch is EMPTY:
+        output.zero_()
+        if output_lse is not None:
+            output_lse.fill_(float("-inf"))
+        return
     grid, fused, ints, num_requests, constexprs, state = launch
     placeholder = lses  # for the pointers a variant does not read
     c.launch(_merge_attn_states_n_kernel[lse_layout], grid, (

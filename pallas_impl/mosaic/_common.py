@@ -1,15 +1,14 @@
 """Shared pieces of the Mosaic GPU kernels (`jax.experimental.pallas.mosaic_gpu`, jax >= 0.11).
 
-The Mosaic GPU kernels do in their body the arithmetic the Triton kernels do per element — the LSE sentinels
-(+inf and NaN read as -inf) and base 2 (`x * ln2` after the load, `x * log2(e)` before the store:
-`_math.natural_lse`, `_math.stored_lse`), the maximum, the exponentials, their sum, the weights, the weighted sum,
-the log — and leave the per-row bookkeeping to XLA around the call, as the same operations in the same order (the
-jnp path's, which gives the Triton kernels' bits on the GPU): the fused mask's per-token emptiness from the
-offsets (`jnp_fallback._empty_tokens`), the pass-through LSE, `[T, H]` layouts (transposed), and `T < 128`
-(padded with empty rows). Inside the kernel, per-token flag rows set the fused mask's raw LSEs to -inf and give
-pass-through rows of the output the last partial's own bits. For the common call (`[H, T]` LSEs, T >= 128, no
-fused mask, no pass-through, no fp8) what runs in XLA is reshapes only: no kernel but the merge (docs/results.md,
-session 6).
+The Mosaic GPU kernels do in their body the arithmetic the Triton kernels do per element — the LSE sentinels (+inf
+and NaN read as -inf, `_math.clean_lse`), the maximum, the exponentials (of base-2 differences for base-2 LSEs),
+their sum, the weights, the weighted sum, the log (`_math.merged_lse`) — and leave the per-row bookkeeping to XLA
+around the call, as the same operations in the same order (the jnp path's, which gives the Triton kernels' bits on
+the GPU): the fused mask's per-token emptiness from the offsets (`jnp_fallback._empty_tokens`), the pass-through
+LSE, `[T, H]` layouts (transposed), and `T < 128` (padded with empty rows). Inside the kernel, per-token flag rows
+set the fused mask's raw LSEs to -inf and give pass-through rows of the output the last partial's own bits. For the
+common call (`[H, T]` LSEs, T >= 128, no fused mask, no pass-through, no fp8) what runs in XLA is reshapes only: no
+kernel but the merge (docs/results.md, session 6).
 
 Why this split (docs/design.md, "Mosaic GPU backend"): Mosaic GPU has no masked loads or stores, its TMA copies need
 16-byte aligned rows (an `[H, T]` LSE row at an odd T is not), its Warpgroup layout inference needs tiles of
@@ -29,6 +28,9 @@ from pallas_impl import _math, jnp_fallback
 
 BLOCK_T = 128  # tokens per tile: a Warpgroup row vector needs a multiple of 128 elements
 MAX_COLS = 256  # a TMA box dimension holds at most 256 elements: wider heads are split into column chunks
+# The N-way kernels unroll their loops over the partials at trace time and keep a shared-memory weight row per
+# partial: N beyond it is the Triton backend's (its loops over the partials are runtime loops).
+MAX_PARTIALS = 64
 # Launch choices per kernel (they change which CTA owns a tile, never an element's arithmetic):
 # steps: token tiles per CTA (one emit_pipeline); concurrent: pipelined steps in flight; tile_bytes: the most bytes
 # of one [128, dc] input tile; stores: output tiles whose TMA stores may be in flight (1 or 2 shared-memory slots;
@@ -115,6 +117,20 @@ def store_tile(result, o_scr, dst, count) -> None:
     m.copy_smem_to_gmem(slot, dst)
 
 
+def check_partials(num_partials: int) -> None:
+    """The N-way kernels take 1 to MAX_PARTIALS partials (N = 0 runs no kernel: `jnp_fallback.empty_merge_n`)."""
+    if not 1 <= num_partials <= MAX_PARTIALS:
+        raise NotImplementedError(f"backend='mosaic_gpu' merges 1 to {MAX_PARTIALS} partials (its loops over them "
+                                  f"unroll); got N={num_partials}: use backend='triton'")
+
+
+def check_out_dtype(in_dtype, out_dtype) -> None:
+    """The merge kernels store the partials' dtype (or f32 for fp8, cast in XLA): another output dtype is refused."""
+    if jnp.dtype(out_dtype) not in (jnp.dtype(in_dtype), jnp.dtype(jnp.float8_e4m3fn)):
+        raise NotImplementedError(f"backend='mosaic_gpu' writes the partials' dtype {jnp.dtype(in_dtype).name} (or "
+                                  f"float8_e4m3fn); got out_dtype={jnp.dtype(out_dtype).name}: use backend='triton'")
+
+
 def column_chunk(head_dim: int, itemsize: int, tile_bytes: int = 32 * 1024) -> int:
     """Columns of one TMA tile: the largest divisor of D of 16-byte rows and a multiple of 8 columns (the WGMMA
     register layout's tile, 8 wide) within MAX_COLS and `tile_bytes` (at least the narrowest such column)."""
@@ -140,8 +156,8 @@ def merge_tuning(num_tokens: int) -> dict:
 
 
 def lse_rows(lse, lse_layout: str):
-    """A raw LSE as a kernel reads it: f32[H * T'] (rows h, T' >= BLOCK_T padded with -inf). The sentinels and
-    base 2 are the kernel's (`_math.natural_lse`); an `[H, T]` LSE of T >= BLOCK_T is only reshaped (no XLA
+    """A raw LSE as a kernel reads it: f32[H * T'] (rows h, T' >= BLOCK_T padded with -inf). The sentinels are
+    the kernel's (`_math.clean_lse`); an `[H, T]` LSE of T >= BLOCK_T is only reshaped (no XLA
     kernel)."""
     x = lse if lse_layout == "HT" else lse.T
     return padded_rows(x, x.shape[-1], -jnp.inf, axis=-1).reshape(-1)

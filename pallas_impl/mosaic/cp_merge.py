@@ -5,10 +5,11 @@ Experimental (docs/design.md, "Mosaic GPU backend"): with jax 0.11.2 on a CPU, l
 Mosaic GPU interpreter against the reference (tests/test_pallas_mosaic.py).
 
 Each device scales its own partial by its N-way weight, as `pallas_impl/cp_merge.py`'s Triton-backend kernel does,
-in its order: the N-way maximum and sum of every device's LSE (`_math.n_way_max_and_sum`), `w = exp(lse_rank - m)
-/ z`, the weighted tile behind a select, 0 where every partial is empty, and on pass-through tokens the last
-device's own row (the others -0.0). Grid and pipeline: those of the 2-way merge (`merge.py`), one input.
-What runs in XLA around the kernel: `_common` (the fused mask's token flags, the layout; the pass-through LSE).
+in its order: the N-way maximum and sum of every device's LSE (`_math.n_way_max_and_sum`), `w = exp(lse_rank - m) /
+z` (base 2: `exp((lse_rank - m) * ln2)`), the weighted tile behind a select, 0 where every partial is empty, and on pass-through
+tokens the last device's own row (the others -0.0). Grid and pipeline: those of the 2-way merge (`merge.py`), one
+input. What runs in XLA around the kernel: `_common` (the fused mask's token flags, the layout; the pass-through
+LSE).
 """
 
 from __future__ import annotations
@@ -54,18 +55,17 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                 row = mc.strided_row(l_g, (k * num_heads + h) * num_tokens + t0)
                 if empty_rows:
                     row = jnp.where(mc.strided_row(e_g, k * num_tokens + t0) > 0, -jnp.inf, row)
-                return _math.natural_lse(row, lse_base2)
+                return _math.clean_lse(row)
 
-            m, all_empty, _, z = _math.n_way_max_and_sum([row_of(k) for k in range(num_partials)])
-            w_smem[0] = jnp.exp(row_of(rank) - m) / z  # 8.2, 8.3: partial `rank`'s weight
+            m, all_empty, _, z = _math.n_way_max_and_sum([row_of(k) for k in range(num_partials)], lse_base2)
+            w_smem[0] = _math.exp_base(row_of(rank) - m, lse_base2) / z  # 8.2, 8.3: partial `rank`'s weight
             w_smem[1] = jnp.where(all_empty, 1.0, 0.0)
             if copy_rows:
                 w_smem[2] = mc.strided_row(c_g, t0)
             if output_lse:  # the merged LSE of every head (the caller keeps its own)
                 @pl.when(hc % nc == 0)
                 def _():
-                    lse = jnp.where(all_empty, -jnp.inf, jnp.log(z) + m)
-                    lo_g[pl.ds(h * num_tokens + t0, bt)] = _math.stored_lse(lse, lse_base2)
+                    lo_g[pl.ds(h * num_tokens + t0, bt)] = _math.merged_lse(z, m, all_empty, lse_base2)
 
             x = mc.load(x_s, L).astype(F32)
             row = lambda k: jnp.broadcast_to(mc.load(w_smem.at[k], L.reduce(1))[:, None], (bt, dc))  # noqa: E731
@@ -91,6 +91,7 @@ def rescale_mosaic(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with
                    return_lse, lse_layout, lse_base2, interpret):
     """`pallas_impl.cp_merge`'s rescale (`_rescale_jit`'s arguments and results) with backend="mosaic_gpu"."""
     num_partials = lses.shape[0]
+    mc.check_partials(num_partials)
     num_tokens, num_heads, head_dim = part.shape
     dc = mc.column_chunk(head_dim, jnp.dtype(part.dtype).itemsize, mc.TUNING["cp_rescale"]["tile_bytes"])
     prefill = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)

@@ -60,7 +60,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             if empty_rows:
                 p = jnp.where(mc.strided_row(e_g, t0) > 0, -jnp.inf, p)
             s = mc.strided_row(s_g, h * num_tokens + t0)
-            got = (_math.natural_lse(p, lse_base2), _math.natural_lse(s, lse_base2))
+            got = (_math.clean_lse(p), _math.clean_lse(s))
             return got + (mc.strided_row(c_g, t0),) if copy_rows else got
 
         def step(idx, a_s, b_s, carry):
@@ -72,7 +72,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             p, s = carry[:2]
             # The weights of the tile's 128 rows, one row per thread, as the N-way kernel computes them; relaid
             # out through shared memory into the tile's row layout.
-            m, both_empty, z, wp, ws = _math.two_way_weights(p, s)
+            m, both_empty, z, wp, ws = _math.two_way_weights(p, s, lse_base2)
             w_smem[0] = wp
             w_smem[1] = ws
             w_smem[2] = jnp.where(both_empty, 1.0, 0.0)
@@ -81,8 +81,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             if output_lse:
                 @pl.when(hc % nc == 0)
                 def _():
-                    lse = jnp.where(both_empty, -jnp.inf, jnp.log(z) + m)
-                    lo_g[pl.ds(h * num_tokens + t0, bt)] = _math.stored_lse(lse, lse_base2)
+                    lo_g[pl.ds(h * num_tokens + t0, bt)] = _math.merged_lse(z, m, both_empty, lse_base2)
 
             a = mc.load(a_s, L)
             b = mc.load(b_s, L)
@@ -112,6 +111,7 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
                  interpret):
     """`pallas_impl.merge_attn_states` with backend="mosaic_gpu" (its arguments, checked there)."""
     num_tokens, num_heads, head_dim = prefix_output.shape
+    mc.check_out_dtype(prefix_output.dtype, out_dtype)
     tp = max(num_tokens, mc.BLOCK_T)
     dc = mc.column_chunk(head_dim, jnp.dtype(prefix_output.dtype).itemsize, mc.merge_tuning(tp)["tile_bytes"])
     fp8 = output_scale is not None

@@ -61,17 +61,16 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                 if empty_rows:
                     ls = [jnp.where(mc.strided_row(e_g, k * num_tokens + t0) > 0, -jnp.inf, x)
                           for k, x in enumerate(ls)]
-                ls = [_math.natural_lse(x, lse_base2) for x in ls]
-                m, all_empty, e, z = _math.n_way_max_and_sum(ls)
+                ls = [_math.clean_lse(x) for x in ls]
+                m, all_empty, e, z = _math.n_way_max_and_sum(ls, lse_base2)
                 for k in range(num_partials):
                     w_smem[k] = e[k] / z
                 w_smem[num_partials] = jnp.where(all_empty, 1.0, 0.0)
                 if output_lse:
                     @pl.when(hc % nc == 0)
                     def _():
-                        lse = jnp.where(all_empty, -jnp.inf, jnp.log(z) + m)
                         # per-thread stores: any alignment
-                        lo_g[pl.ds(h * num_tokens + t0, bt)] = _math.stored_lse(lse, lse_base2)
+                        lo_g[pl.ds(h * num_tokens + t0, bt)] = _math.merged_lse(z, m, all_empty, lse_base2)
 
             w = mc.load(w_smem.at[n], L.reduce(1))
             wb = jnp.broadcast_to(w[:, None], (bt, dc))
@@ -110,6 +109,8 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
                    return_lse, out_dtype, lse_layout, lse_base2, interpret):
     """`pallas_impl.merge_attn_states_n` with backend="mosaic_gpu" (its arguments, checked there)."""
     num_partials, num_tokens, num_heads, head_dim = outputs.shape
+    mc.check_partials(num_partials)
+    mc.check_out_dtype(outputs.dtype, out_dtype)
     dc = mc.column_chunk(head_dim, jnp.dtype(outputs.dtype).itemsize, mc.TUNING["merge_n"]["tile_bytes"])
     fp8 = output_scale is not None
     prefill = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)

@@ -48,7 +48,7 @@ class Case:
     suffix_head_pad: int | None = None  # the suffix buffer's own pad (None: head_pad): partials with different strides
     specials: bool = False  # inject +inf / NaN / -inf LSEs, including rows empty on both sides
     prefill_tokens_with_context: int | None = None
-    out_dtype: str | None = None  # "float8_e4m3fn" for the fp8 output path
+    out_dtype: str | None = None  # None: `dtype`; "float8_e4m3fn" (the fp8 output path) or another float dtype
     # N-way cases only (docs/spec.md section 8). KV token j of request r lives on partial (j // interleave) % N,
     # as vLLM places KV over a context-parallel group; a request shorter than N * interleave leaves partials
     # with no KV for it. `empty` is unused: emptiness per partial follows from `context_lens`.
@@ -65,6 +65,10 @@ class Case:
     @property
     def num_tokens(self) -> int:
         return sum(self.query_lens) + self.padding
+
+    @property
+    def fp8_out(self) -> bool:
+        return self.out_dtype == "float8_e4m3fn"
 
     @property
     def n_way(self) -> bool:
@@ -89,6 +93,9 @@ def _random_empty(seed: int, num_requests: int, frac: float = 0.4) -> tuple[int,
 
 _CI = frozenset({"ci", "default", "full"})
 _FULL = frozenset({"full"})
+# The `check` suites only, not "ci": what the Mosaic GPU backend refuses (N > 64, an output dtype other than the
+# partials' or fp8), which every ci case runs through; their CPU tests are tests/test_merge_limits.py's.
+_CHECK = frozenset({"default", "full"})
 _SEED = frozenset({"seed", "bench", "full"})
 _SEED_BENCH_ONLY = frozenset({"seed", "bench"})  # too large for a float64 host reference in `check`
 
@@ -119,6 +126,12 @@ CASES: tuple[Case, ...] = (
     Case("fp8_out", (40, 20, 70), (0,), num_heads=4, head_dim=64, dtype="bfloat16",
          out_dtype="float8_e4m3fn", specials=True, tags=_CI),
     Case("d512_h1", (9, 0, 23), (0,), num_heads=1, head_dim=512, dtype="float32", tags=_CI),
+    # Another output dtype than the partials' (docs/spec.md 4.3): f32 partials into a bf16 output, base 2, with
+    # pass-through rows (rounded once); fp16 partials into an f32 output.
+    Case("fp32_to_bf16_base2_ptwc", (12, 0, 9), (0,), num_heads=2, head_dim=32, dtype="float32",
+         out_dtype="bfloat16", lse_base=2, specials=True, prefill_tokens_with_context=15, tags=_CHECK),
+    Case("fp16_to_fp32_th", _ragged(15, 30, 40), _random_empty(15, 30), num_heads=4, head_dim=64, dtype="float16",
+         out_dtype="float32", lse_layout="TH", specials=True, tags=_FULL),
     Case("d192_fp16", (33, 17), (1,), num_heads=3, head_dim=192, dtype="float16", specials=True, tags=_CI),
     Case("d256_bf16_th", (65, 3), (0,), num_heads=2, head_dim=256, lse_layout="TH", tags=_CI),
     # T = 740, a multiple of 4, and empty requests owning whole 128-token blocks: the mask's unmasked
@@ -199,6 +212,21 @@ CASES_N: tuple[Case, ...] = (
     Case("n3_ptwc_last_partial_empty", (20, 30, 25, 10, 5), (), num_heads=4, head_dim=64, dtype="float16",
          lse_base=2, partials=3, context_lens=(9, 4, 1, 12, 0), interleave=2, prefill_tokens_with_context=30,
          padding=2, tags=_CI),
+    # Past the Mosaic backend's 64 partials (docs/spec.md 8, "Any N"), base 2 with pass-through rows; most
+    # partials hold no KV for a request. Then into another output dtype (4.3): f32 partials into a bf16 output.
+    Case("n65_fp32_base2_ptwc", (3, 5), (), num_heads=2, head_dim=16, dtype="float32", lse_base=2, partials=65,
+         context_lens=(70, 9), interleave=1, prefill_tokens_with_context=6, specials=True, tags=_CHECK),
+    Case("n65_fp32_to_bf16_base2", (3, 5), (), num_heads=2, head_dim=16, dtype="float32", out_dtype="bfloat16",
+         lse_base=2, partials=65, context_lens=(70, 9), interleave=1, prefill_tokens_with_context=6,
+         specials=True, tags=_CHECK),
+    Case("n130_bf16_to_fp32_th", _ragged(12, 6, 20), (), num_heads=4, head_dim=64, out_dtype="float32",
+         lse_layout="TH", partials=130, context_lens=_contexts(12, 6, 300), interleave=1, specials=True,
+         tags=_FULL),
+    Case("n256_fp16_to_bf16_base2_strided", _ragged(13, 5, 24), (), num_heads=3, head_dim=128, dtype="float16",
+         out_dtype="bfloat16", lse_base=2, partials=256, context_lens=_contexts(13, 5, 600), interleave=2,
+         prefill_tokens_with_context=40, strided=True, specials=True, tags=_FULL),
+    Case("n256_bf16_fp8", _ragged(14, 4, 16), (), num_heads=2, head_dim=64, out_dtype="float8_e4m3fn",
+         partials=256, context_lens=_contexts(14, 4, 512), interleave=1, specials=True, tags=_FULL),
 ) + _n_way_matrix()
 
 KINDS = ("two_way", "n_way", "all")
@@ -299,7 +327,7 @@ def make_inputs(case: Case, seed: int = 0) -> dict[str, np.ndarray]:
 
     inputs = dict(query_start_loc=qsl, cu_seq_lens=cu, prefix_output=prefix_output,
                   prefix_lse=prefix_lse, suffix_output=suffix_output, suffix_lse=suffix_lse)
-    if case.out_dtype is not None:
+    if case.fp8_out:
         inputs["output_scale"] = np.array([0.05], dtype=np.float32)
     return inputs
 
@@ -373,6 +401,6 @@ def make_inputs_n(case: Case, seed: int = 0) -> dict[str, np.ndarray]:
     if case.lse_layout == "TH":
         lse = np.ascontiguousarray(lse.transpose(0, 2, 1))
     inputs = dict(query_start_loc=qsl, cu_seq_lens=cu, outputs=x.astype(DTYPES[case.dtype]), lses=lse)
-    if case.out_dtype is not None:
+    if case.fp8_out:
         inputs["output_scale"] = np.array([0.05], dtype=np.float32)
     return inputs

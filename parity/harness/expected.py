@@ -52,7 +52,9 @@ def exact_masks(case: cases_mod.Case, weights: np.ndarray) -> tuple[np.ndarray, 
     - pass-through rows (`t >= prefill_tokens_with_context`): the last partial's row and raw LSE bits;
     - rows where no partial has weight (every partial empty): out 0, LSE -inf;
     - rows where one partial alone has weight (the others' weights are exactly 0, even in float64): its
-      weight is 1, so the row is that partial's, and in base e the LSE is its LSE (log(1) + m == m).
+      weight is 1, so the row is that partial's (rounded once to another output dtype), and its LSE is that
+      partial's LSE, in base 2 as in base e (the merge works in the LSEs' base: log(1) + m == m,
+      docs/spec.md 4.3).
     With an fp8 output only the rows without weight are exact in the output (the others are scaled and cast).
     """
     passthrough = np.zeros(weights.shape[1:], dtype=bool)
@@ -60,8 +62,8 @@ def exact_masks(case: cases_mod.Case, weights: np.ndarray) -> tuple[np.ndarray, 
         passthrough[case.prefill_tokens_with_context:] = True
     live = (weights > 0).sum(axis=0)
     none, alone = (live == 0) & ~passthrough, (live == 1) & ~passthrough
-    out_exact = none if case.out_dtype is not None else none | alone | passthrough
-    lse_exact = none | passthrough | (alone if case.lse_base != 2 else False)
+    out_exact = none if case.fp8_out else none | alone | passthrough
+    lse_exact = none | passthrough | alone
     return out_exact, (lse_exact.T if case.lse_layout == "HT" else lse_exact)
 
 

@@ -28,12 +28,13 @@ def _lse_as_ht(lse: np.ndarray, lse_layout: str) -> np.ndarray:
     return lse if lse_layout == "HT" else lse.T
 
 
-def _lse_base_factor(lse_base) -> float:
-    """ln(base): multiply a base-`lse_base` LSE by it to get a natural-log LSE."""
+def _base2(lse_base) -> bool:
+    """Whether LSEs are base 2 (else base e). A merge works in its LSEs' own base (docs/spec.md 4.3): base-2 LSEs are
+    never converted, so a merge with empty partials returns the remaining LSE exactly in either base."""
     if lse_base == 2:
-        return math.log(2.0)
+        return True
     if lse_base == math.e:
-        return 1.0
+        return False
     raise ValueError(f"lse_base must be math.e or 2, got {lse_base!r}")
 
 
@@ -60,41 +61,44 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ls
     return lse, output
 
 
-def _weights(l_raw: np.ndarray, empty: np.ndarray | None, ln_base: float):
-    """(w f64[N, T, H], m f64[T, H], z f64[T, H], both_empty bool[T, H]) of raw LSEs f32[N, T, H] (8.1-8.3).
+def _weights(l_raw: np.ndarray, empty: np.ndarray | None, base2: bool):
+    """(w f64[N, T, H], m f64[T, H], z f64[T, H], both_empty bool[T, H]) of raw LSEs f32[N, T, H] (8.1-8.3), in the
+    LSEs' base: e_i = exp(l_i - m), or 2^(l_i - m) for base 2 (m and the LSEs base 2).
 
     `empty` is bool[N, T] (a token of a request empty in partial i) or None. `m` is 0 where every partial
-    is empty, so `log(z) + m` is finite everywhere it is used.
+    is empty, so `log(z) + m` is finite everywhere it is used. N = 0: every row empty.
     """
     l = l_raw.astype(np.float64)
-    l = np.where(np.isposinf(l) | np.isnan(l), -np.inf, l * ln_base)  # 8.1 (4.1): +inf and NaN mean empty
+    l = np.where(np.isposinf(l) | np.isnan(l), -np.inf, l)  # 8.1 (4.1): +inf and NaN mean empty
     if empty is not None:
         l[np.asarray(empty, dtype=bool)] = -np.inf  # 8.1 (4.5): the fused mask, from the offsets only
-    m = l.max(axis=0)
+    m = l.max(axis=0, initial=-np.inf)
     both_empty = m == -np.inf  # 8.2 (4.2)
     m = np.where(both_empty, 0.0, m)
-    e = np.exp(l - m)
+    e = np.exp2(l - m) if base2 else np.exp(l - m)
     z = e.sum(axis=0)
     with np.errstate(invalid="ignore", divide="ignore"):
         w = e / z
     return w, m, z, both_empty
 
 
-def _merge_stacked(outputs, l_raw: np.ndarray, *, empty, prefill_tokens_with_context, output_scale, ln_base):
+def _merge_stacked(outputs, l_raw: np.ndarray, *, empty, prefill_tokens_with_context, output_scale, base2,
+                   shape=None):
     """The N-way merge of partials `outputs` (a sequence of N [T, H, D] arrays) with raw LSEs f32[N, T, H].
 
-    Returns (out f64[T, H, D], lse f64[T, H] in the input base).
+    Returns (out f64[T, H, D], lse f64[T, H] in the input base). `shape` ([T, H, D]) is needed for N = 0 only:
+    every row empty, out 0 and LSE -inf, pass-through rows too (there is no last partial to copy, 8.4).
     """
-    w, m, z, both_empty = _weights(l_raw, empty, ln_base)
-    out = np.zeros(np.shape(outputs[0]), dtype=np.float64)
+    w, m, z, both_empty = _weights(l_raw, empty, base2)
+    out = np.zeros(np.shape(outputs[0]) if len(outputs) else shape, dtype=np.float64)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         for i, o in enumerate(outputs):  # 8.3 (4.3): index order; a zero weight contributes exactly 0
             wi = w[i][..., None]
             out += np.where(wi > 0, np.asarray(o, dtype=np.float64) * wi, 0.0)
         out = np.where(both_empty[..., None], 0.0, out)
-        lse = np.where(both_empty, -np.inf, np.log(z) + m) / ln_base
+        lse = np.where(both_empty, -np.inf, (np.log2(z) if base2 else np.log(z)) + m)  # 4.3: one live partial: m
 
-    if prefill_tokens_with_context is not None:  # 8.4 (4.4): bit copies of the last partial
+    if prefill_tokens_with_context is not None and len(outputs):  # 8.4 (4.4): bit copies of the last partial
         n = int(prefill_tokens_with_context)
         out[n:] = np.asarray(outputs[-1], dtype=np.float64)[n:]
         lse[n:] = l_raw[-1, n:]
@@ -120,7 +124,7 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
     exactly). With `output_scale` (4.6) `out` is the clamped, scaled value before the fp8 cast; the caller
     rounds it to e4m3.
     """
-    ln_base = _lse_base_factor(lse_base)
+    base2 = _base2(lse_base)
     num_tokens = np.shape(prefix_output)[0]
     l_raw = np.stack([_lse_as_ht(np.asarray(x), lse_layout).T for x in (prefix_lse, suffix_lse)])
     empty = None
@@ -129,7 +133,7 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
         empty[0] = empty_token_mask(query_start_loc, prefix_cu_seq_lens, num_tokens)
     out, lse = _merge_stacked((prefix_output, suffix_output), l_raw, empty=empty,
                               prefill_tokens_with_context=prefill_tokens_with_context,
-                              output_scale=output_scale, ln_base=ln_base)
+                              output_scale=output_scale, base2=base2)
     return out, _from_th(lse, lse_layout)
 
 
@@ -146,7 +150,7 @@ def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, quer
 
     Args:
       outputs: [N, T, H, D], any float dtype.
-      lses: f32[N, H, T] ([N, T, H] with lse_layout="TH"), base e or 2.
+      lses: f32[N, H, T] ([N, T, H] with lse_layout="TH"), base e or 2. N >= 0 (N = 0: out 0, LSE -inf).
       query_start_loc, cu_seq_lens: i32[R+1] and i32[N, R+1], both or neither: a token of a request empty in
         partial i (cu_seq_lens[i, r+1] == cu_seq_lens[i, r]) gives partial i LSE -inf (8.1).
       prefill_tokens_with_context: tokens at or past it copy the last partial's row and raw LSE (8.4); with
@@ -156,23 +160,24 @@ def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, quer
     Returns:
       (out f64[T, H, D], lse f64 in the input layout and base).
     """
-    ln_base = _lse_base_factor(lse_base)
+    base2 = _base2(lse_base)
     outputs = np.asarray(outputs)
-    if outputs.ndim != 4 or outputs.shape[0] < 1:
-        raise ValueError(f"outputs must be [N >= 1, T, H, D]; got {outputs.shape=}")
+    if outputs.ndim != 4:
+        raise ValueError(f"outputs must be [N, T, H, D]; got {outputs.shape=}")
     num_tokens = outputs.shape[1]
     l_raw = _lses_as_nth(lses, lse_layout)
     empty = None if query_start_loc is None else empty_token_masks(query_start_loc, cu_seq_lens, num_tokens)
     out, lse = _merge_stacked(list(outputs), l_raw, empty=empty,
                               prefill_tokens_with_context=prefill_tokens_with_context,
-                              output_scale=output_scale, ln_base=ln_base)
+                              output_scale=output_scale, base2=base2, shape=outputs.shape[1:])
     return out, _from_th(lse, lse_layout)
 
 
 def empty_token_masks(query_start_loc, cu_seq_lens, num_tokens: int) -> np.ndarray:
     """bool[N, T]: `empty_token_mask` of each partial's offsets `cu_seq_lens` i32[N, R+1]."""
     cu = np.asarray(cu_seq_lens)
-    return np.stack([empty_token_mask(query_start_loc, cu[i], num_tokens) for i in range(cu.shape[0])])
+    return np.array([empty_token_mask(query_start_loc, cu[i], num_tokens) for i in range(cu.shape[0])],
+                    dtype=bool).reshape(cu.shape[0], num_tokens)
 
 
 def merge_weights_n(lses, *, empty=None, prefill_tokens_with_context=None, lse_layout="HT",
@@ -185,9 +190,9 @@ def merge_weights_n(lses, *, empty=None, prefill_tokens_with_context=None, lse_l
     (`parity.harness.expected.merge_magnitude`).
     """
     l_raw = _lses_as_nth(lses, lse_layout)
-    w, _, _, both_empty = _weights(l_raw, empty, _lse_base_factor(lse_base))
+    w, _, _, both_empty = _weights(l_raw, empty, _base2(lse_base))
     w = np.where(both_empty[None], 0.0, w)
-    if prefill_tokens_with_context is not None:
+    if prefill_tokens_with_context is not None and w.shape[0]:
         n = int(prefill_tokens_with_context)
         w[:, n:] = 0.0
         w[-1, n:] = 1.0

@@ -147,7 +147,7 @@ def case_params(case: cases_mod.Case, seed: int) -> dict[str, Any]:
             "lse_layout": case.lse_layout, "lse_shape": [N] + lse_shape, "lse_base": "2" if case.lse_base == 2 else "e",
             "output_shape": [T, H, D], "buffer_shape": [N, T, H, D + case.head_pad],
             "prefill_tokens_with_context": case.prefill_tokens_with_context,
-            "fp8_output_scale": case.out_dtype is not None, "specials": case.specials, "strided": case.strided,
+            "fp8_output_scale": case.fp8_out, "specials": case.specials, "strided": case.strided,
             "seed": seed,
         }
     return {
@@ -158,7 +158,7 @@ def case_params(case: cases_mod.Case, seed: int) -> dict[str, Any]:
         "lse_layout": case.lse_layout, "lse_shape": lse_shape, "lse_base": "2" if case.lse_base == 2 else "e",
         "output_shape": [T, H, D], "buffer_shape": [T, H, D + case.head_pad],
         "prefill_tokens_with_context": case.prefill_tokens_with_context,
-        "fp8_output_scale": case.out_dtype is not None, "specials": case.specials, "seed": seed,
+        "fp8_output_scale": case.fp8_out, "specials": case.specials, "seed": seed,
     }
 
 
