@@ -38,6 +38,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# Every candidate must launch its own grid: Triton's per-signature launch plans hold the grid of the constants
+# they were made with, so they are off here (graph replay times the kernels alone: the host path is not timed).
+os.environ["MLA_LSE_MERGE_PLAN_CACHE"] = "0"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -46,6 +49,7 @@ import torch  # noqa: E402
 import pallas_impl  # noqa: E402
 import triton_impl  # noqa: E402
 from pallas_impl import _common as pc  # noqa: E402
+from pallas_impl import mask as pmask  # noqa: E402
 from parity.library import bridge
 from parity.harness import cases
 from parity.tools import bench  # noqa: E402
@@ -64,11 +68,24 @@ MAX_COPIES = 512
 
 
 def set_knobs(knobs: dict) -> None:
+    want = {k: knobs.get(k, COMMITTED[k]) for k in KNOBS}
     for common in (tc, pc):
         for k in KNOBS:
-            setattr(common, k, knobs.get(k, COMMITTED[k]))
+            setattr(common, k, want[k])
         common.mask_split.cache_clear()
         common.mask_tiles.cache_clear()
+        for plans in (getattr(common, "PLANS", None), getattr(pmask, "_PLANS", None)):
+            if isinstance(plans, dict):
+                plans.clear()
+        # The grid functions must read what was just set (they would not if they moved to another module).
+        got = (common.mask_split_cap(False), common.mask_split_cap(True), common.mask_split(0, 1, 1024, 1, False))
+        expect = (want["MASK_LSE_SPLIT"], want["MASK_ZERO_SPLIT"],
+                  min(64, want["MASK_LSE_SPLIT"], common.next_pow2(want["MASK_TARGET_PROGRAMS"])))
+        if got != expect:
+            raise SystemExit(f"{common.__name__}: the mask constants did not take ({got} != {expect}): "
+                             "update set_knobs to where they live")
+    if tc.PLAN_CACHE:
+        raise SystemExit("triton_impl's plan cache is on: candidates would reuse the committed grid")
     jax.clear_caches()  # the Pallas wrapper's jit cache holds traced grids and warps
     gc.collect()  # dropped executables go now, not during a CUDA-graph capture
     torch.cuda.synchronize()
