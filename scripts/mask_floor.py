@@ -10,7 +10,9 @@ jitted form), both in place and idempotent, beside `fill_` and `zero_` of exactl
 contiguous buffer (`parity.tools.bench.mask_bytes`; CUDA-graph replay), and prints each time over the fill_ floor.
 Candidates (docs/design.md, "Mask grid"): `--zero-split S` and `--lse-split S` fix the programs per 128-token
 block of that variant (`MASK_*_SPLIT = S`, no program target); `--targets N` keeps the caps and grows the split
-until the grid holds N programs (`MASK_TARGET_PROGRAMS`); `--warps W` sets `MASK_NUM_WARPS`. Every candidate is
+until the grid holds N programs (`MASK_TARGET_PROGRAMS`); `--lse-targets N` does so for the LSE-only mask alone
+(a target of its own: split 4 on the small grid of 2k_balanced, 1 on the large ones); `--warps W` sets
+`MASK_NUM_WARPS`. Every candidate is
 set in both frameworks' `_common` at once (each framework's time is its own row: the best constants may differ).
 The committed constants run first ("committed") and again last ("committed again": the drift of the run);
 "4cb29dd" is the constants before `5e06827` / `230c2a6` (LSE split 1, 8192 target programs).
@@ -100,6 +102,8 @@ def candidates(args) -> list[tuple[str, dict, tuple[str, ...]]]:
             for s in args.lse_split]
     out += [(f"target={n}", {"MASK_TARGET_PROGRAMS": n, "MASK_ZERO_SPLIT": args.cap_zero,
                              "MASK_LSE_SPLIT": args.cap_lse}, ("lse", "lse+out")) for n in args.targets]
+    out += [(f"lse_target={n}", {"MASK_TARGET_PROGRAMS": n, "MASK_LSE_SPLIT": args.cap_lse}, ("lse",))
+            for n in args.lse_targets]
     out += [(f"warps={w}", {"MASK_NUM_WARPS": w}, ("lse", "lse+out")) for w in args.warps]
     return out + [("committed again", {}, ("lse", "lse+out"))]
 
@@ -276,6 +280,8 @@ def main(argv=None) -> int:
     p.add_argument("--zero-split", nargs="*", type=int, default=[8, 64], help="fixed splits, lse+out")
     p.add_argument("--lse-split", nargs="*", type=int, default=[1, 2, 4], help="fixed splits, LSE-only")
     p.add_argument("--targets", nargs="*", type=int, default=[8192, 32768], help="MASK_TARGET_PROGRAMS")
+    p.add_argument("--lse-targets", nargs="*", type=int, default=[256, 1024],
+                   help="MASK_TARGET_PROGRAMS for the LSE-only mask alone (split up to --cap-lse)")
     p.add_argument("--cap-zero", type=int, default=COMMITTED["MASK_ZERO_SPLIT"], help="zero cap with --targets")
     p.add_argument("--cap-lse", type=int, default=COMMITTED["MASK_LSE_SPLIT"], help="LSE cap with --targets")
     p.add_argument("--warps", nargs="*", type=int, default=[4], help="MASK_NUM_WARPS")
