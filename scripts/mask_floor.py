@@ -12,8 +12,8 @@ Candidates (docs/design.md, "Mask grid"): `--zero-split S` and `--lse-split S` f
 block of that variant (`MASK_*_SPLIT = S`, no program target); `--targets N` keeps the caps and grows the split
 until the grid holds N programs (`MASK_TARGET_PROGRAMS`); `--lse-targets N` does so for the LSE-only mask alone
 (a target of its own: split 4 on the small grid of 2k_balanced, 1 on the large ones); `--warps W` sets
-`MASK_NUM_WARPS`. Every candidate is
-set in both frameworks' `_common` at once (each framework's time is its own row: the best constants may differ).
+`MASK_NUM_WARPS`. Every candidate is set in both frameworks' `_common` at once (each framework's time is its own
+column: the best constants may differ), with Triton's launch plans off so that each launches its own grid.
 The committed constants run first ("committed") and again last ("committed again": the drift of the run);
 "4cb29dd" is the constants before `5e06827` / `230c2a6` (LSE split 1, 8192 target programs).
 
@@ -23,8 +23,9 @@ Beside them, in the same process: the LSE-only mask of upstream's design, re-imp
 ("warm": the repeated calls find the LSE in L2, as the committed figures were measured) and cycling through
 enough copies of the inputs that one pass exceeds 3x L2 ("cold"). The closing table gives, per workload and
 variant, each candidate's time beside `fill_` and the comparator, and the decision lines name the candidate
-with the lowest geometric-mean time over the seed workloads per framework and variant. About 3-4 minutes on an
-H200 with the defaults; `--budget-s` starts no new candidate after that many seconds.
+with the lowest geometric-mean time over the seed workloads per framework and variant. About 5 minutes on an
+H200 with the defaults; `--budget-s` starts no new candidate after that many seconds ("committed again" runs
+regardless).
 """
 
 from __future__ import annotations
