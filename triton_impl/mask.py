@@ -21,11 +21,23 @@ from triton_impl._common import _count_keys_le
 
 
 @triton.jit
+def _own_tiles(NUM_TILES: tl.constexpr, split, num_splits, N_INTERPRET: tl.constexpr):
+    """How many of the tiles split, split + num_splits, ... lie below NUM_TILES: the trip count of a program's
+    round-robin loop. Under the interpreter only (N_INTERPRET > 0), NUM_TILES itself: triton 3.6's interpreter
+    cannot loop to a bound computed from the program id with numpy >= 2.4 (docs/spec.md 6); the extra trips
+    address tiles past NUM_TILES, which every store masks off."""
+    if N_INTERPRET > 0:
+        return NUM_TILES
+    else:
+        return (NUM_TILES - split + num_splits - 1) // num_splits
+
+
+@triton.jit
 def _fill_lse(lse_ptr, split, num_splits, t64, t_mask, stride_lse_h, stride_lse_t, NUM_HEADS: tl.constexpr,
-              BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
+              BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, N_INTERPRET: tl.constexpr):
     # This program's head tiles: split, split + num_splits, ...
     N_H: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
-    for j in range(0, (N_H - split + num_splits - 1) // num_splits):
+    for j in range(0, _own_tiles(N_H, split, num_splits, N_INTERPRET)):
         h = (split + j * num_splits) * BLOCK_H + tl.arange(0, BLOCK_H)
         h_mask = h < NUM_HEADS
         lse_ptrs = lse_ptr + h[:, None].to(tl.int64) * stride_lse_h + t64[None, :] * stride_lse_t
@@ -71,16 +83,16 @@ def _mask_empty_context_lse_kernel(
     full = (t0 >= q_start) & (t0 + BLOCK_T <= q_end)
     if is_empty & full & (stride_lse_h % 4 == 0):
         _fill_lse(lse_ptr, split, num_splits, t64, tl.full((BLOCK_T,), 1, tl.int1), (stride_lse_h // 4) * 4,
-                  stride_lse_t, NUM_HEADS, BLOCK_H, BLOCK_T)
+                  stride_lse_t, NUM_HEADS, BLOCK_H, BLOCK_T, N_INTERPRET)
     elif is_empty:
         _fill_lse(lse_ptr, split, num_splits, t64, t_mask, stride_lse_h, stride_lse_t, NUM_HEADS, BLOCK_H,
-                  BLOCK_T)
+                  BLOCK_T, N_INTERPRET)
     if ZERO_OUTPUT:
         if is_empty:
             # Output tiles (head tile, dim tile), dim fastest; this program's: split, split + num_splits, ...
             N_D: tl.constexpr = (HEAD_DIM + BLOCK_D - 1) // BLOCK_D
             N_TILES: tl.constexpr = (NUM_HEADS + BLOCK_HO - 1) // BLOCK_HO * N_D
-            for j in range(0, (N_TILES - split + num_splits - 1) // num_splits):
+            for j in range(0, _own_tiles(N_TILES, split, num_splits, N_INTERPRET)):
                 i = split + j * num_splits
                 ho = (i // N_D) * BLOCK_HO + tl.arange(0, BLOCK_HO)
                 d = (i % N_D) * BLOCK_D + tl.arange(0, BLOCK_D)
