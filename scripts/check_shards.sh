@@ -37,6 +37,7 @@ for k in range(n):
 with open(out, "w") as f:
     json.dump({"shards": shards}, f, indent=1)
 print(f"== {sum(s['summary']['records'] for s in shards)} records in {len(shards)} of {n} shards, "
-      f"{sum(s['summary']['failed'] for s in shards)} failed")
+      f"{sum(s['summary']['failed'] for s in shards)} failed, "
+      f"{sum(s['summary'].get('unsupported', 0) for s in shards)} unsupported by the chosen Pallas backend")
 PY
 exit "$rc"

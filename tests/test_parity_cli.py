@@ -161,3 +161,26 @@ def test_check_refuses_a_bad_shard(bad, capsys):
 def test_check_runs_one_shard(tmp_path):
     rc, report = _run_check(tmp_path, "--shard", "0/1")
     assert rc == 0 and report["shard"] == "0/1" and report["summary"]["cases"] == 1
+
+
+def test_a_case_the_chosen_backend_refuses_is_unsupported_not_failed(monkeypatch):
+    # An available experimental backend's NotImplementedError for a case it documents it cannot run is listed
+    # apart (status "unsupported", not ok, not failed); any other exception, or that backend missing from this
+    # jax, stays an error that fails the check.
+    import pallas_impl._math
+
+    from parity.harness import cases, check, impls
+
+    case = cases.select("ci")[0]
+    monkeypatch.setattr(impls, "pallas_backend", lambda: "mosaic_gpu")
+    for available, exc, status in ((True, NotImplementedError("merges 1 to 64 partials"), "UNSUPPORTED"),
+                                   (True, ValueError("bad"), "ERROR"),
+                                   (False, NotImplementedError("needs jax >= 0.11"), "ERROR")):
+        monkeypatch.setattr(pallas_impl._math, "has_mosaic_gpu", lambda available=available: available)
+        rec = check.OpRecord(case, "merge", "cpu-interpreters")
+        check._record_error(rec, exc)
+        assert rec.status == status and not rec.ok
+        assert rec.failed is (status == "ERROR")
+        summary = check.build_report(impls.make_runtime(), [rec], suite="ci", name_filter=None, seed=0, argv=[])["summary"]
+        assert summary["failed"] == (status == "ERROR") and summary["ok"] is (status != "ERROR")
+        assert summary["unsupported"] == (status == "UNSUPPORTED")

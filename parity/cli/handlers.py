@@ -28,8 +28,11 @@ def check(args) -> int:
     rt, records = check.run_check(suite=args.suite, name_filter=args.name_filter, seed=args.seed, shard=args.shard,
                                   progress=None if args.quiet else sys.stderr)
     print(check.format_table(records))
-    ok = all(r.ok for r in records)
-    print(f"{rt.mode}: {sum(r.ok for r in records)}/{len(records)} ok" + ("" if ok else " -- PARITY FAILURE"))
+    ok = not any(r.failed for r in records)
+    unsupported = sum(r.unsupported is not None for r in records)
+    print(f"{rt.mode}: {sum(r.ok for r in records)}/{len(records)} ok"
+          + (f", {unsupported} unsupported by the chosen Pallas backend" if unsupported else "")
+          + ("" if ok else " -- PARITY FAILURE"))
     if args.json:
         _write_json(args.json, check.build_report(rt, records, suite=args.suite, name_filter=args.name_filter,
                                                   seed=args.seed, argv=args.argv, shard=args.shard))
