@@ -4,16 +4,23 @@
 #   OUT=/some/dir [PLAN=all|tests|bench|mosaic|mosaic_speed] bash scripts/gpu_check.sh     # from the repository root
 #
 # PLAN picks the steps; each plan but "all" fits one 10-minute call (DEADLINE_S, default 560 s; "all": 1500 s):
-#   tests         the GPU-marked tests (`pytest -m gpu`; the CPU tests are CI's), the full parity check, the demos
-#                 (modelled backends, context parallelism, real attention kernels): pytest.log check.log
-#                 check_full.json demo.log
+#   tests         the GPU-marked tests (`pytest -m gpu`; the CPU tests are CI's), the full parity check on both
+#                 Pallas backends (Triton, Mosaic GPU), the attention-kernel probe (`python -m parity probe`) and
+#                 the cross_check error-model pairs (docs/examples/error_model_pairs.py): pytest.log check.log
+#                 check_full.json check_mosaic.log check_mosaic.json probe.log probe.json pairs.log pairs.json
 #   bench         `python -m parity bench` (BENCH_ARGS, default "--quick": GPU time, eager and host cost per call
 #                 beside their floors, the layout axis), the host cost of every Triton entry point
-#                 (scripts/host_cost.py) and the mask's split sweep beside `fill_` (scripts/mask_floor.py):
-#                 bench.log bench.json bench.png host_cost.log mask_floor.log mask_floor.json
+#                 (scripts/host_cost.py) and the mask's candidates beside `fill_` and upstream's design
+#                 (scripts/mask_floor.py): bench.log bench.json host_cost.log mask_floor.log mask_floor.json
+#   more          the N-way merge at large N (scripts/wide_n.py: first-call compile time, bandwidth at N = 128,
+#                 256), the chunked-context loop as one captured step (`python -m parity loop`, torch and JAX),
+#                 the N-way all-gather view's tiles at N = 8 and 16 (scripts/tune.py): wide_n_*.{log,json}
+#                 loop_*.{log,json} gather.{log,json}
 #   mosaic        the Mosaic GPU backend of pallas_impl: its tests, the full check on it, compute-sanitizer
 #   mosaic_speed  the Mosaic GPU kernels timed beside the Triton backend's, with a sweep of their launch choices
-#   all           tests, then bench (the default)
+#   all           tests, bench, then more
+# Every file but env.txt and summary.txt is packed into $OUT/run.tgz at the end (the device tool brings back
+# few files).
 # Always env.txt. A failing step does not stop the next one; each runs under `timeout`, sized from what is left of
 # DEADLINE_S. Exit status: 0 when every step exited 0, else 1 (124 in the summary means that step timed out).
 
@@ -115,31 +122,38 @@ if [ "$PLAN" = mosaic ] || [ "$PLAN" = mosaic_speed ]; then
 fi
 if [ "$PLAN" = all ] || [ "$PLAN" = tests ]; then
     # shellcheck disable=SC2086
-    step pytest 200 240 "$OUT/pytest.log" "$PY" -m pytest -q -rs -m gpu $XDIST
-    # The full check compiles ~120 kernels per framework: CHECK_SHARDS processes split the cases (--shard K/N).
-    step check 150 100 "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json"
-    step demo 90 110 "$OUT/demo.log" "$PY" -m parity demo --size large
-    # The context-parallel demo: JAX over 4 ranks simulated by a named vmap on the one GPU, torch on 4 gloo ranks;
-    # then the partials of real attention kernels (PyTorch's FlashAttention-2, cuDNN through jax.nn).
-    step demo_cp 60 70 "$OUT/demo_more.log" "$PY" -m parity demo --cp 4 --interleave 2
-    cat "$OUT/demo_more.log" >> "$OUT/demo.log"
-    for backend in torch-flash jax-cudnn; do
-        step "demo_$backend" 60 5 "$OUT/demo_more.log" "$PY" -m parity demo --backend "$backend" --size real
-        cat "$OUT/demo_more.log" >> "$OUT/demo.log"
-    done
-    rm -f "$OUT/demo_more.log"
+    step pytest 240 240 "$OUT/pytest.log" "$PY" -m pytest -q -rs -m gpu $XDIST
+    # The full check compiles ~150 kernels per framework: CHECK_SHARDS processes split the cases (--shard K/N).
+    step check 120 150 "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json"
+    step check_mosaic 120 60 "$OUT/check_mosaic.log" bash scripts/check_shards.sh "$OUT/check_mosaic.json" \
+        --pallas-backend mosaic_gpu
+    step probe 60 20 "$OUT/probe.log" "$PY" -m parity probe --isolate --json "$OUT/probe.json"
+    step pairs 40 2 "$OUT/pairs.log" "$PY" docs/examples/error_model_pairs.py --json "$OUT/pairs.json"
 fi
 if [ "$PLAN" = all ] || [ "$PLAN" = bench ]; then
-    step host_cost 90 300 "$OUT/host_cost.log" "$PY" scripts/host_cost.py
-    step mask_floor 150 200 "$OUT/mask_floor.log" "$PY" scripts/mask_floor.py --json "$OUT/mask_floor.json"
-    # The bench stops starting new points 60 s before its timeout, so the JSON, table and plot still get written.
+    step host_cost 90 330 "$OUT/host_cost.log" "$PY" scripts/host_cost.py
+    step mask_floor 200 150 "$OUT/mask_floor.log" "$PY" scripts/mask_floor.py --budget-s 140 \
+        --json "$OUT/mask_floor.json"
+    # The bench stops starting new points 60 s before its timeout, so the JSON and table still get written.
     BENCH_T=$(( $(remaining) - 5 ))
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
     step bench 600 5 "$OUT/bench.log" "$PY" -m parity bench --budget-s $(( BENCH_T > 90 ? BENCH_T - 60 : 30 )) \
-        $BENCH_ARGS --json "$OUT/bench.json" --plot "$OUT/bench.png"
+        $BENCH_ARGS --json "$OUT/bench.json"
+fi
+if [ "$PLAN" = all ] || [ "$PLAN" = more ]; then
+    step wide_n_compile 150 330 "$OUT/wide_n_compile.log" "$PY" scripts/wide_n.py --part compile \
+        --json "$OUT/wide_n_compile.json"
+    step wide_n_speed 120 220 "$OUT/wide_n_speed.log" "$PY" scripts/wide_n.py --part speed \
+        --json "$OUT/wide_n_speed.json"
+    step loop_torch 120 100 "$OUT/loop_torch.log" "$PY" -m parity loop --framework torch --json "$OUT/loop_torch.json"
+    step loop_jax 120 40 "$OUT/loop_jax.log" "$PY" -m parity loop --framework jax --json "$OUT/loop_jax.json"
+    step gather 60 2 "$OUT/gather.log" "$PY" scripts/tune.py merge_n --partials 8 16 --tokens 32768 8192 \
+        --variants plain lse --partials-view contig gather --tiles 16384,1,4 32768,1,4 16384,1,8 32768,1,8 \
+        --budget-s 45 --json "$OUT/gather.json"
 fi
 
-echo "== summary ($(( $(date +%s) - START ))s of ${DEADLINE_S}s)"
-printf '%s' "$SUMMARY"
+{ echo "== summary ($(( $(date +%s) - START ))s of ${DEADLINE_S}s)"; printf '%s' "$SUMMARY"; } | tee "$OUT/summary.txt"
+( cd "$OUT" && files=$(ls | grep -v -e '^env.txt$' -e '^summary.txt$' -e '^run.tgz$') && [ -n "$files" ] \
+    && tar czf run.tgz $files && rm -rf $files )
 ls -la "$OUT"
 exit "$FAILED"
