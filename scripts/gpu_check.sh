@@ -4,18 +4,17 @@
 #   OUT=/some/dir [PLAN=all|tests|bench|mosaic|mosaic_speed] bash scripts/gpu_check.sh     # from the repository root
 #
 # PLAN picks the steps; each plan but "all" fits one 10-minute call (DEADLINE_S, default 560 s; "all": 1500 s):
-#   tests         the GPU-marked tests (`pytest -m gpu`; the CPU tests are CI's), the full parity check on both
-#                 Pallas backends (Triton, Mosaic GPU), the attention-kernel probe (`python -m parity probe`) and
-#                 the cross_check error-model pairs (docs/examples/error_model_pairs.py): pytest.log check.log
-#                 check_full.json check_mosaic.log check_mosaic.json probe.log probe.json pairs.log pairs.json
+#   tests         the GPU-marked tests (`pytest -m gpu`; the CPU tests are CI's) and the full parity check on
+#                 both Pallas backends (Triton, Mosaic GPU): pytest.log check.log check_full.json check_mosaic.*
 #   bench         `python -m parity bench` (BENCH_ARGS, default "--quick": GPU time, eager and host cost per call
 #                 beside their floors, the layout axis), the host cost of every Triton entry point
-#                 (scripts/host_cost.py) and the mask's candidates beside `fill_` and upstream's design
-#                 (scripts/mask_floor.py): bench.log bench.json host_cost.log mask_floor.log mask_floor.json
-#   more          the N-way merge at large N (scripts/wide_n.py: first-call compile time, bandwidth at N = 128,
-#                 256), the chunked-context loop as one captured step (`python -m parity loop`, torch and JAX),
-#                 the N-way all-gather view's tiles at N = 8 and 16 (scripts/tune.py): wide_n_*.{log,json}
-#                 loop_*.{log,json} gather.{log,json}
+#                 (scripts/host_cost.py), the mask's candidates beside `fill_` and upstream's design
+#                 (scripts/mask_floor.py), the attention-kernel probe (`python -m parity probe`) and the
+#                 cross_check error-model pairs (docs/examples/error_model_pairs.py): bench.* host_cost.log
+#                 mask_floor.* probe.* pairs.*
+#   more          the GPU-marked tests and the host cost again, the N-way merge at large N (scripts/wide_n.py:
+#                 first-call compile time, bandwidth at N = 128, 256), the chunked-context loop as one captured
+#                 step (`python -m parity loop`, torch and JAX): pytest.log host_cost.log wide_n_* loop_*
 #   mosaic        the Mosaic GPU backend of pallas_impl: its tests, the full check on it, compute-sanitizer
 #   mosaic_speed  the Mosaic GPU kernels timed beside the Triton backend's, with a sweep of their launch choices
 #   all           tests, bench, then more
@@ -124,16 +123,16 @@ if [ "$PLAN" = all ] || [ "$PLAN" = tests ]; then
     # shellcheck disable=SC2086
     step pytest 240 240 "$OUT/pytest.log" "$PY" -m pytest -q -rs -m gpu $XDIST
     # The full check compiles ~150 kernels per framework: CHECK_SHARDS processes split the cases (--shard K/N).
-    step check 120 150 "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json"
-    step check_mosaic 120 60 "$OUT/check_mosaic.log" bash scripts/check_shards.sh "$OUT/check_mosaic.json" \
+    step check 120 130 "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json"
+    step check_mosaic 120 5 "$OUT/check_mosaic.log" bash scripts/check_shards.sh "$OUT/check_mosaic.json" \
         --pallas-backend mosaic_gpu
-    step probe 60 20 "$OUT/probe.log" "$PY" -m parity probe --isolate --json "$OUT/probe.json"
-    step pairs 40 2 "$OUT/pairs.log" "$PY" docs/examples/error_model_pairs.py --json "$OUT/pairs.json"
 fi
 if [ "$PLAN" = all ] || [ "$PLAN" = bench ]; then
-    step host_cost 90 330 "$OUT/host_cost.log" "$PY" scripts/host_cost.py
-    step mask_floor 200 150 "$OUT/mask_floor.log" "$PY" scripts/mask_floor.py --budget-s 140 \
+    step host_cost 90 400 "$OUT/host_cost.log" "$PY" scripts/host_cost.py
+    step mask_floor 150 260 "$OUT/mask_floor.log" "$PY" scripts/mask_floor.py --budget-s 80 \
         --json "$OUT/mask_floor.json"
+    step probe 110 150 "$OUT/probe.log" "$PY" -m parity probe --isolate --json "$OUT/probe.json"
+    step pairs 40 110 "$OUT/pairs.log" "$PY" docs/examples/error_model_pairs.py --json "$OUT/pairs.json"
     # The bench stops starting new points 60 s before its timeout, so the JSON and table still get written.
     BENCH_T=$(( $(remaining) - 5 ))
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
@@ -141,15 +140,15 @@ if [ "$PLAN" = all ] || [ "$PLAN" = bench ]; then
         $BENCH_ARGS --json "$OUT/bench.json"
 fi
 if [ "$PLAN" = all ] || [ "$PLAN" = more ]; then
-    step wide_n_compile 150 330 "$OUT/wide_n_compile.log" "$PY" scripts/wide_n.py --part compile \
+    # shellcheck disable=SC2086
+    step pytest 200 360 "$OUT/pytest.log" "$PY" -m pytest -q -rs -m gpu $XDIST
+    step host_cost 90 300 "$OUT/host_cost.log" "$PY" scripts/host_cost.py
+    step wide_n_compile 150 180 "$OUT/wide_n_compile.log" "$PY" scripts/wide_n.py --part compile \
         --json "$OUT/wide_n_compile.json"
-    step wide_n_speed 120 220 "$OUT/wide_n_speed.log" "$PY" scripts/wide_n.py --part speed \
+    step wide_n_speed 100 130 "$OUT/wide_n_speed.log" "$PY" scripts/wide_n.py --part speed \
         --json "$OUT/wide_n_speed.json"
-    step loop_torch 120 100 "$OUT/loop_torch.log" "$PY" -m parity loop --framework torch --json "$OUT/loop_torch.json"
-    step loop_jax 120 40 "$OUT/loop_jax.log" "$PY" -m parity loop --framework jax --json "$OUT/loop_jax.json"
-    step gather 60 2 "$OUT/gather.log" "$PY" scripts/tune.py merge_n --partials 8 16 --tokens 32768 8192 \
-        --variants plain lse --partials-view contig gather --tiles 16384,1,4 32768,1,4 16384,1,8 32768,1,8 \
-        --budget-s 45 --json "$OUT/gather.json"
+    step loop_torch 100 60 "$OUT/loop_torch.log" "$PY" -m parity loop --framework torch --json "$OUT/loop_torch.json"
+    step loop_jax 100 5 "$OUT/loop_jax.log" "$PY" -m parity loop --framework jax --json "$OUT/loop_jax.json"
 fi
 
 { echo "== summary ($(( $(date +%s) - START ))s of ${DEADLINE_S}s)"; printf '%s' "$SUMMARY"; } | tee "$OUT/summary.txt"
