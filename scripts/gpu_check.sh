@@ -12,9 +12,10 @@
 #                 (scripts/mask_floor.py), the attention-kernel probe (`python -m parity probe`) and the
 #                 cross_check error-model pairs (docs/examples/error_model_pairs.py): bench.* host_cost.log
 #                 mask_floor.* probe.* pairs.*
-#   more          the GPU-marked tests and the host cost again, the N-way merge at large N (scripts/wide_n.py:
-#                 first-call compile time, bandwidth at N = 128, 256), the chunked-context loop as one captured
-#                 step (`python -m parity loop`, torch and JAX): pytest.log host_cost.log wide_n_* loop_*
+#   more          the host cost again, the N-way merge at large N (scripts/wide_n.py: first-call compile time,
+#                 bandwidth at N = 128, 256), the chunked-context loop as one captured step (`python -m parity
+#                 loop`, torch and JAX), the probe in one process, then GPU tests (GPU_TESTS, default all) in
+#                 the time left: host_cost.log wide_n_* loop_* probe.* pytest.log
 #   mosaic        the Mosaic GPU backend of pallas_impl: its tests, the full check on it, compute-sanitizer
 #   mosaic_speed  the Mosaic GPU kernels timed beside the Triton backend's, with a sweep of their launch choices
 #   all           tests, bench, then more
@@ -96,6 +97,7 @@ EOF
 # The full check in 8 processes (`scripts/check_shards.sh`): 72-83 s per Pallas backend on the H200 (session 6).
 export CHECK_SHARDS=${CHECK_SHARDS:-8}
 XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
+GPU_TESTS=${GPU_TESTS:-}  # PLAN=more: test files for its last step (default: every GPU test)
 
 if [ "$PLAN" = mosaic ] || [ "$PLAN" = mosaic_speed ]; then
     # The experimental Mosaic GPU backend of pallas_impl (docs/design.md, "Mosaic GPU backend"). PLAN=mosaic: the
@@ -140,15 +142,17 @@ if [ "$PLAN" = all ] || [ "$PLAN" = bench ]; then
         $BENCH_ARGS --json "$OUT/bench.json"
 fi
 if [ "$PLAN" = all ] || [ "$PLAN" = more ]; then
-    # shellcheck disable=SC2086
-    step pytest 200 360 "$OUT/pytest.log" "$PY" -m pytest -q -rs -m gpu $XDIST
-    step host_cost 90 300 "$OUT/host_cost.log" "$PY" scripts/host_cost.py
-    step wide_n_compile 150 180 "$OUT/wide_n_compile.log" "$PY" scripts/wide_n.py --part compile \
+    step host_cost 40 480 "$OUT/host_cost.log" "$PY" scripts/host_cost.py
+    step wide_n_compile 110 370 "$OUT/wide_n_compile.log" "$PY" scripts/wide_n.py --part compile --ns 4,16,64,256 \
         --json "$OUT/wide_n_compile.json"
-    step wide_n_speed 100 130 "$OUT/wide_n_speed.log" "$PY" scripts/wide_n.py --part speed \
+    step wide_n_speed 80 290 "$OUT/wide_n_speed.log" "$PY" scripts/wide_n.py --part speed \
         --json "$OUT/wide_n_speed.json"
-    step loop_torch 100 60 "$OUT/loop_torch.log" "$PY" -m parity loop --framework torch --json "$OUT/loop_torch.json"
-    step loop_jax 100 5 "$OUT/loop_jax.log" "$PY" -m parity loop --framework jax --json "$OUT/loop_jax.json"
+    step loop_torch 90 200 "$OUT/loop_torch.log" "$PY" -m parity loop --framework torch --json "$OUT/loop_torch.json"
+    step loop_jax 90 110 "$OUT/loop_jax.log" "$PY" -m parity loop --framework jax --json "$OUT/loop_jax.json"
+    step probe 110 5 "$OUT/probe.log" "$PY" -m parity probe --json "$OUT/probe.json"
+    # Whatever time is left: the GPU tests of the files the last changes touched.
+    # shellcheck disable=SC2086
+    step pytest 200 0 "$OUT/pytest.log" "$PY" -m pytest -q -rs -m gpu $XDIST $GPU_TESTS
 fi
 
 { echo "== summary ($(( $(date +%s) - START ))s of ${DEADLINE_S}s)"; printf '%s' "$SUMMARY"; } | tee "$OUT/summary.txt"
