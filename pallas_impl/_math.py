@@ -1,21 +1,15 @@
 """The element math both Pallas GPU backends share (the Triton-backend kernels in `pallas_impl/*.py` and the
 Mosaic GPU kernels in `pallas_impl/mosaic/*.py`): constants and jnp expressions, nothing backend-specific.
 
-It imports jax only, and nothing of `pallas_impl`: both backends' files import it, it imports neither.
+It imports jax and the framework-free constants only, nothing of `pallas_impl`: both backends' files import it, it
+imports neither.
 """
 
 from __future__ import annotations
 
-import functools
-import re
-
-import jax
 import jax.numpy as jnp
 
-FP8_E4M3_MAX = 448.0
-LN2 = 0.6931471805599453
-LOG2E = 1.4426950408889634
-MOSAIC_MIN_JAX = (0, 11)  # Mosaic GPU: Warpgroup lowering by default, plgpu.kernel(out_type=...), its interpreter
+from mla_lse_common.constants import FP8_E4M3_MAX, LN2, LOG2E  # noqa: F401 (re-exported: _math.FP8_E4M3_MAX, ...)
 
 
 def natural_lse(x, lse_base2: bool):
@@ -42,22 +36,21 @@ def two_way_weights(p, s):
     return m, both_empty, z, pe / z, se / z
 
 
-def n_way_max_and_sum(lses):
-    """(m, all_empty, e, z) of N natural-log LSE tiles whose empty rows are -inf (docs/spec.md 8.2): the maximum in
-    index order, 0 where all are empty; e_i = exp(lse_i - m); z their sum in index order."""
-    m = lses[0]
-    for x in lses[1:]:
-        m = jnp.maximum(m, x)
+def n_way_max_and_sum(lse_i, num_partials: int):
+    """(m, all_empty, e, z) of N natural-log LSE tiles whose empty rows are -inf (docs/spec.md 8.2, 8.3): the maximum
+    in index order, 0 where all are empty; e_i = exp(lse_i - m); z their sum in index order.
+
+    `lse_i(i)`: partial i's tile. It is called twice per partial, for the maximum and for the exponential, so a
+    kernel may reload a tile rather than keep N of them live; a caller holding the tiles passes `tiles.__getitem__`.
+    """
+    m = lse_i(0)
+    for i in range(1, num_partials):
+        m = jnp.maximum(m, lse_i(i))
     all_empty = m == -jnp.inf
     m = jnp.where(all_empty, 0.0, m)
-    e = [jnp.exp(x - m) for x in lses]
+    e = [jnp.exp(lse_i(0) - m)]
     z = e[0]
-    for x in e[1:]:
-        z = z + x
+    for i in range(1, num_partials):
+        e.append(jnp.exp(lse_i(i) - m))
+        z = z + e[i]
     return m, all_empty, e, z
-
-
-@functools.cache
-def has_mosaic_gpu() -> bool:
-    """Whether this jax's Mosaic GPU Pallas API is one the `pallas_impl/mosaic` kernels take (jax >= 0.11)."""
-    return tuple(int(x) for x in re.findall(r"\d+", jax.__version__)[:2]) >= MOSAIC_MIN_JAX

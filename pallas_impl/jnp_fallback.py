@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_impl import _common as c
+from pallas_impl import _checks, _math
 
 
 def _empty_tokens(query_start_loc, cu_seq_lens, num_tokens):
@@ -41,7 +41,7 @@ def _merged_lse(z, m, empty, copy_t, passthrough, lse_base2):
     """The merge's LSE (docs/spec.md 4.2, 4.4, 8.4), `[T, H]`."""
     lse = jnp.where(empty, -jnp.inf, jnp.log(z) + m)
     if lse_base2:
-        lse = lse * c.LOG2E
+        lse = lse * _math.LOG2E
     return jnp.where(copy_t[:, None], passthrough, lse)
 
 
@@ -50,12 +50,12 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, outp
                       prefix_cu_seq_lens, prefill_tokens_with_context, *, return_lse, out_dtype, lse_layout,
                       lse_base2):
     num_tokens = prefix_output.shape[0]
-    prefill_tokens = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
+    prefill_tokens = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     p_raw = prefix_lse.T if lse_layout == "HT" else prefix_lse  # [T, H]
     s_raw = suffix_lse.T if lse_layout == "HT" else suffix_lse
     p, s = p_raw, s_raw
     if lse_base2:
-        p, s = p * c.LN2, s * c.LN2
+        p, s = p * _math.LN2, s * _math.LN2
     p = jnp.where((p == jnp.inf) | jnp.isnan(p), -jnp.inf, p)
     s = jnp.where((s == jnp.inf) | jnp.isnan(s), -jnp.inf, s)
     if query_start_loc is not None:
@@ -73,8 +73,8 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, outp
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill_tokens[0]
     if output_scale is not None:
         out = jnp.where(copy_t[:, None, None], b, out) / output_scale.reshape(-1)[0]
-        out = jnp.where(out < -c.FP8_E4M3_MAX, -c.FP8_E4M3_MAX, out)
-        out = jnp.where(out > c.FP8_E4M3_MAX, c.FP8_E4M3_MAX, out).astype(out_dtype)
+        out = jnp.where(out < -_math.FP8_E4M3_MAX, -_math.FP8_E4M3_MAX, out)
+        out = jnp.where(out > _math.FP8_E4M3_MAX, _math.FP8_E4M3_MAX, out).astype(out_dtype)
     else:
         out = jnp.where(copy_t[:, None, None], suffix_output, out.astype(out_dtype))
     if not return_lse:
@@ -94,7 +94,7 @@ def _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout, l
     (8.1-8.3), in index order."""
     num_partials = lses.shape[0]
     l_raw = jnp.swapaxes(lses, 1, 2) if lse_layout == "HT" else lses  # [N, T, H]
-    lse = l_raw * c.LN2 if lse_base2 else l_raw
+    lse = l_raw * _math.LN2 if lse_base2 else l_raw
     lse = jnp.where((lse == jnp.inf) | jnp.isnan(lse), -jnp.inf, lse)
     empty = None
     if query_start_loc is not None:
@@ -116,7 +116,7 @@ def _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout, l
 def merge_attn_states_n(outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context, *,
                         return_lse, out_dtype, lse_layout, lse_base2):
     num_partials, num_tokens = outputs.shape[:2]
-    prefill_tokens = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
+    prefill_tokens = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     l_raw, e, m, all_empty, z, empty = _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout,
                                                       lse_base2)
     w = (e / z)[..., None]
@@ -128,8 +128,8 @@ def merge_attn_states_n(outputs, lses, output_scale, query_start_loc, cu_seq_len
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill_tokens[0]
     if output_scale is not None:
         out = jnp.where(copy_t[:, None, None], o[-1], out) / output_scale.reshape(-1)[0]
-        out = jnp.where(out < -c.FP8_E4M3_MAX, -c.FP8_E4M3_MAX, out)
-        out = jnp.where(out > c.FP8_E4M3_MAX, c.FP8_E4M3_MAX, out).astype(out_dtype)
+        out = jnp.where(out < -_math.FP8_E4M3_MAX, -_math.FP8_E4M3_MAX, out)
+        out = jnp.where(out > _math.FP8_E4M3_MAX, _math.FP8_E4M3_MAX, out).astype(out_dtype)
     else:
         out = jnp.where(copy_t[:, None, None], outputs[-1], out.astype(out_dtype))
     if not return_lse:
@@ -143,7 +143,7 @@ def cp_rescale(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with_con
                return_lse, lse_layout, lse_base2):
     """The context-parallel rescale (pallas_impl/cp_merge.py) in jnp: (scaled reduce_dtype[T, H, D], merged LSE)."""
     num_partials, num_tokens = lses.shape[0], part.shape[0]
-    prefill_tokens = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
+    prefill_tokens = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     l_raw, e, m, all_empty, z, empty = _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout,
                                                   lse_base2)
     w = (e[rank] / z)[..., None]

@@ -11,8 +11,9 @@ contiguous buffer (`parity.tools.bench.mask_bytes`; CUDA-graph replay), and prin
 Candidates (docs/design.md, "Mask grid"): `--zero-split S` and `--lse-split S` fix the programs per 128-token
 block of that variant (`MASK_*_SPLIT = S`, no program target); `--targets N` keeps the caps and grows the split
 until the grid holds N programs (`MASK_TARGET_PROGRAMS`); `--warps W` sets `MASK_NUM_WARPS`. Every candidate is
-set in both frameworks' `_common` at once. The committed constants run first ("committed"). About 2 minutes
-on an H200 with the defaults; `--budget-s` starts no new candidate after that many seconds.
+set for both frameworks at once, in `mla_lse_common.tiles` (`tiles.set_knobs`). The committed constants run first
+("committed"). About 2 minutes on an H200 with the defaults; `--budget-s` starts no new candidate after that many
+seconds.
 """
 
 from __future__ import annotations
@@ -34,24 +35,22 @@ import torch  # noqa: E402
 
 import pallas_impl  # noqa: E402
 import triton_impl  # noqa: E402
-from pallas_impl import _common as pc  # noqa: E402
+from mla_lse_common import tiles  # noqa: E402
+from pallas_impl import _backend as pbackend  # noqa: E402
 from parity.library import bridge
 from parity.harness import cases
 from parity.tools import bench  # noqa: E402
-from triton_impl import _common as tc  # noqa: E402
+from triton_impl import _plans as tplans  # noqa: E402
 
 SEEDS = {c.name: c for c in cases.select("seed")}
 KNOBS = ("MASK_TARGET_PROGRAMS", "MASK_ZERO_SPLIT", "MASK_LSE_SPLIT", "MASK_NUM_WARPS")
-COMMITTED = {k: getattr(tc, k) for k in KNOBS}
+COMMITTED = {k: getattr(tiles, k) for k in KNOBS}
 UNCAPPED = 1 << 30  # a program target no grid reaches: the split is the variant's cap (or the tile count)
 
 
 def set_knobs(knobs: dict) -> None:
-    for common in (tc, pc):
-        for k in KNOBS:
-            setattr(common, k, knobs.get(k, COMMITTED[k]))
-        common.mask_split.cache_clear()
-        common.mask_tiles.cache_clear()
+    tiles.set_knobs(**{k: knobs.get(k, COMMITTED[k]) for k in KNOBS})  # both frameworks' grids and warps
+    tplans.PLANS.clear()  # the Triton wrappers' launch plans hold the grid
     jax.clear_caches()  # the Pallas wrapper's jit cache holds traced grids and warps
     gc.collect()  # dropped executables go now, not during a CUDA-graph capture
     torch.cuda.synchronize()
@@ -109,7 +108,7 @@ class Workload:
     def grid(self, variant: str) -> tuple[int, int]:
         c = self.case
         zero = variant == "lse+out"
-        return tc.mask_grid(c.num_tokens, c.num_requests, c.num_heads, c.head_dim if zero else 1, zero)
+        return tiles.mask_grid(c.num_tokens, c.num_requests, c.num_heads, c.head_dim if zero else 1, zero)
 
     def triton_us(self, variant: str) -> float:
         out = self.out if variant == "lse+out" else None
@@ -149,7 +148,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("mask_floor.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    pc.filter_triton_deprecation()
+    pbackend.filter_triton_deprecation()
     deadline = time.monotonic() + args.budget_s
     loads = {name: Workload(SEEDS[name]) for name in args.workloads}
     rows = []
@@ -161,7 +160,7 @@ def main(argv=None) -> int:
         for name, w in loads.items():
             for variant in variants:
                 row = {"candidate": label, "workload": name, "variant": variant, "grid": list(w.grid(variant)),
-                       "warps": tc.MASK_NUM_WARPS, **{f"floor_{k}_us": round(v, 2) for k, v in w.floors[variant].items()}}
+                       "warps": tiles.MASK_NUM_WARPS, **{f"floor_{k}_us": round(v, 2) for k, v in w.floors[variant].items()}}
                 for impl in args.impls:
                     try:
                         us = w.triton_us(variant) if impl == "triton" else w.pallas_us(variant)

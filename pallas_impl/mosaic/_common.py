@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_impl import _math, jnp_fallback
+from pallas_impl import _backend, _math, jnp_fallback
 
 BLOCK_T = 128  # tokens per tile: a Warpgroup row vector needs a multiple of 128 elements
 MAX_COLS = 256  # a TMA box dimension holds at most 256 elements: wider heads are split into column chunks
@@ -55,8 +55,8 @@ TUNING = {
 def plgpu():
     """The Mosaic GPU Pallas module, imported on first use (the `mosaic` extra: jax >= 0.11, and absl-py for
     jax's Mosaic GPU interpreter)."""
-    if not _math.has_mosaic_gpu():
-        need = ".".join(map(str, _math.MOSAIC_MIN_JAX))
+    if not _backend.has_mosaic_gpu():
+        need = ".".join(map(str, _backend.MOSAIC_MIN_JAX))
         raise NotImplementedError(f"backend='mosaic_gpu' needs jax >= {need} (its layout "
                                   f"inference and plgpu.kernel API); this is jax {jax.__version__}: use "
                                   "backend='triton'")

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_impl import _common as c
+from pallas_impl import _checks, _sharding
 from pallas_impl import _math
 from pallas_impl.mosaic import _common as mc
 
@@ -56,7 +56,8 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                     row = jnp.where(mc.strided_row(e_g, k * num_tokens + t0) > 0, -jnp.inf, row)
                 return _math.natural_lse(row, lse_base2)
 
-            m, all_empty, _, z = _math.n_way_max_and_sum([row_of(k) for k in range(num_partials)])
+            rows = [row_of(k) for k in range(num_partials)]
+            m, all_empty, _, z = _math.n_way_max_and_sum(rows.__getitem__, num_partials)
             w_smem[0] = jnp.exp(row_of(rank) - m) / z  # 8.2, 8.3: partial `rank`'s weight
             w_smem[1] = jnp.where(all_empty, 1.0, 0.0)
             if copy_rows:
@@ -93,7 +94,7 @@ def rescale_mosaic(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with
     num_partials = lses.shape[0]
     num_tokens, num_heads, head_dim = part.shape
     dc = mc.column_chunk(head_dim, jnp.dtype(part.dtype).itemsize, mc.TUNING["cp_rescale"]["tile_bytes"])
-    prefill = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
+    prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     empties = mc.fused_empties(query_start_loc, cu_seq_lens, num_tokens)
     lf = mc.stacked_lse_rows(lses, lse_layout)
@@ -105,9 +106,9 @@ def rescale_mosaic(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
     tp = max(num_tokens, mc.BLOCK_T)
-    out_type = [c.out_struct((tp, num_heads * head_dim), reduce_dtype, *args)]
+    out_type = [_sharding.out_struct((tp, num_heads * head_dim), reduce_dtype, *args)]
     if return_lse:
-        out_type.append(c.out_struct((num_heads * tp,), F32, *args))
+        out_type.append(_sharding.out_struct((num_heads * tp,), F32, *args))
     results = _kernel(num_partials, tp, num_heads, head_dim, dc, out_type, output_lse=return_lse,
                       empty_rows=empties is not None, copy_rows=copy_rows, lse_base2=lse_base2,
                       interpret=interpret)(*args)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_impl import _common as c
+from pallas_impl import _checks, _sharding
 from pallas_impl import _math
 from pallas_impl.mosaic import _common as mc
 
@@ -115,7 +115,7 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
     tp = max(num_tokens, mc.BLOCK_T)
     dc = mc.column_chunk(head_dim, jnp.dtype(prefix_output.dtype).itemsize, mc.merge_tuning(tp)["tile_bytes"])
     fp8 = output_scale is not None
-    prefill = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
+    prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     # XLA before the kernel: the fused mask's token flags (4.5), the layout, T < 128.
     empty = mc.fused_empties(query_start_loc, prefix_cu_seq_lens, num_tokens)
@@ -127,9 +127,9 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
         args.append(mc.flag_rows(empty))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
-    out_type = [c.out_struct((tp, num_heads * head_dim), F32 if fp8 else out_dtype, *args)]
+    out_type = [_sharding.out_struct((tp, num_heads * head_dim), F32 if fp8 else out_dtype, *args)]
     if return_lse:
-        out_type.append(c.out_struct((num_heads * tp,), F32, *args))
+        out_type.append(_sharding.out_struct((num_heads * tp,), F32, *args))
     results = _kernel(tp, num_heads, head_dim, dc, out_type, output_lse=return_lse, empty_rows=empty is not None,
                       copy_rows=copy_rows, lse_base2=lse_base2, interpret=interpret)(*args)
     # XLA after the kernel: fp8 (4.6), the pass-through LSE (4.4: the suffix's raw bits), the layout.
