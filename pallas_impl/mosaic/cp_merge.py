@@ -1,8 +1,8 @@
 """The context-parallel rescale kernel (docs/spec.md 9, method "reduce_scatter") on Mosaic GPU:
 `backend="mosaic_gpu"`.
 
-Experimental (docs/design.md, "Mosaic GPU backend"): with jax 0.11.2 on a CPU, lowered for the GPU and run in jax's
-Mosaic GPU interpreter against the reference (tests/test_pallas_mosaic.py).
+Experimental (docs/design.md, "Mosaic GPU backend"): tested against the reference in jax's Mosaic GPU interpreter
+(tests/test_pallas_mosaic.py).
 
 Each device scales its own partial by its N-way weight, as `pallas_impl/cp_merge.py`'s Triton-backend kernel does,
 in its order: the N-way maximum and sum of every device's LSE (`_math.n_way_max_and_sum`), `w = exp(lse_rank - m)

@@ -1,7 +1,7 @@
 """The empty-context LSE mask (docs/spec.md 3) as a Mosaic GPU kernel: `backend="mosaic_gpu"`.
 
-Experimental (docs/design.md, "Mosaic GPU backend"): with jax 0.11.2 on a CPU, lowered for the GPU and run in jax's
-Mosaic GPU interpreter against the reference on every ci case (tests/test_pallas_mosaic.py).
+Experimental (docs/design.md, "Mosaic GPU backend"): tested against the reference in jax's Mosaic GPU interpreter
+(tests/test_pallas_mosaic.py).
 
 In place: the LSE (and output) enter the kernel as JAX refs, which the kernel call aliases to its results
 (input_output_aliases), so under `jax.jit(..., donate_argnames=...)` nothing is copied. Mosaic GPU has no masked

@@ -1,16 +1,14 @@
 """The 2-way merge (docs/spec.md 4) as a Mosaic GPU kernel: `backend="mosaic_gpu"`.
 
-Experimental (docs/design.md, "Mosaic GPU backend"): with jax 0.11.2 on a CPU, lowered for the GPU and run in jax's
-Mosaic GPU interpreter against the reference on every ci case (tests/test_pallas_mosaic.py); compiled on the H200,
-0 differing bits against the Triton backend on every ci case (docs/results.md, session 5).
+Experimental (docs/design.md, "Mosaic GPU backend"): tested against the reference in jax's Mosaic GPU interpreter
+(tests/test_pallas_mosaic.py) and, compiled, bit for bit against the Triton backend (`python -m parity check`).
 
 Grid: (H * D / dc, token splits) CTAs; a CTA pipelines `TUNING["merge"]["steps"]` tiles of 128 tokens of the
 `[T, H * D]` views of the prefix and the suffix (`emit_pipeline`, TMA copies of `[128, dc]` tiles in). At each
 tile the weights are computed one LSE row per thread (per-thread loads: an `[H, T]` row may start anywhere; TMA
 needs 16-byte alignment), as the N-way kernel does, and relaid out through shared memory into the tile's row
-layout; a tile's LSE rows are loaded a step ahead, in the pipeline's carry (+1-2 points of the copy ceiling at
-T = 2K, none at 32K: docs/results.md, session 6); the merged tile leaves by a TMA store from one of the output
-slots in shared memory, the previous store still in flight. The last tile is shifted to end at T: no copy leaves
+layout; a tile's LSE rows are loaded a step ahead, in the pipeline's carry; the merged tile leaves by a TMA store
+from one of the output slots in shared memory, the previous store still in flight. The last tile is shifted to end at T: no copy leaves
 the arrays, and overlapping tiles write identical values. Tiles of `TUNING["merge"]["tile_bytes"]`, from
 `long_tokens` padded tokens `long_tile_bytes` (`mc.merge_tuning`). Launch choices and their shared-memory budget:
 docs/design.md, "Mosaic GPU backend".

@@ -1,8 +1,7 @@
 """The N-way merge (docs/spec.md 8) as a Mosaic GPU kernel: `backend="mosaic_gpu"`.
 
-Experimental (docs/design.md, "Mosaic GPU backend"): with jax 0.11.2 on a CPU, lowered for the GPU and run in jax's
-Mosaic GPU interpreter against the reference on every ci case (tests/test_pallas_mosaic.py); compiled on the H200,
-0 differing bits against the Triton backend on every ci case (docs/results.md, session 5).
+Experimental (docs/design.md, "Mosaic GPU backend"): tested against the reference in jax's Mosaic GPU interpreter
+(tests/test_pallas_mosaic.py) and, compiled, bit for bit against the Triton backend (`python -m parity check`).
 
 Grid: (H * D / dc, token splits) CTAs. A CTA pipelines `TUNING["merge_n"]["steps"]` tiles of 128 tokens of the
 `[T, H * D]` view
