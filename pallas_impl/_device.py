@@ -1,10 +1,11 @@
 """The device helpers that several Pallas (Triton-backend) kernels share.
 
-The request search (`count_keys_le`, the two-level 32-wide compare-and-sum of the mask and the fused merges), LSE
+The request search (`_count_keys_le`, the two-level 32-wide compare-and-sum of the mask and the fused merges), LSE
 tiles of either layout, a merge program's tile (`_program_tile`), the fused mask's token requests, the store of a
 merged tile and of its LSE (2-way, N-way and the context-parallel rescale), and the N-way merge's per-partial LSE
-tiles. `triton_impl/_device.py` holds the same helpers under the same names, statement by statement; the element
-math both Pallas backends share is `_math`; a helper used by one kernel only stays in that kernel's file.
+tiles. `triton_impl/_device.py` holds the same helpers under the same names, statement by statement; the N-way
+maximum and sum, which the Triton kernels keep there (`_max_and_sum`), are `_math.n_way_max_and_sum` here, the
+element math both Pallas backends share. A helper used by one kernel only stays in that kernel's file.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pallas_impl import _math
 from pallas_impl._backend import pltriton
 
 
-def count_keys_le(qsl_ref, x, num_keys: int, *, key_div: int, key_step: int):
+def _count_keys_le(qsl_ref, x, num_keys: int, *, key_div: int, key_step: int):
     """i32[N]: for each x, how many of key(r) = qsl[r] // key_div + r * key_step, r < num_keys, are <= x.
 
     Keys are non-decreasing in r. Two levels of 32-wide compare-and-sum: the first key of every 32-key chunk
@@ -79,7 +80,7 @@ def _token_requests(qsl_ref, t, t_mask, num_requests, fused_mask):
     req = t  # placeholders unless fused_mask
     in_req = t_mask
     if fused_mask:
-        req = count_keys_le(qsl_ref, t, num_requests + 1, key_div=1, key_step=0) - 1  # R: padding
+        req = _count_keys_le(qsl_ref, t, num_requests + 1, key_div=1, key_step=0) - 1  # R: padding
         in_req = t_mask & (req < num_requests)
         req = jnp.minimum(req, num_requests - 1)
     return req, in_req

@@ -6,7 +6,7 @@ finds its request by counting, 32 request boundaries per step, the requests whos
 its block (a compare-and-sum, no token->request map), then, if that request's chunk is empty, writes -inf over
 its share of the heads of its tokens (and zeros over its share of their output rows): the second grid axis
 deals a block's head (x dim) tiles round-robin over `mla_lse_common.tiles.mask_split` programs. The count is two-level
-(`_device.count_keys_le`): chunk starts, then one chunk of 32. The LSE (and output) buffers are aliased to
+(`_device._count_keys_le`): chunk starts, then one chunk of 32. The LSE (and output) buffers are aliased to
 the results, so under `jax.jit(..., donate_argnames=("lse", "output"))` the update is in place.
 """
 
@@ -26,7 +26,7 @@ from pallas_impl import _plans as plans
 from pallas_impl import _sharding as sharding
 from pallas_impl import jnp_fallback
 from pallas_impl._backend import pltriton
-from pallas_impl._device import count_keys_le
+from pallas_impl._device import _count_keys_le
 
 
 def _fill_lse(lse_ref, split, num_splits, t0, t_mask, *, num_heads: int, block_h: int, block_t: int,
@@ -69,8 +69,8 @@ def _mask_empty_context_lse_kernel(
     num_splits = pl.num_programs(1) if split_blocks else 1
 
     # Owning request = (number of requests whose first block is <= pid) - 1; request 0 starts at 0.
-    first_programs_le = count_keys_le(qsl_ref, pid + jnp.zeros((1,), jnp.int32), num_requests,
-                                        key_div=block_t, key_step=1)
+    first_programs_le = _count_keys_le(qsl_ref, pid + jnp.zeros((1,), jnp.int32), num_requests,
+                                       key_div=block_t, key_step=1)
     req = jnp.sum(first_programs_le, axis=0) - 1
 
     q_start = qsl_ref[req]

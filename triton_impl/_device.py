@@ -4,7 +4,8 @@ The request search (`_count_keys_le`, the two-level 32-wide compare-and-sum of t
 exact cast of the interpreter (`_cast_rne`), libdevice exp/log, a merge program's tile (`_program_tile`), the fused
 mask's token requests, the store of a merged tile and of its LSE (2-way, N-way and the context-parallel rescale),
 and the N-way weights (N-way merge and rescale). `pallas_impl/_device.py` holds the same helpers under the same
-names, statement by statement; a helper used by one kernel only stays in that kernel's file.
+names, statement by statement (the N-way maximum and sum there: `pallas_impl/_math.n_way_max_and_sum`); a helper
+used by one kernel only stays in that kernel's file.
 """
 
 from __future__ import annotations

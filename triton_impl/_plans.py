@@ -3,8 +3,11 @@
 A wrapper keys its plan on the `meta` of every tensor argument and its options (a cheap tuple); a plan is stored
 only after every metadata check passed for that key, so a hit skips them and runs the per-call checks only
 (data-pointer overlap, prefill_tokens_with_context). Bounded: full, it starts over. MLA_LSE_MERGE_PLAN_CACHE=0
-turns it off (every call runs every check). Plans and their launches are named records (tuples, so the hot path
-unpacks them as fast as before).
+turns it off (every call runs every check).
+
+A plan and its launch are built by name (`plan`, `kernel_launch`, `merge_launch`: keyword-only, the fields and their
+order defined there once) and stored as plain tuples in that order, which a cache hit unpacks: CPython unpacks an
+exact tuple several times faster than a NamedTuple (docs/design.md, "Per-call cost"), and a hit does little else.
 """
 
 from __future__ import annotations
@@ -19,33 +22,33 @@ PLANS_MAX = 4096
 PLAN_CACHE = os.environ.get("MLA_LSE_MERGE_PLAN_CACHE", "1") != "0"
 
 
-class Launch(NamedTuple):
-    """One kernel launch of a plan, but for the per-call arguments (`prefill_tokens_with_context`, the CP rank)."""
-    grid: tuple
-    ints: tuple  # the integer arguments that follow the pointers: strides, then sizes
-    constexprs: dict  # compile-time arguments and launch options
-    state: list  # `_launch.launch`'s record of the compiled kernel (`_launch.launch_state`)
+def plan(*, overlaps: tuple, num_tokens: int, launch: tuple | None) -> tuple:
+    """A wrapper's plan for one signature: (overlaps, num_tokens, launch).
+
+    overlaps: `_checks.overlap_checks` of each written tensor, the per-call overlap test; num_tokens: T
+    (prefill_tokens_with_context's default and clamp); launch: `kernel_launch` or `merge_launch`, None where there
+    is nothing to launch (no tokens, heads or requests)."""
+    return overlaps, num_tokens, launch
 
 
-class MergeLaunch(NamedTuple):
-    """A merge's launch: `Launch`'s fields and what picks the pointers (the fused mask's offsets or placeholders)."""
-    grid: tuple
-    fused: bool  # the kernel reads query_start_loc and the KV offsets
-    ints: tuple  # strides, then T
-    num_requests: int  # R, the kernel's last argument
-    constexprs: dict
-    state: list
+def kernel_launch(*, grid: tuple, ints: tuple, constexprs: dict, state: list) -> tuple:
+    """One kernel launch but for its per-call arguments: (grid, ints, constexprs, state).
+
+    ints: the integer arguments after the pointers (strides, then sizes); constexprs: compile-time arguments and
+    launch options; state: `_launch.launch`'s record of the compiled kernel (`_launch.launch_state`)."""
+    return grid, ints, constexprs, state
 
 
-class Plan(NamedTuple):
-    """A wrapper's plan for one signature."""
-    overlaps: tuple  # `_checks.overlap_checks` of each written tensor: the per-call overlap test
-    num_tokens: int  # T (prefill_tokens_with_context's default and clamp)
-    launch: Launch | MergeLaunch | None  # None: nothing to launch (no tokens, heads or requests)
+def merge_launch(*, grid: tuple, fused: bool, ints: tuple, num_requests: int, constexprs: dict,
+                 state: list) -> tuple:
+    """A merge's launch: (grid, fused, ints, num_requests, constexprs, state), `kernel_launch`'s fields and what picks
+    the pointers: fused, whether the kernel reads query_start_loc and the KV offsets; num_requests, R (its last
+    argument, after the per-call prefill_tokens_with_context)."""
+    return grid, fused, ints, num_requests, constexprs, state
 
 
 class CpPlan(NamedTuple):
-    """The context-parallel combine's per-signature facts (`cp_merge._local_checks`)."""
+    """The context-parallel combine's per-signature facts (`cp_merge._local_checks`), read by name."""
     fp8: bool  # a float8_e4m3fn output
     base2: bool  # lse_base=2
     num_requests: int  # R of the fused mask, -1 without it

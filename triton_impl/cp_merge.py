@@ -322,7 +322,7 @@ def _rescale(scaled, merged_lse, partial_output, lses, qsl, cus, rank, params, p
 
 
 def _rescale_plan(scaled, output_lse, partial_output, lses, cus, params, lse_layout, key):
-    """The `Launch` of a rescale (cached under `key` when it is not None)."""
+    """The `kernel_launch` of a rescale (cached under `key` when it is not None)."""
     num_partials, num_tokens, heads, head_dim = scaled.shape
     num_heads = partial_output.shape[1]
     fused = cus is not None
@@ -334,7 +334,7 @@ def _rescale_plan(scaled, output_lse, partial_output, lses, cus, params, lse_lay
                                                                    num_tokens)
     olse_strides = (0, 0) if output_lse is None else checks.lse_ht_strides("merged_lse", output_lse, lse_layout,
                                                                            num_heads, num_tokens)
-    return plans.Launch(
+    return plans.kernel_launch(
         grid=tiles.merge_grid("triton", num_tokens, num_heads, head_dim, variant, itemsize, RESCALE_TILE_PARTIALS),
         ints=(*scaled.stride(), *partial_output.stride(), *olse_strides, stride_lse_n, stride_lse_h, stride_lse_t,
               cus.stride(0) if fused else 0, num_tokens),

@@ -145,7 +145,7 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
     if num_requests and num_tokens:
         head_dim = output.shape[2] if output is not None else 1
         block_h, block_ho, block_d = tiles.mask_tiles(num_heads, head_dim)
-        launch = plans.Launch(
+        launch = plans.kernel_launch(
             grid=tiles.mask_grid(num_tokens, num_requests, num_heads, head_dim, output is not None),
             ints=(stride_lse_h, stride_lse_t, *(output.stride() if output is not None else (0, 0, 0)), num_requests),
             constexprs=dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_T=tiles.MASK_BLOCK_T, SCAN=tiles.SCAN,
@@ -153,13 +153,13 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
                             BLOCK_D=block_d, ZERO_OUTPUT=output is not None,
                             SPLIT_BLOCKS=tiles.mask_split_cap(output is not None) > 1, num_warps=tiles.MASK_NUM_WARPS),
             state=launcher.launch_state(key))
-    plans.remember(key, plans.Plan(overlaps, num_tokens, launch))
+    plans.remember(key, plans.plan(overlaps=overlaps, num_tokens=num_tokens, launch=launch))
     if launch is not None and has_empty is not False:
         _launch(launch, lse, query_start_loc, cu_seq_lens, output, lse_layout)
 
 
 def _launch(launch, lse, query_start_loc, cu_seq_lens, output, lse_layout) -> None:
-    """The kernel launch of a plan's `Launch`."""
+    """The kernel launch of a plan's `kernel_launch`."""
     grid, ints, constexprs, state = launch
     launcher.launch(_mask_empty_context_lse_kernel[lse_layout], grid,
                     (lse, lse if output is None else output, query_start_loc, cu_seq_lens, *ints),  # lse: a placeholder

@@ -185,7 +185,7 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
         variant = tiles.merge_variant(output_lse is not None, fused)
         itemsize = prefix_output.element_size()
         block_t, block_h, block_d = tiles.merge_tiles("triton", num_heads, head_dim, variant, itemsize)
-        launch = plans.MergeLaunch(
+        launch = plans.merge_launch(
             grid=tiles.merge_grid("triton", num_tokens, num_heads, head_dim, variant, itemsize), fused=fused,
             ints=(*output.stride(), *prefix_output.stride(), *suffix_output.stride(), *lse_strides, num_tokens),
             num_requests=num_requests,
@@ -195,7 +195,7 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
                             INTERPRET=_backend.interpreting(), num_warps=tiles.merge_num_warps("triton", variant),
                             **_backend.PARITY_LAUNCH),
             state=launcher.launch_state(key))
-    plans.remember(key, plans.Plan(lse_overlaps + out_overlaps, num_tokens, launch))
+    plans.remember(key, plans.plan(overlaps=lse_overlaps + out_overlaps, num_tokens=num_tokens, launch=launch))
     if launch is not None:
         _launch(launch, output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale,
                 query_start_loc, prefix_cu_seq_lens, prefill_tokens, lse_layout)
@@ -203,7 +203,7 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
 
 def _launch(launch, output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale,
             query_start_loc, prefix_cu_seq_lens, prefill_tokens, lse_layout) -> None:
-    """The kernel launch of a plan's `MergeLaunch`."""
+    """The kernel launch of a plan's `merge_launch`."""
     grid, fused, ints, num_requests, constexprs, state = launch
     placeholder = prefix_lse  # for the pointers a variant does not read
     launcher.launch(_merge_attn_states_kernel[lse_layout], grid, (

@@ -186,7 +186,7 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
         variant = tiles.merge_variant(output_lse is not None, fused)
         itemsize = outputs.element_size()
         block_t, block_h, block_d = tiles.merge_tiles("triton", num_heads, head_dim, variant, itemsize, num_partials)
-        launch = plans.MergeLaunch(
+        launch = plans.merge_launch(
             grid=tiles.merge_grid("triton", num_tokens, num_heads, head_dim, variant, itemsize, num_partials),
             fused=fused,
             ints=(*output.stride(), *outputs.stride(), *olse_strides, stride_lse_n, stride_lse_h, stride_lse_t,
@@ -201,7 +201,7 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
             state=launcher.launch_state(key))
     # A non-contiguous cu_seq_lens row is copied per call: no plan for it (its copy would be the launch's pointer).
     if not (fused and cu_seq_lens is not cu_given):
-        plans.remember(key, plans.Plan(lse_overlaps + out_overlaps, num_tokens, launch))
+        plans.remember(key, plans.plan(overlaps=lse_overlaps + out_overlaps, num_tokens=num_tokens, launch=launch))
     if launch is not None:
         _launch(launch, output, output_lse, outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens,
                 lse_layout)
