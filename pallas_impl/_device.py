@@ -103,7 +103,8 @@ def _merged_lse(z, m, empty, copy_t, passthrough, lse_base2):
     """The merge's LSE tile (docs/spec.md 4.2, 4.4, 8.4)."""
     lse = jnp.log(z) + m
     lse = jnp.where(empty, -jnp.inf, lse)
-    return jnp.where(copy_t[:, None], passthrough, _math.stored_lse(lse, lse_base2))
+    lse = _math.stored_lse(lse, lse_base2)
+    return jnp.where(copy_t[:, None], passthrough, lse)
 
 
 def _empty_tokens(cu_ref, i, cu_row, req, in_req):
