@@ -35,7 +35,7 @@ def test_check_passes_and_writes_the_report(tmp_path, capsys):
     from parity.harness import check
 
     assert report["mode"] in check.RULES and report["rule"] == check.RULES[report["mode"]]
-    assert report["summary"] == {"records": 3, "failed": 0, "ok": True, "cases": 1}
+    assert report["summary"] == {"records": 3, "failed": 0, "ok": True, "unsupported": 0, "cases": 1}
     assert [(r["case"], r["op"]) for r in report["records"]] == [
         (CASE, "mask"), (CASE, "merge"), (CASE, "merge_fused")]
     for rec in report["records"]:
