@@ -3,7 +3,7 @@
 jax and numpy only. Semantics: docs/spec.md sections 3, 4, 8 and 9, defined executably by `parity.harness.reference`.
 """
 
-from pallas_impl._common import has_empty_context
+from pallas_impl._checks import has_empty_context
 from pallas_impl.cp_merge import cp_merge_attn_states
 from pallas_impl.mask import mask_empty_context_lse
 from pallas_impl.merge import merge_attn_states

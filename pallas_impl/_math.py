@@ -1,34 +1,25 @@
 """The element math both Pallas GPU backends share (the Triton-backend kernels in `pallas_impl/*.py` and the
 Mosaic GPU kernels in `pallas_impl/mosaic/*.py`): constants and jnp expressions, nothing backend-specific.
 
-It imports jax only, and nothing of `pallas_impl`: both backends' files import it, it imports neither.
+It imports jax and the framework-free constants only, nothing of `pallas_impl`: both backends' files import it, it
+imports neither.
 """
 
 from __future__ import annotations
 
-import functools
-import re
-
 import jax
 import jax.numpy as jnp
 
-FP8_E4M3_MAX = 448.0
-LN2 = 0.6931471805599453
-LOG2E = 1.4426950408889634
-# The N-way loops over the partials (docs/spec.md 8, "Any N"): unrolled at trace time up to N = UNROLLED_PARTIALS
-# (fast code, a short compile); beyond, runtime steps of PARTIALS_PER_STEP partials (`lax.fori_loop`, each step
-# unrolled), the last count % PARTIALS_PER_STEP unrolled: a compile that does not grow with N. The same operations
-# in the same order either way, so the same bits. Equal to triton_impl/merge_n.py's.
-UNROLLED_PARTIALS = 16
-PARTIALS_PER_STEP = 4
-MOSAIC_MIN_JAX = (0, 11)  # Mosaic GPU: Warpgroup lowering by default, plgpu.kernel(out_type=...), its interpreter
+from mla_lse_common import tiles
+from mla_lse_common.constants import FP8_E4M3_MAX, LN2, LOG2E, PARTIALS_PER_STEP  # noqa: F401 (re-exported)
 
 
-def fold_partials(lo: int, hi: int, body, init, num_partials: int):
+def fold_partials(lo: int, hi: int, body, init, num_partials: int, *, unroll: bool = False):
     """`body(i, x)` for i = lo .. hi - 1 in order from `init`, for the merge of N = `num_partials` partials: all
-    unrolled at trace time up to N = UNROLLED_PARTIALS, else `lax.fori_loop` steps of PARTIALS_PER_STEP partials
-    (an `scf.for` in a Pallas kernel) and the rest unrolled; the partition of triton_impl/merge_n.py's loops."""
-    steps = 0 if num_partials <= UNROLLED_PARTIALS else max(hi - lo, 0) // PARTIALS_PER_STEP
+    unrolled at trace time up to N = UNROLLED_PARTIALS (or with unroll=True), else `lax.fori_loop` steps of
+    PARTIALS_PER_STEP partials (an `scf.for` in a Pallas kernel) and the rest unrolled: the partition of the Triton
+    kernels' loops (`mla_lse_common.tiles.loop_steps`)."""
+    steps = 0 if unroll else tiles.loop_steps(hi - lo, num_partials)
 
     def step(k, x):
         for j in range(PARTIALS_PER_STEP):
@@ -76,22 +67,25 @@ def two_way_weights(p, s, lse_base2: bool):
     return m, both_empty, z, pe / z, se / z
 
 
-def n_way_max_and_sum(lses, lse_base2: bool):
-    """(m, all_empty, e, z) of N LSE tiles (in their base) whose empty rows are -inf (docs/spec.md 8.2): the maximum
-    in index order, 0 where all are empty; e_i = exp(lse_i - m) (base 2: exp((lse_i - m) * ln2)); z their sum in index order."""
-    m = lses[0]
-    for x in lses[1:]:
-        m = jnp.maximum(m, x)
+def n_way_max_and_sum(lse_i, num_partials: int, lse_base2: bool, *, unroll: bool = False):
+    """(m, all_empty, e, z) of N LSE tiles (in their base) whose empty rows are -inf (docs/spec.md 8.2, 8.3): the
+    maximum in index order, 0 where all are empty; e_i = exp(lse_i - m) (base 2: exp((lse_i - m) * ln2)); z their
+    sum in index order.
+
+    `lse_i(i)`: partial i's tile. It is called twice per partial, for the maximum and for the exponential, so a
+    kernel may reload a tile rather than keep N of them live; a caller holding the tiles passes `tiles.__getitem__`
+    and unroll=True (a Python list takes no traced index). The loops unroll up to N = UNROLLED_PARTIALS and are
+    runtime loops beyond (`fold_partials`); `e` is the list of the e_i where every loop unrolls, else None.
+    """
+    m = fold_partials(1, num_partials, lambda i, m: jnp.maximum(m, lse_i(i)), lse_i(0), num_partials, unroll=unroll)
     all_empty = m == -jnp.inf
     m = jnp.where(all_empty, 0.0, m)
-    e = [exp_base(x - m, lse_base2) for x in lses]
-    z = e[0]
-    for x in e[1:]:
-        z = z + x
-    return m, all_empty, e, z
-
-
-@functools.cache
-def has_mosaic_gpu() -> bool:
-    """Whether this jax's Mosaic GPU Pallas API is one the `pallas_impl/mosaic` kernels take (jax >= 0.11)."""
-    return tuple(int(x) for x in re.findall(r"\d+", jax.__version__)[:2]) >= MOSAIC_MIN_JAX
+    e = [exp_base(lse_i(0) - m, lse_base2)]
+    if unroll or not tiles.loop_steps(num_partials - 1, num_partials):
+        z = e[0]
+        for i in range(1, num_partials):
+            e.append(exp_base(lse_i(i) - m, lse_base2))
+            z = z + e[i]
+        return m, all_empty, e, z
+    z = fold_partials(1, num_partials, lambda i, z: z + exp_base(lse_i(i) - m, lse_base2), e[0], num_partials)
+    return m, all_empty, None, z

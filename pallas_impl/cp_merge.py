@@ -25,16 +25,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_impl import _common as c
-from pallas_impl import jnp_fallback
-from pallas_impl._math import exp_base
-from pallas_impl.merge import _load_lse, _merged_lse, _program_tile, _store_lse, _token_requests
-from pallas_impl.merge_n import _copied_lse, _max_and_sum, _partial_lse, _weighted, merge_attn_states_n
-
-METHODS = ("gather", "reduce_scatter")
-# The rescale kernel reads one partial's tile and writes one: it takes the N-way tile of two partials (the 2-way
-# merge's bytes per tile).
-RESCALE_TILE_PARTIALS = 2
+from mla_lse_common import tiles
+from mla_lse_common.tiles import RESCALE_TILE_PARTIALS
+from pallas_impl import _backend
+from pallas_impl import _checks as checks
+from pallas_impl import _math, jnp_fallback
+from pallas_impl import _sharding as sharding
+from pallas_impl._backend import pltriton
+from pallas_impl._device import (_copied_lse, _load_lse, _merged_lse, _partial_lse, _program_tile, _store_lse,
+                                 _token_requests, _weighted)
+from pallas_impl.merge_n import merge_attn_states_n
 
 
 def _cp_rescale_kernel(
@@ -57,7 +57,7 @@ def _cp_rescale_kernel(
     rank = rank_ref[0]
 
     # This device's partial; the last partial's raw LSE is the pass-through LSE (8.4).
-    o = c.pltriton.load(part_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)], mask=thd_mask,
+    o = pltriton.load(part_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)], mask=thd_mask,
                       other=0.0)
     last_raw = _load_lse(lses_ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=(jnp.int32(last),))
 
@@ -67,14 +67,14 @@ def _cp_rescale_kernel(
                               lse_layout=lse_layout, fused_mask=fused_mask)
 
     # The N-way merge's weights (8.2, 8.3), for partial `rank` only.
-    m, all_empty, z = _max_and_sum(lse_i, num_partials, lse_base2)
-    w = exp_base(lse_i(rank) - m, lse_base2) / z
+    m, all_empty, _, z = _math.n_way_max_and_sum(lse_i, num_partials, lse_base2)
+    w = _math.exp_base(lse_i(rank) - m, lse_base2) / z
     scaled = _weighted(o, w)
     scaled = jnp.where(all_empty[:, :, None], 0.0, scaled)
     # 8.4: the last partial's row, exactly. The other devices add -0.0, the identity of the sum (x + -0.0 == x).
     copy_t = t >= ptwc_ref[0]
     scaled = jnp.where(copy_t[:, None, None], jnp.where(rank == last, o.astype(jnp.float32), -0.0), scaled)
-    c.pltriton.store(scaled_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)],
+    pltriton.store(scaled_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)],
                    scaled.astype(scaled_ref.dtype), mask=thd_mask)
 
     if output_lse:  # the merged LSE (of every head: the caller keeps its own)
@@ -89,26 +89,28 @@ def _rescale_jit(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with_c
     num_partials = lses.shape[0]
     num_tokens, num_heads, head_dim = part.shape
     fused = query_start_loc is not None and query_start_loc.shape[0] > 1
-    variant = c.merge_variant(return_lse, fused)
+    variant = tiles.merge_variant(return_lse, fused)
     itemsize = jnp.dtype(part.dtype).itemsize
-    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize, RESCALE_TILE_PARTIALS)
+    block_t, block_h, block_d = tiles.merge_tiles("pallas", num_heads, head_dim, variant, itemsize,
+                                                  RESCALE_TILE_PARTIALS)
     kernel = functools.partial(
         _cp_rescale_kernel, num_partials=num_partials, num_tokens=num_tokens, num_heads=num_heads, head_dim=head_dim,
         num_requests=query_start_loc.shape[0] - 1 if fused else 0, block_t=block_t, block_h=block_h,
         block_d=block_d, lse_layout=lse_layout, lse_base2=lse_base2, output_lse=return_lse, fused_mask=fused)
     operands = (part, lses, rank)
-    out_shape = [c.out_struct(part.shape, reduce_dtype, *operands)]
+    out_shape = [sharding.out_struct(part.shape, reduce_dtype, *operands)]
     if return_lse:
-        out_shape.append(c.out_struct(lses.shape[1:], jnp.float32, *operands))
+        out_shape.append(sharding.out_struct(lses.shape[1:], jnp.float32, *operands))
     dummy = jnp.zeros((1,), jnp.int32)
     results = pl.pallas_call(
         kernel, out_shape=out_shape,
-        grid=c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize, RESCALE_TILE_PARTIALS),
+        grid=tiles.merge_grid("pallas", num_tokens, num_heads, head_dim, variant, itemsize, RESCALE_TILE_PARTIALS),
         interpret=interpret,
-        compiler_params=c.compiler_params(num_warps=c.merge_num_warps(variant, RESCALE_TILE_PARTIALS)),
+        compiler_params=_backend.compiler_params(
+            num_warps=tiles.merge_num_warps("pallas", variant, RESCALE_TILE_PARTIALS)),
         name="cp_rescale",
     )(part, lses, query_start_loc if fused else dummy, cu_seq_lens.reshape(-1) if fused else dummy,
-      c.prefill_tokens_array(prefill_tokens_with_context, num_tokens), rank.reshape(1))
+      checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens), rank.reshape(1))
     return tuple(results) if return_lse else (results[0], None)
 
 
@@ -154,39 +156,35 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
         before any collective runs.
       TypeError: an array of the wrong dtype.
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    checks.check_cp_method(method)
     num_partials = _axis_size(axis_name)
-    c.check_lse_layout(lse_layout)
-    lse_base2 = c.check_lse_base(lse_base)
-    c.check_array("out", out, ndim=3, dtypes=c.OUTPUT_DTYPES)
+    checks.check_lse_layout(lse_layout)
+    lse_base2 = checks.check_lse_base(lse_base)
+    checks.check_array("out", out, ndim=3, dtypes=checks.OUTPUT_DTYPES)
     num_tokens, num_heads, head_dim = out.shape
-    c.check_array("lse", lse, ndim=2, dtypes=(jnp.float32,))
-    c.check_lse_shape("lse", lse, lse_layout, num_heads, num_tokens)
-    out_dtype = c.check_out_dtype(out_dtype, out.dtype, output_scale)
+    checks.check_array("lse", lse, ndim=2, dtypes=(jnp.float32,))
+    checks.check_lse_shape("lse", lse.shape, lse_layout, num_heads, num_tokens)
+    out_dtype = checks.check_out_dtype(out_dtype, out.dtype, output_scale)
     if method == "reduce_scatter" and num_heads % num_partials:
         raise ValueError(f"method='reduce_scatter' splits the H={num_heads} heads over the N={num_partials} devices of "
                          f"axis {axis_name!r}: H must be a multiple of N (use method='gather')")
     if reduce_dtype is not None and jnp.dtype(reduce_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(out.dtype)):
         raise TypeError(f"reduce_dtype must be None (float32), float32 or the partials' dtype {jnp.dtype(out.dtype).name}; "
                         f"got {jnp.dtype(reduce_dtype).name}")
-    if (query_start_loc is None) != (cu_seq_lens is None):
-        raise ValueError("query_start_loc and cu_seq_lens go together (the fused mask); got only "
-                         + ("query_start_loc" if query_start_loc is not None else "cu_seq_lens"))
-    if query_start_loc is not None:
+    if checks.check_fused_pair(query_start_loc, cu_seq_lens, "cu_seq_lens"):
         if getattr(cu_seq_lens, "ndim", 1) == 2:
             raise ValueError(f"cu_seq_lens must be this device's local KV offsets i32[R+1] (the combine gathers every "
                              f"device's); got cu_seq_lens.shape={tuple(cu_seq_lens.shape)}")
-        c.check_offsets(query_start_loc, cu_seq_lens)
+        checks.check_offsets(query_start_loc, cu_seq_lens)
         if validate:
-            c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
-    c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
-    impl = c.resolve_implementation(implementation, backend)
-    backend = c.resolve_backend(backend)
+            checks.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
+    checks.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
+    impl = _backend.resolve_implementation(implementation, backend)
+    backend = _backend.resolve_backend(backend)
     if backend == "mosaic_gpu":  # every refusal before the first collective is traced
-        c.resolve_interpret(interpret, backend)  # jax >= 0.11
+        _backend.resolve_interpret(interpret, backend)  # jax >= 0.11
 
-    gather = c.all_gather_replicated if method == "gather" else lax.all_gather
+    gather = sharding.all_gather_replicated if method == "gather" else lax.all_gather
     lses = gather(lse, axis_name)
     cus = None if query_start_loc is None else gather(cu_seq_lens, axis_name)
     if method == "gather":
@@ -203,13 +201,13 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
                                                  reduce_dtype=rdt, return_lse=return_lse, lse_layout=lse_layout,
                                                  lse_base2=lse_base2)
     else:
-        c.filter_triton_deprecation()
-        interp = c.resolve_interpret(interpret, backend)
+        _backend.filter_triton_deprecation()
+        interp = _backend.resolve_interpret(interpret, backend)
         if backend == "mosaic_gpu":
             from pallas_impl.mosaic.cp_merge import rescale_mosaic as rescale
         else:
             rescale = _rescale_jit
-        scaled, merged = c.sharded_call(
+        scaled, merged = sharding.sharded_call(
             functools.partial(rescale, reduce_dtype=rdt, return_lse=return_lse, lse_layout=lse_layout,
                               lse_base2=lse_base2, interpret=interp),
             ("out", "lses", "query_start_loc", "cu_seq_lens", "prefill_tokens_with_context", "rank"),
@@ -217,10 +215,10 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
             (None,) * 6, (None, None), interpret=interp)
     heads = num_heads // num_partials
     reduced = lax.psum_scatter(scaled, axis_name, scatter_dimension=1, tiled=True)  # [T, H / N, D]
-    if out_dtype == c.FP8:  # 4.6, after the sum
+    if out_dtype == checks.FP8:  # 4.6, after the sum
         result = reduced.astype(jnp.float32) / jnp.asarray(output_scale, jnp.float32).reshape(-1)[0]
-        result = jnp.where(result < -c.FP8_E4M3_MAX, -c.FP8_E4M3_MAX, result)
-        result = jnp.where(result > c.FP8_E4M3_MAX, c.FP8_E4M3_MAX, result).astype(out_dtype)
+        result = jnp.where(result < -_math.FP8_E4M3_MAX, -_math.FP8_E4M3_MAX, result)
+        result = jnp.where(result > _math.FP8_E4M3_MAX, _math.FP8_E4M3_MAX, result).astype(out_dtype)
     else:
         result = reduced.astype(out_dtype)
     if not return_lse:

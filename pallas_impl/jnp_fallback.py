@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_impl import _common as c
+from pallas_impl import _checks, _math
 from pallas_impl._math import clean_lse, exp_base, fold_partials, merged_lse, two_way_weights
 
 
@@ -50,8 +50,8 @@ def _stored(out, last, copy_t, output_scale, out_dtype):
     copy = copy_t[:, None, None]
     if output_scale is not None:
         out = jnp.where(copy, last.astype(jnp.float32), out) / output_scale.reshape(-1)[0]
-        out = jnp.where(out < -c.FP8_E4M3_MAX, -c.FP8_E4M3_MAX, out)
-        return jnp.where(out > c.FP8_E4M3_MAX, c.FP8_E4M3_MAX, out).astype(out_dtype)
+        out = jnp.where(out < -_math.FP8_E4M3_MAX, -_math.FP8_E4M3_MAX, out)
+        return jnp.where(out > _math.FP8_E4M3_MAX, _math.FP8_E4M3_MAX, out).astype(out_dtype)
     if last.dtype == out_dtype:
         return jnp.where(copy, last, out.astype(out_dtype))
     return jnp.where(copy, last.astype(jnp.float32), out).astype(out_dtype)
@@ -62,7 +62,7 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, outp
                       prefix_cu_seq_lens, prefill_tokens_with_context, *, return_lse, out_dtype, lse_layout,
                       lse_base2):
     num_tokens = prefix_output.shape[0]
-    prefill_tokens = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
+    prefill_tokens = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     p_raw = prefix_lse.T if lse_layout == "HT" else prefix_lse  # [T, H]
     s_raw = suffix_lse.T if lse_layout == "HT" else suffix_lse
     p, s = clean_lse(p_raw), clean_lse(s_raw)  # 4.1; a base-2 LSE stays base 2
@@ -114,7 +114,7 @@ def _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout, l
 def merge_attn_states_n(outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context, *,
                         return_lse, out_dtype, lse_layout, lse_base2):
     num_partials, num_tokens = outputs.shape[:2]
-    prefill_tokens = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
+    prefill_tokens = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     l_raw, e, m, all_empty, z, empty = _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout,
                                                       lse_base2)
 
@@ -147,7 +147,7 @@ def cp_rescale(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with_con
                return_lse, lse_layout, lse_base2):
     """The context-parallel rescale (pallas_impl/cp_merge.py) in jnp: (scaled reduce_dtype[T, H, D], merged LSE)."""
     num_partials, num_tokens = lses.shape[0], part.shape[0]
-    prefill_tokens = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
+    prefill_tokens = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     l_raw, e, m, all_empty, z, empty = _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout,
                                                       lse_base2)
     w = (e(rank) / z)[..., None]

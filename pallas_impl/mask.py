@@ -5,8 +5,8 @@ per block). Worst case `T // 128 + R` blocks; request r owns the blocks from `qs
 finds its request by counting, 32 request boundaries per step, the requests whose first block is at or before
 its block (a compare-and-sum, no token->request map), then, if that request's chunk is empty, writes -inf over
 its share of the heads of its tokens (and zeros over its share of their output rows): the second grid axis
-deals a block's head (x dim) tiles round-robin over `_common.mask_split` programs. The count is two-level
-(`_common.count_keys_le`): chunk starts, then one chunk of 32. The LSE (and output) buffers are aliased to
+deals a block's head (x dim) tiles round-robin over `mla_lse_common.tiles.mask_split` programs. The count is two-level
+(`_device._count_keys_le`): chunk starts, then one chunk of 32. The LSE (and output) buffers are aliased to
 the results, so under `jax.jit(..., donate_argnames=("lse", "output"))` the update is in place.
 """
 
@@ -19,8 +19,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_impl import _common as c
+from mla_lse_common import tiles
+from pallas_impl import _backend
+from pallas_impl import _checks as checks
+from pallas_impl import _plans as plans
+from pallas_impl import _sharding as sharding
 from pallas_impl import jnp_fallback
+from pallas_impl._backend import pltriton
+from pallas_impl._device import _count_keys_le
 
 
 def _fill_lse(lse_ref, split, num_splits, t0, t_mask, *, num_heads: int, block_h: int, block_t: int,
@@ -34,11 +40,11 @@ def _fill_lse(lse_ref, split, num_splits, t0, t_mask, *, num_heads: int, block_h
         h = h0 + jnp.arange(block_h, dtype=jnp.int32)
         h_mask = h < num_heads
         if lse_layout == "HT":  # whole-array refs: the layout is the index order
-            c.pltriton.store(lse_ref.at[pl.ds(h0, block_h), pl.ds(t0, block_t)],
+            pltriton.store(lse_ref.at[pl.ds(h0, block_h), pl.ds(t0, block_t)],
                            jnp.full((block_h, block_t), -jnp.inf, jnp.float32),
                            mask=h_mask[:, None] & t_mask[None, :])
         else:
-            c.pltriton.store(lse_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h)],
+            pltriton.store(lse_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h)],
                            jnp.full((block_t, block_h), -jnp.inf, jnp.float32),
                            mask=t_mask[:, None] & h_mask[None, :])
         return carry
@@ -57,14 +63,14 @@ def _mask_empty_context_lse_kernel(
     lse_ref = refs[len(refs) // 2]  # f32[H, T] or f32[T, H]
     out_ref = refs[-1] if zero_output else None  # dtype[T, H, D]
     pid = pl.program_id(0)
-    # This program's share of its block's head (x dim) tiles (_common.mask_split); a variant whose cap is 1
+    # This program's share of its block's head (x dim) tiles (tiles.mask_split); a variant whose cap is 1
     # never splits.
     split = pl.program_id(1) if split_blocks else 0
     num_splits = pl.num_programs(1) if split_blocks else 1
 
     # Owning request = (number of requests whose first block is <= pid) - 1; request 0 starts at 0.
-    first_programs_le = c.count_keys_le(qsl_ref, pid + jnp.zeros((1,), jnp.int32), num_requests,
-                                        key_div=block_t, key_step=1)
+    first_programs_le = _count_keys_le(qsl_ref, pid + jnp.zeros((1,), jnp.int32), num_requests,
+                                       key_div=block_t, key_step=1)
     req = jnp.sum(first_programs_le, axis=0) - 1
 
     q_start = qsl_ref[req]
@@ -99,7 +105,7 @@ def _mask_empty_context_lse_kernel(
                 ho = h0 + jnp.arange(block_ho, dtype=jnp.int32)
                 d = d0 + jnp.arange(block_d, dtype=jnp.int32)
                 m = t_mask[:, None, None] & (ho < num_heads)[None, :, None] & (d < head_dim)[None, None, :]
-                c.pltriton.store(out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_ho), pl.ds(d0, block_d)],
+                pltriton.store(out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_ho), pl.ds(d0, block_d)],
                                  jnp.zeros((block_t, block_ho, block_d), out_ref.dtype), mask=m)
                 return carry
 
@@ -112,20 +118,20 @@ def _mask_jit(lse, query_start_loc, cu_seq_lens, output, *, lse_layout, interpre
     num_heads, num_tokens = lse.shape if lse_layout == "HT" else lse.shape[::-1]
     zero_output = output is not None
     head_dim = output.shape[2] if zero_output else 1
-    block_h, block_ho, block_d = c.mask_tiles(num_heads, head_dim)
+    block_h, block_ho, block_d = tiles.mask_tiles(num_heads, head_dim)
     kernel = functools.partial(
         _mask_empty_context_lse_kernel, num_requests=num_requests, num_tokens=num_tokens, num_heads=num_heads,
-        head_dim=head_dim, block_t=c.MASK_BLOCK_T, block_h=block_h,
+        head_dim=head_dim, block_t=tiles.MASK_BLOCK_T, block_h=block_h,
         block_ho=block_ho, block_d=block_d, lse_layout=lse_layout, zero_output=zero_output,
-        split_blocks=c.mask_split_cap(zero_output) > 1)
+        split_blocks=tiles.mask_split_cap(zero_output) > 1)
     buffers = (lse, output) if zero_output else (lse,)
     results = pl.pallas_call(
         kernel,
-        out_shape=[c.out_struct(x.shape, x.dtype, x) for x in buffers],
-        grid=c.mask_grid(num_tokens, num_requests, num_heads, head_dim, zero_output),
+        out_shape=[sharding.out_struct(x.shape, x.dtype, x) for x in buffers],
+        grid=tiles.mask_grid(num_tokens, num_requests, num_heads, head_dim, zero_output),
         input_output_aliases={2 + i: i for i in range(len(buffers))},
         interpret=interpret,
-        compiler_params=c.compiler_params(num_warps=c.MASK_NUM_WARPS),
+        compiler_params=_backend.compiler_params(num_warps=tiles.MASK_NUM_WARPS),
         name="mask_empty_context_lse",
     )(query_start_loc, cu_seq_lens, *buffers)
     return tuple(results)
@@ -168,34 +174,34 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
         with jax < 0.11, or for a shape its kernel does not take.
     """
     args = (lse, query_start_loc, cu_seq_lens, output)
-    plan = c.cached_plan(_PLANS, _mask_plan, args, (has_empty is False, lse_layout, interpret, implementation, backend),
-                         backend)
+    plan = plans.cached_plan(_PLANS, _mask_plan, args,
+                             (has_empty is False, lse_layout, interpret, implementation, backend), backend)
     if validate:
-        c.check_offset_values(query_start_loc, cu_seq_lens, lse.shape[1 if lse_layout == "HT" else 0])
+        checks.check_offset_values(query_start_loc, cu_seq_lens, lse.shape[1 if lse_layout == "HT" else 0])
     return plan(*args)
 
 
-_PLANS: dict = {}  # c.cached_plan
+_PLANS: dict = {}  # plans.cached_plan
 
 
 def _mask_plan(lse, query_start_loc, cu_seq_lens, output, no_empty, lse_layout, interpret, implementation, backend):
-    """The static checks of `mask_empty_context_lse` and its call for arguments of these types (`c.cached_plan`)."""
-    c.check_lse_layout(lse_layout)
-    c.check_array("lse", lse, ndim=2, dtypes=(jnp.float32,))
-    num_requests = c.check_offsets(query_start_loc, cu_seq_lens)
+    """The static checks of `mask_empty_context_lse` and its call for arguments of these types (`plans.cached_plan`)."""
+    checks.check_lse_layout(lse_layout)
+    checks.check_array("lse", lse, ndim=2, dtypes=(jnp.float32,))
+    num_requests = checks.check_offsets(query_start_loc, cu_seq_lens)
     num_heads, num_tokens = lse.shape if lse_layout == "HT" else lse.shape[::-1]
     if output is not None:
-        c.check_array("output", output, ndim=3, dtypes=c.OUTPUT_DTYPES)
+        checks.check_array("output", output, ndim=3, dtypes=checks.OUTPUT_DTYPES)
         if tuple(output.shape[:2]) != (num_tokens, num_heads):
             raise ValueError(f"output must be [T={num_tokens}, H={num_heads}, D]; got output.shape={tuple(output.shape)}")
-    impl = c.resolve_implementation(implementation, backend)
-    backend = c.resolve_backend(backend)
+    impl = _backend.resolve_implementation(implementation, backend)
+    backend = _backend.resolve_backend(backend)
     if no_empty or num_requests == 0 or num_tokens == 0:
         return _unchanged
     if impl == "jnp":
         return functools.partial(jnp_fallback.mask_empty_context_lse, lse_layout=lse_layout)
-    c.filter_triton_deprecation()
-    interpret = c.resolve_interpret(interpret, backend)
+    _backend.filter_triton_deprecation()
+    interpret = _backend.resolve_interpret(interpret, backend)
     lse_axis = 0 if lse_layout == "HT" else 1
     if backend == "mosaic_gpu":
         from pallas_impl.mosaic.mask import mask_mosaic
@@ -203,7 +209,7 @@ def _mask_plan(lse, query_start_loc, cu_seq_lens, output, no_empty, lse_layout, 
         fn = functools.partial(mask_mosaic, lse_layout=lse_layout, interpret=interpret)
     else:
         fn = functools.partial(_mask_jit, lse_layout=lse_layout, interpret=interpret)
-    plan = c.call_plan(
+    plan = sharding.call_plan(
         fn,
         ("lse", "query_start_loc", "cu_seq_lens", "output"), (lse, query_start_loc, cu_seq_lens, output),
         (lse_axis, None, None, 1), (lse_axis,) if output is None else (lse_axis, 1), interpret=interpret)

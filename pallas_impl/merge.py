@@ -2,7 +2,7 @@
 
 The same algorithm as `triton_impl/merge.py`, statement by statement. Grid: `(cdiv(T, block_t) *
 cdiv(H, block_h),)`, head blocks fastest; a program merges a [block_t, block_h, block_d] tile (the whole
-padded head, then as many heads and tokens as fit in the variant's budget, `_common.MERGE_TILES`). The fused
+padded head, then as many heads and tokens as fit in the variant's budget, `tiles.MERGE_TILES`). The fused
 mask (docs/spec.md 4.5) finds each token's request with the same two-level 32-wide compare-and-sum as the mask kernel.
 
 Float math (docs/spec.md 5), identical to the Triton kernel in operation order: f32 throughout, `jnp.exp`/`jnp.log`
@@ -19,80 +19,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_impl import _common as c
-from pallas_impl import jnp_fallback
-from pallas_impl._math import clean_lse, merged_lse, two_way_weights
-
-
-def _lse_index(t0, h0, block_t, block_h, lse_layout, lead=()):
-    """The indexer of an LSE tile, in [block_t, block_h] order whatever the layout (whole-array refs: layout =
-    index order); `lead` indexes leading axes first (the partial of stacked LSEs). An [H, T] tile is addressed
-    through index arrays rather than loaded as [block_h, block_t] and transposed: the transpose cost shared-memory
-    round trips in the fused merges (docs/design.md, "LSE tiles in either layout")."""
-    if lse_layout == "HT":
-        t = (t0 + jnp.arange(block_t, dtype=jnp.int32))[:, None]
-        h = (h0 + jnp.arange(block_h, dtype=jnp.int32))[None, :]
-        return (*lead, h, t)
-    return (*lead, pl.ds(t0, block_t), pl.ds(h0, block_h))
-
-
-def _load_lse(ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=()):
-    """f32[block_t, block_h] tile of an LSE of either layout."""
-    return c.pltriton.load(ref.at[_lse_index(t0, h0, block_t, block_h, lse_layout, lead)], mask=th_mask,
-                           other=-jnp.inf)
-
-
-def _store_lse(ref, t0, h0, block_t, block_h, value, th_mask, lse_layout):
-    c.pltriton.store(ref.at[_lse_index(t0, h0, block_t, block_h, lse_layout)], value, mask=th_mask)
-
-
-def _program_tile(num_tokens, num_heads, head_dim, block_t, block_h, block_d):
-    """This program's [block_t, block_h, block_d] tile, head blocks fastest (consecutive programs sweep the
-    [T, H, D] buffers front to back): its first token t0 and head h0, its tokens t, and the masks."""
-    num_h_blocks = pl.cdiv(num_heads, block_h)
-    pid = pl.program_id(0)
-    t0 = (pid // num_h_blocks) * block_t
-    h0 = (pid % num_h_blocks) * block_h
-    t = t0 + jnp.arange(block_t, dtype=jnp.int32)
-    h = h0 + jnp.arange(block_h, dtype=jnp.int32)
-    d = jnp.arange(block_d, dtype=jnp.int32)
-    t_mask = t < num_tokens
-    th_mask = t_mask[:, None] & (h < num_heads)[None, :]
-    thd_mask = th_mask[:, :, None] & (d < head_dim)[None, None, :]
-    return t0, h0, t, t_mask, th_mask, thd_mask
-
-
-def _token_requests(qsl_ref, t, t_mask, num_requests, fused_mask):
-    """(req, in_req) of the fused mask: each token's request (clamped to R - 1) and whether it is in one."""
-    req = t  # placeholders unless fused_mask
-    in_req = t_mask
-    if fused_mask:
-        req = c.count_keys_le(qsl_ref, t, num_requests + 1, key_div=1, key_step=0) - 1  # R: padding
-        in_req = t_mask & (req < num_requests)
-        req = jnp.minimum(req, num_requests - 1)
-    return req, in_req
-
-
-def _store_output(out_block, out, last, copy_t, scale_ref, thd_mask, fp8_out):
-    """The merged f32 tile `out` to `out_block` (docs/spec.md 4.4, 4.6): pass-through tokens take `last` (the
-    suffix, or the last partial) bit for bit where the output has its dtype, else rounded once to the output dtype
-    (through the scale and clamp of a merged row for fp8)."""
-    if fp8_out:
-        out = jnp.where(copy_t[:, None, None], last.astype(jnp.float32), out)
-        out = out / scale_ref[0]
-        out = jnp.where(out < -c.FP8_E4M3_MAX, -c.FP8_E4M3_MAX, out)  # comparisons, not min/max: NaN stays NaN
-        out = jnp.where(out > c.FP8_E4M3_MAX, c.FP8_E4M3_MAX, out)
-        c.pltriton.store(out_block, out.astype(out_block.dtype), mask=thd_mask)
-    elif last.dtype == out_block.dtype:
-        c.pltriton.store(out_block, jnp.where(copy_t[:, None, None], last, out.astype(out_block.dtype)), mask=thd_mask)
-    else:  # 4.4: another output dtype: the copied row, as f32, takes the one rounding of a merged row
-        out = jnp.where(copy_t[:, None, None], last.astype(jnp.float32), out)
-        c.pltriton.store(out_block, out.astype(out_block.dtype), mask=thd_mask)
-
-
-def _merged_lse(z, m, empty, copy_t, passthrough, lse_base2):
-    """The merge's LSE tile (docs/spec.md 4.2, 4.3, 4.4, 8.4), in the LSEs' base (`_math.merged_lse`)."""
-    return jnp.where(copy_t[:, None], passthrough, merged_lse(z, m, empty, lse_base2))
+from mla_lse_common import tiles
+from pallas_impl import _backend
+from pallas_impl import _checks as checks
+from pallas_impl import _math, jnp_fallback
+from pallas_impl import _plans as plans
+from pallas_impl import _sharding as sharding
+from pallas_impl._backend import pltriton
+from pallas_impl._device import _load_lse, _merged_lse, _program_tile, _store_lse, _store_output, _token_requests
+from pallas_impl._math import two_way_weights
 
 
 def _merge_attn_states_kernel(
@@ -117,14 +52,14 @@ def _merge_attn_states_kernel(
     # Issue every load first: the fused-mask scan below overlaps their latency.
     p_raw = _load_lse(prefix_lse_ref, t0, h0, block_t, block_h, th_mask, lse_layout)
     s_raw = _load_lse(suffix_lse_ref, t0, h0, block_t, block_h, th_mask, lse_layout)
-    a = c.pltriton.load(prefix_out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)],
+    a = pltriton.load(prefix_out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)],
                       mask=thd_mask, other=0.0)
-    b = c.pltriton.load(suffix_out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)],
+    b = pltriton.load(suffix_out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)],
                       mask=thd_mask, other=0.0)
 
     # docs/spec.md 4.1: +inf (FA2's empty row) and NaN read as -inf; a base-2 LSE stays base 2.
-    p = clean_lse(p_raw)
-    s = clean_lse(s_raw)
+    p = _math.clean_lse(p_raw)
+    s = _math.clean_lse(s_raw)
     if fused_mask:  # docs/spec.md 4.5: a token of a request whose prefix chunk is empty has p = -inf
         req, in_req = _token_requests(qsl_ref, t, t_mask, num_requests, fused_mask)
         empty_t = in_req & (cu_ref[req + 1] == cu_ref[req])
@@ -152,31 +87,31 @@ def _merge_jit(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scal
                prefix_cu_seq_lens, prefill_tokens_with_context, *, return_lse, out_dtype, lse_layout, lse_base2,
                interpret):
     num_tokens, num_heads, head_dim = prefix_output.shape
-    prefill_tokens = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
+    prefill_tokens = checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     if num_tokens == 0 or num_heads == 0:
         empty_out = jnp.zeros(prefix_output.shape, out_dtype)
         return (empty_out, jnp.zeros(prefix_lse.shape, jnp.float32)) if return_lse else empty_out
     fused = query_start_loc is not None and query_start_loc.shape[0] > 1  # R = 0: nothing to mask
     fp8 = output_scale is not None
     dummy_i32 = jnp.zeros((1,), jnp.int32)
-    variant = c.merge_variant(return_lse, fused)
+    variant = tiles.merge_variant(return_lse, fused)
     itemsize = jnp.dtype(prefix_output.dtype).itemsize
-    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize)
+    block_t, block_h, block_d = tiles.merge_tiles("pallas", num_heads, head_dim, variant, itemsize)
     kernel = functools.partial(
         _merge_attn_states_kernel, num_tokens=num_tokens, num_heads=num_heads, head_dim=head_dim,
         num_requests=query_start_loc.shape[0] - 1 if fused else 0,
         block_t=block_t, block_h=block_h, block_d=block_d,
         lse_layout=lse_layout, lse_base2=lse_base2, output_lse=return_lse, fused_mask=fused, fp8_out=fp8)
     operands = (prefix_output, prefix_lse, suffix_output, suffix_lse)
-    out_shape = [c.out_struct(prefix_output.shape, out_dtype, *operands)]
+    out_shape = [sharding.out_struct(prefix_output.shape, out_dtype, *operands)]
     if return_lse:
-        out_shape.append(c.out_struct(prefix_lse.shape, jnp.float32, *operands))
+        out_shape.append(sharding.out_struct(prefix_lse.shape, jnp.float32, *operands))
     results = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize),
+        grid=tiles.merge_grid("pallas", num_tokens, num_heads, head_dim, variant, itemsize),
         interpret=interpret,
-        compiler_params=c.compiler_params(num_warps=c.merge_num_warps(variant)),
+        compiler_params=_backend.compiler_params(num_warps=tiles.merge_num_warps("pallas", variant)),
         name="merge_attn_states",
     )(prefix_output, prefix_lse, suffix_output, suffix_lse,
       output_scale.reshape(1) if fp8 else jnp.ones((1,), jnp.float32),
@@ -222,48 +157,45 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
     """
     args = (prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc, prefix_cu_seq_lens,
             prefill_tokens_with_context)
-    plan = c.cached_plan(_PLANS, _merge_plan, args,
-                         (return_lse, out_dtype, lse_layout, lse_base, interpret, implementation, backend), backend)
+    plan = plans.cached_plan(_PLANS, _merge_plan, args,
+                             (return_lse, out_dtype, lse_layout, lse_base, interpret, implementation, backend), backend)
     if validate:
         num_tokens = prefix_output.shape[0]
         if query_start_loc is not None:
-            c.check_offset_values(query_start_loc, prefix_cu_seq_lens, num_tokens, cu_name="prefix_cu_seq_lens")
-        c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
+            checks.check_offset_values(query_start_loc, prefix_cu_seq_lens, num_tokens, cu_name="prefix_cu_seq_lens")
+        checks.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
     return plan(*args)
 
 
-_PLANS: dict = {}  # c.cached_plan
+_PLANS: dict = {}  # plans.cached_plan
 
 
 def _merge_plan(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc,
                 prefix_cu_seq_lens, prefill_tokens_with_context, return_lse, out_dtype, lse_layout, lse_base, interpret,
                 implementation, backend):
-    """The static checks of `merge_attn_states` and its call for arguments of these types (`c.cached_plan`)."""
-    c.check_lse_layout(lse_layout)
-    lse_base2 = c.check_lse_base(lse_base)
-    c.check_array("prefix_output", prefix_output, ndim=3, dtypes=c.OUTPUT_DTYPES)
-    c.check_array("suffix_output", suffix_output, ndim=3, dtypes=(prefix_output.dtype,))
+    """The static checks of `merge_attn_states` and its call for arguments of these types (`plans.cached_plan`)."""
+    checks.check_lse_layout(lse_layout)
+    lse_base2 = checks.check_lse_base(lse_base)
+    checks.check_array("prefix_output", prefix_output, ndim=3, dtypes=checks.OUTPUT_DTYPES)
+    checks.check_array("suffix_output", suffix_output, ndim=3, dtypes=(prefix_output.dtype,))
     if suffix_output.shape != prefix_output.shape:
         raise ValueError(f"suffix_output must match prefix_output [T, H, D]; got suffix_output.shape="
                          f"{tuple(suffix_output.shape)}, prefix_output.shape={tuple(prefix_output.shape)}")
     num_tokens, num_heads, _ = prefix_output.shape
     for name, x in (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse)):
-        c.check_array(name, x, ndim=2, dtypes=(jnp.float32,))
-        c.check_lse_shape(name, x, lse_layout, num_heads, num_tokens)
-    out_dtype = c.check_out_dtype(out_dtype, prefix_output.dtype, output_scale)
-    if (query_start_loc is None) != (prefix_cu_seq_lens is None):
-        raise ValueError("query_start_loc and prefix_cu_seq_lens go together (the fused mask); got only "
-                         + ("query_start_loc" if query_start_loc is not None else "prefix_cu_seq_lens"))
-    if query_start_loc is not None:
-        c.check_offsets(query_start_loc, prefix_cu_seq_lens, cu_name="prefix_cu_seq_lens")
-    c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, False)
-    impl = c.resolve_implementation(implementation, backend)
-    backend = c.resolve_backend(backend)
+        checks.check_array(name, x, ndim=2, dtypes=(jnp.float32,))
+        checks.check_lse_shape(name, x.shape, lse_layout, num_heads, num_tokens)
+    out_dtype = checks.check_out_dtype(out_dtype, prefix_output.dtype, output_scale)
+    if checks.check_fused_pair(query_start_loc, prefix_cu_seq_lens, "prefix_cu_seq_lens"):
+        checks.check_offsets(query_start_loc, prefix_cu_seq_lens, cu_name="prefix_cu_seq_lens")
+    checks.check_prefill_tokens(prefill_tokens_with_context, num_tokens, False)
+    impl = _backend.resolve_implementation(implementation, backend)
+    backend = _backend.resolve_backend(backend)
     options = dict(return_lse=return_lse, out_dtype=out_dtype, lse_layout=lse_layout, lse_base2=lse_base2)
     if impl == "jnp":
         return functools.partial(jnp_fallback.merge_attn_states, **options)
-    c.filter_triton_deprecation()
-    interpret = c.resolve_interpret(interpret, backend)
+    _backend.filter_triton_deprecation()
+    interpret = _backend.resolve_interpret(interpret, backend)
     lse_axis = 0 if lse_layout == "HT" else 1
     if backend == "mosaic_gpu":
         from pallas_impl.mosaic.merge import merge_mosaic
@@ -271,7 +203,7 @@ def _merge_plan(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sca
         fn = functools.partial(merge_mosaic, **options, interpret=interpret)
     else:
         fn = functools.partial(_merge_jit, **options, interpret=interpret)
-    return c.call_plan(
+    return sharding.call_plan(
         fn,
         ("prefix_output", "prefix_lse", "suffix_output", "suffix_lse", "output_scale", "query_start_loc",
          "prefix_cu_seq_lens", "prefill_tokens_with_context"),

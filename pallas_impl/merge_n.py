@@ -2,9 +2,10 @@
 
 The same algorithm as `triton_impl/merge_n.py`, statement by statement. Grid: `(cdiv(T, block_t) *
 cdiv(H, block_h),)`, head blocks fastest; a program merges a [block_t, block_h, block_d] tile of every
-partial (`_common.MERGE_N_TILES`). The loops over the N partials unroll at trace time up to N =
-`_math.UNROLLED_PARTIALS` and are runtime loops beyond (`lax.fori_loop`, an `scf.for` in the Triton IR), so the
-compile time stays short at every N; the same operations in the same order either way. Three passes over the
+partial (`tiles.MERGE_N_TILES`). The loops over the N partials unroll at trace time up to N =
+`constants.UNROLLED_PARTIALS` and are runtime loops beyond (`lax.fori_loop`, an `scf.for` in the Triton IR;
+`_math.fold_partials`), so the compile time stays short at every N; the same operations in the same order either
+way. Three passes over the
 partials' LSE tiles (the largest LSE, the sum of the exponentials, the weighted sum of the outputs); an LSE
 tile is reloaded and its exponential recomputed in each pass, as in the Triton kernel. The fused mask finds
 each token's request once and reads each partial's own KV offsets.
@@ -23,52 +24,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_impl import _common as c
-from pallas_impl import jnp_fallback
-from pallas_impl._math import clean_lse, exp_base, fold_partials
-from pallas_impl.merge import _load_lse, _merged_lse, _program_tile, _store_lse, _store_output, _token_requests
-
-
-def _empty_tokens(cu_ref, i, cu_row, req, in_req):
-    """bool[block_t]: the tokens of requests with no KV in partial i (8.1)."""
-    base = i * cu_row  # cu_seq_lens is flattened: partial i's offsets start at i * (R + 1)
-    return in_req & (cu_ref[base + req + 1] == cu_ref[base + req])
-
-
-def _copied_lse(last_raw, cu_ref, last, cu_row, req, in_req, fused_mask):
-    """The pass-through LSE tile (8.4): the last partial's raw bits; the fused mask reaches them too (the mask,
-    then the merge): -inf for a token of a request with no KV in the last partial."""
-    if fused_mask:
-        last_raw = jnp.where(_empty_tokens(cu_ref, last, cu_row, req, in_req)[:, None], -jnp.inf, last_raw)
-    return last_raw
-
-
-def _partial_lse(lses_ref, i, t0, h0, block_t, block_h, th_mask, cu_ref, cu_row, req, in_req, *, lse_layout,
-                 fused_mask):
-    """f32[block_t, block_h]: partial i's LSE tile (i a Python int or a traced loop index) in the LSEs' base, empty
-    rows -inf (8.1)."""
-    lse = clean_lse(_load_lse(lses_ref, t0, h0, block_t, block_h, th_mask, lse_layout,
-                              lead=(jnp.asarray(i, jnp.int32),)))  # 4.1
-    if fused_mask:  # 8.1: a token of a request with no KV in this partial has LSE -inf
-        lse = jnp.where(_empty_tokens(cu_ref, i, cu_row, req, in_req)[:, None], -jnp.inf, lse)
-    return lse
-
-
-def _max_and_sum(lse_i, num_partials, lse_base2):
-    """(m, all_empty, z) of the N-way weights (8.2, 8.3): the largest LSE (0 where every partial is empty) and
-    z = e_0 + ... + e_{N-1} in index order. `lse_i(i)`: partial i's LSE tile (`_partial_lse`). The loops over the
-    partials unroll up to N = UNROLLED_PARTIALS and are runtime loops beyond (`_math.fold_partials`)."""
-    m = fold_partials(1, num_partials, lambda i, m: jnp.maximum(m, lse_i(i)), lse_i(0), num_partials)
-    all_empty = m == -jnp.inf
-    m = jnp.where(all_empty, 0.0, m)
-    z = fold_partials(1, num_partials, lambda i, z: z + exp_base(lse_i(i) - m, lse_base2),
-                      exp_base(lse_i(0) - m, lse_base2), num_partials)
-    return m, all_empty, z
-
-
-def _weighted(x, w):
-    # 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
-    return jnp.where(w[:, :, None] > 0.0, x.astype(jnp.float32) * w[:, :, None], 0.0)
+from mla_lse_common import tiles
+from pallas_impl import _backend
+from pallas_impl import _checks as checks
+from pallas_impl import _math, jnp_fallback
+from pallas_impl import _plans as plans
+from pallas_impl import _sharding as sharding
+from pallas_impl._backend import pltriton
+from pallas_impl._device import (_copied_lse, _load_lse, _merged_lse, _partial_lse, _program_tile, _store_lse,
+                                 _store_output, _token_requests, _weighted)
 
 
 def _merge_attn_states_n_kernel(
@@ -93,7 +57,7 @@ def _merge_attn_states_n_kernel(
         return outs_ref.at[jnp.asarray(i, jnp.int32), pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)]
 
     # The last partial: also the pass-through row and LSE (8.4). Its loads are issued first.
-    b = c.pltriton.load(tile(last), mask=thd_mask, other=0.0)
+    b = pltriton.load(tile(last), mask=thd_mask, other=0.0)
     last_raw = _load_lse(lses_ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=(jnp.int32(last),))
 
     req, in_req = _token_requests(qsl_ref, t, t_mask, num_requests, fused_mask)  # once for every partial
@@ -101,20 +65,20 @@ def _merge_attn_states_n_kernel(
                               th_mask=th_mask, cu_ref=cu_ref, cu_row=num_requests + 1, req=req, in_req=in_req,
                               lse_layout=lse_layout, fused_mask=fused_mask)
 
-    m, all_empty, z = _max_and_sum(lse_i, num_partials, lse_base2)  # 8.2, 8.3
+    m, all_empty, _, z = _math.n_way_max_and_sum(lse_i, num_partials, lse_base2)  # 8.2, 8.3
 
     def weight(i):  # w_i = e_i / z
-        return exp_base(lse_i(i) - m, lse_base2) / z
+        return _math.exp_base(lse_i(i) - m, lse_base2) / z
 
     # out = sum_i w_i * o_i in index order.
     w_last = weight(last)
     if num_partials == 1:
         out = _weighted(b, w_last)
     else:
-        out = _weighted(c.pltriton.load(tile(0), mask=thd_mask, other=0.0), weight(0))
-        out = fold_partials(  # unrolled or a runtime loop, as in _max_and_sum
+        out = _weighted(pltriton.load(tile(0), mask=thd_mask, other=0.0), weight(0))
+        out = _math.fold_partials(  # unrolled or a runtime loop, as in n_way_max_and_sum
             1, num_partials - 1,
-            lambda i, out: out + _weighted(c.pltriton.load(tile(i), mask=thd_mask, other=0.0), weight(i)), out,
+            lambda i, out: out + _weighted(pltriton.load(tile(i), mask=thd_mask, other=0.0), weight(i)), out,
             num_partials)
         out = out + _weighted(b, w_last)
     out = jnp.where(all_empty[:, :, None], 0.0, out)
@@ -136,30 +100,30 @@ def _merge_n_jit(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pref
                  return_lse, out_dtype, lse_layout, lse_base2, interpret):
     num_partials, num_tokens, num_heads, head_dim = outputs.shape
     lse_shape = lses.shape[1:]
-    prefill_tokens = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
+    prefill_tokens = checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     if num_tokens == 0 or num_heads == 0:
         empty_out = jnp.zeros(outputs.shape[1:], out_dtype)
         return (empty_out, jnp.zeros(lse_shape, jnp.float32)) if return_lse else empty_out
     fused = query_start_loc is not None and query_start_loc.shape[0] > 1  # R = 0: nothing to mask
     fp8 = output_scale is not None
     dummy_i32 = jnp.zeros((1,), jnp.int32)
-    variant = c.merge_variant(return_lse, fused)
+    variant = tiles.merge_variant(return_lse, fused)
     itemsize = jnp.dtype(outputs.dtype).itemsize
-    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize, num_partials)
+    block_t, block_h, block_d = tiles.merge_tiles("pallas", num_heads, head_dim, variant, itemsize, num_partials)
     kernel = functools.partial(
         _merge_attn_states_n_kernel, num_partials=num_partials, num_tokens=num_tokens, num_heads=num_heads,
         head_dim=head_dim, num_requests=query_start_loc.shape[0] - 1 if fused else 0,
         block_t=block_t, block_h=block_h, block_d=block_d,
         lse_layout=lse_layout, lse_base2=lse_base2, output_lse=return_lse, fused_mask=fused, fp8_out=fp8)
-    out_shape = [c.out_struct(outputs.shape[1:], out_dtype, outputs, lses)]
+    out_shape = [sharding.out_struct(outputs.shape[1:], out_dtype, outputs, lses)]
     if return_lse:
-        out_shape.append(c.out_struct(lse_shape, jnp.float32, outputs, lses))
+        out_shape.append(sharding.out_struct(lse_shape, jnp.float32, outputs, lses))
     results = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize, num_partials),
+        grid=tiles.merge_grid("pallas", num_tokens, num_heads, head_dim, variant, itemsize, num_partials),
         interpret=interpret,
-        compiler_params=c.compiler_params(num_warps=c.merge_num_warps(variant, num_partials)),
+        compiler_params=_backend.compiler_params(num_warps=tiles.merge_num_warps("pallas", variant, num_partials)),
         name="merge_attn_states_n",
     )(outputs, lses, output_scale.reshape(1) if fp8 else jnp.ones((1,), jnp.float32),
       query_start_loc if fused else dummy_i32, cu_seq_lens.reshape(-1) if fused else dummy_i32, prefill_tokens)
@@ -205,54 +169,51 @@ def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, quer
         with jax < 0.11, or for a shape its kernel does not take.
     """
     args = (outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context)
-    plan = c.cached_plan(_PLANS, _merge_n_plan, args,
-                         (return_lse, out_dtype, lse_layout, lse_base, interpret, implementation, backend), backend)
+    plan = plans.cached_plan(_PLANS, _merge_n_plan, args,
+                             (return_lse, out_dtype, lse_layout, lse_base, interpret, implementation, backend), backend)
     if validate:
         num_tokens = outputs.shape[1]
         if query_start_loc is not None:
-            c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
-        c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
+            checks.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
+        checks.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
     return plan(*args)
 
 
-_PLANS: dict = {}  # c.cached_plan
+_PLANS: dict = {}  # plans.cached_plan
 
 
 def _merge_n_plan(outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context, return_lse,
                   out_dtype, lse_layout, lse_base, interpret, implementation, backend):
-    """The static checks of `merge_attn_states_n` and its call for arguments of these types (`c.cached_plan`)."""
-    c.check_lse_layout(lse_layout)
-    lse_base2 = c.check_lse_base(lse_base)
-    c.check_array("outputs", outputs, ndim=4, dtypes=c.OUTPUT_DTYPES)
+    """The static checks of `merge_attn_states_n` and its call for arguments of these types (`plans.cached_plan`)."""
+    checks.check_lse_layout(lse_layout)
+    lse_base2 = checks.check_lse_base(lse_base)
+    checks.check_array("outputs", outputs, ndim=4, dtypes=checks.OUTPUT_DTYPES)
     num_partials, num_tokens, num_heads, _ = outputs.shape
-    c.check_array("lses", lses, ndim=3, dtypes=(jnp.float32,))
+    checks.check_array("lses", lses, ndim=3, dtypes=(jnp.float32,))
     if lses.shape[0] != num_partials:
         raise ValueError(f"outputs and lses disagree on N: outputs has {num_partials} partials, "
                          f"lses.shape={tuple(lses.shape)}")
-    c.check_lse_shape("lses", lses, lse_layout, num_heads, num_tokens, num_partials=num_partials)
-    out_dtype = c.check_out_dtype(out_dtype, outputs.dtype, output_scale)
-    if (query_start_loc is None) != (cu_seq_lens is None):
-        raise ValueError("query_start_loc and cu_seq_lens go together (the fused mask); got only "
-                         + ("query_start_loc" if query_start_loc is not None else "cu_seq_lens"))
-    if query_start_loc is not None:
-        c.check_array("query_start_loc", query_start_loc, ndim=1, dtypes=(jnp.int32,))
-        c.check_array("cu_seq_lens", cu_seq_lens, ndim=2, dtypes=(jnp.int32,))
+    checks.check_lse_shape("lses", lses.shape, lse_layout, num_heads, num_tokens, num_partials=num_partials)
+    out_dtype = checks.check_out_dtype(out_dtype, outputs.dtype, output_scale)
+    if checks.check_fused_pair(query_start_loc, cu_seq_lens, "cu_seq_lens"):
+        checks.check_array("query_start_loc", query_start_loc, ndim=1, dtypes=(jnp.int32,))
+        checks.check_array("cu_seq_lens", cu_seq_lens, ndim=2, dtypes=(jnp.int32,))
         if query_start_loc.shape[0] < 1:
             raise ValueError("query_start_loc must have R+1 >= 1 entries, got an empty array")
         want = (num_partials, query_start_loc.shape[0])
         if tuple(cu_seq_lens.shape) != want:
             raise ValueError(f"cu_seq_lens must be i32[N, R+1] = {list(want)} (each partial's KV offsets); got "
                              f"cu_seq_lens.shape={tuple(cu_seq_lens.shape)}")
-    c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, False)
-    impl = c.resolve_implementation(implementation, backend)
-    backend = c.resolve_backend(backend)
+    checks.check_prefill_tokens(prefill_tokens_with_context, num_tokens, False)
+    impl = _backend.resolve_implementation(implementation, backend)
+    backend = _backend.resolve_backend(backend)
     options = dict(return_lse=return_lse, out_dtype=out_dtype, lse_layout=lse_layout, lse_base2=lse_base2)
     if num_partials == 0:  # 8.2: no partial, every row empty (pass-through rows too); no kernel on any backend
         return functools.partial(jnp_fallback.empty_merge_n, **options)
     if impl == "jnp":
         return functools.partial(jnp_fallback.merge_attn_states_n, **options)
-    c.filter_triton_deprecation()
-    interpret = c.resolve_interpret(interpret, backend)
+    _backend.filter_triton_deprecation()
+    interpret = _backend.resolve_interpret(interpret, backend)
     lse_axis = 0 if lse_layout == "HT" else 1
     if backend == "mosaic_gpu":
         from pallas_impl.mosaic.merge_n import merge_n_mosaic
@@ -260,7 +221,7 @@ def _merge_n_plan(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pre
         fn = functools.partial(merge_n_mosaic, **options, interpret=interpret)
     else:
         fn = functools.partial(_merge_n_jit, **options, interpret=interpret)
-    return c.call_plan(
+    return sharding.call_plan(
         fn,
         ("outputs", "lses", "output_scale", "query_start_loc", "cu_seq_lens", "prefill_tokens_with_context"),
         (outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context),

@@ -4,7 +4,7 @@
 On a GPU also `real`: wall time per call of back-to-back calls (launch included, one sync at the end), next to
 an empty @triton.jit kernel launched the same way in the same run; `gpu`: the kernels' own time per call (20 calls
 captured in a CUDA graph, replayed), so a `real` close to `gpu` is GPU-bound, not host-bound; `direct`: whether the
-call took the compiled kernel's launcher directly (`triton_impl._common.launch`). bf16, T = 16, H = 64, D = 128.
+call took the compiled kernel's launcher directly (`triton_impl._launch.launch`). bf16, T = 16, H = 64, D = 128.
 
     PYTHONPATH=. python scripts/host_cost.py [--calls 2000] [--rounds 5]
 """
@@ -24,6 +24,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 import triton_impl  # noqa: E402
+from mla_lse_common import constants  # noqa: E402
 from triton_impl import cp_merge, mask, merge, merge_n  # noqa: E402
 
 KERNELS = [(mask, "_mask_empty_context_lse_kernel"), (merge, "_merge_attn_states_kernel"),
@@ -60,8 +61,8 @@ def entry_points(device, T=16, H=64, D=128, N=4, R=4, dtype=torch.bfloat16):
     half, lses2 = out[:, : H // 2], lses[:2]
 
     def cp_local():
-        params, _ = cp_merge._local_params(half, *cp_args[1:], **cp_kw)
-        cp_merge._rescale(scaled, None, p, lses2, None, None, 0, params, "HT")
+        params, ptwc, _ = cp_merge._local_params(half, *cp_args[1:], **cp_kw)
+        cp_merge._rescale(scaled, None, p, lses2, None, None, 0, params, ptwc, "HT")
 
     fn = triton_impl
     return {
@@ -123,9 +124,9 @@ def gpu_us(fn, calls=20, reps=50):
 def direct(fn) -> bool:
     """Whether `fn`'s launches take the compiled launcher directly: its launch plan's state (a list) holds the
     compiled kernel after the first launch."""
-    from triton_impl import _common as c
+    from triton_impl import _plans
 
-    c.PLANS.clear()
+    _plans.PLANS.clear()
     fn()
     fn()
 
@@ -136,7 +137,7 @@ def direct(fn) -> bool:
             for y in x:
                 yield from states(y)
 
-    found = [st for plan in c.PLANS.values() for st in states(plan)]
+    found = [st for plan in _plans.PLANS.values() for st in states(plan)]
     return bool(found) and all(len(st) > 1 for st in found)
 
 
@@ -158,7 +159,7 @@ def main():
         took_direct = {name: direct(f) for name, f in entries.items()}
     saved = [getattr(m, k) for m, k in KERNELS]
     for m, k in KERNELS:  # each module's {lse_layout: kernel}
-        setattr(m, k, dict.fromkeys(triton_impl._common.LSE_LAYOUTS, _NoLaunch()))
+        setattr(m, k, dict.fromkeys(constants.LSE_LAYOUTS, _NoLaunch()))
     try:
         stubbed = {name: per_call_us(f, args.calls, lambda: None, args.rounds) for name, f in entries.items()}
     finally:

@@ -12,10 +12,10 @@ Candidates (docs/design.md, "Mask grid"): `--zero-split S` and `--lse-split S` f
 block of that variant (`MASK_*_SPLIT = S`, no program target); `--targets N` keeps the caps and grows the split
 until the grid holds N programs (`MASK_TARGET_PROGRAMS`); `--lse-targets N` does so for the LSE-only mask alone
 (a target of its own: split 4 on the small grid of 2k_balanced, 1 on the large ones); `--warps W` sets
-`MASK_NUM_WARPS`. Every candidate is set in both frameworks' `_common` at once (each framework's time is its own
-column: the best constants may differ), with Triton's launch plans off so that each launches its own grid.
-The committed constants run first ("committed") and again last ("committed again": the drift of the run);
-"4cb29dd" is the earlier constants (LSE split 1, 8192 target programs).
+`MASK_NUM_WARPS`. Every candidate is set for both frameworks at once, in `mla_lse_common.tiles`
+(`tiles.set_knobs`; each framework's time is its own column: the best constants may differ), with Triton's launch
+plans off so that each launches its own grid. The committed constants run first ("committed") and again last
+("committed again": the drift of the run); "4cb29dd" is the earlier constants (LSE split 1, 8192 target programs).
 
 Beside them, in the same process: the LSE-only mask of upstream's design, re-implemented from docs/spec.md 3
 (`mask_upstream_design.py`: one program per 128-token block, no second grid axis), checked bit for bit against
@@ -51,18 +51,19 @@ import torch  # noqa: E402
 
 import pallas_impl  # noqa: E402
 import triton_impl  # noqa: E402
-from pallas_impl import _common as pc  # noqa: E402
+from mla_lse_common import tiles  # noqa: E402
+from pallas_impl import _backend as pbackend  # noqa: E402
 from pallas_impl import mask as pmask  # noqa: E402
 from parity.library import bridge
 from parity.harness import cases
 from parity.tools import bench  # noqa: E402
-from triton_impl import _common as tc  # noqa: E402
+from triton_impl import _plans as tplans  # noqa: E402
 
 from mask_upstream_design import mask_upstream_design  # noqa: E402 (beside this script)
 
 SEEDS = {c.name: c for c in cases.select("seed")}
 KNOBS = ("MASK_TARGET_PROGRAMS", "MASK_ZERO_SPLIT", "MASK_LSE_SPLIT", "MASK_NUM_WARPS")
-COMMITTED = {k: getattr(tc, k) for k in KNOBS}
+COMMITTED = {k: getattr(tiles, k) for k in KNOBS}
 UNCAPPED = 1 << 30  # a program target no grid reaches: the split is the variant's cap (or the tile count)
 BEFORE = {"MASK_TARGET_PROGRAMS": 8192, "MASK_LSE_SPLIT": 1}  # the constants at 4cb29dd (README's mask figures)
 UPSTREAM = "upstream design (re-implemented)"
@@ -72,22 +73,17 @@ MAX_COPIES = 512
 
 def set_knobs(knobs: dict) -> None:
     want = {k: knobs.get(k, COMMITTED[k]) for k in KNOBS}
-    for common in (tc, pc):
-        for k in KNOBS:
-            setattr(common, k, want[k])
-        common.mask_split.cache_clear()
-        common.mask_tiles.cache_clear()
-        for plans in (getattr(common, "PLANS", None), getattr(pmask, "_PLANS", None)):
-            if isinstance(plans, dict):
-                plans.clear()
-        # The grid functions must read what was just set (they would not if they moved to another module).
-        got = (common.mask_split_cap(False), common.mask_split_cap(True), common.mask_split(0, 1, 1024, 1, False))
-        expect = (want["MASK_LSE_SPLIT"], want["MASK_ZERO_SPLIT"],
-                  min(64, want["MASK_LSE_SPLIT"], common.next_pow2(want["MASK_TARGET_PROGRAMS"])))
-        if got != expect:
-            raise SystemExit(f"{common.__name__}: the mask constants did not take ({got} != {expect}): "
-                             "update set_knobs to where they live")
-    if tc.PLAN_CACHE:
+    tiles.set_knobs(**want)  # both frameworks' grids and warps
+    tplans.PLANS.clear()  # the Triton wrappers' launch plans hold the grid
+    pmask._PLANS.clear()  # the Pallas mask's plans hold its jitted call
+    # The grid functions must read what was just set (they would not if the constants moved elsewhere).
+    got = (tiles.mask_split_cap(False), tiles.mask_split_cap(True), tiles.mask_split(0, 1, 1024, 1, False))
+    expect = (want["MASK_LSE_SPLIT"], want["MASK_ZERO_SPLIT"],
+              min(64, want["MASK_LSE_SPLIT"], tiles.next_pow2(want["MASK_TARGET_PROGRAMS"])))
+    if got != expect:
+        raise SystemExit(f"mla_lse_common.tiles: the mask constants did not take ({got} != {expect}): "
+                         "update set_knobs to where they live")
+    if tplans.PLAN_CACHE:
         raise SystemExit("triton_impl's plan cache is on: candidates would reuse the committed grid")
     jax.clear_caches()  # the Pallas wrapper's jit cache holds traced grids and warps
     gc.collect()  # dropped executables go now, not during a CUDA-graph capture
@@ -177,7 +173,7 @@ class Workload:
     def grid(self, variant: str) -> tuple[int, int]:
         c = self.case
         zero = variant == "lse+out"
-        return tc.mask_grid(c.num_tokens, c.num_requests, c.num_heads, c.head_dim if zero else 1, zero)
+        return tiles.mask_grid(c.num_tokens, c.num_requests, c.num_heads, c.head_dim if zero else 1, zero)
 
     def triton_us(self, variant: str, cold: bool = False) -> float:
         if not cold:
@@ -296,7 +292,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("mask_floor.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    pc.filter_triton_deprecation()
+    pbackend.filter_triton_deprecation()
     deadline = time.monotonic() + args.budget_s
     loads = {name: Workload(SEEDS[name]) for name in args.workloads}
     rows = []
@@ -304,7 +300,7 @@ def main(argv=None) -> int:
         fill = w.floors["lse"]["fill_"]
         for warps in args.upstream_warps:
             row = {"candidate": UPSTREAM, "workload": name, "variant": "lse",
-                   "grid": [tc.mask_blocks(w.case.num_tokens, w.case.num_requests)], "warps": warps,
+                   "grid": [tiles.mask_blocks(w.case.num_tokens, w.case.num_requests)], "warps": warps,
                    **{f"floor_{k}_us": round(v, 2) for k, v in w.floors["lse"].items()}}
             for cold in (False,) if args.no_cold else (False, True):
                 timed(row, UPSTREAM_COLUMNS[cold], functools.partial(w.upstream_us, warps, cold), fill)
@@ -319,7 +315,7 @@ def main(argv=None) -> int:
             for variant in variants:
                 fill = w.floors[variant]["fill_"]
                 row = {"candidate": label, "workload": name, "variant": variant, "grid": list(w.grid(variant)),
-                       "warps": tc.MASK_NUM_WARPS, **{f"floor_{k}_us": round(v, 2) for k, v in w.floors[variant].items()}}
+                       "warps": tiles.MASK_NUM_WARPS, **{f"floor_{k}_us": round(v, 2) for k, v in w.floors[variant].items()}}
                 for impl in args.impls:
                     if impl == "pallas":
                         timed(row, "pallas_us", functools.partial(w.pallas_us, variant), fill)

@@ -77,7 +77,7 @@ def empty_kernel_point(backend: str) -> float:
                                       interpret=False)())
     else:
         f = jax.jit(lambda: pl.pallas_call(lambda o_ref: None, out_shape=out, grid=(64,),
-                                           compiler_params=pallas_impl._common.pltriton.CompilerParams())())
+                                           compiler_params=pallas_impl._backend.pltriton.CompilerParams())())
     res = [None]
     return gpu_us(lambda: res.__setitem__(0, f()), lambda: jax.block_until_ready(res[0]))
 

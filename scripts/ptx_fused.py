@@ -23,10 +23,9 @@ import ptx_offline as po  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_impl import _common as pc  # noqa: E402
+from mla_lse_common import tiles  # noqa: E402
 from pallas_impl import merge as pmerge  # noqa: E402
 from pallas_impl import merge_n as pmerge_n  # noqa: E402
-from triton_impl import _common as tc  # noqa: E402
 from triton_impl import merge as tmerge  # noqa: E402
 from triton_impl import merge_n as tmerge_n  # noqa: E402
 
@@ -68,37 +67,37 @@ def main() -> None:
     sds = jax.ShapeDtypeStruct
     i32 = sds((R + 1,), jnp.int32)
     ptx = {}
-    bt, bh, bd = tc.merge_tiles(H, D, "fused")
-    print(f"2-way fused tile (BLOCK_T, BLOCK_H, BLOCK_D): triton {(bt, bh, bd)}, pallas {pc.merge_tiles(H, D, 'fused')}")
+    bt, bh, bd = tiles.merge_tiles("triton", H, D, "fused")
+    print(f"2-way fused tile (BLOCK_T, BLOCK_H, BLOCK_D): triton {(bt, bh, bd)}, pallas {tiles.merge_tiles('pallas', H, D, 'fused')}")
     ptx["triton merge fused"] = po.triton_ptx(
         tmerge._merge_attn_states_kernel["HT"],
         dict(out_ptr="*bf16", out_lse_ptr="*fp32", prefix_ptr="*bf16", prefix_lse_ptr="*fp32", suffix_ptr="*bf16",
              suffix_lse_ptr="*fp32", scale_ptr="*fp32", qsl_ptr="*i32", cu_ptr="*i32"),
-        dict(NUM_HEADS=H, HEAD_DIM=D, BLOCK_T=bt, BLOCK_H=bh, BLOCK_D=bd, SCAN=tc.SCAN, N_INTERPRET=0,
+        dict(NUM_HEADS=H, HEAD_DIM=D, BLOCK_T=bt, BLOCK_H=bh, BLOCK_D=bd, SCAN=tiles.SCAN, N_INTERPRET=0,
              LSE_BASE2=False, OUTPUT_LSE=True, FUSED_MASK=True, FP8_OUT=False, INTERPRET=False,
              stride_out_d=1, stride_p_d=1, stride_s_d=1, stride_olse_t=1, stride_plse_t=1, stride_slse_t=1),
-        tc.merge_num_warps("fused"))
+        tiles.merge_num_warps("triton", "fused"))
     x, lse = sds((T, H, D), BF16), sds((H, T), jnp.float32)
     ptx["pallas merge fused"] = po.pallas_ptx(
         lambda a, p, b, s, q, cu: pmerge._merge_jit(a, p, b, s, None, q, cu, None, return_lse=True, out_dtype=BF16,
                                                    lse_layout="HT", lse_base2=False, interpret=False),
-        (x, lse, x, lse, i32, i32), pc.merge_num_warps("fused"))
-    bt, bh, bd = tc.merge_tiles(H, D, "fused", 2, N)
-    print(f"N-way fused tile at N = {N}: triton {(bt, bh, bd)}, pallas {pc.merge_tiles(H, D, 'fused', 2, N)}")
+        (x, lse, x, lse, i32, i32), tiles.merge_num_warps("pallas", "fused"))
+    bt, bh, bd = tiles.merge_tiles("triton", H, D, "fused", 2, N)
+    print(f"N-way fused tile at N = {N}: triton {(bt, bh, bd)}, pallas {tiles.merge_tiles('pallas', H, D, 'fused', 2, N)}")
     ptx["triton merge_n fused"] = po.triton_ptx(
         tmerge_n._merge_attn_states_n_kernel["HT"],
         dict(out_ptr="*bf16", out_lse_ptr="*fp32", outs_ptr="*bf16", lses_ptr="*fp32", scale_ptr="*fp32",
              qsl_ptr="*i32", cu_ptr="*i32"),
-        dict(NUM_PARTIALS=N, NUM_HEADS=H, HEAD_DIM=D, BLOCK_T=bt, BLOCK_H=bh, BLOCK_D=bd, SCAN=tc.SCAN,
+        dict(NUM_PARTIALS=N, NUM_HEADS=H, HEAD_DIM=D, BLOCK_T=bt, BLOCK_H=bh, BLOCK_D=bd, SCAN=tiles.SCAN,
              N_INTERPRET=0, LSE_BASE2=False, OUTPUT_LSE=True, FUSED_MASK=True, FP8_OUT=False, INTERPRET=False,
-             LSE_STEPS=tmerge_n.loop_steps(N - 1, N), OUT_STEPS=tmerge_n.loop_steps(N - 2, N),
+             LSE_STEPS=tiles.loop_steps(N - 1, N), OUT_STEPS=tiles.loop_steps(N - 2, N),
              stride_out_d=1, stride_o_d=1, stride_olse_t=1, stride_lse_t=1),
-        tc.merge_num_warps("fused", N))
+        tiles.merge_num_warps("triton", "fused", N))
     ptx["pallas merge_n fused"] = po.pallas_ptx(
         lambda o, l, q, cu: pmerge_n._merge_n_jit(o, l, None, q, cu, None, return_lse=True, out_dtype=BF16,
                                                  lse_layout="HT", lse_base2=False, interpret=False),
         (sds((N, T, H, D), BF16), sds((N, H, T), jnp.float32), i32, sds((N, R + 1), jnp.int32)),
-        pc.merge_num_warps("fused", N))
+        tiles.merge_num_warps("pallas", "fused", N))
     rows = {name: counts(body(text)) for name, text in ptx.items()}
     keys = list(next(iter(rows.values())))
     print(f"{'':22s}" + "".join(f"{k:>14s}" for k in keys))

@@ -28,10 +28,10 @@ from jaxlib.triton import dialect as tt_dialect  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from pallas_impl import _common as pc  # noqa: E402
+from mla_lse_common import constants, tiles  # noqa: E402
 from pallas_impl import mask as pmask  # noqa: E402
 from pallas_impl import merge as pmerge  # noqa: E402
-from triton_impl import _common as tc  # noqa: E402
+from triton_impl import _backend as tbackend  # noqa: E402
 from triton_impl import mask as tmask  # noqa: E402
 from triton_impl import merge as tmerge  # noqa: E402
 
@@ -57,7 +57,7 @@ def triton_ptx(kernel, pointer_types: dict, constexprs: dict, num_warps: int) ->
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n not in constexprs and n not in free and (n.endswith("_ptr") or n.startswith("stride_"))}
     src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, **tc.PARITY_LAUNCH)).asm["ptx"]
+    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, **tbackend.PARITY_LAUNCH)).asm["ptx"]
 
 
 def pallas_ptx(fn, args, num_warps: int) -> str:
@@ -90,38 +90,38 @@ def main() -> None:
     out_dir = sys.argv[1] if len(sys.argv) > 1 else None
     sds = jax.ShapeDtypeStruct
     i32 = sds((R + 1,), jnp.int32)
-    block_h, _, _ = tc.mask_tiles(H, 1)
+    block_h, _, _ = tiles.mask_tiles(H, 1)
     # The unit LSE stride of each layout, as a contiguous launch specialises it (token stride in [H, T], head
     # stride in [T, H]); the other (T or H) is a multiple of 16 unless listed in do_not_specialize.
     unit = {"HT": "stride_{}_t", "TH": "stride_{}_h"}
     ptx = {}
-    for layout in tc.LSE_LAYOUTS:
+    for layout in constants.LSE_LAYOUTS:
         ptx[f"triton mask {layout}"] = triton_ptx(
             tmask._mask_empty_context_lse_kernel[layout], dict(lse_ptr="*fp32", out_ptr="*fp32", qsl_ptr="*i32",
                                                                cu_ptr="*i32"),
-            dict(NUM_HEADS=H, HEAD_DIM=1, BLOCK_T=tc.MASK_BLOCK_T, SCAN=tc.SCAN, N_INTERPRET=0, BLOCK_H=block_h,
+            dict(NUM_HEADS=H, HEAD_DIM=1, BLOCK_T=tiles.MASK_BLOCK_T, SCAN=tiles.SCAN, N_INTERPRET=0, BLOCK_H=block_h,
                  BLOCK_HO=1, BLOCK_D=1, ZERO_OUTPUT=False, SPLIT_BLOCKS=False, stride_out_t=0, stride_out_h=0, stride_out_d=0,
-                 **{unit[layout].format("lse"): 1}), tc.MASK_NUM_WARPS)
+                 **{unit[layout].format("lse"): 1}), tiles.MASK_NUM_WARPS)
     ptx["pallas mask HT"] = pallas_ptx(
         lambda lse, q, c: pmask._mask_jit(lse, q, c, None, lse_layout="HT", interpret=False),
-        (sds((H, T), jnp.float32), i32, i32), tc.MASK_NUM_WARPS)
-    block_t, block_h, block_d = tc.merge_tiles(H, D, "lse")
-    for layout in tc.LSE_LAYOUTS:
+        (sds((H, T), jnp.float32), i32, i32), tiles.MASK_NUM_WARPS)
+    block_t, block_h, block_d = tiles.merge_tiles("triton", H, D, "lse")
+    for layout in constants.LSE_LAYOUTS:
         ptx[f"triton merge {layout}"] = triton_ptx(
             tmerge._merge_attn_states_kernel[layout],
             dict(out_ptr="*bf16", out_lse_ptr="*fp32", prefix_ptr="*bf16", prefix_lse_ptr="*fp32",
                  suffix_ptr="*bf16", suffix_lse_ptr="*fp32", scale_ptr="*fp32", qsl_ptr="*i32", cu_ptr="*i32"),
-            dict(NUM_HEADS=H, HEAD_DIM=D, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, SCAN=tc.SCAN,
+            dict(NUM_HEADS=H, HEAD_DIM=D, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, SCAN=tiles.SCAN,
                  N_INTERPRET=0, LSE_BASE2=False, OUTPUT_LSE=True, FUSED_MASK=False, FP8_OUT=False, INTERPRET=False,
                  stride_out_d=1, stride_p_d=1, stride_s_d=1,
                  **{unit[layout].format(x): 1 for x in ("olse", "plse", "slse")}),
-            tc.merge_num_warps("lse"))
+            tiles.merge_num_warps("triton", "lse"))
     x, lse = sds((T, H, D), jnp.bfloat16), sds((H, T), jnp.float32)
     ptx["pallas merge HT"] = pallas_ptx(
         lambda a, p, b, s: pmerge._merge_jit(a, p, b, s, None, None, None, None, return_lse=True,
                                              out_dtype=jnp.dtype(jnp.bfloat16), lse_layout="HT", lse_base2=False,
                                              interpret=False),
-        (x, lse, x, lse), pc.merge_num_warps("lse"))
+        (x, lse, x, lse), tiles.merge_num_warps("pallas", "lse"))
     for name, text in ptx.items():
         print(f"{name:16s}", stats(text))
         if out_dir:

@@ -1,7 +1,7 @@
 """Every Triton entry point on a few ci cases, for `compute-sanitizer` (memcheck): the mask (LSE only and with its
 split output zeroing, both LSE layouts), the merges (plain, output LSE, fused, fp8, [T, H] base 2, V-padded
 strides), the N-way merge (fused, fp8, the pass-through corner). Each call runs twice, so the second takes the
-direct launch of a cached plan (`triton_impl._common.launch`). No JAX.
+direct launch of a cached plan (`triton_impl._launch.launch`). No JAX.
 
     JAX_PLATFORMS=cpu compute-sanitizer --tool memcheck --error-exitcode 1 python scripts/sanitize_triton.py
 """

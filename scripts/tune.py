@@ -39,11 +39,11 @@ import torch  # noqa: E402
 
 import pallas_impl  # noqa: E402
 import triton_impl  # noqa: E402
-from pallas_impl import _common as pc  # noqa: E402
+from mla_lse_common import tiles  # noqa: E402
 from parity.library import bridge
 from parity.harness import cases  # noqa: E402
 from parity.tools.bench import points, timers  # noqa: E402
-from triton_impl import _common as tc  # noqa: E402
+from triton_impl import _plans as tplans  # noqa: E402
 
 SEEDS = {c.name: c for c in cases.select("seed")}
 
@@ -69,10 +69,10 @@ def layouts(args) -> list[tuple[str, str]]:
 
 
 def set_merge_tiles(tile, table: str = "MERGE_TILES") -> None:
-    for common in (tc, pc):
-        setattr(common, table, {variant: tuple(tile) for variant in getattr(common, table)})
-        common.merge_tiles.cache_clear()
-    tc.PLANS.clear()  # the Triton wrappers' launch plans hold tiles too
+    """`tile` for every variant of both frameworks' `table` (mla_lse_common.tiles, the one place of the knobs)."""
+    tiles.set_knobs(**{table: {fw: {variant: tuple(tile) for variant in per_fw}
+                               for fw, per_fw in getattr(tiles, table).items()}})
+    tplans.PLANS.clear()  # the Triton wrappers' launch plans hold tiles too
     jax.clear_caches()  # the Pallas wrapper's jit cache holds traced tiles
     gc.collect()  # the dropped executables go now, not during a CUDA-graph capture
     jax.effects_barrier()
@@ -190,10 +190,8 @@ def mask_sweep(args) -> list[dict]:
         qsl, cu = torch.from_numpy(qsl_np).cuda(), torch.from_numpy(cu_np).cuda()
         jq, jc = jax.device_put(qsl_np), jax.device_put(cu_np)
         for warps, tile_h in itertools.product(args.warps, args.tile_h):
-            for common in (tc, pc):
-                common.MASK_NUM_WARPS, common.MASK_TILE_H = warps, tile_h
-                common.mask_tiles.cache_clear()
-            tc.PLANS.clear()
+            tiles.set_knobs(MASK_NUM_WARPS=warps, MASK_TILE_H=tile_h)  # both frameworks
+            tplans.PLANS.clear()
             jax.clear_caches()
             t_us = gpu_us_triton(functools.partial(triton_impl.mask_empty_context_lse, lse, qsl, cu, has_empty=True,
                                                    lse_layout=layout))

@@ -1,4 +1,5 @@
-"""triton_impl and pallas_impl agree: shared constants, tile and grid choices, and results bit for bit.
+"""triton_impl and pallas_impl agree: the shared tiles and grids (mla_lse_common) fit and cover, and the results
+agree bit for bit.
 
 The mask is bit-exact on every runtime, so its agreement (Triton's interpreter vs Pallas interpret mode) also
 runs on CPU. The merge is bit-exact Triton-vs-Pallas only when both are compiled on the GPU (docs/spec.md 5). Inputs
@@ -9,6 +10,7 @@ import itertools
 import math
 
 import ml_dtypes
+import numpy as np
 import pytest
 import torch
 
@@ -16,18 +18,12 @@ import jax
 
 import pallas_impl
 import triton_impl
-from pallas_impl import _common as pallas_common
 from parity.harness import expected
 from parity.library import bridge, compare
 from parity.harness import cases, reference
-from triton_impl import _common as triton_common
+from mla_lse_common import constants, tiles
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# Constants both kernels must share; any other upper-case number, string or tuple of them defined in both
-# modules must agree too (test_every_common_constant_agrees), so a new one is covered without an edit here.
-SHARED_CONSTANTS = ("MASK_BLOCK_T", "SCAN", "ZERO_TILE_ELEMS", "MASK_NUM_WARPS", "MASK_TILE_H", "MASK_TARGET_PROGRAMS",
-                    "MASK_ZERO_SPLIT", "MASK_LSE_SPLIT", "FP8_E4M3_MAX",
-                    "LN2", "LOG2E", "LSE_LAYOUTS")
 CI_CASES = cases.select("ci")
 # Triton's interpreter is slow (r1000 takes minutes): on CPU the mask agreement runs on cases that still hold
 # the edges (upstream vector; 127/128/129/256 blocks; R = 33 with zero lengths and padding; [T, H] LSE).
@@ -46,77 +42,88 @@ def _one_torch_thread():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Constants, tiles and grids
-
-
-@pytest.mark.parametrize("name", SHARED_CONSTANTS)
-def test_shared_constants_agree(name):
-    assert getattr(triton_common, name) == getattr(pallas_common, name)
-
-
-def _plain_constants(module):
-    def plain(v):
-        return isinstance(v, (int, float, str)) or (isinstance(v, tuple) and all(plain(x) for x in v))
-
-    return {k: v for k, v in vars(module).items() if k.isupper() and not k.startswith("_") and plain(v)}
-
-
-def test_every_common_constant_agrees():
-    triton_consts, pallas_consts = _plain_constants(triton_common), _plain_constants(pallas_common)
-    common = triton_consts.keys() & pallas_consts.keys()
-    assert set(SHARED_CONSTANTS) <= common
-    assert {k: triton_consts[k] for k in common} == {k: pallas_consts[k] for k in common}
+# Constants, tiles and grids (one source, mla_lse_common, for both frameworks)
 
 
 def test_constants_are_what_they_say():
-    assert pallas_common.LN2 == math.log(2.0)
-    assert pallas_common.LOG2E == math.log2(math.e)
-    assert pallas_common.FP8_E4M3_MAX == float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
-    assert pallas_common.FP8_E4M3_MAX == reference.FP8_E4M3_MAX
-    assert pallas_common.LSE_LAYOUTS == reference.LSE_LAYOUTS
+    assert constants.LN2 == math.log(2.0)
+    assert constants.LOG2E == math.log2(math.e)
+    assert constants.FP8_E4M3_MAX == float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+    assert constants.FP8_E4M3_MAX == reference.FP8_E4M3_MAX
+    assert constants.LSE_LAYOUTS == reference.LSE_LAYOUTS
 
 
 def _pow2(n):
     return n > 0 and n & (n - 1) == 0
 
 
-def common_variants():
-    assert set(triton_common.MERGE_TILES) == set(pallas_common.MERGE_TILES) == {"plain", "lse", "fused"}
-    return tuple(triton_common.MERGE_TILES)
+def _merge_programs_cover(grid, num_tokens, num_heads, block_t, block_h):
+    """Each program of a merge grid, as the kernels' `_program_tile` maps it (head blocks fastest), owns a
+    [block_t, block_h] tile of (token, head) cells: every cell is owned once, and every program owns one."""
+    programs = np.arange(grid[0])
+    head_blocks = -(-num_heads // block_h)
+    t0, h0 = programs // head_blocks * block_t, programs % head_blocks * block_h
+    assert (t0 < num_tokens).all() and (h0 < num_heads).all()  # no program without a cell
+    owned = np.zeros((num_tokens, num_heads), np.int32)
+    for t, h in zip(t0, h0):
+        owned[t:t + block_t, h:h + block_h] += 1
+    assert (owned == 1).all()
 
 
-@pytest.mark.parametrize("num_heads", [1, 2, 3, 5, 8, 16, 17, 64, 128])
-def test_tiles_and_grids_agree(num_heads):
-    for head_dim in (16, 64, 80, 96, 128, 192, 256, 512):
-        mask_tiles = triton_common.mask_tiles(num_heads, head_dim)
-        assert mask_tiles == pallas_common.mask_tiles(num_heads, head_dim)
-        assert all(_pow2(b) for b in mask_tiles), (num_heads, head_dim, mask_tiles)
-        # Merge tiles are tuned per framework (the tile never changes an element's arithmetic): check each.
-        for common, variant, itemsize in itertools.product((triton_common, pallas_common), common_variants(),
-                                                            (2, 4)):
-            tile_bytes, min_block_t, num_warps = common.MERGE_TILES[variant]
-            elems = tile_bytes // itemsize
-            merge_tiles = common.merge_tiles(num_heads, head_dim, variant, itemsize)
-            assert all(_pow2(b) for b in merge_tiles + (num_warps,)), (num_heads, head_dim, merge_tiles)
-            block_t, block_h, block_d = merge_tiles
-            assert block_d >= head_dim and block_t * block_h * block_d <= max(elems, block_d)
-            assert block_t >= min_block_t or block_t * block_h * block_d >= elems  # fewest tokens, or budget full
-            for num_tokens in (0, 1, 127, 128, 129, 1000, 131072):
-                grid = common.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize)
-                assert grid == (math.ceil(num_tokens / block_t) * math.ceil(num_heads / block_h),)
+@pytest.mark.parametrize("framework", tiles.FRAMEWORKS)
+@pytest.mark.parametrize("num_heads", [1, 3, 5, 8, 17, 64, 128])
+def test_merge_tiles_fit_and_grids_cover(framework, num_heads):
+    for head_dim, variant, itemsize in itertools.product((16, 64, 80, 128, 192, 512), ("plain", "lse", "fused"), (2, 4)):
+        tile_bytes, min_block_t, num_warps = tiles.MERGE_TILES[framework][variant]
+        elems = tile_bytes // itemsize
+        block_t, block_h, block_d = tiles.merge_tiles(framework, num_heads, head_dim, variant, itemsize)
+        assert all(_pow2(b) for b in (block_t, block_h, block_d, num_warps)), (num_heads, head_dim, variant)
+        assert block_d >= head_dim and block_t * block_h * block_d <= max(elems, block_d)
+        assert block_t >= min_block_t or block_t * block_h * block_d >= elems  # fewest tokens, or budget full
+        for num_tokens in (1, 127, 128, 129, 1000):
+            grid = tiles.merge_grid(framework, num_tokens, num_heads, head_dim, variant, itemsize)
+            _merge_programs_cover(grid, num_tokens, num_heads, block_t, block_h)
+        assert tiles.merge_grid(framework, 0, num_heads, head_dim, variant, itemsize) == (0,)
+
+
+def _first_blocks(qsl):
+    """The mask's request r starts at block qsl[r] // 128 + r (the kernels' key; docs/design.md)."""
+    return qsl[:-1] // tiles.MASK_BLOCK_T + np.arange(len(qsl) - 1)
+
+
+@pytest.mark.parametrize("num_heads", [1, 3, 16, 17, 64, 128])
+def test_mask_grid_holds_every_request(num_heads):
+    """The grid's blocks hold every block any offsets of T tokens and R requests reach (each request's first block
+    and its tokens' blocks), and some offsets reach the last one: a zero-length request at T."""
+    rng = np.random.default_rng(num_heads)
+    for num_tokens, num_requests in itertools.product((1, 127, 128, 129, 1000, 131072), (1, 2, 32, 33, 1000)):
+        blocks, _ = tiles.mask_grid(num_tokens, num_requests, num_heads, 128, False)
+        for _ in range(8):
+            qsl = np.sort(rng.integers(0, num_tokens + 1, num_requests + 1))
+            qsl[0] = 0
+            lens = np.diff(qsl)
+            last = np.where(lens > 0, (qsl[1:] - 1) // tiles.MASK_BLOCK_T + np.arange(num_requests), 0)
+            assert _first_blocks(qsl).max() < blocks and last.max() < blocks
+        if num_requests > 1:
+            at_end = np.array([0] * num_requests + [num_tokens])
+            at_end[-2] = num_tokens  # the last request: zero tokens, at T
+            assert _first_blocks(at_end).max() == blocks - 1
+
+
+@pytest.mark.parametrize("num_heads", [1, 3, 16, 17, 40, 64, 128])
+def test_mask_split_deals_every_tile_once(num_heads):
+    """The second grid axis deals a block's tiles round-robin (program s takes s, s + S, ...): every program gets a
+    tile, and the split never exceeds the variant's cap; a smaller grid splits more."""
     for num_tokens, num_requests, head_dim, zero in itertools.product(
-            (0, 1, 127, 128, 129, 1000, 131072), (0, 1, 32, 33, 1000), (64, 128, 512), (False, True)):
-        grid = triton_common.mask_grid(num_tokens, num_requests, num_heads, head_dim, zero)
-        assert grid == tuple(pallas_common.mask_grid(num_tokens, num_requests, num_heads, head_dim, zero))
-        # Worst case: each request may open a partial block; then programs per block, a power of two or every
-        # tile of the block (head tiles of the LSE, head x dim tiles of the output), never more.
-        blocks, split = grid
-        assert blocks == num_tokens // triton_common.MASK_BLOCK_T + num_requests
-        block_h, block_ho, block_d = triton_common.mask_tiles(num_heads, head_dim)
-        tiles = -(-num_heads // block_ho) * -(-head_dim // block_d) if zero else -(-num_heads // block_h)
-        cap = triton_common.MASK_ZERO_SPLIT if zero else triton_common.MASK_LSE_SPLIT
-        assert 1 <= split <= min(tiles, cap) and (_pow2(split) or split == tiles)
-        assert split == min(tiles, cap) or blocks * split >= triton_common.MASK_TARGET_PROGRAMS
+            (1, 128, 1000, 131072), (1, 33, 1000), (64, 128, 512), (False, True)):
+        blocks, split = tiles.mask_grid(num_tokens, num_requests, num_heads, head_dim, zero)
+        block_h, block_ho, block_d = tiles.mask_tiles(num_heads, head_dim)
+        heads = np.arange(0, num_heads, block_ho if zero else block_h)
+        dims = np.arange(0, head_dim, block_d) if zero else np.arange(1)
+        assert 1 <= split <= tiles.mask_split_cap(zero) and split <= len(heads) * len(dims)
+        assert _pow2(split) or split == len(heads) * len(dims)
+        more = tiles.mask_grid(num_tokens * 4, num_requests * 4, num_heads, head_dim, zero)
+        assert more[1] <= split
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -170,26 +177,29 @@ def test_merge_agrees_bitwise_gpu(case):
     compare.assert_bitwise_equal(lse_t, lse_p, name="merge.lse", case=case, mode="compiled")
 
 
+@pytest.mark.parametrize("framework", tiles.FRAMEWORKS)
 @pytest.mark.parametrize("num_heads", [1, 3, 5, 64])
-def test_n_way_tiles_are_powers_of_two_within_budget(num_heads):
-    for common, variant, itemsize in itertools.product((triton_common, pallas_common), common_variants(), (2, 4)):
-        total, _, num_warps = common.MERGE_N_TILES[variant]
+def test_n_way_tiles_are_powers_of_two_within_budget(framework, num_heads):
+    for variant, itemsize in itertools.product(("plain", "lse", "fused"), (2, 4)):
+        total, _, num_warps = tiles.MERGE_N_TILES[framework][variant]
         for num_partials, head_dim in itertools.product((1, 2, 3, 4, 8, 16, 64), (32, 64, 80, 128, 512)):
-            tile_bytes = common.partial_tile_bytes(total, num_partials)
-            assert common.N_TILE_BYTES[0] <= tile_bytes <= common.N_TILE_BYTES[1]
-            assert tile_bytes <= total // num_partials < 2 * tile_bytes or tile_bytes in common.N_TILE_BYTES
-            block_t, block_h, block_d = common.merge_tiles(num_heads, head_dim, variant, itemsize, num_partials)
+            tile_bytes = tiles.partial_tile_bytes(total, num_partials)
+            assert tiles.N_TILE_BYTES[0] <= tile_bytes <= tiles.N_TILE_BYTES[1]
+            assert tile_bytes <= total // num_partials < 2 * tile_bytes or tile_bytes in tiles.N_TILE_BYTES
+            block_t, block_h, block_d = tiles.merge_tiles(framework, num_heads, head_dim, variant, itemsize,
+                                                          num_partials)
             assert all(_pow2(b) for b in (block_t, block_h, block_d, num_warps))
             assert block_d >= head_dim and block_t * block_h * block_d <= max(tile_bytes // itemsize, block_d)
-            grid = common.merge_grid(1000, num_heads, head_dim, variant, itemsize, num_partials)
-            assert grid == (math.ceil(1000 / block_t) * math.ceil(num_heads / block_h),)
+            grid = tiles.merge_grid(framework, 1000, num_heads, head_dim, variant, itemsize, num_partials)
+            _merge_programs_cover(grid, 1000, num_heads, block_t, block_h)
 
 
-def test_n_way_tiles_shrink_as_partials_grow():
+@pytest.mark.parametrize("framework", tiles.FRAMEWORKS)
+def test_n_way_tiles_shrink_as_partials_grow(framework):
     """A program's N input tiles share one budget: 4 partials get half the bytes of 2, down to the floor."""
-    for common, variant in itertools.product((triton_common, pallas_common), common_variants()):
-        sizes = [common.partial_tile_bytes(common.MERGE_N_TILES[variant][0], n) for n in (1, 2, 4, 8, 16, 64)]
-        assert sizes == sorted(sizes, reverse=True) and sizes[-1] == common.N_TILE_BYTES[0]
+    for variant in ("plain", "lse", "fused"):
+        sizes = [tiles.partial_tile_bytes(tiles.MERGE_N_TILES[framework][variant][0], n) for n in (1, 2, 4, 8, 16, 64)]
+        assert sizes == sorted(sizes, reverse=True) and sizes[-1] == tiles.N_TILE_BYTES[0]
 
 
 @pytest.mark.gpu

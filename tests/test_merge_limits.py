@@ -185,28 +185,32 @@ def test_n2_gives_the_two_way_bits_with_another_out_dtype(impl, base):
 @pytest.fixture
 def runtime_loops(monkeypatch):
     """Every N-way loop over the partials a runtime loop (no unrolling), with fresh plan and compile caches."""
-    from pallas_impl import _math
+    from mla_lse_common import constants
     from pallas_impl import merge_n as pallas_merge_n
-    from triton_impl import _common as triton_common
-    from triton_impl import merge_n as triton_merge_n
+    from triton_impl import _plans as triton_plans
 
     def fresh():
-        monkeypatch.setattr(triton_common, "PLANS", {})
+        monkeypatch.setattr(triton_plans, "PLANS", {})
         pallas_merge_n._PLANS.clear()
         jax.clear_caches()
 
-    yield lambda: (monkeypatch.setattr(triton_merge_n, "UNROLLED_PARTIALS", 0),
-                   monkeypatch.setattr(_math, "UNROLLED_PARTIALS", 0), fresh())
+    yield lambda: (monkeypatch.setattr(constants, "UNROLLED_PARTIALS", 0), fresh())
     monkeypatch.undo()
     fresh()
 
 
 def test_both_frameworks_unroll_to_the_same_n():
+    """One partition of the N-way loops (mla_lse_common.tiles.loop_steps) for both frameworks; the Triton kernels'
+    compile-time step and the Pallas loops' step are the shared constant."""
+    from mla_lse_common import constants, tiles
     from pallas_impl import _math
-    from triton_impl import merge_n as triton_merge_n
+    from triton_impl import _device
 
-    assert triton_merge_n.UNROLLED_PARTIALS == _math.UNROLLED_PARTIALS
-    assert triton_merge_n.PARTIALS_PER_STEP == _math.PARTIALS_PER_STEP == triton_merge_n.STEP.value
+    assert _device.STEP.value == _math.PARTIALS_PER_STEP == constants.PARTIALS_PER_STEP
+    n = constants.UNROLLED_PARTIALS
+    assert tiles.loop_steps(n - 1, n) == 0  # up to UNROLLED_PARTIALS: every loop unrolled
+    assert tiles.loop_steps(n, n + 1) == n // constants.PARTIALS_PER_STEP
+    assert tiles.loop_steps(-1, n + 1) == 0
 
 
 # XLA:CPU compiles an unrolled loop and a while loop into different float code (docs/spec.md 5): bit for bit on a

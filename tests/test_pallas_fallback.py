@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pallas_impl
-from pallas_impl import _common as pallas_common
+from pallas_impl import _backend as pallas_backend
 from pallas_impl import mask as pallas_mask
 from pallas_impl import merge as pallas_merge
 from parity.harness import expected
@@ -82,7 +82,7 @@ def test_merge_matches_reference(case):
 def test_implementation_none_picks_by_backend():
     """None: the Pallas kernel on GPU, the jnp fallback elsewhere (CPU here: no Pallas compile happens)."""
     expected = "pallas" if jax.default_backend() == "gpu" else "jnp"
-    assert pallas_common.resolve_implementation(None) == expected
+    assert pallas_backend.resolve_implementation(None) == expected
     inp = cases.make_inputs(PTWC)
     args = _jax_merge_args(PTWC, inp)
     kwargs = _merge_options(PTWC, inp, to=jnp.asarray)

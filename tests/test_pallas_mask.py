@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_impl
-from pallas_impl import _common as pallas_common
+from mla_lse_common import tiles
 from pallas_impl import mask as pallas_mask
 from parity.library import compare
 from parity.harness import cases, reference
@@ -126,7 +126,7 @@ def test_ci_cases_cover_the_mask_edges():
 
 def _has_whole_empty_block(case) -> bool:
     qsl, cu = cases.offsets(case)
-    block = pallas_common.MASK_BLOCK_T
+    block = tiles.MASK_BLOCK_T
     return any(cu[r + 1] == cu[r] and -(-qsl[r] // block) * block + block <= qsl[r + 1]
                for r in range(case.num_requests))
 
@@ -150,13 +150,13 @@ def test_mask_matches_reference(case, mode):
 def small_splits(monkeypatch):
     """Caps the mask's programs per block at 3 (LSE-only; at most 3 head tiles) and 5 (zeroing), whatever the grid
     size: the round-robin deal of a block's tiles, with programs left without a tile of one kind."""
-    monkeypatch.setattr(pallas_common, "MASK_TARGET_PROGRAMS", 1 << 30)
-    monkeypatch.setattr(pallas_common, "MASK_LSE_SPLIT", 3)
-    monkeypatch.setattr(pallas_common, "MASK_ZERO_SPLIT", 5)
-    pallas_common.mask_split.cache_clear()
+    monkeypatch.setattr(tiles, "MASK_TARGET_PROGRAMS", 1 << 30)
+    monkeypatch.setattr(tiles, "MASK_LSE_SPLIT", 3)
+    monkeypatch.setattr(tiles, "MASK_ZERO_SPLIT", 5)
+    tiles.mask_split.cache_clear()
     pallas_mask._mask_jit.clear_cache()  # traces hold the grid
     yield
-    pallas_common.mask_split.cache_clear()
+    tiles.mask_split.cache_clear()
     pallas_mask._mask_jit.clear_cache()
 
 
@@ -166,8 +166,8 @@ def test_block_split_over_programs(small_splits, lse_layout, zero_output, mode):
     # H = 40: three LSE head tiles of 16; D = 48 zeroed in 20 (2 heads x 64 dims) tiles.
     bucket = Bucket(num_tokens=404, num_requests=6, num_heads=40, lse_layout=lse_layout,
                     out_dtype="bfloat16" if zero_output else None, head_dim=48 if zero_output else 0)
-    grid = pallas_common.mask_grid(bucket.num_tokens, bucket.num_requests, bucket.num_heads,
-                                   bucket.head_dim if zero_output else 1, zero_output)
+    grid = tiles.mask_grid(bucket.num_tokens, bucket.num_requests, bucket.num_heads,
+                           bucket.head_dim if zero_output else 1, zero_output)
     assert grid[1] == (5 if zero_output else 3)
     qsl, cu = _offsets((130, 7, 200, 0, 60), (0, 2, 3), bucket.num_requests, bucket.num_tokens)
     lse, output = _bucket_inputs(bucket, qsl, seed=3)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_impl
-from pallas_impl import _common as pallas_common
+from pallas_impl import _backend as pallas_backend
 from parity.library import compare
 from parity.harness import cases, impls
 
@@ -242,16 +242,16 @@ def test_cp_reduce_scatter_lowers_for_the_gpu():
 
 def test_the_default_backend_is_triton_unless_the_environment_says_otherwise(monkeypatch):
     monkeypatch.delenv("PALLAS_IMPL_BACKEND", raising=False)
-    assert pallas_common.resolve_backend(None) == "triton"
+    assert pallas_backend.resolve_backend(None) == "triton"
     monkeypatch.setenv("PALLAS_IMPL_BACKEND", "mosaic_gpu")
-    assert pallas_common.resolve_backend(None) == "mosaic_gpu"
-    assert pallas_common.resolve_backend("triton") == "triton"  # an explicit argument wins
+    assert pallas_backend.resolve_backend(None) == "mosaic_gpu"
+    assert pallas_backend.resolve_backend("triton") == "triton"  # an explicit argument wins
     # The environment picks the Pallas kernels' backend only: the jnp path stays available.
     o, lse, qsl, cu = _small()
     want = pallas_impl.merge_attn_states_n(o, lse, implementation="jnp", backend=None)
     monkeypatch.setenv("PALLAS_IMPL_BACKEND", "cuda")
     with pytest.raises(ValueError, match=r"PALLAS_IMPL_BACKEND must be one of \('triton', 'mosaic_gpu'\)"):
-        pallas_common.resolve_backend(None)
+        pallas_backend.resolve_backend(None)
     monkeypatch.delenv("PALLAS_IMPL_BACKEND")
     got = pallas_impl.merge_attn_states_n(o, lse, implementation="jnp")
     assert all(np.array_equal(np.asarray(g), np.asarray(w), equal_nan=True) for g, w in zip(got, want))
@@ -308,7 +308,7 @@ class NoPallasTriton(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, NoPallasTriton())
 import pallas_impl
-from pallas_impl import _common as c
+from pallas_impl import _backend as c
 
 print(c.pltriton is None, c.resolve_backend(None))
 try:
@@ -341,7 +341,7 @@ def test_without_the_pallas_triton_backend_the_default_is_mosaic_gpu():
 
 def test_pallas_impl_modules_import_no_cycle():
     # Every import among pallas_impl's modules, module-level or inside a function (the backend dispatch), points
-    # one way: _math below _common below the op files; a Triton-backend op file may reach its Mosaic GPU
+    # one way: _math below the layers (_backend, _checks, _device, ...) below the op files; a Triton-backend op file may reach its Mosaic GPU
     # counterpart, never the reverse.
     import ast
 

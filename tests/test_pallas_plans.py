@@ -1,4 +1,4 @@
-"""The per-signature plans of the public `pallas_impl` wrappers (`_common.cached_plan`, docs/design.md "Per-call
+"""The per-signature plans of the public `pallas_impl` wrappers (`_plans.cached_plan`, docs/design.md "Per-call
 cost (JAX)"): a cached plan never freezes a value, never hides an error of another signature, and follows the
 backend environment variable. Results are compared with `parity.harness.reference` bit for bit (the mask's rows and the
 merges' pass-through rows are exact by docs/spec.md)."""
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_impl
-from pallas_impl import _common as c
+from pallas_impl import _backend, _plans
 from pallas_impl import mask as pallas_mask
 from pallas_impl import merge as pallas_merge
 from pallas_impl import merge_n as pallas_merge_n
@@ -123,15 +123,15 @@ def test_checks_run_at_trace_time_under_jit():
 
 def test_the_plan_follows_the_backend_environment(monkeypatch):
     lse = _lse()
-    monkeypatch.delenv(c.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(_backend.BACKEND_ENV, raising=False)
     _mask(lse, [0, 5, 16], [0, 0, 4], implementation="jnp")
-    monkeypatch.setenv(c.BACKEND_ENV, "cuda")
-    with pytest.raises(ValueError, match=f"{c.BACKEND_ENV} must be one of"):
+    monkeypatch.setenv(_backend.BACKEND_ENV, "cuda")
+    with pytest.raises(ValueError, match=f"{_backend.BACKEND_ENV} must be one of"):
         _mask(lse, [0, 5, 16], [0, 0, 4], implementation="jnp")
 
 
 def test_the_cache_is_bounded(monkeypatch):
-    monkeypatch.setattr(c, "PLAN_CACHE_SIZE", 2)
+    monkeypatch.setattr(_plans, "PLAN_CACHE_SIZE", 2)
     monkeypatch.setattr(pallas_merge_n, "_PLANS", {})
     for n in (1, 2, 3):
         o = jnp.zeros((n, T, H, D), jnp.float32)

@@ -5,6 +5,7 @@ No timing is asserted: the smoke mode runs tiny shapes under the interpreters on
 """
 
 import argparse
+import itertools
 import json
 import math
 
@@ -181,11 +182,20 @@ def test_mask_bytes_on_seed_workloads():
 
 
 def test_grids():
+    # Every point of the mode's axes once, nothing else: the 2-way T x H x D x dtype x variant, the N-way
+    # N x T x variant (the chained alternative at N = 4 only).
+    from parity.tools.bench import points
+
     full = bench.merge_points("full")
+    assert len(set(full)) == len(full)
     two_way = [p for p in full if not p.partials]
-    assert len(two_way) == 3 * 3 * 2 * 2 * 3
-    # N-way: N in (2, 4, 8) x T x (plain, lse, fused), plus the chain at N = 4.
-    assert len(full) - len(two_way) == 3 * 3 * 3 + 3
+    t_vals, h_vals, d_vals, dtypes, variants, _ = points.GRIDS["full"]
+    assert {(p.T, p.H, p.D, p.dtype, p.variant) for p in two_way} == set(
+        itertools.product(t_vals, h_vals, d_vals, dtypes, variants))
+    n_vals, nt_vals, n_variants = points.N_GRIDS["full"]
+    assert {(p.partials, p.T, p.variant) for p in full if p.partials} == {
+        (n, t, v) for n, t, v in itertools.product(n_vals, nt_vals, n_variants) if v != "chain" or n == 4}
+    assert {(p.H, p.D, p.dtype) for p in full if p.partials} == {(64, 128, "bfloat16")}
     too_big = [p for p in full if p.memory > bench.MEMORY_CAP_BYTES]
     assert {(p.T, p.H, p.D, p.dtype) for p in too_big} == {(131072, 128, 512, "float32")}
     quick = bench.merge_points("quick")

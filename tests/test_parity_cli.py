@@ -167,7 +167,7 @@ def test_a_case_the_chosen_backend_refuses_is_unsupported_not_failed(monkeypatch
     # An available experimental backend's NotImplementedError for a case it documents it cannot run is listed
     # apart (status "unsupported", not ok, not failed); any other exception, or that backend missing from this
     # jax, stays an error that fails the check.
-    import pallas_impl._math
+    import pallas_impl._backend
 
     from parity.harness import cases, check, impls
 
@@ -176,7 +176,7 @@ def test_a_case_the_chosen_backend_refuses_is_unsupported_not_failed(monkeypatch
     for available, exc, status in ((True, NotImplementedError("merges 1 to 64 partials"), "UNSUPPORTED"),
                                    (True, ValueError("bad"), "ERROR"),
                                    (False, NotImplementedError("needs jax >= 0.11"), "ERROR")):
-        monkeypatch.setattr(pallas_impl._math, "has_mosaic_gpu", lambda available=available: available)
+        monkeypatch.setattr(pallas_impl._backend, "has_mosaic_gpu", lambda available=available: available)
         rec = check.OpRecord(case, "merge", "cpu-interpreters")
         check._record_error(rec, exc)
         assert rec.status == status and not rec.ok

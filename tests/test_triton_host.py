@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import triton_impl
-from triton_impl import _common as c
+from triton_impl import _backend, _launch, _plans
 from triton_impl import cp_merge as cp_merge_mod
 from triton_impl import mask as mask_mod
 from triton_impl import merge as merge_mod
@@ -41,7 +41,7 @@ def _merge(out, t, olse=None, ptwc=None, **kw):
 def plans(monkeypatch):
     """A fresh plan cache for the test."""
     fresh = {}
-    monkeypatch.setattr(c, "PLANS", fresh)
+    monkeypatch.setattr(_plans, "PLANS", fresh)
     return fresh
 
 
@@ -102,7 +102,7 @@ def test_validate_takes_the_checked_path(plans):
 
 
 def test_the_plan_cache_is_bounded(plans, monkeypatch):
-    monkeypatch.setattr(c, "PLANS_MAX", 3)
+    monkeypatch.setattr(_plans, "PLANS_MAX", 3)
     t = _merge_inputs()
     for ptwc_tokens in range(1, T + 1):  # new signatures: T varies
         s = {k: (v[:ptwc_tokens] if v.dim() == 3 else v[:, :ptwc_tokens]) for k, v in t.items()}
@@ -170,9 +170,9 @@ def test_direct_launch_passes_every_parameter_in_order(plans, monkeypatch, entry
                     "merge_n": (merge_n_mod, "_merge_attn_states_n_kernel")}[entry]
     fake = _FakeKernel(_arg_names(getattr(module, name)["HT"]))
     monkeypatch.setitem(getattr(module, name), "HT", fake)
-    monkeypatch.setattr(c, "DIRECT_LAUNCH", True)
-    monkeypatch.setattr(c, "interpreting", lambda: False)
-    monkeypatch.setattr(c, "_driver", lambda: (lambda: 0, lambda device: 1234, _Hooks))
+    monkeypatch.setattr(_launch, "DIRECT_LAUNCH", True)
+    monkeypatch.setattr(_backend, "interpreting", lambda: False)
+    monkeypatch.setattr(_launch, "_driver", lambda: (lambda: 0, lambda device: 1234, _Hooks))
     t = _merge_inputs()
     qsl, cu = _offsets()
     out = torch.empty(T, H, D, dtype=torch.bfloat16, device=DEVICE)
@@ -204,9 +204,9 @@ def test_direct_launch_passes_every_parameter_in_order(plans, monkeypatch, entry
 def test_direct_launch_falls_back_for_unaligned_pointers(plans, monkeypatch):
     fake = _FakeKernel(_arg_names(merge_mod._merge_attn_states_kernel["HT"]))
     monkeypatch.setitem(merge_mod._merge_attn_states_kernel, "HT", fake)
-    monkeypatch.setattr(c, "DIRECT_LAUNCH", True)
-    monkeypatch.setattr(c, "interpreting", lambda: False)
-    monkeypatch.setattr(c, "_driver", lambda: (lambda: 0, lambda device: 1234, _Hooks))
+    monkeypatch.setattr(_launch, "DIRECT_LAUNCH", True)
+    monkeypatch.setattr(_backend, "interpreting", lambda: False)
+    monkeypatch.setattr(_launch, "_driver", lambda: (lambda: 0, lambda device: 1234, _Hooks))
     t = _merge_inputs()
     buf = torch.empty(T * H * D + 1, dtype=torch.bfloat16, device=DEVICE)
     _merge(buf[:-1].view(T, H, D), t)
@@ -242,7 +242,7 @@ def test_plain_functions_trace_fullgraph_on_cpu(monkeypatch, lse_layout):
     qsl, cu = _offsets()
     outs, lses = torch.stack([t["prefix_output"], t["suffix_output"]] * 2), torch.stack([t["prefix_lse"]] * 4)
     launches = []
-    monkeypatch.setattr(c, "launch", lambda kernel, grid, args, constexprs, state: launches.append(
+    monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, constexprs, state: launches.append(
         (kernel, grid, [a for a in args if not isinstance(a, torch.Tensor)], constexprs)))
     _pipeline(t, qsl, cu, outs, lses, lse_layout)
     eager = list(launches)
@@ -307,6 +307,6 @@ def test_direct_launch_is_used_and_gives_the_same_bits(plans):
     (plan,) = plans.values()
     state = plan[2][-1]
     import triton
-    assert len(state) > 1, f"no direct launch with triton {triton.__version__} (DIRECT_LAUNCH={c.DIRECT_LAUNCH})"
+    assert len(state) > 1, f"no direct launch with triton {triton.__version__} (DIRECT_LAUNCH={_launch.DIRECT_LAUNCH})"
     for a, b in zip(*results):
         assert torch.equal(a, b)

@@ -17,7 +17,9 @@ import triton_impl
 from parity.library import bridge
 from parity.harness import cases, reference
 from parity.library.compare import assert_bitwise_equal
-from triton_impl import _common as triton_common
+from mla_lse_common import constants, tiles
+from triton_impl import _backend as triton_backend
+from triton_impl import _plans as triton_plans
 from triton_impl import mask as mask_mod
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -94,13 +96,13 @@ def test_edge_cases_match_reference(case):
 def small_splits(monkeypatch):
     """Caps the mask's programs per block at 3 (LSE-only; at most 3 head tiles) and 5 (zeroing), whatever the grid
     size: the round-robin deal of a block's tiles, with programs left without a tile of one kind."""
-    monkeypatch.setattr(triton_common, "MASK_TARGET_PROGRAMS", 1 << 30)
-    monkeypatch.setattr(triton_common, "MASK_LSE_SPLIT", 3)
-    monkeypatch.setattr(triton_common, "MASK_ZERO_SPLIT", 5)
-    monkeypatch.setattr(triton_common, "PLANS", {})  # launch plans hold the grid
-    triton_common.mask_split.cache_clear()
+    monkeypatch.setattr(tiles, "MASK_TARGET_PROGRAMS", 1 << 30)
+    monkeypatch.setattr(tiles, "MASK_LSE_SPLIT", 3)
+    monkeypatch.setattr(tiles, "MASK_ZERO_SPLIT", 5)
+    monkeypatch.setattr(triton_plans, "PLANS", {})  # launch plans hold the grid
+    tiles.mask_split.cache_clear()
     yield
-    triton_common.mask_split.cache_clear()
+    tiles.mask_split.cache_clear()
 
 
 SPLIT_CASES = [
@@ -113,8 +115,8 @@ SPLIT_CASES = [
 @pytest.mark.parametrize("zero_output", [False, True])
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c.name)
 def test_block_split_over_programs(small_splits, case, zero_output):
-    grid = triton_common.mask_grid(case.num_tokens, case.num_requests, case.num_heads,
-                                   case.head_dim if zero_output else 1, zero_output)
+    grid = tiles.mask_grid(case.num_tokens, case.num_requests, case.num_heads,
+                          case.head_dim if zero_output else 1, zero_output)
     assert grid[1] == (5 if zero_output else 3)
     _check_mask_case(case, zero_output=zero_output)
 
@@ -243,7 +245,7 @@ def test_has_empty_false_changes_nothing_and_launches_nothing(monkeypatch):
             raise AssertionError(f"kernel launched with grid {grid} although has_empty=False")
 
     monkeypatch.setattr(mask_mod, "_mask_empty_context_lse_kernel",
-                        dict.fromkeys(triton_common.LSE_LAYOUTS, NoLaunch()))
+                        dict.fromkeys(constants.LSE_LAYOUTS, NoLaunch()))
     triton_impl.mask_empty_context_lse(lse, qsl_t, cu_t, out, has_empty=False)
     assert_bitwise_equal(lse, inp["prefix_lse"], name="mask.lse")
     assert_bitwise_equal(out, inp["prefix_output"], name="mask.output")
@@ -446,7 +448,7 @@ def test_property_has_empty_false_changes_nothing(case):
 
 
 def test_runtime_values_are_not_specialised():
-    for layout in triton_common.LSE_LAYOUTS:
+    for layout in constants.LSE_LAYOUTS:
         names, constexprs, dns, _ = kernel_params(mask_mod._mask_empty_context_lse_kernel[layout])
         assert "num_requests" in names and "num_requests" not in constexprs
         assert "num_requests" in dns, "R would be specialised (a recompile when it hits 1 or a multiple of 16)"
@@ -459,8 +461,8 @@ def test_one_compiled_variant_per_configuration(monkeypatch, lse_layout):
     # kernel is replaced by a recorder, so this runs no interpreter.
     recorder = Recorder(mask_mod._mask_empty_context_lse_kernel)
     monkeypatch.setattr(mask_mod, "_mask_empty_context_lse_kernel", recorder)
-    monkeypatch.setattr(triton_common, "interpreting", lambda: False)  # record the compiled launch arguments
-    monkeypatch.setattr(triton_common, "PLANS", {})  # launch plans made under that mode only
+    monkeypatch.setattr(triton_backend, "interpreting", lambda: False)  # record the compiled launch arguments
+    monkeypatch.setattr(triton_plans, "PLANS", {})  # launch plans made under that mode only
     batches = [(5, 0, 130), (64, 64, 1), (1,), (16,), _tiny_lens(20, 40, 9), _tiny_lens(21, 7, 50), (0, 48)]
     for query_lens in batches:
         case = cases.Case("recompile", query_lens, _every_other(len(query_lens)), num_heads=4, head_dim=16,

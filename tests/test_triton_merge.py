@@ -21,7 +21,9 @@ from parity.harness import expected
 from parity.library import bridge, compare
 from parity.harness import cases, reference
 from parity.library.compare import assert_bitwise_equal, assert_matches_reference
-from triton_impl import _common as triton_common
+from mla_lse_common import constants
+from triton_impl import _backend as triton_backend
+from triton_impl import _plans as triton_plans
 from triton_impl import merge as merge_mod
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -395,7 +397,7 @@ def test_both_empty_rows_are_zero_and_neg_inf():
 
 
 def test_runtime_values_are_not_specialised():
-    for layout in triton_common.LSE_LAYOUTS:
+    for layout in constants.LSE_LAYOUTS:
         names, constexprs, dns, _ = kernel_params(merge_mod._merge_attn_states_kernel[layout])
         runtime = {"prefill_tokens_with_context", "num_tokens", "num_requests"}
         assert runtime <= set(names)
@@ -409,11 +411,11 @@ def _recorded_keys(monkeypatch, lse_layout, batches, make_case, **merge_kw):
     interpreter and checks nothing."""
     recorder = Recorder(merge_mod._merge_attn_states_kernel)
     monkeypatch.setattr(merge_mod, "_merge_attn_states_kernel", recorder)
-    monkeypatch.setattr(triton_common, "interpreting", lambda: False)  # record the compiled launch arguments
-    monkeypatch.setattr(triton_common, "PLANS", {})  # launch plans made under that mode only
+    monkeypatch.setattr(triton_backend, "interpreting", lambda: False)  # record the compiled launch arguments
+    monkeypatch.setattr(triton_plans, "PLANS", {})  # launch plans made under that mode only
     for query_lens, padding, ptwc in batches:
         _merge_case(make_case(query_lens, padding), ptwc=ptwc, check=False, **merge_kw)
-    other, = set(triton_common.LSE_LAYOUTS) - {lse_layout}
+    other, = set(constants.LSE_LAYOUTS) - {lse_layout}
     assert len(recorder[lse_layout].launches) == len(batches) and not recorder[other].launches
     return recorder[lse_layout].keys()
 
@@ -453,8 +455,8 @@ def test_transposed_lse_views_compile_a_bounded_number_of_variants(monkeypatch, 
     # stride T, which the [T, H] kernel specialises: a variant per class of T (1, a multiple of 16, other).
     recorder = Recorder(merge_mod._merge_attn_states_kernel)
     monkeypatch.setattr(merge_mod, "_merge_attn_states_kernel", recorder)
-    monkeypatch.setattr(triton_common, "interpreting", lambda: False)  # record the compiled launch arguments
-    monkeypatch.setattr(triton_common, "PLANS", {})
+    monkeypatch.setattr(triton_backend, "interpreting", lambda: False)  # record the compiled launch arguments
+    monkeypatch.setattr(triton_plans, "PLANS", {})
     H, D = 4, 64
     given = "TH" if stored == "HT" else "HT"
     token_counts = (1, 5, 16, 37, 48, 64, 100)

@@ -20,7 +20,8 @@ from parity.harness import expected
 from parity.library import bridge, compare
 from parity.harness import cases, impls, reference
 from parity.library.compare import assert_bitwise_equal
-from triton_impl import _common as triton_common
+from triton_impl import _backend as triton_backend
+from triton_impl import _plans as triton_plans
 from triton_impl import merge_n as merge_n_mod
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -245,8 +246,8 @@ def test_one_compiled_variant_across_token_counts(monkeypatch, lse_layout):
     # stride specialised (1 and H = 4), the partial stride runtime. The kernel is replaced by a recorder.
     recorder = Recorder(merge_n_mod._merge_attn_states_n_kernel)
     monkeypatch.setattr(merge_n_mod, "_merge_attn_states_n_kernel", recorder)
-    monkeypatch.setattr(triton_common, "interpreting", lambda: False)  # record the compiled launch arguments
-    monkeypatch.setattr(triton_common, "PLANS", {})
+    monkeypatch.setattr(triton_backend, "interpreting", lambda: False)  # record the compiled launch arguments
+    monkeypatch.setattr(triton_plans, "PLANS", {})
     N, H, D = 3, 4, 64
     token_counts = (1, 5, 16, 37, 48, 100)
     for T in token_counts:

@@ -1,6 +1,6 @@
 """Test helper: what Triton keys a kernel's compile cache by (shared by the Triton kernels' tests).
 
-Each kernel module holds its kernel as {lse_layout: @triton.jit kernel} (`_common.jit_per_lse_layout`)."""
+Each kernel module holds its kernel as {lse_layout: @triton.jit kernel} (`_backend.jit_per_lse_layout`)."""
 
 import inspect
 import re

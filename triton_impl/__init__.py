@@ -3,7 +3,7 @@
 Semantics: docs/spec.md sections 3, 4, 8 and 9, defined executably by `parity.harness.reference`.
 """
 
-from triton_impl._common import has_empty_context
+from triton_impl._checks import has_empty_context
 from triton_impl.cp_merge import cp_merge_attn_states
 from triton_impl.mask import mask_empty_context_lse
 from triton_impl.merge import merge_attn_states

@@ -23,21 +23,20 @@ import torch
 import torch.distributed as dist
 import triton.language as tl
 
-from triton_impl import _common as c
-from triton_impl._common import _cast_rne
-from triton_impl.merge import _merged_lse, _program_tile, _token_requests
-from triton_impl.merge_n import (_copied_lse, _lses_strides, _max_and_sum, _partial_exp, _weighted,
-                                 loop_steps, merge_attn_states_n)
-
-METHODS = ("gather", "reduce_scatter")
-# The rescale kernel reads one partial's tile and writes one: it takes the N-way tile of two partials (the 2-way
-# merge's bytes per tile).
-RESCALE_TILE_PARTIALS = 2
+from mla_lse_common import constants, tiles
+from mla_lse_common.tiles import RESCALE_TILE_PARTIALS
+from triton_impl import _backend
+from triton_impl import _checks as checks
+from triton_impl import _launch as launcher
+from triton_impl import _plans as plans
+from triton_impl._device import (_cast_rne, _copied_lse, _max_and_sum, _merged_lse, _partial_exp, _program_tile,
+                                 _token_requests, _weighted)
+from triton_impl.merge_n import merge_attn_states_n
 
 
 # Runtime values: the N-way merge's (triton_impl/merge_n.py), and the rank.
-@c.jit_per_lse_layout(runtime=["num_tokens", "prefill_tokens_with_context", "num_requests", "rank", "stride_lse_n",
-                               "stride_cu_n"], lse_head_strides=["stride_olse_h", "stride_lse_h"])
+@_backend.jit_per_lse_layout(runtime=["num_tokens", "prefill_tokens_with_context", "num_requests", "rank",
+                                     "stride_lse_n", "stride_cu_n"], lse_head_strides=["stride_olse_h", "stride_lse_h"])
 def _cp_rescale_kernel(
     scaled_ptr,  # reduce dtype: head h of token t at (h // HEADS_PER_GROUP) * stride_s_g + (h % HEADS_PER_GROUP) * ...
     out_lse_ptr,  # f32[H, T] merged LSE of every head via (stride_olse_h, stride_olse_t); unused unless OUTPUT_LSE
@@ -110,16 +109,16 @@ def _local_checks(output, partial_output, partial_lse, output_lse, prefill_token
                   query_start_loc, cu_seq_lens, *, method, num_partials, lse_layout, lse_base, reduce_dtype,
                   validate):
     """Every check this rank can make alone (metadata; with validate=True also offset values). Returns the
-    launch parameters and the descriptor the ranks must agree on."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    c.check_lse_layout(lse_layout)
-    base2 = c.check_lse_base(lse_base)
-    c.check_tensor("partial_output", partial_output, ndim=3, dtypes=c.OUTPUT_DTYPES)
+    plan of the call's signature, the checked prefill_tokens_with_context and the descriptor the ranks must agree
+    on."""
+    checks.check_cp_method(method)
+    checks.check_lse_layout(lse_layout)
+    base2 = checks.check_lse_base(lse_base)
+    checks.check_tensor("partial_output", partial_output, ndim=3, dtypes=checks.OUTPUT_DTYPES)
     device = partial_output.device
     num_tokens, num_heads, head_dim = partial_output.shape
-    c.check_tensor("partial_lse", partial_lse, ndim=2, dtypes=(torch.float32,), device=device)
-    c.lse_ht_strides("partial_lse", partial_lse, lse_layout, num_heads, num_tokens)
+    checks.check_tensor("partial_lse", partial_lse, ndim=2, dtypes=(torch.float32,), device=device)
+    checks.lse_ht_strides("partial_lse", partial_lse, lse_layout, num_heads, num_tokens)
     heads_out = num_heads
     if method == "reduce_scatter":
         if num_heads % num_partials:
@@ -127,50 +126,47 @@ def _local_checks(output, partial_output, partial_lse, output_lse, prefill_token
                              "ranks: H must be a multiple of N (use method='gather')")
         heads_out = num_heads // num_partials
     want = (num_tokens, heads_out, head_dim)
-    c.check_tensor("output", output, ndim=3, dtypes=c.OUTPUT_DTYPES + (torch.float8_e4m3fn,), device=device)
+    checks.check_tensor("output", output, ndim=3, dtypes=checks.OUTPUT_DTYPES + (torch.float8_e4m3fn,), device=device)
     if tuple(output.shape) != want:
         raise ValueError(f"output must be [T, H{'/N' if heads_out != num_heads else ''}, D] = {list(want)} for "
                          f"method={method!r} with N={num_partials} ranks; got output.shape={tuple(output.shape)}")
-    fp8 = c.check_output(output, partial_output, output_scale, shape=want)
+    fp8 = checks.check_output(output, partial_output, output_scale, shape=want)
     if output_lse is not None:
-        c.check_tensor("output_lse", output_lse, ndim=2, dtypes=(torch.float32,), device=device)
-        c.lse_ht_strides("output_lse", output_lse, lse_layout, heads_out, num_tokens)
-        c.check_no_internal_overlap("output_lse", output_lse)
-    if (query_start_loc is None) != (cu_seq_lens is None):
-        raise ValueError("query_start_loc and cu_seq_lens go together (the fused mask); got only "
-                         + ("query_start_loc" if query_start_loc is not None else "cu_seq_lens"))
+        checks.check_tensor("output_lse", output_lse, ndim=2, dtypes=(torch.float32,), device=device)
+        checks.lse_ht_strides("output_lse", output_lse, lse_layout, heads_out, num_tokens)
+        checks.check_no_internal_overlap("output_lse", output_lse)
     num_requests = -1
-    if query_start_loc is not None:
+    if checks.check_fused_pair(query_start_loc, cu_seq_lens, "cu_seq_lens"):
         if isinstance(cu_seq_lens, torch.Tensor) and cu_seq_lens.dim() == 2:
             raise ValueError(f"cu_seq_lens must be this rank's local KV offsets i32[R+1] (the combine gathers every "
                              f"rank's); got cu_seq_lens.shape={tuple(cu_seq_lens.shape)}")
-        num_requests = c.check_offsets(query_start_loc, cu_seq_lens, device)
+        num_requests = checks.check_offsets(query_start_loc, cu_seq_lens, device)
         if validate:
-            c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
+            checks.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
     if reduce_dtype not in (None, torch.float32, partial_output.dtype):
         raise TypeError(f"reduce_dtype must be None (float32), torch.float32 or the partials' dtype "
                         f"{partial_output.dtype}; got {reduce_dtype}")
-    ptwc = c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
-    descriptor = [METHODS.index(method), _code(partial_output), _code(output), num_tokens, num_heads, head_dim,
-                  num_requests, c.LSE_LAYOUTS.index(lse_layout), int(base2), int(output_lse is not None), ptwc,
-                  _code(torch.empty(0, dtype=reduce_dtype or torch.float32))]
-    return dict(fp8=fp8, base2=base2, ptwc=ptwc, num_requests=num_requests), descriptor
+    ptwc = checks.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
+    descriptor = [constants.CP_METHODS.index(method), _code(partial_output), _code(output), num_tokens, num_heads,
+                  head_dim, num_requests, constants.LSE_LAYOUTS.index(lse_layout), int(base2),
+                  int(output_lse is not None), ptwc, _code(torch.empty(0, dtype=reduce_dtype or torch.float32))]
+    return plans.CpPlan(fp8=fp8, base2=base2, num_requests=num_requests), ptwc, descriptor
 
 
 def _local_params(output, partial_output, partial_lse, output_lse, prefill_tokens_with_context, output_scale,
                   query_start_loc, cu_seq_lens, **options):
-    """`_local_checks`, whose result (but for prefill_tokens_with_context) is a launch plan of the call's
-    signature; the descriptor is None where the plan was found (validate=False only)."""
-    key, plan = (None, None) if options["validate"] else c.find_plan(
+    """`_local_checks` through the plan cache: (plan, prefill_tokens_with_context, descriptor); the descriptor is
+    None where the plan was found (validate=False only)."""
+    key, plan = (None, None) if options["validate"] else plans.find_plan(
         "cp_merge", (output, partial_output, partial_lse, output_lse, output_scale, query_start_loc, cu_seq_lens),
         tuple(options.values()))
     if plan is not None:  # every metadata check passed for this signature: prefill_tokens_with_context only
-        return dict(plan, ptwc=c.check_prefill_tokens(prefill_tokens_with_context, partial_output.shape[0],
-                                                      False)), None
-    params, descriptor = _local_checks(output, partial_output, partial_lse, output_lse, prefill_tokens_with_context,
-                                       output_scale, query_start_loc, cu_seq_lens, **options)
-    c.remember(key, params)
-    return params, descriptor
+        return plan, checks.check_prefill_tokens(prefill_tokens_with_context, partial_output.shape[0], False), None
+    plan, ptwc, descriptor = _local_checks(output, partial_output, partial_lse, output_lse,
+                                           prefill_tokens_with_context, output_scale, query_start_loc, cu_seq_lens,
+                                           **options)
+    plans.remember(key, plan)
+    return plan, ptwc, descriptor
 
 
 DESCRIPTOR_FIELDS = ("method", "partial_output.dtype", "output.dtype", "T", "H", "D", "R", "lse_layout",
@@ -251,9 +247,9 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
     num_partials, rank = group.size(), group.rank()
-    params, descriptor, error = None, None, None
+    params, ptwc, descriptor, error = None, None, None, None
     try:
-        params, descriptor = _local_params(
+        params, ptwc, descriptor = _local_params(
             output, partial_output, partial_lse, output_lse, prefill_tokens_with_context, output_scale,
             query_start_loc, cu_seq_lens, method=method, num_partials=num_partials, lse_layout=lse_layout,
             lse_base=lse_base, reduce_dtype=reduce_dtype, validate=validate)
@@ -265,7 +261,7 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
         _agree(group, descriptor, error, _group_device(group, partial_output))
 
     num_tokens, num_heads, head_dim = partial_output.shape
-    fused = params["num_requests"] > 0
+    fused = params.num_requests > 0
     device = partial_output.device
     lse_buf_shape = (num_partials * partial_lse.shape[0], partial_lse.shape[1])
     lses = torch.empty(lse_buf_shape, dtype=torch.float32, device=device)
@@ -287,7 +283,7 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
     qsl = query_start_loc if fused else None
     if method == "gather":
         merge_attn_states_n(output, outs.view(num_partials, num_tokens, num_heads, head_dim), lses, output_lse,
-                            params["ptwc"], output_scale, query_start_loc=qsl, cu_seq_lens=cus,
+                            ptwc, output_scale, query_start_loc=qsl, cu_seq_lens=cus,
                             lse_layout=lse_layout, lse_base=lse_base)
         return
 
@@ -296,7 +292,7 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
     scaled = torch.empty((num_partials, num_tokens, heads, head_dim), dtype=rdt, device=device)
     merged_lse = None if output_lse is None else torch.empty_like(partial_lse, memory_format=torch.contiguous_format)
     if num_tokens and num_heads:
-        _rescale(scaled, merged_lse, partial_output, lses, qsl, cus, rank, params, lse_layout)
+        _rescale(scaled, merged_lse, partial_output, lses, qsl, cus, rank, params, ptwc, lse_layout)
     if output_lse is not None:  # this rank's heads of the merged LSE
         own = slice(rank * heads, (rank + 1) * heads)
         output_lse.copy_(merged_lse[own] if lse_layout == "HT" else merged_lse[:, own])
@@ -304,48 +300,51 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
     reduced = output if direct else torch.empty((num_tokens, heads, head_dim), dtype=rdt, device=device)
     _quiet_collective(dist.reduce_scatter_tensor, reduced, scaled.view(num_partials * num_tokens, heads, head_dim),
                       op=dist.ReduceOp.SUM, group=group)
-    if params["fp8"]:  # 4.6, after the sum: clamp(out / scale) then the cast (torch's: round to nearest even)
-        output.copy_((reduced.float() / output_scale).clamp(-c.FP8_E4M3_MAX, c.FP8_E4M3_MAX))
+    if params.fp8:  # 4.6, after the sum: clamp(out / scale) then the cast (torch's: round to nearest even)
+        output.copy_((reduced.float() / output_scale).clamp(-constants.FP8_E4M3_MAX, constants.FP8_E4M3_MAX))
     elif not direct:
         output.copy_(reduced)
 
 
-def _rescale(scaled, merged_lse, partial_output, lses, qsl, cus, rank, params, lse_layout) -> None:
+def _rescale(scaled, merged_lse, partial_output, lses, qsl, cus, rank, params, ptwc, lse_layout) -> None:
     """`scaled` [N, T, H / N, D]: group j holds heads [j * H / N, (j + 1) * H / N) of this rank's weighted partial,
     the layout `reduce_scatter_tensor` splits along dim 0; `merged_lse` the merged LSE of every head."""
     fused = cus is not None
-    key, plan = c.find_plan("cp_rescale", (scaled, merged_lse, partial_output, lses, qsl, cus),
-                            (lse_layout, params["base2"], params["num_requests"]))
+    key, plan = plans.find_plan("cp_rescale", (scaled, merged_lse, partial_output, lses, qsl, cus),
+                                (lse_layout, params.base2, params.num_requests))
     if plan is None:
         plan = _rescale_plan(scaled, merged_lse, partial_output, lses, cus, params, lse_layout, key)
-        c.remember(key, plan)
+        plans.remember(key, plan)
     grid, ints, constexprs, state = plan
     placeholder = lses  # for the pointers a variant does not read
-    c.launch(_cp_rescale_kernel[lse_layout], grid, (
+    launcher.launch(_cp_rescale_kernel[lse_layout], grid, (
         scaled, placeholder if merged_lse is None else merged_lse, partial_output, lses,
-        qsl if fused else placeholder, cus if fused else placeholder, *ints, params["ptwc"],
-        max(params["num_requests"], 0), rank), constexprs, state)
+        qsl if fused else placeholder, cus if fused else placeholder, *ints, ptwc,
+        max(params.num_requests, 0), rank), constexprs, state)
 
 
 def _rescale_plan(scaled, output_lse, partial_output, lses, cus, params, lse_layout, key):
-    """(grid, the strides and T, the compile-time arguments, `c.launch`'s state) of a rescale launch (cached under
-    `key` when it is not None)."""
+    """The `kernel_launch` of a rescale (cached under `key` when it is not None)."""
     num_partials, num_tokens, heads, head_dim = scaled.shape
     num_heads = partial_output.shape[1]
     fused = cus is not None
-    variant = c.merge_variant(output_lse is not None, fused)
+    variant = tiles.merge_variant(output_lse is not None, fused)
     itemsize = partial_output.element_size()
-    block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize, RESCALE_TILE_PARTIALS)
-    stride_lse_n, stride_lse_h, stride_lse_t = _lses_strides(lses, lse_layout, num_partials, num_heads, num_tokens)
-    olse_strides = (0, 0) if output_lse is None else c.lse_ht_strides("merged_lse", output_lse, lse_layout, num_heads,
-                                                                      num_tokens)
-    return (c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize, RESCALE_TILE_PARTIALS),
-            (*scaled.stride(), *partial_output.stride(), *olse_strides, stride_lse_n, stride_lse_h, stride_lse_t,
-             cus.stride(0) if fused else 0, num_tokens),
-            dict(NUM_PARTIALS=num_partials, NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEADS_PER_GROUP=heads,
-                 BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
-                 SCAN=c.SCAN, N_INTERPRET=c.n_interpret(max(params["num_requests"], 0) + 1),
-                 LSE_BASE2=params["base2"], OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused,
-                 INTERPRET=c.interpreting(), LSE_STEPS=loop_steps(num_partials - 1, num_partials),
-                 num_warps=c.merge_num_warps(variant, RESCALE_TILE_PARTIALS), **c.PARITY_LAUNCH),
-            c.launch_state(key))
+    block_t, block_h, block_d = tiles.merge_tiles("triton", num_heads, head_dim, variant, itemsize,
+                                                  RESCALE_TILE_PARTIALS)
+    stride_lse_n, stride_lse_h, stride_lse_t = checks.lses_strides(lses, lse_layout, num_partials, num_heads,
+                                                                   num_tokens)
+    olse_strides = (0, 0) if output_lse is None else checks.lse_ht_strides("merged_lse", output_lse, lse_layout,
+                                                                           num_heads, num_tokens)
+    return plans.kernel_launch(
+        grid=tiles.merge_grid("triton", num_tokens, num_heads, head_dim, variant, itemsize, RESCALE_TILE_PARTIALS),
+        ints=(*scaled.stride(), *partial_output.stride(), *olse_strides, stride_lse_n, stride_lse_h, stride_lse_t,
+              cus.stride(0) if fused else 0, num_tokens),
+        constexprs=dict(NUM_PARTIALS=num_partials, NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEADS_PER_GROUP=heads,
+                        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
+                        SCAN=tiles.SCAN, N_INTERPRET=_backend.n_interpret(max(params.num_requests, 0) + 1),
+                        LSE_BASE2=params.base2, OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused,
+                        INTERPRET=_backend.interpreting(), LSE_STEPS=tiles.loop_steps(num_partials - 1, num_partials),
+                        num_warps=tiles.merge_num_warps("triton", variant, RESCALE_TILE_PARTIALS),
+                        **_backend.PARITY_LAUNCH),
+        state=launcher.launch_state(key))

@@ -5,8 +5,8 @@ blocks from `qsl[r] // 128 + r` on. A program finds its request by counting, 32 
 step, the requests whose first block is at or before its block (a compare-and-sum, no token->request map),
 then, if that request's chunk is empty, writes -inf over its share of the heads of its tokens (and zeros
 over its share of their output rows): the second grid axis deals a block's head (x dim) tiles round-robin
-over `_common.mask_split` programs, so the zeroing of a few empty requests still spreads over the GPU.
-The count is two-level (`_common._count_keys_le`): chunk starts, then one chunk of 32.
+over `mla_lse_common.tiles.mask_split` programs, so the zeroing of a few empty requests still spreads over the GPU.
+The count is two-level (`_device._count_keys_le`): chunk starts, then one chunk of 32.
 `pallas_impl/mask.py` is the same algorithm, statement by statement.
 """
 
@@ -16,8 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_impl import _common as c
-from triton_impl._common import _count_keys_le
+from mla_lse_common import tiles
+from triton_impl import _backend
+from triton_impl import _checks as checks
+from triton_impl import _launch as launcher
+from triton_impl import _plans as plans
+from triton_impl._device import _count_keys_le
 
 
 @triton.jit
@@ -47,7 +51,7 @@ def _fill_lse(lse_ptr, split, num_splits, t64, t_mask, stride_lse_h, stride_lse_
 
 # Runtime values, never specialised: R and, in [H, T] layout, the LSE head stride (= T). The other LSE stride
 # stays specialised (the unit stride of either layout, and H in [T, H]), which vectorises the -inf stores.
-@c.jit_per_lse_layout(runtime=["num_requests"], lse_head_strides=["stride_lse_h"])
+@_backend.jit_per_lse_layout(runtime=["num_requests"], lse_head_strides=["stride_lse_h"])
 def _mask_empty_context_lse_kernel(
     lse_ptr,  # f32[H, T] via (stride_lse_h, stride_lse_t); written in place
     out_ptr,  # dtype[T, H, D] via (stride_out_t, stride_out_h, stride_out_d); zeroed rows if ZERO_OUTPUT
@@ -62,7 +66,7 @@ def _mask_empty_context_lse_kernel(
     ZERO_OUTPUT: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    # This program's share of its block's head (x dim) tiles (_common.mask_split). The split is a runtime value
+    # This program's share of its block's head (x dim) tiles (tiles.mask_split). The split is a runtime value
     # (it follows T and R without a recompile); a variant whose cap is 1 never splits, and its loops unroll.
     split = tl.program_id(1) if SPLIT_BLOCKS else 0
     num_splits = tl.num_programs(1) if SPLIT_BLOCKS else 1
@@ -123,50 +127,52 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
       ValueError: wrong rank or shape, tensors on different devices, offsets of different lengths, an
         unknown layout; with validate=True, offsets not starting at 0, decreasing, or past T.
     """
-    key, plan = (None, None) if validate else c.find_plan("mask", (lse, query_start_loc, cu_seq_lens, output),
-                                                          lse_layout)
+    key, plan = (None, None) if validate else plans.find_plan("mask", (lse, query_start_loc, cu_seq_lens, output),
+                                                              lse_layout)
     if plan is not None:  # every metadata check passed for this signature: the per-call one only
-        overlaps, launch = plan
-        if not (overlaps and c.partial_overlap(overlaps, dict(output=output, lse=lse))):
+        overlaps, _, launch = plan
+        if not (overlaps and checks.partial_overlap(overlaps, dict(output=output, lse=lse))):
             if launch is not None and has_empty is not False:
                 _launch(launch, lse, query_start_loc, cu_seq_lens, output, lse_layout)
             return
         # an overlap: the checked path below raises its error
 
-    c.check_lse_layout(lse_layout)
-    c.check_tensor("lse", lse, ndim=2, dtypes=(torch.float32,))
+    checks.check_lse_layout(lse_layout)
+    checks.check_tensor("lse", lse, ndim=2, dtypes=(torch.float32,))
     device = lse.device
-    num_requests = c.check_offsets(query_start_loc, cu_seq_lens, device)
+    num_requests = checks.check_offsets(query_start_loc, cu_seq_lens, device)
     num_heads, num_tokens = lse.shape if lse_layout == "HT" else lse.shape[::-1]
-    stride_lse_h, stride_lse_t = c.lse_ht_strides("lse", lse, lse_layout, num_heads, num_tokens)
-    c.check_no_internal_overlap("lse", lse)
+    stride_lse_h, stride_lse_t = checks.lse_ht_strides("lse", lse, lse_layout, num_heads, num_tokens)
+    checks.check_no_internal_overlap("lse", lse)
     overlaps = ()
     if output is not None:
-        c.check_tensor("output", output, ndim=3, dtypes=c.OUTPUT_DTYPES, device=device)
+        checks.check_tensor("output", output, ndim=3, dtypes=checks.OUTPUT_DTYPES, device=device)
         if tuple(output.shape[:2]) != (num_tokens, num_heads):
             raise ValueError(f"output must be [T={num_tokens}, H={num_heads}, D]; got output.shape={tuple(output.shape)}")
-        c.check_no_internal_overlap("output", output)
-        overlaps = c.check_no_partial_overlap("output", output, lse=lse)
+        checks.check_no_internal_overlap("output", output)
+        overlaps = checks.check_no_partial_overlap("output", output, lse=lse)
     if validate:
-        c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
+        checks.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
     launch = None
     if num_requests and num_tokens:
         head_dim = output.shape[2] if output is not None else 1
-        block_h, block_ho, block_d = c.mask_tiles(num_heads, head_dim)
-        launch = (c.mask_grid(num_tokens, num_requests, num_heads, head_dim, output is not None),
-                  (stride_lse_h, stride_lse_t, *(output.stride() if output is not None else (0, 0, 0)), num_requests),
-                  dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_T=c.MASK_BLOCK_T, SCAN=c.SCAN,
-                       N_INTERPRET=c.n_interpret(num_requests), BLOCK_H=block_h, BLOCK_HO=block_ho, BLOCK_D=block_d,
-                       ZERO_OUTPUT=output is not None, SPLIT_BLOCKS=c.mask_split_cap(output is not None) > 1,
-                       num_warps=c.MASK_NUM_WARPS), c.launch_state(key))
-    c.remember(key, (overlaps, launch))
+        block_h, block_ho, block_d = tiles.mask_tiles(num_heads, head_dim)
+        launch = plans.kernel_launch(
+            grid=tiles.mask_grid(num_tokens, num_requests, num_heads, head_dim, output is not None),
+            ints=(stride_lse_h, stride_lse_t, *(output.stride() if output is not None else (0, 0, 0)), num_requests),
+            constexprs=dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_T=tiles.MASK_BLOCK_T, SCAN=tiles.SCAN,
+                            N_INTERPRET=_backend.n_interpret(num_requests), BLOCK_H=block_h, BLOCK_HO=block_ho,
+                            BLOCK_D=block_d, ZERO_OUTPUT=output is not None,
+                            SPLIT_BLOCKS=tiles.mask_split_cap(output is not None) > 1, num_warps=tiles.MASK_NUM_WARPS),
+            state=launcher.launch_state(key))
+    plans.remember(key, plans.plan(overlaps=overlaps, num_tokens=num_tokens, launch=launch))
     if launch is not None and has_empty is not False:
         _launch(launch, lse, query_start_loc, cu_seq_lens, output, lse_layout)
 
 
 def _launch(launch, lse, query_start_loc, cu_seq_lens, output, lse_layout) -> None:
-    """The kernel launch of a plan: (grid, the strides and R, the compile-time arguments, `c.launch`'s state)."""
+    """The kernel launch of a plan's `kernel_launch`."""
     grid, ints, constexprs, state = launch
-    c.launch(_mask_empty_context_lse_kernel[lse_layout], grid,
-             (lse, lse if output is None else output, query_start_loc, cu_seq_lens, *ints),  # lse: a placeholder
-             constexprs, state)
+    launcher.launch(_mask_empty_context_lse_kernel[lse_layout], grid,
+                    (lse, lse if output is None else output, query_start_loc, cu_seq_lens, *ints),  # lse: a placeholder
+                    constexprs, state)

@@ -2,7 +2,7 @@
 
 Grid: `(cdiv(T, BLOCK_T) * cdiv(H, BLOCK_H),)`, head blocks fastest; a program merges a [BLOCK_T, BLOCK_H,
 BLOCK_D] tile (the whole padded head, then as many heads and tokens as fit in the variant's budget,
-`_common.MERGE_TILES`). The fused mask (docs/spec.md 4.5) finds each token's request with the same two-level
+`tiles.MERGE_TILES`). The fused mask (docs/spec.md 4.5) finds each token's request with the same two-level
 32-wide compare-and-sum as the mask kernel.
 
 Float math (docs/spec.md 5), identical to `pallas_impl/merge.py` in operation order: f32 throughout, exp and log from
@@ -18,60 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_impl import _common as c
-from triton_impl._common import _cast_rne, _count_keys_le
-
-if not c.interpreting():
-    from triton.language.extra.cuda import libdevice
-
-# The shared constants as compile-time values (a jitted function may read only constexpr globals).
-LN2 = tl.constexpr(c.LN2)
-LOG2E = tl.constexpr(c.LOG2E)
-FP8_MAX = tl.constexpr(c.FP8_E4M3_MAX)
-
-
-@triton.jit
-def _exp(x, INTERPRET: tl.constexpr):
-    if INTERPRET:  # libdevice does not run in the interpreter
-        return tl.exp(x)
-    else:
-        return libdevice.exp(x)
-
-
-@triton.jit
-def _log(x, INTERPRET: tl.constexpr):
-    if INTERPRET:
-        return tl.log(x)
-    else:
-        return libdevice.log(x)
-
-
-@triton.jit
-def _exp_base(x, LSE_BASE2: tl.constexpr, INTERPRET: tl.constexpr):
-    """exp(x), or for a difference x of base-2 LSEs 2^x = exp(x * ln2) (docs/spec.md 4.3): the weights are computed
-    from differences in the LSEs' own base (x = 0 gives exactly 1)."""
-    if LSE_BASE2:
-        x = x * LN2
-    return _exp(x, INTERPRET)
-
-
-@triton.jit
-def _clean_lse(x):
-    """docs/spec.md 4.1: +inf (FA2's empty row) and NaN read as -inf; no base conversion."""
-    return tl.where((x == float("inf")) | (x != x), float("-inf"), x)
-
-
-@triton.jit
-def _token_requests(qsl_ptr, t, t_mask, num_requests, SCAN: tl.constexpr, N_INTERPRET: tl.constexpr,
-                    FUSED_MASK: tl.constexpr):
-    """(req, in_req) of the fused mask: each token's request (clamped to R - 1) and whether it is in one."""
-    req = t  # placeholders unless FUSED_MASK
-    in_req = t_mask
-    if FUSED_MASK:
-        req = _count_keys_le(qsl_ptr, t, num_requests + 1, 1, 0, SCAN, N_INTERPRET) - 1  # R: padding
-        in_req = t_mask & (req < num_requests)
-        req = tl.minimum(req, num_requests - 1)
-    return req, in_req
+from mla_lse_common import tiles
+from triton_impl import _backend
+from triton_impl import _checks as checks
+from triton_impl import _launch as launcher
+from triton_impl import _plans as plans
+from triton_impl._device import _clean_lse, _exp_base, _merged_lse, _program_tile, _store_output, _token_requests
 
 
 @triton.jit
@@ -87,58 +39,10 @@ def _two_way_weights(p, s, LSE_BASE2: tl.constexpr, INTERPRET: tl.constexpr):
     return m, both_empty, z, pe / z, se / z
 
 
-@triton.jit
-def _store_output(out_ptr, out_ptrs, out, last, copy_t, scale_ptr, thd_mask, FP8_OUT: tl.constexpr,
-                  INTERPRET: tl.constexpr):
-    """The merged f32 tile `out` to `out_ptrs` (docs/spec.md 4.4, 4.6): pass-through tokens take `last` (the
-    suffix, or the last partial) bit for bit where the output has its dtype, else rounded once to the output dtype
-    (through the scale and clamp of a merged row for fp8)."""
-    if FP8_OUT:
-        out = tl.where(copy_t[:, None, None], last.to(tl.float32), out)
-        out = out / tl.load(scale_ptr)
-        out = tl.where(out < -FP8_MAX, -FP8_MAX, out)  # comparisons, not min/max: NaN stays NaN
-        out = tl.where(out > FP8_MAX, FP8_MAX, out)
-        tl.store(out_ptrs, _cast_rne(out, out_ptr.dtype.element_ty, INTERPRET), mask=thd_mask)
-    else:
-        if last.dtype == out_ptr.dtype.element_ty:
-            tl.store(out_ptrs, tl.where(copy_t[:, None, None], last,
-                                        _cast_rne(out, out_ptr.dtype.element_ty, INTERPRET)), mask=thd_mask)
-        else:  # 4.4: another output dtype: the copied row, as f32, takes the one rounding of a merged row
-            out = tl.where(copy_t[:, None, None], last.to(tl.float32), out)
-            tl.store(out_ptrs, _cast_rne(out, out_ptr.dtype.element_ty, INTERPRET), mask=thd_mask)
-
-
-@triton.jit
-def _merged_lse(z, m, empty, copy_t, passthrough, LSE_BASE2: tl.constexpr, INTERPRET: tl.constexpr):
-    """The merge's LSE tile (docs/spec.md 4.2, 4.3, 4.4, 8.4), in the LSEs' base: log(z) + m, or for base 2
-    log(z) * log2(e) + m (m is base 2 there); -inf where every partial is empty (m = 0 there)."""
-    lz = _log(z, INTERPRET)
-    if LSE_BASE2:
-        lz = lz * LOG2E
-    lse = tl.where(empty, float("-inf"), lz) + m
-    return tl.where(copy_t[:, None], passthrough, lse)
-
-
-@triton.jit
-def _program_tile(num_tokens, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """This program's [BLOCK_T, BLOCK_H, BLOCK_D] tile, head blocks fastest (consecutive programs sweep the
-    [T, H, D] buffers front to back): its tokens t, the masks, and 64-bit index columns t64, h64, d64."""
-    num_h_blocks: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
-    pid = tl.program_id(0)
-    t = (pid // num_h_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = (pid % num_h_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    t_mask = t < num_tokens
-    th_mask = t_mask[:, None] & (h < NUM_HEADS)[None, :]
-    thd_mask = th_mask[:, :, None] & (d < HEAD_DIM)[None, None, :]
-    return t, t_mask, th_mask, thd_mask, t.to(tl.int64)[:, None], h.to(tl.int64)[None, :], d.to(tl.int64)[None, None, :]
-
-
 # Runtime values, never specialised: token counts, offsets and, in [H, T] layout, the LSE head strides (= T).
 # The other LSE strides stay specialised (the unit stride of either layout, and H in [T, H]): that vectorises the
 # LSE accesses.
-@c.jit_per_lse_layout(runtime=["num_tokens", "prefill_tokens_with_context", "num_requests"],
+@_backend.jit_per_lse_layout(runtime=["num_tokens", "prefill_tokens_with_context", "num_requests"],
                       lse_head_strides=["stride_olse_h", "stride_plse_h", "stride_slse_h"])
 def _merge_attn_states_kernel(
     out_ptr,  # dtype[T, H, D] (or fp8) via (stride_out_t, stride_out_h, stride_out_d)
@@ -224,15 +128,15 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
       TypeError: a tensor of the wrong dtype.
       ValueError: wrong ranks or shapes, different devices, mismatched offsets, bad options.
     """
-    key, plan = (None, None) if validate else c.find_plan(
+    key, plan = (None, None) if validate else plans.find_plan(
         "merge", (output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse, output_scale,
                   query_start_loc, prefix_cu_seq_lens), (lse_layout, lse_base))
     if plan is not None:  # every metadata check passed for this signature: the per-call ones only
         overlaps, num_tokens, launch = plan
-        if not c.partial_overlap(overlaps, dict(output=output, output_lse=output_lse, prefix_output=prefix_output,
-                                                prefix_lse=prefix_lse, suffix_output=suffix_output,
-                                                suffix_lse=suffix_lse)):
-            prefill_tokens = num_tokens if prefill_tokens_with_context is None else c.check_prefill_tokens(
+        if not checks.partial_overlap(overlaps, dict(output=output, output_lse=output_lse, prefix_output=prefix_output,
+                                                     prefix_lse=prefix_lse, suffix_output=suffix_output,
+                                                     suffix_lse=suffix_lse)):
+            prefill_tokens = num_tokens if prefill_tokens_with_context is None else checks.check_prefill_tokens(
                 prefill_tokens_with_context, num_tokens, False)
             if launch is not None:
                 _launch(launch, output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale,
@@ -240,55 +144,54 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
             return
         # an overlap: the checked path below raises its error
 
-    c.check_lse_layout(lse_layout)
-    base2 = c.check_lse_base(lse_base)
-    c.check_tensor("prefix_output", prefix_output, ndim=3, dtypes=c.OUTPUT_DTYPES)
+    checks.check_lse_layout(lse_layout)
+    base2 = checks.check_lse_base(lse_base)
+    checks.check_tensor("prefix_output", prefix_output, ndim=3, dtypes=checks.OUTPUT_DTYPES)
     device = prefix_output.device
     num_tokens, num_heads, head_dim = prefix_output.shape
-    c.check_tensor("suffix_output", suffix_output, ndim=3, dtypes=(prefix_output.dtype,), device=device)
+    checks.check_tensor("suffix_output", suffix_output, ndim=3, dtypes=(prefix_output.dtype,), device=device)
     if suffix_output.shape != prefix_output.shape:
         raise ValueError(f"suffix_output must match prefix_output [T, H, D]; got suffix_output.shape="
                          f"{tuple(suffix_output.shape)}, prefix_output.shape={tuple(prefix_output.shape)}")
-    fp8 = c.check_output(output, prefix_output, output_scale)
+    fp8 = checks.check_output(output, prefix_output, output_scale)
     lse_strides = []  # (h, t) strides in the kernel's order: output_lse, prefix_lse, suffix_lse
     for name, x in (("output_lse", output_lse), ("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse)):
         if x is None:
             lse_strides += [0, 0]
             continue
-        c.check_tensor(name, x, ndim=2, dtypes=(torch.float32,), device=device)
-        lse_strides += c.lse_ht_strides(name, x, lse_layout, num_heads, num_tokens)
+        checks.check_tensor(name, x, ndim=2, dtypes=(torch.float32,), device=device)
+        lse_strides += checks.lse_ht_strides(name, x, lse_layout, num_heads, num_tokens)
     lse_overlaps = ()
     if output_lse is not None:
-        c.check_no_internal_overlap("output_lse", output_lse)
-        lse_overlaps = c.check_no_partial_overlap("output_lse", output_lse, prefix_lse=prefix_lse,
-                                                  suffix_lse=suffix_lse, output=output)
-    out_overlaps = c.check_no_partial_overlap("output", output, prefix_output=prefix_output,
-                                              suffix_output=suffix_output)
-    if (query_start_loc is None) != (prefix_cu_seq_lens is None):
-        raise ValueError("query_start_loc and prefix_cu_seq_lens go together (the fused mask); got only "
-                         + ("query_start_loc" if query_start_loc is not None else "prefix_cu_seq_lens"))
-    fused = query_start_loc is not None
+        checks.check_no_internal_overlap("output_lse", output_lse)
+        lse_overlaps = checks.check_no_partial_overlap("output_lse", output_lse, prefix_lse=prefix_lse,
+                                                       suffix_lse=suffix_lse, output=output)
+    out_overlaps = checks.check_no_partial_overlap("output", output, prefix_output=prefix_output,
+                                                   suffix_output=suffix_output)
+    fused = checks.check_fused_pair(query_start_loc, prefix_cu_seq_lens, "prefix_cu_seq_lens")
     num_requests = 0
     if fused:
-        num_requests = c.check_offsets(query_start_loc, prefix_cu_seq_lens, device, cu_name="prefix_cu_seq_lens")
+        num_requests = checks.check_offsets(query_start_loc, prefix_cu_seq_lens, device, cu_name="prefix_cu_seq_lens")
         fused = num_requests > 0  # no request, nothing to mask
-    prefill_tokens = c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
+    prefill_tokens = checks.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
     if validate and fused:
-        c.check_offset_values(query_start_loc, prefix_cu_seq_lens, num_tokens, cu_name="prefix_cu_seq_lens")
+        checks.check_offset_values(query_start_loc, prefix_cu_seq_lens, num_tokens, cu_name="prefix_cu_seq_lens")
     launch = None
     if num_tokens and num_heads:
-        variant = c.merge_variant(output_lse is not None, fused)
+        variant = tiles.merge_variant(output_lse is not None, fused)
         itemsize = prefix_output.element_size()
-        block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize)
-        launch = (
-            c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize), fused,
-            (*output.stride(), *prefix_output.stride(), *suffix_output.stride(), *lse_strides, num_tokens),
-            num_requests,
-            dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
-                 SCAN=c.SCAN, N_INTERPRET=c.n_interpret(num_requests + 1), LSE_BASE2=base2,
-                 OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused, FP8_OUT=fp8, INTERPRET=c.interpreting(),
-                 num_warps=c.merge_num_warps(variant), **c.PARITY_LAUNCH), c.launch_state(key))
-    c.remember(key, (lse_overlaps + out_overlaps, num_tokens, launch))
+        block_t, block_h, block_d = tiles.merge_tiles("triton", num_heads, head_dim, variant, itemsize)
+        launch = plans.merge_launch(
+            grid=tiles.merge_grid("triton", num_tokens, num_heads, head_dim, variant, itemsize), fused=fused,
+            ints=(*output.stride(), *prefix_output.stride(), *suffix_output.stride(), *lse_strides, num_tokens),
+            num_requests=num_requests,
+            constexprs=dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
+                            SCAN=tiles.SCAN, N_INTERPRET=_backend.n_interpret(num_requests + 1), LSE_BASE2=base2,
+                            OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused, FP8_OUT=fp8,
+                            INTERPRET=_backend.interpreting(), num_warps=tiles.merge_num_warps("triton", variant),
+                            **_backend.PARITY_LAUNCH),
+            state=launcher.launch_state(key))
+    plans.remember(key, plans.plan(overlaps=lse_overlaps + out_overlaps, num_tokens=num_tokens, launch=launch))
     if launch is not None:
         _launch(launch, output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale,
                 query_start_loc, prefix_cu_seq_lens, prefill_tokens, lse_layout)
@@ -296,11 +199,10 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
 
 def _launch(launch, output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale,
             query_start_loc, prefix_cu_seq_lens, prefill_tokens, lse_layout) -> None:
-    """The kernel launch of a plan: (grid, fused, the strides and T, R, the compile-time arguments, `c.launch`'s
-    state)."""
+    """The kernel launch of a plan's `merge_launch`."""
     grid, fused, ints, num_requests, constexprs, state = launch
     placeholder = prefix_lse  # for the pointers a variant does not read
-    c.launch(_merge_attn_states_kernel[lse_layout], grid, (
+    launcher.launch(_merge_attn_states_kernel[lse_layout], grid, (
         output, placeholder if output_lse is None else output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse,
         placeholder if output_scale is None else output_scale,
         query_start_loc if fused else placeholder, prefix_cu_seq_lens if fused else placeholder,

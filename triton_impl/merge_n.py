@@ -2,10 +2,10 @@
 
 The context-parallel building block: N partials stacked on a leading axis, as an all-gather produces them.
 Grid: `(cdiv(T, BLOCK_T) * cdiv(H, BLOCK_H),)`, head blocks fastest, as the 2-way merge; a program merges a
-[BLOCK_T, BLOCK_H, BLOCK_D] tile of every partial (`_common.MERGE_N_TILES`). The loops over the N partials unroll
+[BLOCK_T, BLOCK_H, BLOCK_D] tile of every partial (`tiles.MERGE_N_TILES`). The loops over the N partials unroll
 (`tl.static_range`) up to N = UNROLLED_PARTIALS and beyond run in runtime steps of PARTIALS_PER_STEP partials
-(`range`, which Triton does not unroll), so the compile time stays short at every N; each pass does the spec's
-operations in index order either way (docs/spec.md 8). Three passes over
+(`range`, which Triton does not unroll; `mla_lse_common.constants`, `tiles.loop_steps`), so the compile time stays
+short at every N; each pass does the spec's operations in index order either way (docs/spec.md 8). Three passes over
 the partials' LSE tiles: the largest LSE, the sum of the exponentials, then the weighted sum of the outputs;
 an LSE tile is reloaded (from cache) and its exponential recomputed in each pass, which gives the same bits.
 The fused mask finds each token's request once, with the two-level 32-wide compare-and-sum of the mask
@@ -24,92 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_impl import _common as c
-from triton_impl.merge import _clean_lse, _exp_base, _merged_lse, _program_tile, _store_output, _token_requests
-
-# The loops over the partials (docs/spec.md 8, "Any N") unroll up to N = UNROLLED_PARTIALS (fast code, a short
-# compile); beyond, they run in runtime steps of PARTIALS_PER_STEP partials (each step unrolled: its loads are in
-# flight together), the last count % PARTIALS_PER_STEP unrolled: a compile that does not grow with N. The same
-# operations in the same order, so the same bits. Equal to pallas_impl/_math.py's.
-UNROLLED_PARTIALS = 16
-PARTIALS_PER_STEP = 4
-
-
-def loop_steps(count: int, num_partials: int) -> int:
-    """The runtime steps of a loop over `count` of the N = `num_partials` partials (0: all unrolled)."""
-    return 0 if num_partials <= UNROLLED_PARTIALS else max(count, 0) // PARTIALS_PER_STEP
-
-
-STEP = tl.constexpr(PARTIALS_PER_STEP)  # a jitted function reads constexpr globals only
-
-
-@triton.jit
-def _empty_tokens(cu_ptr, req, in_req):
-    """bool[BLOCK_T]: the tokens of requests with no KV in the partial whose offsets are `cu_ptr` (8.1)."""
-    return in_req & (tl.load(cu_ptr + req + 1) == tl.load(cu_ptr + req))
-
-
-@triton.jit
-def _copied_lse(last_raw, last_cu_ptr, req, in_req, FUSED_MASK: tl.constexpr):
-    """The pass-through LSE tile (8.4): the last partial's raw bits; the fused mask reaches them too (the mask,
-    then the merge): -inf for a token of a request with no KV in the last partial."""
-    if FUSED_MASK:
-        last_raw = tl.where(_empty_tokens(last_cu_ptr, req, in_req)[:, None], float("-inf"), last_raw)
-    return last_raw
-
-
-@triton.jit
-def _partial_lse(lse_ptr, lse_offs, th_mask, cu_ptr, req, in_req, FUSED_MASK: tl.constexpr):
-    """f32[BLOCK_T, BLOCK_H]: one partial's LSE tile in the LSEs' base, empty rows -inf (8.1)."""
-    lse = _clean_lse(tl.load(lse_ptr + lse_offs, mask=th_mask, other=float("-inf")))  # 4.1
-    if FUSED_MASK:  # 8.1: a token of a request with no KV in this partial has LSE -inf
-        lse = tl.where(_empty_tokens(cu_ptr, req, in_req)[:, None], float("-inf"), lse)
-    return lse
-
-
-@triton.jit
-def _max_step(m, i, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
-              FUSED_MASK: tl.constexpr):
-    """max(m, lse_i): one step of the maximum (8.2)."""
-    return tl.maximum(m, _partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n, req,
-                                      in_req, FUSED_MASK))
-
-
-@triton.jit
-def _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
-                 NUM_PARTIALS: tl.constexpr, LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr,
-                 INTERPRET: tl.constexpr, LSE_STEPS: tl.constexpr):
-    """(m, all_empty, z) of the N-way weights (8.2, 8.3): the largest LSE (0 where every partial is empty) and
-    z = e_0 + ... + e_{N-1} in index order. Partials 1 .. N-1 in LSE_STEPS runtime steps of STEP partials (a
-    runtime loop, `range`, each step unrolled), then the rest unrolled (`tl.static_range`); LSE_STEPS = 0 up to
-    N = UNROLLED_PARTIALS: all unrolled. The same operations in the same order either way."""
-    m = _partial_lse(lses_ptr, lse_offs, th_mask, cu_ptr, req, in_req, FUSED_MASK)
-    for k in range(0, LSE_STEPS):
-        for j in tl.static_range(STEP):
-            m = _max_step(m, 1 + k * STEP + j, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req,
-                          in_req, FUSED_MASK)
-    for i in tl.static_range(1 + LSE_STEPS * STEP, NUM_PARTIALS):
-        m = _max_step(m, i, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, FUSED_MASK)
-    all_empty = m == float("-inf")
-    m = tl.where(all_empty, 0.0, m)
-    z = _partial_exp(lses_ptr, stride_lse_n, 0, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, LSE_BASE2,
-                     FUSED_MASK, INTERPRET)
-    for k in range(0, LSE_STEPS):
-        for j in tl.static_range(STEP):
-            z = z + _partial_exp(lses_ptr, stride_lse_n, 1 + k * STEP + j, lse_offs, th_mask, cu_ptr, stride_cu_n,
-                                 req, in_req, m, LSE_BASE2, FUSED_MASK, INTERPRET)
-    for i in tl.static_range(1 + LSE_STEPS * STEP, NUM_PARTIALS):
-        z = z + _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
-                             LSE_BASE2, FUSED_MASK, INTERPRET)
-    return m, all_empty, z
-
-
-@triton.jit
-def _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
-                 LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr, INTERPRET: tl.constexpr):
-    """e_i = exp(lse_i - m) (base 2: exp((lse_i - m) * ln2)) of partial i (8.3); its weight is e_i / z."""
-    return _exp_base(_partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n, req,
-                                  in_req, FUSED_MASK) - m, LSE_BASE2, INTERPRET)
+from mla_lse_common import tiles
+from triton_impl import _backend
+from triton_impl import _checks as checks
+from triton_impl import _launch as launcher
+from triton_impl import _plans as plans
+from triton_impl._device import (STEP, _copied_lse, _max_and_sum, _merged_lse, _partial_exp, _program_tile,
+                                 _store_output, _token_requests, _weighted)
 
 
 @triton.jit
@@ -122,17 +43,11 @@ def _out_step(out, i, outs_ptr, stride_o_n, o_offs, thd_mask, lses_ptr, stride_l
     return out + _weighted(tl.load(outs_ptr + i * stride_o_n + o_offs, mask=thd_mask, other=0.0), w)
 
 
-@triton.jit
-def _weighted(x, w):
-    # 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
-    return tl.where(w[:, :, None] > 0.0, x.to(tl.float32) * w[:, :, None], 0.0)
-
-
 # Runtime values, never specialised: token counts, offsets, and the strides that follow T or R (the LSE
 # partial stride, the offsets' partial stride and, in [H, T] layout, the LSE head strides). The other LSE strides
 # and the output strides (multiples of H * D) stay specialised: their divisibility lets the loads of every
 # partial's tile be 16 bytes wide.
-@c.jit_per_lse_layout(runtime=["num_tokens", "prefill_tokens_with_context", "num_requests", "stride_lse_n",
+@_backend.jit_per_lse_layout(runtime=["num_tokens", "prefill_tokens_with_context", "num_requests", "stride_lse_n",
                                "stride_cu_n"], lse_head_strides=["stride_olse_h", "stride_lse_h"])
 def _merge_attn_states_n_kernel(
     out_ptr,  # dtype[T, H, D] (or fp8) via (stride_out_t, stride_out_h, stride_out_d)
@@ -204,22 +119,9 @@ def _merge_attn_states_n_kernel(
         tl.store(out_lse_ptr + h64 * stride_olse_h + t64 * stride_olse_t, lse, mask=th_mask)
 
 
-def _lses_strides(lses: torch.Tensor, lse_layout: str, num_partials: int, num_heads: int, num_tokens: int):
-    """(stride_n, stride_h, stride_t) of stacked LSEs given in `lse_layout`, after checking their shape."""
-    want = (num_partials, num_heads, num_tokens) if lse_layout == "HT" else (num_partials, num_tokens, num_heads)
-    if tuple(lses.shape) != want:
-        if lses.shape[0] != num_partials:
-            raise ValueError(f"outputs and lses disagree on N: outputs has {num_partials} partials, "
-                             f"lses.shape={tuple(lses.shape)}")
-        raise ValueError(f"lses must be f32{list(want)} for lse_layout={lse_layout!r}; got lses.shape={tuple(lses.shape)}")
-    s0, s1, s2 = lses.stride()
-    stride_h, stride_t = (s1, s2) if lse_layout == "HT" else (s2, s1)
-    if num_tokens == 1:  # any stride indexes a size-1 dim: the contiguous one, so T = 1 compiles nothing new
-        stride_t = 1 if lse_layout == "HT" else num_heads
-    return s0, stride_h, stride_t
-
-
 EMPTY = "empty"  # the launch plan of N = 0: no kernel, output 0 and LSE -inf (docs/spec.md 8.2)
+
+
 def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_with_context=None,
                         output_scale=None, *, query_start_loc=None, cu_seq_lens=None, lse_layout="HT",
                         lse_base=math.e, validate=False) -> None:
@@ -249,13 +151,13 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
       ValueError: wrong ranks or shapes (outputs and lses disagreeing on N, cu_seq_lens not [N, R+1]),
         different devices, an overlapping output, bad options.
     """
-    key, plan = (None, None) if validate else c.find_plan(
+    key, plan = (None, None) if validate else plans.find_plan(
         "merge_n", (output, outputs, lses, output_lse, output_scale, query_start_loc, cu_seq_lens),
         (lse_layout, lse_base))
     if plan is not None:  # every metadata check passed for this signature: the per-call ones only
         overlaps, num_tokens, launch = plan
-        if not c.partial_overlap(overlaps, dict(output=output, output_lse=output_lse, outputs=outputs, lses=lses)):
-            prefill_tokens = num_tokens if prefill_tokens_with_context is None else c.check_prefill_tokens(
+        if not checks.partial_overlap(overlaps, dict(output=output, output_lse=output_lse, outputs=outputs, lses=lses)):
+            prefill_tokens = num_tokens if prefill_tokens_with_context is None else checks.check_prefill_tokens(
                 prefill_tokens_with_context, num_tokens, False)
             if launch is not None:
                 _launch(launch, output, output_lse, outputs, lses, output_scale, query_start_loc, cu_seq_lens,
@@ -263,30 +165,28 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
             return
         # an overlap: the checked path below raises its error
 
-    c.check_lse_layout(lse_layout)
-    base2 = c.check_lse_base(lse_base)
-    c.check_tensor("outputs", outputs, ndim=4, dtypes=c.OUTPUT_DTYPES)
+    checks.check_lse_layout(lse_layout)
+    base2 = checks.check_lse_base(lse_base)
+    checks.check_tensor("outputs", outputs, ndim=4, dtypes=checks.OUTPUT_DTYPES)
     device = outputs.device
     num_partials, num_tokens, num_heads, head_dim = outputs.shape
-    fp8 = c.check_output(output, outputs, output_scale)
-    c.check_tensor("lses", lses, ndim=3, dtypes=(torch.float32,), device=device)
-    stride_lse_n, stride_lse_h, stride_lse_t = _lses_strides(lses, lse_layout, num_partials, num_heads, num_tokens)
+    fp8 = checks.check_output(output, outputs, output_scale)
+    checks.check_tensor("lses", lses, ndim=3, dtypes=(torch.float32,), device=device)
+    stride_lse_n, stride_lse_h, stride_lse_t = checks.lses_strides(lses, lse_layout, num_partials, num_heads,
+                                                                   num_tokens)
     olse_strides, lse_overlaps = (0, 0), ()
     if output_lse is not None:
-        c.check_tensor("output_lse", output_lse, ndim=2, dtypes=(torch.float32,), device=device)
-        olse_strides = c.lse_ht_strides("output_lse", output_lse, lse_layout, num_heads, num_tokens)
-        c.check_no_internal_overlap("output_lse", output_lse)
-        lse_overlaps = c.check_no_partial_overlap("output_lse", output_lse, lses=lses, output=output)
-    out_overlaps = c.check_no_partial_overlap("output", output, outputs=outputs)
-    if (query_start_loc is None) != (cu_seq_lens is None):
-        raise ValueError("query_start_loc and cu_seq_lens go together (the fused mask); got only "
-                         + ("query_start_loc" if query_start_loc is not None else "cu_seq_lens"))
-    fused = query_start_loc is not None
+        checks.check_tensor("output_lse", output_lse, ndim=2, dtypes=(torch.float32,), device=device)
+        olse_strides = checks.lse_ht_strides("output_lse", output_lse, lse_layout, num_heads, num_tokens)
+        checks.check_no_internal_overlap("output_lse", output_lse)
+        lse_overlaps = checks.check_no_partial_overlap("output_lse", output_lse, lses=lses, output=output)
+    out_overlaps = checks.check_no_partial_overlap("output", output, outputs=outputs)
+    fused = checks.check_fused_pair(query_start_loc, cu_seq_lens, "cu_seq_lens")
     num_requests = 0
     cu_given = cu_seq_lens
     if fused:
-        c.check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=device)
-        c.check_tensor("cu_seq_lens", cu_seq_lens, ndim=2, dtypes=(torch.int32,), device=device)
+        checks.check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=device)
+        checks.check_tensor("cu_seq_lens", cu_seq_lens, ndim=2, dtypes=(torch.int32,), device=device)
         if query_start_loc.shape[0] < 1:
             raise ValueError("query_start_loc must have R+1 >= 1 entries, got an empty tensor")
         num_requests = query_start_loc.shape[0] - 1
@@ -296,32 +196,34 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
         if cu_seq_lens.stride(1) != 1:
             cu_seq_lens = cu_seq_lens.contiguous()  # a read-only copy of R+1 offsets per partial
         fused = num_requests > 0  # no request, nothing to mask
-    prefill_tokens = c.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
+    prefill_tokens = checks.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
     if validate and fused:
-        c.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
+        checks.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
     launch = None
     if num_partials == 0:  # 8.2: no partial, every row empty (pass-through rows too: there is no last partial)
         launch = EMPTY
     elif num_tokens and num_heads:
-        variant = c.merge_variant(output_lse is not None, fused)
+        variant = tiles.merge_variant(output_lse is not None, fused)
         itemsize = outputs.element_size()
-        block_t, block_h, block_d = c.merge_tiles(num_heads, head_dim, variant, itemsize, num_partials)
-        launch = (
-            c.merge_grid(num_tokens, num_heads, head_dim, variant, itemsize, num_partials), fused,
-            (*output.stride(), *outputs.stride(), *olse_strides, stride_lse_n, stride_lse_h, stride_lse_t,
-             cu_seq_lens.stride(0) if fused else 0, num_tokens),
-            num_requests,
-            dict(NUM_PARTIALS=num_partials, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-                 BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
-                 SCAN=c.SCAN, N_INTERPRET=c.n_interpret(num_requests + 1),
-                 LSE_BASE2=base2, OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused, FP8_OUT=fp8,
-                 INTERPRET=c.interpreting(), LSE_STEPS=loop_steps(num_partials - 1, num_partials),
-                 OUT_STEPS=loop_steps(num_partials - 2, num_partials),
-                 num_warps=c.merge_num_warps(variant, num_partials), **c.PARITY_LAUNCH),
-            c.launch_state(key))
+        block_t, block_h, block_d = tiles.merge_tiles("triton", num_heads, head_dim, variant, itemsize, num_partials)
+        launch = plans.merge_launch(
+            grid=tiles.merge_grid("triton", num_tokens, num_heads, head_dim, variant, itemsize, num_partials),
+            fused=fused,
+            ints=(*output.stride(), *outputs.stride(), *olse_strides, stride_lse_n, stride_lse_h, stride_lse_t,
+                  cu_seq_lens.stride(0) if fused else 0, num_tokens),
+            num_requests=num_requests,
+            constexprs=dict(NUM_PARTIALS=num_partials, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+                            BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
+                            SCAN=tiles.SCAN, N_INTERPRET=_backend.n_interpret(num_requests + 1),
+                            LSE_BASE2=base2, OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused, FP8_OUT=fp8,
+                            INTERPRET=_backend.interpreting(),
+                            LSE_STEPS=tiles.loop_steps(num_partials - 1, num_partials),
+                            OUT_STEPS=tiles.loop_steps(num_partials - 2, num_partials),
+                            num_warps=tiles.merge_num_warps("triton", variant, num_partials), **_backend.PARITY_LAUNCH),
+            state=launcher.launch_state(key))
     # A non-contiguous cu_seq_lens row is copied per call: no plan for it (its copy would be the launch's pointer).
     if not (fused and cu_seq_lens is not cu_given):
-        c.remember(key, (lse_overlaps + out_overlaps, num_tokens, launch))
+        plans.remember(key, plans.plan(overlaps=lse_overlaps + out_overlaps, num_tokens=num_tokens, launch=launch))
     if launch is not None:
         _launch(launch, output, output_lse, outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens,
                 lse_layout)
@@ -329,7 +231,7 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
 
 def _launch(launch, output, output_lse, outputs, lses, output_scale, query_start_loc, cu_seq_lens,
             prefill_tokens, lse_layout) -> None:
-    """The kernel launch of a plan: (grid, fused, the strides and T, R, the compile-time arguments, `c.launch`'s
+    """The kernel launch of a plan: (grid, fused, the strides and T, R, the compile-time arguments, `launcher.launch`'s
     state)."""
     if launch is EMPTY:
         output.zero_()
@@ -338,7 +240,7 @@ def _launch(launch, output, output_lse, outputs, lses, output_scale, query_start
         return
     grid, fused, ints, num_requests, constexprs, state = launch
     placeholder = lses  # for the pointers a variant does not read
-    c.launch(_merge_attn_states_n_kernel[lse_layout], grid, (
+    launcher.launch(_merge_attn_states_n_kernel[lse_layout], grid, (
         output, placeholder if output_lse is None else output_lse, outputs, lses,
         placeholder if output_scale is None else output_scale,
         query_start_loc if fused else placeholder, cu_seq_lens if fused else placeholder,

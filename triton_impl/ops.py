@@ -3,9 +3,9 @@
 For `torch.compile` (the ops are opaque to it and declare the tensors they write, so functionalisation and
 re-inplacing see the writes), CUDA-graph capture and vLLM-style call sites that dispatch through `torch.ops`.
 Each op is the plain function of the same name (same arguments, same validation, same kernel); the plain
-functions stay the documented API because they launch faster (the dispatcher adds a few microseconds a
-call; docs/results.md). Registered with `Library.define` + `impl` (a `torch.library.custom_op` costs several
-times more per call, measured on torch 2.13), with fake implementations for tracing. The context-parallel
+functions stay the documented API because they skip the dispatcher's per-call cost (docs/design.md,
+"torch.library and in-place safety"). Registered with `Library.define` + `impl`, cheaper per call than a
+`torch.library.custom_op` (same section), with fake implementations for tracing. The context-parallel
 combine is not an op: its process-group argument has no schema type.
 """
 

@@ -8,7 +8,7 @@ the GPU): the fused mask's per-token emptiness from the offsets (`jnp_fallback._
 LSE, `[T, H]` layouts (transposed), and `T < 128` (padded with empty rows). Inside the kernel, per-token flag rows
 set the fused mask's raw LSEs to -inf and give pass-through rows of the output the last partial's own bits. For the
 common call (`[H, T]` LSEs, T >= 128, no fused mask, no pass-through, no fp8) what runs in XLA is reshapes only: no
-kernel but the merge (docs/results.md, session 6).
+kernel but the merge.
 
 Why this split (docs/design.md, "Mosaic GPU backend"): Mosaic GPU has no masked loads or stores, its TMA copies need
 16-byte aligned rows (an `[H, T]` LSE row at an odd T is not), its Warpgroup layout inference needs tiles of
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_impl import _math, jnp_fallback
+from pallas_impl import _backend, _math, jnp_fallback
 
 BLOCK_T = 128  # tokens per tile: a Warpgroup row vector needs a multiple of 128 elements
 MAX_COLS = 256  # a TMA box dimension holds at most 256 elements: wider heads are split into column chunks
@@ -34,19 +34,18 @@ MAX_PARTIALS = 64
 # Launch choices per kernel (they change which CTA owns a tile, never an element's arithmetic):
 # steps: token tiles per CTA (one emit_pipeline); concurrent: pipelined steps in flight; tile_bytes: the most bytes
 # of one [128, dc] input tile; stores: output tiles whose TMA stores may be in flight (1 or 2 shared-memory slots;
-# per-thread stores from registers instead were slower: docs/results.md, session 7).
+# docs/design.md, "Mosaic GPU backend", says why stores go through shared memory).
 # The 2-way merge keeps 2 inputs x `concurrent` tiles in shared memory, the N-way and the rescale 1 x `concurrent`:
 # smaller 2-way tiles keep two CTAs per SM (228 KiB of shared memory on an H100/H200).
-# `scripts/mosaic_speed.py` sweeps these on the GPU (it sets them here and clears jax's caches). Its 2-way sweep of
-# session 6 (docs/results.md): 32 KiB merge tiles 91-92% at T = 32K against 86%, but 80-81% against 85-86% at 2K;
-# so the 2-way merge takes `long_tile_bytes` from `long_tokens` padded tokens on (`merge_tuning`).
+# `scripts/mosaic_speed.py` sweeps these on the GPU (it sets them here and clears jax's caches). The 2-way merge
+# takes `long_tile_bytes` from `long_tokens` padded tokens on (`merge_tuning`): larger tiles pay at long T only.
 TUNING = {
     "merge": dict(steps=8, concurrent=2, tile_bytes=16 * 1024, stores=2, long_tokens=16384, long_tile_bytes=32 * 1024),
     "merge_n": dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1),
     "cp_rescale": dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2),
     # heads: LSE rows (of 128 tokens) per CTA; the output rows are split as many ways as the heads.
     # tokens: output rows (of one head group's share) per TMA store of zeros. "mask_lse": without output zeroing
-    # (from the H200 sweep of scripts/mosaic_speed.py, docs/results.md).
+    # (`scripts/mosaic_speed.py` sweeps both).
     # offsets_in_smem: with fewer than 128 requests, search copies of the offsets in shared memory.
     "mask": dict(heads=8, tokens=8, offsets_in_smem=True),
     "mask_lse": dict(heads=16, offsets_in_smem=True),
@@ -57,8 +56,8 @@ TUNING = {
 def plgpu():
     """The Mosaic GPU Pallas module, imported on first use (the `mosaic` extra: jax >= 0.11, and absl-py for
     jax's Mosaic GPU interpreter)."""
-    if not _math.has_mosaic_gpu():
-        need = ".".join(map(str, _math.MOSAIC_MIN_JAX))
+    if not _backend.has_mosaic_gpu():
+        need = ".".join(map(str, _backend.MOSAIC_MIN_JAX))
         raise NotImplementedError(f"backend='mosaic_gpu' needs jax >= {need} (its layout "
                                   f"inference and plgpu.kernel API); this is jax {jax.__version__}: use "
                                   "backend='triton'")

@@ -1,8 +1,8 @@
 """The context-parallel rescale kernel (docs/spec.md 9, method "reduce_scatter") on Mosaic GPU:
 `backend="mosaic_gpu"`.
 
-Experimental (docs/design.md, "Mosaic GPU backend"): with jax 0.11.2 on a CPU, lowered for the GPU and run in jax's
-Mosaic GPU interpreter against the reference (tests/test_pallas_mosaic.py).
+Experimental (docs/design.md, "Mosaic GPU backend"): tested against the reference in jax's Mosaic GPU interpreter
+(tests/test_pallas_mosaic.py).
 
 Each device scales its own partial by its N-way weight, as `pallas_impl/cp_merge.py`'s Triton-backend kernel does,
 in its order: the N-way maximum and sum of every device's LSE (`_math.n_way_max_and_sum`), `w = exp(lse_rank - m) /
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_impl import _common as c
+from pallas_impl import _checks, _sharding
 from pallas_impl import _math
 from pallas_impl.mosaic import _common as mc
 
@@ -57,7 +57,8 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                     row = jnp.where(mc.strided_row(e_g, k * num_tokens + t0) > 0, -jnp.inf, row)
                 return _math.clean_lse(row)
 
-            m, all_empty, _, z = _math.n_way_max_and_sum([row_of(k) for k in range(num_partials)], lse_base2)
+            rows = [row_of(k) for k in range(num_partials)]
+            m, all_empty, _, z = _math.n_way_max_and_sum(rows.__getitem__, num_partials, lse_base2, unroll=True)
             w_smem[0] = _math.exp_base(row_of(rank) - m, lse_base2) / z  # 8.2, 8.3: partial `rank`'s weight
             w_smem[1] = jnp.where(all_empty, 1.0, 0.0)
             if copy_rows:
@@ -94,7 +95,7 @@ def rescale_mosaic(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with
     mc.check_partials(num_partials)
     num_tokens, num_heads, head_dim = part.shape
     dc = mc.column_chunk(head_dim, jnp.dtype(part.dtype).itemsize, mc.TUNING["cp_rescale"]["tile_bytes"])
-    prefill = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
+    prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     empties = mc.fused_empties(query_start_loc, cu_seq_lens, num_tokens)
     lf = mc.stacked_lse_rows(lses, lse_layout)
@@ -106,9 +107,9 @@ def rescale_mosaic(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
     tp = max(num_tokens, mc.BLOCK_T)
-    out_type = [c.out_struct((tp, num_heads * head_dim), reduce_dtype, *args)]
+    out_type = [_sharding.out_struct((tp, num_heads * head_dim), reduce_dtype, *args)]
     if return_lse:
-        out_type.append(c.out_struct((num_heads * tp,), F32, *args))
+        out_type.append(_sharding.out_struct((num_heads * tp,), F32, *args))
     results = _kernel(num_partials, tp, num_heads, head_dim, dc, out_type, output_lse=return_lse,
                       empty_rows=empties is not None, copy_rows=copy_rows, lse_base2=lse_base2,
                       interpret=interpret)(*args)

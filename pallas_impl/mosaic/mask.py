@@ -1,7 +1,7 @@
 """The empty-context LSE mask (docs/spec.md 3) as a Mosaic GPU kernel: `backend="mosaic_gpu"`.
 
-Experimental (docs/design.md, "Mosaic GPU backend"): with jax 0.11.2 on a CPU, lowered for the GPU and run in jax's
-Mosaic GPU interpreter against the reference on every ci case (tests/test_pallas_mosaic.py).
+Experimental (docs/design.md, "Mosaic GPU backend"): tested against the reference in jax's Mosaic GPU interpreter
+(tests/test_pallas_mosaic.py).
 
 In place: the LSE (and output) enter the kernel as JAX refs, which the kernel call aliases to its results
 (input_output_aliases), so under `jax.jit(..., donate_argnames=...)` nothing is copied. Mosaic GPU has no masked
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_impl import _common as c
+from pallas_impl import _sharding
 from pallas_impl import jnp_fallback
 from pallas_impl.mosaic import _common as mc
 
@@ -220,7 +220,7 @@ def mask_mosaic(lse, query_start_loc, cu_seq_lens, output, *, lse_layout, interp
     num_heads, num_tokens = lse.shape if lse_layout == "HT" else lse.shape[::-1]
     num_requests = query_start_loc.shape[0] - 1
     zero_output = output is not None
-    if c.varying(lse) or (zero_output and c.varying(output)):  # inside shard_map with check_vma: XLA
+    if _sharding.varying(lse) or (zero_output and _sharding.varying(output)):  # inside shard_map with check_vma: XLA
         return jnp_fallback.mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output, lse_layout=lse_layout)
     zero_tile = (1, 1, 1, 1)
     if zero_output:

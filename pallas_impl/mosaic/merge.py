@@ -1,16 +1,14 @@
 """The 2-way merge (docs/spec.md 4) as a Mosaic GPU kernel: `backend="mosaic_gpu"`.
 
-Experimental (docs/design.md, "Mosaic GPU backend"): with jax 0.11.2 on a CPU, lowered for the GPU and run in jax's
-Mosaic GPU interpreter against the reference on every ci case (tests/test_pallas_mosaic.py); compiled on the H200,
-0 differing bits against the Triton backend on every ci case (docs/results.md, session 5).
+Experimental (docs/design.md, "Mosaic GPU backend"): tested against the reference in jax's Mosaic GPU interpreter
+(tests/test_pallas_mosaic.py) and, compiled, bit for bit against the Triton backend (`python -m parity check`).
 
 Grid: (H * D / dc, token splits) CTAs; a CTA pipelines `TUNING["merge"]["steps"]` tiles of 128 tokens of the
 `[T, H * D]` views of the prefix and the suffix (`emit_pipeline`, TMA copies of `[128, dc]` tiles in). At each
 tile the weights are computed one LSE row per thread (per-thread loads: an `[H, T]` row may start anywhere; TMA
 needs 16-byte alignment), as the N-way kernel does, and relaid out through shared memory into the tile's row
-layout; a tile's LSE rows are loaded a step ahead, in the pipeline's carry (+1-2 points of the copy ceiling at
-T = 2K, none at 32K: docs/results.md, session 6); the merged tile leaves by a TMA store from one of the output
-slots in shared memory, the previous store still in flight. The last tile is shifted to end at T: no copy leaves
+layout; a tile's LSE rows are loaded a step ahead, in the pipeline's carry; the merged tile leaves by a TMA store
+from one of the output slots in shared memory, the previous store still in flight. The last tile is shifted to end at T: no copy leaves
 the arrays, and overlapping tiles write identical values. Tiles of `TUNING["merge"]["tile_bytes"]`, from
 `long_tokens` padded tokens `long_tile_bytes` (`mc.merge_tuning`). Launch choices and their shared-memory budget:
 docs/design.md, "Mosaic GPU backend".
@@ -27,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_impl import _common as c
+from pallas_impl import _checks, _sharding
 from pallas_impl import _math
 from pallas_impl.mosaic import _common as mc
 
@@ -115,7 +113,7 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
     tp = max(num_tokens, mc.BLOCK_T)
     dc = mc.column_chunk(head_dim, jnp.dtype(prefix_output.dtype).itemsize, mc.merge_tuning(tp)["tile_bytes"])
     fp8 = output_scale is not None
-    prefill = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
+    prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     # XLA before the kernel: the fused mask's token flags (4.5), the layout, T < 128.
     empty = mc.fused_empties(query_start_loc, prefix_cu_seq_lens, num_tokens)
@@ -127,9 +125,9 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
         args.append(mc.flag_rows(empty))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
-    out_type = [c.out_struct((tp, num_heads * head_dim), F32 if fp8 else out_dtype, *args)]
+    out_type = [_sharding.out_struct((tp, num_heads * head_dim), F32 if fp8 else out_dtype, *args)]
     if return_lse:
-        out_type.append(c.out_struct((num_heads * tp,), F32, *args))
+        out_type.append(_sharding.out_struct((num_heads * tp,), F32, *args))
     results = _kernel(tp, num_heads, head_dim, dc, out_type, output_lse=return_lse, empty_rows=empty is not None,
                       copy_rows=copy_rows, lse_base2=lse_base2, interpret=interpret)(*args)
     # XLA after the kernel: fp8 (4.6), the pass-through LSE (4.4: the suffix's raw bits), the layout.

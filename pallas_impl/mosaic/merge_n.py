@@ -1,8 +1,7 @@
 """The N-way merge (docs/spec.md 8) as a Mosaic GPU kernel: `backend="mosaic_gpu"`.
 
-Experimental (docs/design.md, "Mosaic GPU backend"): with jax 0.11.2 on a CPU, lowered for the GPU and run in jax's
-Mosaic GPU interpreter against the reference on every ci case (tests/test_pallas_mosaic.py); compiled on the H200,
-0 differing bits against the Triton backend on every ci case (docs/results.md, session 5).
+Experimental (docs/design.md, "Mosaic GPU backend"): tested against the reference in jax's Mosaic GPU interpreter
+(tests/test_pallas_mosaic.py) and, compiled, bit for bit against the Triton backend (`python -m parity check`).
 
 Grid: (H * D / dc, token splits) CTAs. A CTA pipelines `TUNING["merge_n"]["steps"]` tiles of 128 tokens of the
 `[T, H * D]` view
@@ -26,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_impl import _common as c
+from pallas_impl import _checks, _sharding
 from pallas_impl import _math
 from pallas_impl.mosaic import _common as mc
 
@@ -62,7 +61,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                     ls = [jnp.where(mc.strided_row(e_g, k * num_tokens + t0) > 0, -jnp.inf, x)
                           for k, x in enumerate(ls)]
                 ls = [_math.clean_lse(x) for x in ls]
-                m, all_empty, e, z = _math.n_way_max_and_sum(ls, lse_base2)
+                m, all_empty, e, z = _math.n_way_max_and_sum(ls.__getitem__, num_partials, lse_base2, unroll=True)
                 for k in range(num_partials):
                     w_smem[k] = e[k] / z
                 w_smem[num_partials] = jnp.where(all_empty, 1.0, 0.0)
@@ -113,7 +112,7 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
     mc.check_out_dtype(outputs.dtype, out_dtype)
     dc = mc.column_chunk(head_dim, jnp.dtype(outputs.dtype).itemsize, mc.TUNING["merge_n"]["tile_bytes"])
     fp8 = output_scale is not None
-    prefill = c.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
+    prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     # XLA before the kernel: the fused mask's token flags (docs/spec.md 8.1), the layout, T < 128.
     empties = mc.fused_empties(query_start_loc, cu_seq_lens, num_tokens)
@@ -126,9 +125,9 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
         args.append(mc.flag_rows(empties))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
-    out_type = [c.out_struct((tp, num_heads * head_dim), F32 if fp8 else out_dtype, *args)]
+    out_type = [_sharding.out_struct((tp, num_heads * head_dim), F32 if fp8 else out_dtype, *args)]
     if return_lse:
-        out_type.append(c.out_struct((num_heads * tp,), F32, *args))
+        out_type.append(_sharding.out_struct((num_heads * tp,), F32, *args))
     results = _kernel(num_partials, tp, num_heads, head_dim, dc, out_type, output_lse=return_lse,
                       empty_rows=empties is not None, copy_rows=copy_rows, lse_base2=lse_base2,
                       interpret=interpret)(*args)

@@ -72,11 +72,11 @@ def collect_env(argv: list[str] | None = None) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - informational only
         env["jax_backend"] = f"unavailable: {type(e).__name__}: {e}"
     try:
-        from pallas_impl import _common as pallas_common
+        from pallas_impl import _backend as pallas_impl_backend
 
         from parity.harness import impls
 
-        env["pallas_backend"] = pallas_common.resolve_backend(impls.pallas_backend())
+        env["pallas_backend"] = pallas_impl_backend.resolve_backend(impls.pallas_backend())
     except Exception as e:  # noqa: BLE001 - informational only
         env["pallas_backend"] = f"unavailable: {type(e).__name__}: {e}"
     env["git_commit"] = git_commit()

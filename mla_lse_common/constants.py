@@ -1,0 +1,15 @@
+"""The numbers of the semantics both kernel packages use (docs/spec.md), as plain Python values."""
+
+from __future__ import annotations
+
+LN2 = 0.6931471805599453  # base-2 LSE to natural log: x * LN2 at the load (docs/spec.md 4.1)
+LOG2E = 1.4426950408889634  # natural log to base 2: y * LOG2E at the store
+FP8_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn (docs/spec.md 4.6)
+LSE_LAYOUTS = ("HT", "TH")  # f32[H, T] (vLLM, FA2) or f32[T, H] (FlashInfer, SGLang)
+# The N-way loops over the partials (docs/spec.md 8, "Any N"): unrolled up to N = UNROLLED_PARTIALS (fast code, a
+# short compile); beyond, runtime steps of PARTIALS_PER_STEP partials (each step unrolled: its loads are in flight
+# together), the last count % PARTIALS_PER_STEP unrolled: a compile that does not grow with N. The same operations
+# in the same order either way, so the same bits (`tiles.loop_steps`).
+UNROLLED_PARTIALS = 16
+PARTIALS_PER_STEP = 4
+CP_METHODS = ("gather", "reduce_scatter")  # the context-parallel combine's methods (docs/spec.md 9)

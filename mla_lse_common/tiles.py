@@ -1,0 +1,159 @@
+"""The launch tables of both kernel packages, and the tile and grid arithmetic over them.
+
+Every tile and grid of `triton_impl` and `pallas_impl` is computed here, once. A tile decides which elements a
+program owns, never an element's arithmetic (docs/design.md, "Merge grid and tiles"), so the merge tables may differ
+per framework (`FRAMEWORKS`): each is keyed by the framework that launches it. The mask's constants are shared.
+
+The tables are the knobs the tuning scripts sweep (`scripts/tune.py`, `scripts/mask_floor.py`). They are read at
+plan time through this module's attributes; `set_knobs` sets them and clears the cached tiles and grids. What holds a
+tile beyond this module is the caller's to clear: the Triton wrappers' launch plans (`triton_impl._plans.PLANS`) and
+jax's compilation caches (`jax.clear_caches()`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from mla_lse_common import constants
+
+FRAMEWORKS = ("triton", "pallas")
+
+# The mask (docs/spec.md 3; docs/design.md, "Mask tiles" and "Mask grid"), the same in both frameworks.
+MASK_BLOCK_T = 128  # query tokens per mask program
+SCAN = 32  # request boundaries compared per scan step (one warp)
+ZERO_TILE_ELEMS = 16384  # elements of one output-zeroing store in the mask
+MASK_NUM_WARPS = 8
+MASK_TILE_H = 16  # heads per -inf store of the mask
+# The mask's second grid axis: each 128-token block's head tiles (LSE) and head x dim tiles (output zeroing) are
+# dealt round-robin over `mask_split` programs, a power of two grown until the grid holds MASK_TARGET_PROGRAMS
+# programs, capped by the tile count and by the split of the variant.
+MASK_TARGET_PROGRAMS = 32768
+MASK_ZERO_SPLIT = 64  # most programs per 128-token block when zeroing output rows
+MASK_LSE_SPLIT = 4  # most programs per 128-token block for the LSE-only mask
+
+# The 2-way merge's launch per framework and variant: (bytes of one input tile per program, fewest tokens per
+# program, warps). "plain": no output LSE; "lse": with it; "fused": the fused mask too. Chosen per framework from
+# the tile sweeps (`scripts/tune.py merge`; docs/results.md).
+MERGE_TILES = {
+    "triton": {"plain": (2048, 4, 4), "lse": (4096, 1, 4), "fused": (8192, 8, 4)},
+    "pallas": {"plain": (2048, 4, 4), "lse": (4096, 4, 4), "fused": (8192, 8, 4)},
+}
+# The N-way merge's launch per framework and variant: (bytes of a program's N input tiles together, fewest tokens,
+# warps). Each partial's tile gets total // N bytes (a power of two) within N_TILE_BYTES: a program's loads stay
+# about the same as N grows, and never below one 16-byte vector per thread of 4 warps (`scripts/tune.py merge_n`).
+MERGE_N_TILES = {
+    "triton": {"plain": (16384, 1, 4), "lse": (16384, 1, 4), "fused": (32768, 4, 4)},
+    "pallas": {"plain": (16384, 4, 4), "lse": (16384, 4, 4), "fused": (16384, 4, 4)},
+}
+N_TILE_BYTES = (2048, 4096)  # (fewest, most) bytes of one partial's tile in the N-way merge
+# The context-parallel rescale reads one partial's tile and writes one: it takes the N-way tile of two partials
+# (the 2-way merge's bytes per tile).
+RESCALE_TILE_PARTIALS = 2
+
+KNOBS = ("MASK_NUM_WARPS", "MASK_TILE_H", "ZERO_TILE_ELEMS", "MASK_TARGET_PROGRAMS", "MASK_ZERO_SPLIT",
+         "MASK_LSE_SPLIT", "MERGE_TILES", "MERGE_N_TILES", "N_TILE_BYTES")
+
+
+def set_knobs(**values) -> dict:
+    """Set launch-table knobs (names in `KNOBS`) and clear the cached tiles and grids; returns the values they
+    replaced, so a sweep can restore them (`set_knobs(**previous)`)."""
+    unknown = set(values) - set(KNOBS)
+    if unknown:
+        raise ValueError(f"unknown knobs {sorted(unknown)}; the knobs are {KNOBS}")
+    previous = {k: globals()[k] for k in values}
+    globals().update(values)
+    for cached in (mask_tiles, merge_tiles, mask_split):
+        cached.cache_clear()
+    return previous
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=None)
+def mask_tiles(num_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_HO, BLOCK_D): head tile of the LSE stores, head and dim tiles of output zeroing."""
+    block_h = min(next_pow2(num_heads), MASK_TILE_H)
+    block_d = min(next_pow2(head_dim), 128)
+    block_ho = max(1, min(next_pow2(num_heads), ZERO_TILE_ELEMS // (MASK_BLOCK_T * block_d)))
+    return block_h, block_ho, block_d
+
+
+@functools.lru_cache(maxsize=None)
+def merge_tiles(framework: str, num_heads: int, head_dim: int, variant: str = "plain",
+                itemsize: int = 2, num_partials: int = 0) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_H, BLOCK_D) of a merge program: the whole (padded) head, the variant's fewest tokens, then
+    heads, then more tokens, up to the byte budget of one `itemsize`-byte input tile: `MERGE_TILES` for the 2-way
+    merge (num_partials=0), else `partial_tile_bytes` of `MERGE_N_TILES`."""
+    if num_partials:
+        total, min_block_t, _ = MERGE_N_TILES[framework][variant]
+        tile_bytes = partial_tile_bytes(total, num_partials)
+    else:
+        tile_bytes, min_block_t, _ = MERGE_TILES[framework][variant]
+    elems = max(1, tile_bytes // itemsize)
+    block_d = next_pow2(head_dim)
+    rest = max(1, elems // block_d)
+    block_h = min(next_pow2(num_heads), max(1, rest // min_block_t))
+    block_t = max(1, rest // block_h)
+    return block_t, block_h, block_d
+
+
+def partial_tile_bytes(total: int, num_partials: int) -> int:
+    """Bytes of one partial's tile in an N-way program whose N tiles share `total` bytes: a power of two, within
+    `N_TILE_BYTES`."""
+    share = 1 << ((total // num_partials).bit_length() - 1)
+    return min(max(share, N_TILE_BYTES[0]), N_TILE_BYTES[1])
+
+
+def merge_num_warps(framework: str, variant: str, num_partials: int = 0) -> int:
+    return (MERGE_N_TILES if num_partials else MERGE_TILES)[framework][variant][2]
+
+
+def merge_variant(output_lse: bool, fused: bool) -> str:
+    return "fused" if fused else "lse" if output_lse else "plain"
+
+
+def merge_grid(framework: str, num_tokens: int, num_heads: int, head_dim: int, variant: str = "plain",
+               itemsize: int = 2, num_partials: int = 0) -> tuple[int]:
+    """One axis (no 65535 limit), head blocks fastest: program = token block * head blocks + head block."""
+    block_t, block_h, _ = merge_tiles(framework, num_heads, head_dim, variant, itemsize, num_partials)
+    return (cdiv(num_tokens, block_t) * cdiv(num_heads, block_h),)
+
+
+def loop_steps(count: int, num_partials: int) -> int:
+    """The runtime steps of `constants.PARTIALS_PER_STEP` partials of a loop over `count` of the N = `num_partials`
+    partials, the rest unrolled (0: all unrolled, N <= `constants.UNROLLED_PARTIALS`); read at plan time."""
+    if num_partials <= constants.UNROLLED_PARTIALS:
+        return 0
+    return max(count, 0) // constants.PARTIALS_PER_STEP
+
+
+def mask_blocks(num_tokens: int, num_requests: int) -> int:
+    """Token blocks of the mask grid. Worst case: each request may open a partial block -> T // BLOCK_T + R."""
+    return num_tokens // MASK_BLOCK_T + num_requests
+
+
+@functools.lru_cache(maxsize=None)
+def mask_split(num_tokens: int, num_requests: int, num_heads: int, head_dim: int, zero_output: bool) -> int:
+    """Programs per 128-token block (the mask grid's second axis); static shapes only, never offsets' values."""
+    block_h, block_ho, block_d = mask_tiles(num_heads, head_dim)
+    tiles = cdiv(num_heads, block_ho) * cdiv(head_dim, block_d) if zero_output else cdiv(num_heads, block_h)
+    want = next_pow2(cdiv(MASK_TARGET_PROGRAMS, max(1, mask_blocks(num_tokens, num_requests))))
+    return max(1, min(tiles, mask_split_cap(zero_output), want))
+
+
+def mask_split_cap(zero_output: bool) -> int:
+    """The most programs per block of the variant; 1: its kernel never reads the second grid axis."""
+    return MASK_ZERO_SPLIT if zero_output else MASK_LSE_SPLIT
+
+
+def mask_grid(num_tokens: int, num_requests: int, num_heads: int, head_dim: int,
+              zero_output: bool) -> tuple[int, int]:
+    """(token blocks, programs per block): the second axis splits a block's stores (`mask_split`)."""
+    return (mask_blocks(num_tokens, num_requests),
+            mask_split(num_tokens, num_requests, num_heads, head_dim, zero_output))

@@ -1,0 +1,95 @@
+"""Which implementation and Pallas GPU backend a call runs, and how: implementation (Pallas kernel or jnp),
+backend ("triton" or "mosaic_gpu"), interpret mode, the Pallas Triton lowering's parameters and its deprecation
+warning (docs/design.md, "Mosaic GPU backend")."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import warnings
+
+import jax
+
+try:
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # a jax without the Pallas Triton backend: backend="mosaic_gpu" only (resolve_backend)
+    pltriton = None
+
+IMPLEMENTATIONS = ("pallas", "jnp")
+BACKENDS = ("triton", "mosaic_gpu")  # the Pallas GPU backend of implementation="pallas" (resolve_backend)
+BACKEND_ENV = "PALLAS_IMPL_BACKEND"  # the process-wide default of backend=None
+MOSAIC_MIN_JAX = (0, 11)  # Mosaic GPU: Warpgroup lowering by default, plgpu.kernel(out_type=...), its interpreter
+
+
+@functools.cache
+def has_mosaic_gpu() -> bool:
+    """Whether this jax's Mosaic GPU Pallas API is one the `pallas_impl/mosaic` kernels take (jax >= 0.11)."""
+    return tuple(int(x) for x in re.findall(r"\d+", jax.__version__)[:2]) >= MOSAIC_MIN_JAX
+
+
+def resolve_interpret(interpret: bool | None, backend: str = "triton") -> bool:
+    """None: interpret on CPU, compile on GPU. backend="mosaic_gpu" needs jax >= 0.11 either way (its interpret
+    mode is jax's Mosaic GPU interpreter)."""
+    if backend == "mosaic_gpu" and not has_mosaic_gpu():
+        raise NotImplementedError(f"backend='mosaic_gpu' needs jax >= 0.11 (its layout inference and plgpu.kernel "
+                                  f"API); this is jax {jax.__version__}: use backend='triton'")
+    if interpret is None:
+        return jax.default_backend() == "cpu"
+    return bool(interpret)
+
+
+def resolve_backend(backend: str | None) -> str:
+    """The Pallas GPU backend. None: the environment's `PALLAS_IMPL_BACKEND` if set, else "triton" while jax has
+    the Pallas Triton backend and "mosaic_gpu" once it is gone (experimental; docs/design.md, "Mosaic GPU
+    backend")."""
+    if backend is None:
+        backend = os.environ.get(BACKEND_ENV) or ("triton" if pltriton is not None else "mosaic_gpu")
+        if backend not in BACKENDS:
+            raise ValueError(f"{BACKEND_ENV} must be one of {BACKENDS} or unset, got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend == "triton" and pltriton is None:
+        raise NotImplementedError(f"backend='triton': this jax ({jax.__version__}) has no Pallas Triton backend "
+                                  "(jax.experimental.pallas.triton): use backend='mosaic_gpu' or None")
+    return backend
+
+
+def resolve_implementation(implementation: str | None, backend: str | None = None) -> str:
+    """None: the Pallas kernel on GPU, the jnp path elsewhere; with an explicit backend="mosaic_gpu" (the
+    caller's argument, not the environment's default), the Pallas kernel. An explicit choice never falls back."""
+    platform = jax.default_backend()
+    if backend is not None:
+        resolve_backend(backend)  # an unknown name is refused first
+    if backend == "mosaic_gpu":
+        if implementation == "jnp":
+            raise ValueError("backend='mosaic_gpu' selects a Pallas kernel; it does not go with implementation='jnp'")
+        implementation = "pallas"
+    if implementation is None:
+        return "pallas" if platform == "gpu" else "jnp"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    if implementation == "pallas" and platform not in ("gpu", "cpu"):
+        raise NotImplementedError(
+            f"the Pallas kernels target GPUs (and the CPU interpreter); the platform is {platform!r}: "
+            "use implementation='jnp'")
+    return implementation
+
+
+# jax 0.11 warns at every lowering of a Triton-backend pallas_call (docs/design.md: the Mosaic GPU plan).
+TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated and will be removed in a future JAX version\."
+
+
+@functools.cache
+def filter_triton_deprecation() -> None:
+    """Ignore exactly that message, as a DeprecationWarning, once our kernels are first used.
+
+    The warning fires when the enclosing jit compiles, possibly after our call has returned, so a
+    `catch_warnings` block around the call cannot hold it: the filter is process-wide and this narrow.
+    """
+    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+
+
+def compiler_params(num_warps: int):
+    """Pins the Pallas Triton lowering (docs/spec.md 6); see docs/design.md for the move to Mosaic GPU."""
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=1)

@@ -1,0 +1,101 @@
+"""Input checks of the Pallas wrappers. The always-on tier reads shapes and dtypes only, so under jax.jit it runs at
+trace time; the validate=True tier reads values on the host (not under jit). The checks that need no tensor library
+are `mla_lse_common.checks`, re-exported here so a wrapper reads every check from one module.
+
+jax and numpy only: a JAX user installs and runs `pallas_impl` without torch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mla_lse_common import checks as _shared
+from mla_lse_common.checks import (check_cp_method, check_fused_pair, check_lse_base,  # noqa: F401 (re-exported)
+                                   check_lse_layout, check_lse_shape)
+
+OUTPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def has_empty_context(chunk_seq_lens) -> bool:
+    """Host guard for the mask: does any request have 0 KV tokens in this chunk?
+
+    Args:
+      chunk_seq_lens: host data (a sequence or a numpy array), as serving stacks keep it before the upload.
+
+    Raises:
+      ValueError: for a jax.Array, since reading it would synchronise the device (or fail under jit).
+    """
+    if isinstance(chunk_seq_lens, jax.Array):
+        raise ValueError("has_empty_context needs host data; got a jax.Array (reading it would synchronise "
+                         "the device, and fails under jit): pass the host copy")
+    return _shared.has_zero_length(chunk_seq_lens)
+
+
+def check_array(name: str, x, *, ndim: int, dtypes) -> None:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got {name}.shape={tuple(x.shape)}")
+    if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in dtypes]:
+        names = ", ".join(jnp.dtype(d).name for d in dtypes)
+        raise TypeError(f"{name} must be {names}; got {name}.dtype={jnp.dtype(x.dtype).name}")
+
+
+def check_offsets(query_start_loc, cu_seq_lens, *, cu_name="cu_seq_lens") -> int:
+    """Shape and dtype checks of the two offset arrays; returns R."""
+    check_array("query_start_loc", query_start_loc, ndim=1, dtypes=(jnp.int32,))
+    check_array(cu_name, cu_seq_lens, ndim=1, dtypes=(jnp.int32,))
+    return _shared.check_offset_shapes(query_start_loc.shape, cu_seq_lens.shape, cu_name=cu_name, kind="array")
+
+
+def _concrete(name: str, x):
+    if isinstance(x, jax.core.Tracer):
+        raise ValueError(f"validate=True reads {name}'s values on the host and cannot run under jax.jit; "
+                         "validate outside jit, or pass validate=False")
+    return np.asarray(x)
+
+
+def check_offset_values(query_start_loc, cu_seq_lens, num_tokens: int, *, cu_name="cu_seq_lens") -> None:
+    """validate=True tier: reads the offsets on the host (a device sync; not under jit). `cu_seq_lens` may be
+    i32[N, R+1] (one row per partial)."""
+    cu = _concrete(cu_name, cu_seq_lens)
+    _shared.check_offset_values(_concrete("query_start_loc", query_start_loc), cu, num_tokens, cu_name=cu_name)
+
+
+def check_out_dtype(out_dtype, in_dtype, output_scale):
+    """The merge's output dtype (None: the inputs'; any of OUTPUT_DTYPES or fp8 whatever the inputs' dtype, docs/spec.md
+    4.3), checked against the fp8 scale; returns it as a dtype."""
+    out_dtype = jnp.dtype(in_dtype if out_dtype is None else out_dtype)
+    if out_dtype not in OUTPUT_DTYPES + (FP8,):
+        raise TypeError(f"out_dtype must be None (the inputs' dtype {jnp.dtype(in_dtype).name}), float32, float16, "
+                        f"bfloat16 or float8_e4m3fn; got {out_dtype.name}")
+    fp8 = out_dtype == FP8
+    if fp8 != (output_scale is not None):
+        raise ValueError("output_scale is required for a float8_e4m3fn output and only for it; got "
+                         f"out_dtype={out_dtype.name}, output_scale={'given' if output_scale is not None else None}")
+    if fp8 and (getattr(output_scale, "dtype", None) != jnp.float32 or getattr(output_scale, "size", 0) != 1):
+        raise TypeError(f"output_scale must be an f32 scalar or f32[1] array; got {output_scale!r}")
+    return out_dtype
+
+
+def check_prefill_tokens(prefill_tokens_with_context, num_tokens: int, validate: bool) -> None:
+    """None, a Python int or an integer scalar array (traced or not); no device work here."""
+    x = prefill_tokens_with_context
+    if x is None:
+        return
+    if isinstance(x, bool) or not (isinstance(x, int) or (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.integer)
+                                                          and getattr(x, "ndim", None) == 0)):
+        raise TypeError(f"prefill_tokens_with_context must be an integer scalar; got {x!r}")
+    if validate:
+        _shared.check_prefill_tokens_range(int(_concrete("prefill_tokens_with_context", x)), num_tokens)
+
+
+def prefill_tokens_array(prefill_tokens_with_context, num_tokens: int):
+    """i32[1] for the kernels (inside jit): None means T; values are clamped to [0, T]."""
+    if prefill_tokens_with_context is None:
+        return jnp.full((1,), num_tokens, jnp.int32)
+    x = jnp.asarray(prefill_tokens_with_context).astype(jnp.int32)
+    return jnp.clip(x, 0, num_tokens).reshape(1)
