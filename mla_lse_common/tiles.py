@@ -18,11 +18,12 @@ from mla_lse_common import constants
 
 FRAMEWORKS = ("triton", "pallas")
 
-# The mask (docs/spec.md 3; docs/design.md, "Mask tiles" and "Mask grid"), the same in both frameworks.
+# The mask (docs/spec.md 3; docs/design.md, "Mask tiles" and "Mask grid"): the same in both frameworks but for the
+# warps per program (the mask candidates of scripts/mask_floor.py; docs/results.md).
 MASK_BLOCK_T = 128  # query tokens per mask program
 SCAN = 32  # request boundaries compared per scan step (one warp)
 ZERO_TILE_ELEMS = 16384  # elements of one output-zeroing store in the mask
-MASK_NUM_WARPS = 8
+MASK_NUM_WARPS = {"triton": 4, "pallas": 8}
 MASK_TILE_H = 16  # heads per -inf store of the mask
 # The mask's second grid axis: each 128-token block's head tiles (LSE) and head x dim tiles (output zeroing) are
 # dealt round-robin over `mask_split` programs, a power of two grown until the grid holds MASK_TARGET_PROGRAMS

@@ -131,7 +131,7 @@ def _mask_jit(lse, query_start_loc, cu_seq_lens, output, *, lse_layout, interpre
         grid=tiles.mask_grid(num_tokens, num_requests, num_heads, head_dim, zero_output),
         input_output_aliases={2 + i: i for i in range(len(buffers))},
         interpret=interpret,
-        compiler_params=_backend.compiler_params(num_warps=tiles.MASK_NUM_WARPS),
+        compiler_params=_backend.compiler_params(num_warps=tiles.MASK_NUM_WARPS["pallas"]),
         name="mask_empty_context_lse",
     )(query_start_loc, cu_seq_lens, *buffers)
     return tuple(results)

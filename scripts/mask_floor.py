@@ -12,9 +12,10 @@ Candidates (docs/design.md, "Mask grid"): `--zero-split S` and `--lse-split S` f
 block of that variant (`MASK_*_SPLIT = S`, no program target); `--targets N` keeps the caps and grows the split
 until the grid holds N programs (`MASK_TARGET_PROGRAMS`); `--lse-targets N` does so for the LSE-only mask alone
 (a target of its own: split 4 on the small grid of 2k_balanced, 1 on the large ones); `--warps W` sets
-`MASK_NUM_WARPS`. Every candidate is set for both frameworks at once, in `mla_lse_common.tiles`
-(`tiles.set_knobs`; each framework's time is its own column: the best constants may differ), with Triton's launch
-plans off so that each launches its own grid. The committed constants run first ("committed") and again last
+`MASK_NUM_WARPS` of both frameworks (the committed ones differ: the warps column shows triton/pallas). Every
+candidate is set for both frameworks at once, in `mla_lse_common.tiles` (`tiles.set_knobs`; each framework's
+time is its own column: the best constants may differ), with Triton's launch plans off so that each launches its own
+grid. The committed constants run first ("committed") and again last
 ("committed again": the drift of the run); "4cb29dd" is the earlier constants (LSE split 1, 8192 target programs).
 
 Beside them, in the same process: the LSE-only mask of upstream's design, re-implemented from docs/spec.md 3
@@ -101,7 +102,7 @@ def candidates(args) -> list[tuple[str, dict, tuple[str, ...]]]:
                              "MASK_LSE_SPLIT": args.cap_lse}, ("lse", "lse+out")) for n in args.targets]
     out += [(f"lse_target={n}", {"MASK_TARGET_PROGRAMS": n, "MASK_LSE_SPLIT": args.cap_lse}, ("lse",))
             for n in args.lse_targets]
-    out += [(f"warps={w}", {"MASK_NUM_WARPS": w}, ("lse", "lse+out")) for w in args.warps]
+    out += [(f"warps={w}", {"MASK_NUM_WARPS": {"triton": w, "pallas": w}}, ("lse", "lse+out")) for w in args.warps]
     return out + [("committed again", {}, ("lse", "lse+out"))]
 
 
@@ -242,7 +243,8 @@ def report(rows: list[dict], workloads: list[str]) -> None:
             for r in got:
                 cells = [f"{r[k]:8.2f} ({r[k[:-3] + '_x_fill']:.2f}x)" if k in r else f"{'-':>16s}"
                          for k in keys + list(UPSTREAM_COLUMNS)]
-                print(f"{r['candidate']:34s} {str(r['grid']):12s} {r['warps']:5d} " + " ".join(cells))
+                warps = r["warps"] if isinstance(r["warps"], int) else "{triton}/{pallas}".format(**r["warps"])
+                print(f"{r['candidate']:34s} {str(r['grid']):12s} {warps:>5} " + " ".join(cells))
     print("\n# decision: per framework, timing and variant, the candidate with the lowest geometric mean over "
           f"{', '.join(workloads)} (ratio to committed)")
     for variant in ("lse", "lse+out"):
@@ -315,7 +317,7 @@ def main(argv=None) -> int:
             for variant in variants:
                 fill = w.floors[variant]["fill_"]
                 row = {"candidate": label, "workload": name, "variant": variant, "grid": list(w.grid(variant)),
-                       "warps": tiles.MASK_NUM_WARPS, **{f"floor_{k}_us": round(v, 2) for k, v in w.floors[variant].items()}}
+                       "warps": dict(tiles.MASK_NUM_WARPS), **{f"floor_{k}_us": round(v, 2) for k, v in w.floors[variant].items()}}
                 for impl in args.impls:
                     if impl == "pallas":
                         timed(row, "pallas_us", functools.partial(w.pallas_us, variant), fill)

@@ -101,10 +101,10 @@ def main() -> None:
                                                                cu_ptr="*i32"),
             dict(NUM_HEADS=H, HEAD_DIM=1, BLOCK_T=tiles.MASK_BLOCK_T, SCAN=tiles.SCAN, N_INTERPRET=0, BLOCK_H=block_h,
                  BLOCK_HO=1, BLOCK_D=1, ZERO_OUTPUT=False, SPLIT_BLOCKS=False, stride_out_t=0, stride_out_h=0, stride_out_d=0,
-                 **{unit[layout].format("lse"): 1}), tiles.MASK_NUM_WARPS)
+                 **{unit[layout].format("lse"): 1}), tiles.MASK_NUM_WARPS["triton"])
     ptx["pallas mask HT"] = pallas_ptx(
         lambda lse, q, c: pmask._mask_jit(lse, q, c, None, lse_layout="HT", interpret=False),
-        (sds((H, T), jnp.float32), i32, i32), tiles.MASK_NUM_WARPS)
+        (sds((H, T), jnp.float32), i32, i32), tiles.MASK_NUM_WARPS["pallas"])
     block_t, block_h, block_d = tiles.merge_tiles("triton", H, D, "lse")
     for layout in constants.LSE_LAYOUTS:
         ptx[f"triton merge {layout}"] = triton_ptx(

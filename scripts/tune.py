@@ -190,7 +190,7 @@ def mask_sweep(args) -> list[dict]:
         qsl, cu = torch.from_numpy(qsl_np).cuda(), torch.from_numpy(cu_np).cuda()
         jq, jc = jax.device_put(qsl_np), jax.device_put(cu_np)
         for warps, tile_h in itertools.product(args.warps, args.tile_h):
-            tiles.set_knobs(MASK_NUM_WARPS=warps, MASK_TILE_H=tile_h)  # both frameworks
+            tiles.set_knobs(MASK_NUM_WARPS={"triton": warps, "pallas": warps}, MASK_TILE_H=tile_h)  # both frameworks
             tplans.PLANS.clear()
             jax.clear_caches()
             t_us = gpu_us_triton(functools.partial(triton_impl.mask_empty_context_lse, lse, qsl, cu, has_empty=True,

@@ -163,7 +163,7 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
             constexprs=dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_T=tiles.MASK_BLOCK_T, SCAN=tiles.SCAN,
                             N_INTERPRET=_backend.n_interpret(num_requests), BLOCK_H=block_h, BLOCK_HO=block_ho,
                             BLOCK_D=block_d, ZERO_OUTPUT=output is not None,
-                            SPLIT_BLOCKS=tiles.mask_split_cap(output is not None) > 1, num_warps=tiles.MASK_NUM_WARPS),
+                            SPLIT_BLOCKS=tiles.mask_split_cap(output is not None) > 1, num_warps=tiles.MASK_NUM_WARPS["triton"]),
             state=launcher.launch_state(key))
     plans.remember(key, plans.plan(overlaps=overlaps, num_tokens=num_tokens, launch=launch))
     if launch is not None and has_empty is not False:
