@@ -133,7 +133,8 @@ def public_merge(impl: str, prefix_output, prefix_lse, suffix_output, suffix_lse
     if impl == "triton":
         import triton_impl
 
-        out, out_lse = _triton_out(prefix_output, out_dtype, getattr(suffix_lse, "shape", prefix_lse.shape))
+        T, H = prefix_output.shape[:2]
+        out, out_lse = _triton_out(prefix_output, out_dtype, (H, T) if kw.get("lse_layout", "HT") == "HT" else (T, H))
         out_lse = out_lse if return_lse else None
         with np.errstate(all="ignore"):
             triton_impl.merge_attn_states(out, prefix_output, prefix_lse, suffix_output, suffix_lse, out_lse,
