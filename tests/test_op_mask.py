@@ -265,6 +265,7 @@ ERRORS = [
     ("output_heads", dict(output=np.zeros((6, 3, 8), np.float32)), ValueError, "output"),
     ("output_rank2", dict(output=np.zeros((6, 2), np.float32)), ValueError, "output must have 3 dims"),
     ("output_int32", dict(output=np.zeros((6, 2, 8), I32)), TypeError, "output"),
+    ("output_fp8", dict(output=np.zeros((6, 2, 8), cases.DTYPES["float8_e4m3fn"])), TypeError, "output"),
     ("bad_layout", dict(lse_layout="ht"), ValueError, "lse_layout"),
     # lse_layout="TH" reads lse as [T=2, H=6]: the [6, 2, 8] output no longer fits.
     ("th_with_ht_lse", dict(lse_layout="TH"), ValueError, "output"),
@@ -282,6 +283,13 @@ def _call(impl, **changes):
 def test_always_on_errors(impl, changes, error, match):
     with pytest.raises(error, match=match):
         _call(impl, **changes)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_always_on_errors_precede_the_guard(impl):
+    """The metadata checks run even when has_empty=False launches nothing."""
+    with pytest.raises(TypeError, match="query_start_loc"):
+        _call(impl, query_start_loc=np.array([0, 2, 5], np.int64), has_empty=False)
 
 
 VALIDATE_ERRORS = [
