@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from op_support import IMPLS, JAX_IMPLS, RT, bits, check_merge, gpu_only, numpy, public_merge, run, to_impl
+from op_support import IMPLS, JAX_IMPLS, RT, bits, check_merge, numpy, public_merge, run, to_impl
 
 from parity.harness import cases, reference
 from parity.library.compare import assert_bitwise_equal
