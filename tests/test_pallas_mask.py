@@ -224,3 +224,15 @@ def test_offsets_are_traced_and_never_recompile(mode):
                                  lse, qsl, cu, None, lse_layout="HT", name="direct", mode=mode)
         sizes.append(pallas_mask._mask_jit._cache_size())
     assert sizes[0] == sizes[-1], sizes
+
+
+def test_documented_donation_pattern():
+    """The docstring's `jax.jit(mask_empty_context_lse, donate_argnames="lse")` runs (default implementation)."""
+    step = jax.jit(pallas_impl.mask_empty_context_lse, donate_argnames="lse")
+    case = cases.by_name("r33_ragged_pad")
+    inp = cases.make_inputs(case)
+    lse = jnp.asarray(inp["prefix_lse"])
+    got = step(lse, jnp.asarray(inp["query_start_loc"]), jnp.asarray(inp["cu_seq_lens"]))
+    assert lse.is_deleted()
+    want, _ = reference.mask_empty_context_lse(inp["prefix_lse"], inp["query_start_loc"], inp["cu_seq_lens"])
+    compare.assert_bitwise_equal(got, want, name="mask.lse", case=case)
