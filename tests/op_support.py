@@ -6,7 +6,7 @@ comparison helper, `parity.library.compare`. Options the adapters do not carry (
 go through `public`, one call of the implementation's public API.
 
 - `IMPLS`: "triton", "pallas" (interpret mode on CPU, compiled on a GPU), "jnp", "mosaic" (jax >= 0.11 only: the
-  param skips with the reason elsewhere);
+  param skips with the reason elsewhere); marked `gpu` on a CUDA machine (the GPU run selects `-m gpu`);
 - `to_impl(impl, arrays)`: numpy arrays in the implementation's own type (torch on `RT.device`, JAX arrays);
 - `run(impl, op, case, arrays, **options)`: one operation of `impls.OPS` on numpy arrays, the options of
   `impls.op_call` updated by `options`; results as numpy-comparable arrays of the implementation;
@@ -30,16 +30,30 @@ from parity.library.compare import assert_bitwise_equal
 
 RT = impls.make_runtime()
 HAS_MOSAIC = tuple(int(x) for x in re.findall(r"\d+", jax.__version__)[:2]) >= (0, 11)
-MOSAIC = pytest.param("mosaic", marks=pytest.mark.skipif(
-    not HAS_MOSAIC, reason=f"backend='mosaic_gpu' needs jax >= 0.11; this is jax {jax.__version__}"))
-IMPLS = ["triton", "pallas", "jnp", MOSAIC]
+_NEEDS_MOSAIC = pytest.mark.skipif(not HAS_MOSAIC, reason=f"backend='mosaic_gpu' needs jax >= 0.11; this is jax "
+                                                          f"{jax.__version__}")
 JAX_IMPLS = ("pallas", "jnp", "mosaic")
+
+
+def _impls(gpu=()):
+    """The params of every implementation. On a CUDA machine each carries the `gpu` mark, so that the GPU run's
+    `pytest -m gpu` (scripts/gpu_check.sh) runs the per-op suites compiled; on CPU only those named in `gpu`."""
+    out = []
+    for name in ("triton", "pallas", "jnp", "mosaic"):
+        marks = [_NEEDS_MOSAIC] if name == "mosaic" else []
+        if RT.on_gpu or name in gpu:
+            marks.append(pytest.mark.gpu)
+        out.append(pytest.param(name, marks=marks, id=name))
+    return out
+
+
+IMPLS = _impls()
 
 
 def gpu_only(*names):
     """IMPLS with the named implementations marked `gpu` (e.g. the Triton interpreter where a shape is too slow
     on CPU, or jnp where XLA:CPU's per-program FMA contraction rules out bit equality, docs/spec.md 5)."""
-    return [pytest.param(i, marks=pytest.mark.gpu) if i in names else i for i in IMPLS]
+    return _impls(gpu=names)
 
 
 def to_impl(impl: str, arrays: dict) -> dict:
