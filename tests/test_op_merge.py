@@ -100,8 +100,17 @@ def test_return_lse_false_gives_the_same_out(impl):
     assert_bitwise_equal(without["out"], with_lse["out"], name="merge.out (return_lse=False)", case=case, mode=impl)
 
 
-@pytest.mark.parametrize("case", [cases.by_name("r33_ragged_pad"), cases.by_name("specials_th")],
-                         ids=lambda c: c.name)
+MASK_THEN_MERGE = [
+    # R = 33 tiny requests (the scan crosses 32), bf16, [H, T] LSE, NaN padding.
+    cases.Case("r33_tiny_bf16", _tiny_lens(30, 33), tuple(range(0, 33, 3)), num_heads=3, head_dim=32,
+               padding=5, specials=True),
+    # [T, H] LSE in base 2, H not a power of two.
+    cases.Case("th_base2_h5", (20, 0, 9, 41), (1, 3), num_heads=5, head_dim=16, dtype="float32", lse_layout="TH",
+               lse_base=2, specials=True, padding=2),
+]
+
+
+@pytest.mark.parametrize("case", MASK_THEN_MERGE, ids=lambda c: c.name)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_mask_then_merge_equals_fused(impl, case):
     """docs/spec.md 4.5: masking the prefix first and merging gives the fused result bit for bit."""
