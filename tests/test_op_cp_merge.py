@@ -80,10 +80,15 @@ def test_gather_gives_the_single_process_bits_on_every_rank(impl, name, case):
                                              case=case, mode=impl, tol="lse")
 
 
-@pytest.mark.parametrize("name,case,reduce_dtype", [("bf16", CASE_BF16, None), ("fp8", CASE, None),
-                                                    ("bf16", CASE_BF16, "bfloat16")],
-                         ids=["bf16", "fp8", "bf16_reduce"])
-@pytest.mark.parametrize("impl", IMPLS)
+# The JAX combine's own matrix (meshes, both methods, dtypes) runs in tests/test_pallas_sharding.py's subprocesses:
+# here the bf16 reduction is Triton's only.
+REDUCE_SCATTER = [pytest.param(impl.values[0], *v[1:], marks=impl.marks, id=f"{impl.id}-{v[0]}") for impl in IMPLS
+                  for v in (("bf16", "bf16", CASE_BF16, None), ("fp8", "fp8", CASE, None),
+                            ("bf16_reduce", "bf16", CASE_BF16, "bfloat16"))
+                  if impl.id == "triton" or v[0] != "bf16_reduce"]
+
+
+@pytest.mark.parametrize("impl,name,case,reduce_dtype", REDUCE_SCATTER)
 def test_reduce_scatter_within_tolerance(impl, name, case, reduce_dtype):
     per_rank, (_, want_lse) = _results(impl, case, name, "reduce_scatter", reduce_dtype)
     out = np.concatenate([o for o, _ in per_rank], axis=1)  # rank r: its heads

@@ -110,8 +110,14 @@ MASK_THEN_MERGE = [
 ]
 
 
-@pytest.mark.parametrize("case", MASK_THEN_MERGE, ids=lambda c: c.name)
-@pytest.mark.parametrize("impl", IMPLS)
+# Triton on its two tiny cases (the interpreter's time grows with T); the JAX implementations on the "ci" case
+# R = 33 whose fused compile test_matches_reference already made.
+MASK_THEN_MERGE_PARAMS = [pytest.param(impl.values[0], case, marks=impl.marks, id=f"{impl.id}-{case.name}")
+                          for impl in IMPLS
+                          for case in (MASK_THEN_MERGE if impl.id == "triton" else [cases.by_name("r33_ragged_pad")])]
+
+
+@pytest.mark.parametrize("impl,case", MASK_THEN_MERGE_PARAMS)
 def test_mask_then_merge_equals_fused(impl, case):
     """docs/spec.md 4.5: masking the prefix first and merging gives the fused result bit for bit."""
     case = _with_pass_through(case)
@@ -180,7 +186,8 @@ def test_pass_through_rows_are_bit_copies(impl, dtype):
 EMPTY_KINDS = ["-inf", "+inf", "nan", "fused"]
 
 
-@pytest.mark.parametrize("side,kind,dtype", [("prefix", k, d) for k in EMPTY_KINDS for d in ("float32", "bfloat16")]
+@pytest.mark.parametrize("side,kind,dtype", [("prefix", k, "float32") for k in EMPTY_KINDS]
+                         + [("prefix", k, "bfloat16") for k in EMPTY_KINDS[:3]]
                          + [("suffix", k, "float32") for k in EMPTY_KINDS[:3]])
 @pytest.mark.parametrize("impl", IMPLS)
 def test_all_empty_side_returns_the_other(impl, side, kind, dtype):
