@@ -109,7 +109,8 @@ if [ "$PLAN" = mosaic ] || [ "$PLAN" = mosaic_speed ]; then
     if [ "$PLAN" = mosaic ]; then
         # shellcheck disable=SC2086
         step pytest 240 150 "$OUT/pytest.log" env PALLAS_IMPL_BACKEND=mosaic_gpu "$PY" -m pytest -q -rs $XDIST \
-            tests/test_pallas_mask.py tests/test_pallas_merge.py tests/test_pallas_merge_n.py tests/test_pallas_mosaic.py
+            tests/test_pallas_mask.py tests/test_pallas_merge.py tests/test_pallas_merge_n.py tests/test_pallas_mosaic.py \
+            tests/test_op_mask.py tests/test_op_merge.py tests/test_op_merge_n.py -k "pallas or mosaic"
         step check 300 30 "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json" \
             --pallas-backend mosaic_gpu
         step sanitize 150 5 "$OUT/sanitize.log" env XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer \

@@ -1,14 +1,13 @@
-"""pallas_impl.merge_attn_states_n (docs/spec.md 8), kernel and jnp path, against parity.harness.reference.
+"""pallas_impl.merge_attn_states_n: what only the JAX wrappers have (docs/spec.md 8).
 
-Every kernel test takes the `mode` fixture ("interpret" everywhere, "compiled" on the GPU, identical bodies);
-the jnp path runs on whatever backend JAX has. Exact rows (`parity.harness.expected.exact_masks`) bit for bit, the
-rest within `parity.library.compare.TOLERANCES`.
+The behaviour every implementation shares (the reference on the workloads, N = 2, properties, shared errors,
+validate=True) is tested once in tests/test_op_merge_n.py. Here: traced values that never recompile, validation
+under jax.jit, the wrapper's jit cache, the JAX-only options. Kernel tests run interpreted everywhere and compiled
+on the GPU; the jnp path runs on whatever backend JAX has.
 """
 
 import dataclasses
-import math
 
-import numpy as np
 import pytest
 from merge_checks import assert_merge_matches_reference
 
@@ -17,14 +16,9 @@ import jax.numpy as jnp
 
 import pallas_impl
 from pallas_impl import merge_n as pallas_merge_n
-from parity.harness import expected
-from parity.library import compare
-from parity.harness import cases, impls, reference
+from parity.harness import cases
 
-CI_N = cases.select("ci", kind="n_way")
 IMPLS = ["pallas-interpret", pytest.param("pallas-compiled", marks=pytest.mark.gpu), "jnp"]
-# Bit-for-bit properties: the jnp path only on the GPU (XLA:CPU contracts FMAs differently per program, docs/spec.md 5).
-BIT_IMPLS = IMPLS[:2] + [pytest.param("jnp", marks=pytest.mark.gpu)]
 
 
 def _call(impl, outputs, lses, **kw):
@@ -34,75 +28,10 @@ def _call(impl, outputs, lses, **kw):
                                            interpret=impl == "pallas-interpret", **kw)
 
 
-def _run(case, inp, impl, *, fused=True, lses=None, ptwc=None):
-    kw = dict(prefill_tokens_with_context=ptwc, lse_layout=case.lse_layout, lse_base=case.lse_base)
-    if fused:
-        kw.update(query_start_loc=jnp.asarray(inp["query_start_loc"]), cu_seq_lens=jnp.asarray(inp["cu_seq_lens"]))
-    if case.out_dtype:
-        kw.update(out_dtype=cases.DTYPES[case.out_dtype], output_scale=jnp.asarray(inp["output_scale"]))
-    return _call(impl, jnp.asarray(inp["outputs"])[..., :case.head_dim],
-                 jnp.asarray(inp["lses"] if lses is None else lses), **kw)
-
-
 def _check(case, inp, out, lse, *, op, ptwc=None, lses=None, impl=""):
     case = dataclasses.replace(case, prefill_tokens_with_context=ptwc)
     arrays = dict(inp, lses=inp["lses"] if lses is None else lses)
     assert_merge_matches_reference(case, op, arrays, out, lse, mode=impl, name="merge_n")
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("case", CI_N, ids=lambda c: c.name)
-def test_ci_cases_match_reference(case, impl):
-    inp = cases.make_inputs_n(case)
-    ptwc = case.prefill_tokens_with_context
-    out, lse = _run(case, inp, impl, ptwc=ptwc)
-    _check(case, inp, out, lse, op="merge_n_fused", ptwc=ptwc, impl=impl)
-    masked = impls.masked_lses(case, inp)
-    out, lse = _run(case, inp, impl, fused=False, lses=masked, ptwc=ptwc)
-    _check(case, inp, out, lse, op="merge_n", ptwc=ptwc, lses=masked, impl=impl)
-
-
-@pytest.mark.parametrize("impl", BIT_IMPLS)
-def test_n2_gives_the_two_way_bits(impl):
-    # docs/spec.md 8: at N = 2 every operation is the 2-way merge's (partial 1 pre-masked: the 2-way fused mask
-    # covers the prefix only).
-    case = cases.by_name("n2_fp32_d80_ptwc")
-    inp = cases.make_inputs_n(case)
-    masked = jnp.asarray(impls.masked_lses(case, inp))
-    D, ptwc = case.head_dim, case.prefill_tokens_with_context
-    o = jnp.asarray(inp["outputs"])[..., :D]
-    n_out, n_lse = _run(case, inp, impl, ptwc=ptwc)
-    kw = dict(implementation="jnp") if impl == "jnp" else dict(implementation="pallas",
-                                                               interpret=impl == "pallas-interpret")
-    out, lse = pallas_impl.merge_attn_states(o[0], jnp.asarray(inp["lses"][0]), o[1], masked[1],
-                                             prefill_tokens_with_context=ptwc,
-                                             query_start_loc=jnp.asarray(inp["query_start_loc"]),
-                                             prefix_cu_seq_lens=jnp.asarray(inp["cu_seq_lens"][0]), **kw)
-    compare.assert_bitwise_equal(n_out, out, name="merge_n.out (N=2) vs merge.out", case=case, mode=impl)
-    compare.assert_bitwise_equal(n_lse, lse, name="merge_n.lse (N=2) vs merge.lse", case=case, mode=impl)
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-def test_an_empty_partial_anywhere_changes_nothing(impl):
-    # Bit for bit when compiled (on the GPU, jnp too); the CPU interpreters contract FMAs differently in the two
-    # programs (docs/spec.md 5), so there the values agree to f32 rounding.
-    rng = np.random.default_rng(3)
-    o = jnp.asarray(rng.standard_normal((3, 19, 2, 32)).astype(np.float32))
-    lse = jnp.asarray(rng.normal(2.0, 3.0, (3, 2, 19)).astype(np.float32))
-    base = _call(impl, o, lse)
-    mag = expected.merge_magnitude(np.asarray(o), reference.merge_weights_n(np.asarray(lse)))
-    tol = compare.TOLERANCES["float32"]
-    for where in range(4):
-        for empty in (-math.inf, math.inf, math.nan):
-            got = _call(impl, jnp.concatenate([o[:where], jnp.full_like(o[:1], jnp.nan), o[where:]]),
-                        jnp.concatenate([lse[:where], jnp.full_like(lse[:1], empty), lse[where:]]))
-            if jax.default_backend() == "gpu" and impl != "pallas-interpret":
-                compare.assert_bitwise_equal(got[0], base[0], name=f"out, empty partial {empty} at {where}", mode=impl)
-                compare.assert_bitwise_equal(got[1], base[1], name=f"lse, empty partial {empty} at {where}", mode=impl)
-            else:
-                err = np.abs(np.asarray(got[0], np.float64) - np.asarray(base[0], np.float64))
-                assert (err <= 2 * (tol.atol + tol.rtol * mag)).all(), err.max()
-                np.testing.assert_allclose(np.asarray(got[1]), np.asarray(base[1]), rtol=2**-20, atol=2**-20)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -138,16 +67,6 @@ CU = jnp.array([[0, 0, 3], [0, 1, 2], [0, 0, 0]], jnp.int32)
 
 
 @pytest.mark.parametrize("change,error,match", [
-    pytest.param(dict(outputs=jnp.zeros((6, 2, 8), jnp.bfloat16)), ValueError, "outputs must have 4 dims", id="rank3"),
-    pytest.param(dict(outputs=jnp.zeros((3, 6, 2, 8), jnp.int32)), TypeError, "outputs must be", id="int"),
-    pytest.param(dict(lses=jnp.zeros((4, 2, 6))), ValueError, "disagree on N", id="lses_n"),
-    pytest.param(dict(lses=jnp.zeros((3, 6, 2))), ValueError, r"lses must be f32\[3, 2, 6\]", id="lses_layout"),
-    pytest.param(dict(query_start_loc=QSL), ValueError, "go together", id="only_qsl"),
-    pytest.param(dict(query_start_loc=QSL, cu_seq_lens=CU[0]), ValueError, "cu_seq_lens must have 2 dims",
-                 id="cu_one_row"),
-    pytest.param(dict(query_start_loc=QSL, cu_seq_lens=CU[:2]), ValueError, r"cu_seq_lens must be i32\[N, R\+1\]",
-                 id="cu_wrong_n"),
-    pytest.param(dict(out_dtype=jnp.float8_e4m3fn), ValueError, "output_scale is required", id="fp8_no_scale"),
     pytest.param(dict(out_dtype=jnp.int32), TypeError, "out_dtype must be None", id="out_dtype"),
     pytest.param(dict(implementation="cuda"), ValueError, "implementation must be one of", id="impl"),
 ])
@@ -158,10 +77,7 @@ def test_errors(change, error, match):
         pallas_impl.merge_attn_states_n(kw.pop("outputs"), kw.pop("lses"), **kw)
 
 
-def test_validate_reads_offsets_outside_jit_only():
-    bad = jnp.array([[0, 0, 3], [0, 2, 1], [0, 0, 0]], jnp.int32)
-    with pytest.raises(ValueError, match=r"cu_seq_lens\[1\] must be non-decreasing"):
-        pallas_impl.merge_attn_states_n(**_ok(), query_start_loc=QSL, cu_seq_lens=bad, validate=True)
+def test_validate_under_jit_explains():
     with pytest.raises(ValueError, match="cannot run under jax.jit"):
         jax.jit(lambda o, l, q, c: pallas_impl.merge_attn_states_n(o, l, query_start_loc=q, cu_seq_lens=c,
                                                                    validate=True))(*_ok().values(), QSL, CU)

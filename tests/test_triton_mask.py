@@ -1,17 +1,16 @@
-"""triton_impl.mask_empty_context_lse against parity.harness.reference, bit for bit (docs/spec.md 3).
+"""triton_impl.mask_empty_context_lse: what only the Triton kernel has (docs/spec.md 3).
 
-Runs in the process's Triton mode (conftest): the interpreter on CPU, compiled on a GPU. The interpreter
-runs the grid's T // 128 + R programs one by one (R = 1000 takes ~20 s of CPU), so larger R is `gpu` only.
+The behaviour every implementation shares (the reference's bits on the workloads, idempotence, the has_empty
+guard, shared errors) is tested once in tests/test_op_mask.py. Here: the split of a block over programs, strided
+and transposed views, the launch guard, torch-only arguments (devices, tensors, overlaps) and the compile keys.
+Runs in the process's Triton mode (conftest): the interpreter on CPU, compiled on a GPU.
 """
-
-import dataclasses
 
 import numpy as np
 import pytest
-from triton_keys import Recorder, assert_one_variant, kernel_params
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from op_support import check_mask, run
+from triton_keys import Recorder, assert_one_variant, kernel_params
 
 import triton_impl
 from parity.library import bridge
@@ -35,61 +34,17 @@ def _every_other(num_requests: int, start: int = 0) -> tuple[int, ...]:
     return tuple(range(start, num_requests, 2))
 
 
-CI_CASES = cases.select("ci")
-
-# Hand-written edges, each named after what it exercises.
-EDGE_CASES = [
-    # R = 33: the ownership count crosses a 32-request chunk.
-    cases.Case("r33_tiny", _tiny_lens(10, 33), _every_other(33, 1), num_heads=3, head_dim=32,
-               dtype="float32", padding=4),
-    # R = 65: three 32-request chunks, the last one partial.
-    cases.Case("r65_tiny", _tiny_lens(11, 65), _every_other(65), num_heads=2, head_dim=16, padding=3),
-    # Zero-length requests, empty and not, at the start, middle and end.
-    cases.Case("zero_len", (0, 0, 5, 0, 3, 0), (0, 2, 3, 5), num_heads=4, head_dim=32, padding=2),
-    # Block edges shifted by one token: requests start at 1, 128, 256, 385 and end past them.
-    cases.Case("block_edges_shifted", (1, 127, 128, 129, 256), (1, 2, 3, 4), num_heads=2, head_dim=16,
-               dtype="float32"),
-    # H not a power of two: 5 (one masked head tile) and 20 (two LSE head tiles of 16).
-    cases.Case("h5", (40, 0, 130), (0, 1), num_heads=5, head_dim=64, dtype="float16", padding=9),
-    cases.Case("h20_th", (17, 140, 5), (1, 2), num_heads=20, head_dim=24, lse_layout="TH", padding=6),
-]
-
-
 def _offsets(case, seed=0):
     qsl, cu = cases.offsets(case, seed)
     return qsl, cu, bridge.to_torch(qsl, DEVICE), bridge.to_torch(cu, DEVICE)
 
 
 def _check_mask_case(case, *, zero_output=True, seed=0):
-    """Masks the case's prefix LSE (and zeroes the D-column view of its padded output buffer) and checks
-    every bit against the reference; padding tokens and padding columns keep their NaN bits."""
-    inp = cases.make_inputs(case, seed)
-    qsl, cu, qsl_t, cu_t = _offsets(case, seed)
-    D = case.head_dim
-    lse = bridge.to_torch(inp["prefix_lse"], DEVICE)
-    buf = bridge.to_torch(inp["prefix_output"], DEVICE)  # [T, H, D + head_pad]
-    out = buf[..., :D] if zero_output else None
-    triton_impl.mask_empty_context_lse(lse, qsl_t, cu_t, out, lse_layout=case.lse_layout)
-
-    want_lse, want_out = reference.mask_empty_context_lse(
-        inp["prefix_lse"], qsl, cu, inp["prefix_output"][..., :D] if zero_output else None,
-        lse_layout=case.lse_layout)
-    assert_bitwise_equal(lse, want_lse, name="mask.lse", case=case, seed=seed)
-    want_buf = inp["prefix_output"].copy()
-    if zero_output:
-        want_buf[..., :D] = want_out
-    assert_bitwise_equal(buf, want_buf, name="mask.output", case=case, seed=seed)
-    return lse, buf
-
-
-@pytest.mark.parametrize("case", CI_CASES, ids=lambda c: c.name)
-def test_ci_cases_match_reference(case):
-    _check_mask_case(case)
-
-
-@pytest.mark.parametrize("case", EDGE_CASES, ids=lambda c: c.name)
-def test_edge_cases_match_reference(case):
-    _check_mask_case(case)
+    """The Triton mask on a case (`op_support.run`) against the reference, every bit."""
+    arrays = cases.make_inputs(case, seed)
+    if not zero_output:
+        arrays["prefix_output"] = None
+    check_mask("triton", case, arrays, run("triton", "mask", case, arrays), with_output=zero_output)
 
 
 @pytest.fixture
@@ -119,33 +74,6 @@ def test_block_split_over_programs(small_splits, case, zero_output):
                           case.head_dim if zero_output else 1, zero_output)
     assert grid[1] == (5 if zero_output else 3)
     _check_mask_case(case, zero_output=zero_output)
-
-
-@pytest.mark.gpu
-def test_r1100_tiny_requests():
-    # R = 1100 requests of 0-3 tokens: the ownership count crosses a 1024-request (32 x 32) coarse step.
-    case = cases.Case("r1100_tiny", _tiny_lens(13, 1100), _every_other(1100, 1), num_heads=3, head_dim=16,
-                      padding=7)
-    _check_mask_case(case)
-
-
-def test_upstream_vector():
-    # vLLM's test vector: request 1 (tokens 2..132) has an empty chunk -> lse[:, 2:133] = -inf.
-    qsl = torch.tensor([0, 2, 133, 134], dtype=torch.int32, device=DEVICE)
-    cu = torch.tensor([0, 4, 4, 7], dtype=torch.int32, device=DEVICE)
-    before = torch.randn(4, 134, device=DEVICE)
-    lse = before.clone()
-    triton_impl.mask_empty_context_lse(lse, qsl, cu)
-    assert bool(torch.isneginf(lse[:, 2:133]).all())
-    assert torch.equal(lse[:, :2].view(torch.int32), before[:, :2].view(torch.int32))
-    assert torch.equal(lse[:, 133:].view(torch.int32), before[:, 133:].view(torch.int32))
-    want, _ = reference.mask_empty_context_lse(before.cpu().numpy(), qsl.cpu().numpy(), cu.cpu().numpy())
-    assert_bitwise_equal(lse, want, name="mask.lse", query_start_loc=qsl)
-
-
-def test_lse_only_keeps_every_other_bit():
-    # Without `output` only the LSE changes; NaN padding (payload included) keeps its bits.
-    _check_mask_case(cases.by_name("r33_ragged_pad"), zero_output=False)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -222,15 +150,8 @@ def test_strided_output_zeroing():
     assert bool((out[torch.from_numpy(empty).to(DEVICE)] == 0).all())
 
 
-def test_th_layout_equals_ht_transposed():
-    case = dataclasses.replace(_STRIDE_CASE, name="strides_th", lse_layout="TH")
-    lse_th, _ = _check_mask_case(case, zero_output=False)
-    lse_ht, _ = _check_mask_case(_STRIDE_CASE, zero_output=False)
-    assert torch.equal(lse_th.t().contiguous().view(torch.int32), lse_ht.view(torch.int32))
-
-
 # --------------------------------------------------------------------------------------------------------
-# Guard, idempotence, small shapes
+# The launch guard
 
 
 def test_has_empty_false_changes_nothing_and_launches_nothing(monkeypatch):
@@ -253,49 +174,14 @@ def test_has_empty_false_changes_nothing_and_launches_nothing(monkeypatch):
         triton_impl.mask_empty_context_lse(lse, qsl_t, cu_t, out, has_empty=None)
 
 
-def test_has_empty_true_is_a_plain_launch():
-    case = cases.by_name("block_edges")
-    inp = cases.make_inputs(case)
-    qsl, cu, qsl_t, cu_t = _offsets(case)
-    lse = bridge.to_torch(inp["prefix_lse"], DEVICE)
-    triton_impl.mask_empty_context_lse(lse, qsl_t, cu_t, has_empty=True)
-    want, _ = reference.mask_empty_context_lse(inp["prefix_lse"], qsl, cu)
-    assert_bitwise_equal(lse, want, name="mask.lse", case=case)
-
-
-def test_idempotent():
-    case = cases.by_name("block_edges")
-    lse, buf = _check_mask_case(case)
-    once_lse, once_buf = lse.clone(), buf.clone()
-    _, _, qsl_t, cu_t = _offsets(case)
-    triton_impl.mask_empty_context_lse(lse, qsl_t, cu_t, buf[..., :case.head_dim])
-    assert_bitwise_equal(lse, once_lse, name="mask.lse (twice)", case=case)
-    assert_bitwise_equal(buf, once_buf, name="mask.output (twice)", case=case)
-
-
-@pytest.mark.parametrize("num_tokens,qsl,cu", [
-    (0, [0], [0]),  # R = 0, T = 0
-    (5, [0], [0]),  # R = 0: every token is padding
-    (0, [0, 0, 0], [0, 0, 3]),  # T = 0, two zero-length requests
-], ids=["r0_t0", "r0_padding", "t0_r2"])
-def test_nothing_to_mask(num_tokens, qsl, cu):
-    lse = torch.full((3, num_tokens), float("nan"), device=DEVICE)
-    before = lse.clone()
-    triton_impl.mask_empty_context_lse(lse, torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
-                                       torch.tensor(cu, dtype=torch.int32, device=DEVICE), validate=True)
-    assert torch.equal(lse.view(torch.int32), before.view(torch.int32))
-
-
 # --------------------------------------------------------------------------------------------------------
 # has_empty_context
 
 
 @pytest.mark.parametrize("lens,want", [
-    ([3, 0, 2], True), ([1, 2], False), ([], False),
-    (np.array([4, 5, 0], np.int32), True), (np.array([4, 5], np.int64), False),
     (torch.tensor([0, 1], dtype=torch.int32), True), (torch.tensor([7], dtype=torch.int32), False),
-], ids=["list_empty", "list_full", "list_none", "numpy_empty", "numpy_full", "tensor_empty", "tensor_full"])
-def test_has_empty_context(lens, want):
+], ids=["tensor_empty", "tensor_full"])
+def test_has_empty_context_takes_cpu_tensors(lens, want):
     got = triton_impl.has_empty_context(lens)
     assert type(got) is bool and got is want
 
@@ -324,31 +210,13 @@ def _call(**changes):
     triton_impl.mask_empty_context_lse(*args, **kw)
 
 
-I32 = dict(dtype=torch.int32, device=DEVICE)
 _FLAT = torch.zeros(104, device=DEVICE)
 _OVERLAPPING = (_FLAT[:12].view(2, 6), _FLAT[8:].view(6, 2, 8))  # lse and output share 4 floats
 
-ALWAYS_ERRORS = [
-    ("lse_rank1", dict(lse=torch.zeros(6, device=DEVICE)), ValueError, "lse must have 2 dims"),
-    ("lse_rank3", dict(lse=torch.zeros(2, 6, 1, device=DEVICE)), ValueError, "lse must have 2 dims"),
-    ("lse_f16", dict(lse=torch.zeros(2, 6, dtype=torch.float16, device=DEVICE)), TypeError, "lse.dtype"),
-    ("lse_f64", dict(lse=torch.zeros(2, 6, dtype=torch.float64, device=DEVICE)), TypeError, "lse.dtype"),
+# The errors every implementation shares (ranks, dtypes, shapes, layouts, validate=True) are in test_op_mask.py;
+# these are torch's: tensors, devices, and memory shared between elements written in place.
+TORCH_ERRORS = [
     ("lse_numpy", dict(lse=np.zeros((2, 6), np.float32)), TypeError, "torch.Tensor"),
-    ("qsl_int64", dict(query_start_loc=torch.tensor([0, 2, 5], device=DEVICE)), TypeError, "query_start_loc"),
-    ("cu_int64", dict(cu_seq_lens=torch.tensor([0, 0, 4], device=DEVICE)), TypeError, "cu_seq_lens"),
-    ("qsl_rank2", dict(query_start_loc=torch.tensor([[0, 2, 5]], **I32)), ValueError, "query_start_loc"),
-    ("qsl_no_entries", dict(query_start_loc=torch.zeros(0, **I32), cu_seq_lens=torch.zeros(0, **I32)),
-     ValueError, "R\\+1"),
-    ("offset_lengths", dict(cu_seq_lens=torch.tensor([0, 4], **I32)), ValueError, "cu_seq_lens.shape"),
-    ("output_tokens", dict(output=torch.zeros(7, 2, 8, device=DEVICE)), ValueError, "output.shape"),
-    ("output_heads", dict(output=torch.zeros(6, 3, 8, device=DEVICE)), ValueError, "output.shape"),
-    ("output_rank2", dict(output=torch.zeros(6, 2, device=DEVICE)), ValueError, "output must have 3 dims"),
-    ("output_int32", dict(output=torch.zeros(6, 2, 8, **I32)), TypeError, "output.dtype"),
-    ("output_fp8", dict(output=torch.zeros(6, 2, 8, device=DEVICE).to(torch.float8_e4m3fn)), TypeError,
-     "output.dtype"),
-    ("bad_layout", dict(lse_layout="ht"), ValueError, "lse_layout"),
-    # lse_layout="TH" reads lse as [T=2, H=6]: the [6, 2, 8] output no longer fits.
-    ("th_with_ht_lse", dict(lse_layout="TH"), ValueError, "output.shape"),
     ("qsl_other_device", dict(query_start_loc=torch.tensor([0, 2, 5], dtype=torch.int32, device="meta")),
      ValueError, "meta"),
     ("cu_other_device", dict(cu_seq_lens=torch.tensor([0, 0, 4], dtype=torch.int32, device="meta")),
@@ -363,84 +231,10 @@ ALWAYS_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("changes,error,match", [e[1:] for e in ALWAYS_ERRORS], ids=[e[0] for e in ALWAYS_ERRORS])
-def test_always_on_errors(changes, error, match):
+@pytest.mark.parametrize("changes,error,match", [e[1:] for e in TORCH_ERRORS], ids=[e[0] for e in TORCH_ERRORS])
+def test_torch_argument_errors(changes, error, match):
     with pytest.raises(error, match=match):
         _call(**changes)
-
-
-def test_always_on_errors_precede_the_guard():
-    # The metadata checks run even when nothing is launched.
-    with pytest.raises(TypeError, match="query_start_loc"):
-        _call(query_start_loc=torch.tensor([0, 2, 5], device=DEVICE), has_empty=False)
-
-
-VALIDATE_ERRORS = [
-    ("qsl_not_from_0", dict(query_start_loc=torch.tensor([1, 2, 5], **I32)), "query_start_loc\\[0\\] must be 0"),
-    ("cu_not_from_0", dict(cu_seq_lens=torch.tensor([2, 2, 4], **I32)), "cu_seq_lens\\[0\\] must be 0"),
-    ("qsl_decreasing", dict(query_start_loc=torch.tensor([0, 3, 2], **I32)), "non-decreasing"),
-    ("cu_decreasing", dict(cu_seq_lens=torch.tensor([0, 4, 1], **I32)), "non-decreasing"),
-    ("qsl_past_T", dict(query_start_loc=torch.tensor([0, 2, 7], **I32)), "past the token count"),
-]
-
-
-@pytest.mark.parametrize("changes,match", [e[1:] for e in VALIDATE_ERRORS], ids=[e[0] for e in VALIDATE_ERRORS])
-def test_validate_errors(changes, match):
-    _call(**changes)  # the always-on tier does not read values: no error, no sync
-    with pytest.raises(ValueError, match=match):
-        _call(validate=True, **changes)
-
-
-def test_validate_accepts_valid_offsets():
-    kw = _valid()
-    lse, out = kw["lse"], kw["output"]
-    triton_impl.mask_empty_context_lse(lse, kw["query_start_loc"], kw["cu_seq_lens"], out, validate=True)
-    assert bool(torch.isneginf(lse[:, :2]).all()) and bool((lse[:, 2:] == 0).all())
-
-
-# --------------------------------------------------------------------------------------------------------
-# Properties (Hypothesis, deterministic "ci" profile from conftest)
-
-
-@st.composite
-def mask_cases(draw):
-    """A Case with zero-length requests, random empty flags, a NaN padding tail, H not a power of two and
-    R crossing 32-request scan boundaries."""
-    num_requests = draw(st.integers(0, 40))
-    lens = draw(st.lists(st.one_of(st.just(0), st.integers(1, 6)), min_size=num_requests, max_size=num_requests))
-    for r in draw(st.lists(st.integers(0, max(0, num_requests - 1)), max_size=2 if num_requests else 0)):
-        lens[r] = draw(st.integers(120, 140))  # a few requests around the 128-token block
-    flags = draw(st.lists(st.booleans(), min_size=num_requests, max_size=num_requests))
-    return cases.Case(
-        "hypothesis", tuple(lens), tuple(r for r, f in enumerate(flags) if f),
-        num_heads=draw(st.sampled_from([1, 3, 5, 17])), head_dim=draw(st.sampled_from([8, 48])),
-        dtype=draw(st.sampled_from(["float32", "bfloat16"])), lse_layout=draw(st.sampled_from(["HT", "TH"])),
-        padding=draw(st.integers(0, 9)), head_pad=draw(st.sampled_from([0, 5])))
-
-
-@given(case=mask_cases(), zero_output=st.booleans())
-@settings(max_examples=8)  # ~1 s of interpreter time per example
-def test_property_matches_reference_and_is_idempotent(case, zero_output):
-    lse, buf = _check_mask_case(case, zero_output=zero_output)
-    once_lse, once_buf = lse.clone(), buf.clone()
-    _, _, qsl_t, cu_t = _offsets(case)
-    triton_impl.mask_empty_context_lse(lse, qsl_t, cu_t, buf[..., :case.head_dim] if zero_output else None,
-                                       lse_layout=case.lse_layout)
-    assert_bitwise_equal(lse, once_lse, name="mask.lse (twice)", case=case)
-    assert_bitwise_equal(buf, once_buf, name="mask.output (twice)", case=case)
-
-
-@given(case=mask_cases())
-@settings(max_examples=6)
-def test_property_has_empty_false_changes_nothing(case):
-    inp = cases.make_inputs(case)
-    _, _, qsl_t, cu_t = _offsets(case)
-    lse = bridge.to_torch(inp["prefix_lse"], DEVICE)
-    buf = bridge.to_torch(inp["prefix_output"], DEVICE)
-    triton_impl.mask_empty_context_lse(lse, qsl_t, cu_t, buf[..., :case.head_dim], has_empty=False,
-                                       lse_layout=case.lse_layout)
-    assert_bitwise_equal(lse, inp["prefix_lse"], name="mask.lse", case=case)
-    assert_bitwise_equal(buf, inp["prefix_output"], name="mask.output", case=case)
 
 
 # --------------------------------------------------------------------------------------------------------

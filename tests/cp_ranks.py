@@ -1,0 +1,95 @@
+"""Test helper: the context-parallel combine of `triton_impl` on 4 gloo ranks (spawned processes), run once per
+test process (`results()`) for tests/test_op_cp_merge.py and tests/test_triton_cp_merge.py.
+
+Each rank holds one partial of an N-way case (its KV shard: partials empty for some requests, NaN garbage under
+finite LSEs) and its own KV offsets; one spawn runs every scenario (`worker`): both methods on a bf16 and an fp8
+case, a bf16 reduction, errors every rank finds alone, and validate=True across disagreeing ranks.
+"""
+
+import dataclasses
+import functools
+
+import torch
+
+import triton_impl
+from parity.harness import cases, impls
+from parity.library import bridge
+from parity.tools import ranks
+
+WORLD = 4
+CASE = cases.by_name("n4_bf16_fp8_out")  # N = 4, H = 4, R = 3, bf16, specials, partials without KV
+CASE_BF16 = dataclasses.replace(CASE, out_dtype=None, prefill_tokens_with_context=30)
+H, D, T = CASE.num_heads, CASE.head_dim, CASE.num_tokens
+
+
+def _local(case, rank):
+    inp = cases.make_inputs_n(case)
+    t = {k: bridge.to_torch(v) for k, v in inp.items()}
+    return t["outputs"][rank, ..., :D], t["lses"][rank], t["query_start_loc"], t["cu_seq_lens"][rank], t
+
+
+def _combine(case, rank, world, group, method, **kw):
+    part, lse, qsl, cu, t = _local(case, rank)
+    heads = H if method == "gather" else H // world
+    dtype = torch.float8_e4m3fn if case.out_dtype else part.dtype
+    out = torch.full((T, heads, D), float("nan")).to(dtype)
+    out_lse = torch.full((heads, T), float("nan"))
+    triton_impl.cp_merge_attn_states(out, part, lse, group, out_lse, case.prefill_tokens_with_context,
+                                     t.get("output_scale"), method=method, query_start_loc=qsl, cu_seq_lens=cu, **kw)
+    return bridge.to_numpy(out), bridge.to_numpy(out_lse)
+
+
+def _error(fn):
+    try:
+        fn()
+    except (TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def worker(rank, world, group):
+    got = {}
+    for name, case in (("bf16", CASE_BF16), ("fp8", CASE)):
+        for method in ("gather", "reduce_scatter"):
+            got[f"{name}_{method}"] = _combine(case, rank, world, group, method)
+        # The single-process N-way merge, run like the ranks' kernels (Triton's interpreter on CPU tensors).
+        got[f"{name}_single"] = _single_process(case) if rank == 0 else None
+    got["bf16_reduce_scatter_bf16_reduce"] = _combine(CASE_BF16, rank, world, group, "reduce_scatter",
+                                                      reduce_dtype=torch.bfloat16)
+    part, lse, qsl, cu, _ = _local(CASE_BF16, rank)
+    out = torch.empty(T, H, D, dtype=part.dtype)
+    # Errors every rank finds alone, before any collective (all ranks raise: nobody waits in a collective).
+    got["err_method"] = _error(lambda: triton_impl.cp_merge_attn_states(out, part, lse, group, method="allreduce"))
+    got["err_heads"] = _error(lambda: triton_impl.cp_merge_attn_states(
+        torch.empty(T, 1, D, dtype=part.dtype), part[:, :3], lse[:3], group, method="reduce_scatter"))
+    got["err_cu_2d"] = _error(lambda: triton_impl.cp_merge_attn_states(
+        out, part, lse, group, query_start_loc=qsl, cu_seq_lens=cu[None].expand(world, -1)))
+    got["err_out_shape"] = _error(lambda: triton_impl.cp_merge_attn_states(out, part, lse, group, method="reduce_scatter"))
+    got["err_group"] = _error(lambda: triton_impl.cp_merge_attn_states(out, part, lse, None))
+    # validate=True: inputs that differ between ranks, or a bad input on one rank only: every rank raises.
+    bad_part = part.half() if rank == 2 else part
+    got["validate_dtype_differs"] = _error(lambda: triton_impl.cp_merge_attn_states(
+        torch.empty(T, H, D, dtype=bad_part.dtype), bad_part, lse, group, validate=True))
+    bad_cu = cu[:-1] if rank == 1 else cu
+    got["validate_one_rank_bad"] = _error(lambda: triton_impl.cp_merge_attn_states(
+        out, part, lse, group, query_start_loc=qsl, cu_seq_lens=bad_cu, validate=True))
+    got["validate_ok"] = _error(lambda: triton_impl.cp_merge_attn_states(
+        out, part, lse, group, query_start_loc=qsl, cu_seq_lens=cu, validate=True))
+    return got
+
+
+def _single_process(case):
+    """The single-process N-way merge of the same partials (Triton): the bits `gather` must give."""
+    inp = cases.make_inputs_n(case)
+    t = {k: bridge.to_torch(v) for k, v in inp.items()}
+    r = impls.run(impls.make_runtime(), "triton", "merge_n_fused", case, t)
+    return inp, bridge.to_numpy(r["out"]), bridge.to_numpy(r["lse"])
+
+
+@functools.cache
+def results() -> list:
+    """Every rank's results of `worker` (one spawn per test process)."""
+    out = ranks.run_ranks(worker, WORLD)
+    for r, res in enumerate(out):
+        assert res[0] == "ok", f"rank {r}: {res[1]}\n{res[2]}"
+    return [res[1] for res in out]
