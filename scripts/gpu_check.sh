@@ -143,17 +143,18 @@ if [ "$PLAN" = all ] || [ "$PLAN" = bench ]; then
         $BENCH_ARGS --json "$OUT/bench.json"
 fi
 if [ "$PLAN" = all ] || [ "$PLAN" = more ]; then
-    step host_cost 40 480 "$OUT/host_cost.log" "$PY" scripts/host_cost.py
-    step wide_n_compile 110 370 "$OUT/wide_n_compile.log" "$PY" scripts/wide_n.py --part compile --ns 4,16,64,256 \
+    step host_cost 30 520 "$OUT/host_cost.log" "$PY" scripts/host_cost.py
+    step wide_n_compile 110 410 "$OUT/wide_n_compile.log" "$PY" scripts/wide_n.py --part compile --ns 4,16,64,256 \
         --json "$OUT/wide_n_compile.json"
-    step wide_n_speed 80 290 "$OUT/wide_n_speed.log" "$PY" scripts/wide_n.py --part speed \
+    step wide_n_speed 80 330 "$OUT/wide_n_speed.log" "$PY" scripts/wide_n.py --part speed \
         --json "$OUT/wide_n_speed.json"
-    step loop_torch 90 200 "$OUT/loop_torch.log" "$PY" -m parity loop --framework torch --json "$OUT/loop_torch.json"
-    step loop_jax 90 110 "$OUT/loop_jax.log" "$PY" -m parity loop --framework jax --json "$OUT/loop_jax.json"
-    step probe 110 5 "$OUT/probe.log" "$PY" -m parity probe --json "$OUT/probe.json"
-    # Whatever time is left: the GPU tests of the files the last changes touched.
+    step loop_torch 90 240 "$OUT/loop_torch.log" "$PY" -m parity loop --framework torch --json "$OUT/loop_torch.json"
+    step loop_jax 90 150 "$OUT/loop_jax.log" "$PY" -m parity loop --framework jax --json "$OUT/loop_jax.json"
+    step probe 100 50 "$OUT/probe.log" "$PY" -m parity probe --json "$OUT/probe.json"
+    # Whatever time is left: the GPU tests of GPU_TESTS (default: all), one line per test (-v: a timeout still
+    # shows what ran).
     # shellcheck disable=SC2086
-    step pytest 200 0 "$OUT/pytest.log" "$PY" -m pytest -q -rs -m gpu $XDIST $GPU_TESTS
+    step pytest 200 0 "$OUT/pytest.log" "$PY" -m pytest -v -rs -m gpu $XDIST $GPU_TESTS
 fi
 
 { echo "== summary ($(( $(date +%s) - START ))s of ${DEADLINE_S}s)"; printf '%s' "$SUMMARY"; } | tee "$OUT/summary.txt"
