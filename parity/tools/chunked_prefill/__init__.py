@@ -22,9 +22,9 @@ from parity.tools.chunked_prefill.kernels import (REAL_BACKENDS, RealBackend, at
                                                   attention_torch_flash, empty_row_classes, real_backend)
 from parity.tools.chunked_prefill.planner import (ChunkPlan, chunk_gather_index, cp_shard, plan_chunks,
                                                   prefill_tokens_with_context)
-from parity.tools.chunked_prefill.reference import PrefillBatch, make_batch, reference_prefill
+from parity.tools.chunked_prefill.reference import PrefillBatch, make_batch, reference_prefill, rounded
 
-__all__ = ["EMPTY_BEHAVIORS", "REAL_BACKENDS", "ChunkPlan", "EmptyBehavior", "PrefillBatch", "RealBackend",
+__all__ = ["rounded", "EMPTY_BEHAVIORS", "REAL_BACKENDS", "ChunkPlan", "EmptyBehavior", "PrefillBatch", "RealBackend",
            "attention_jax", "attention_jax_dpa", "attention_real", "attention_torch", "attention_torch_flash",
            "bucket_size", "chunk_gather_index", "cp_shard", "empty_row_classes", "make_batch", "plan_chunks",
            "prefill_tokens_with_context", "real_backend", "reference_prefill"]

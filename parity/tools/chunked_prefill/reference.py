@@ -110,3 +110,17 @@ def reference_prefill(batch: PrefillBatch) -> np.ndarray:
         p /= p.sum(axis=-1, keepdims=True)
         out[q0:q1] = (p @ v.transpose(1, 0, 2)).transpose(1, 0, 2)
     return out
+
+
+def rounded(batch: PrefillBatch, dtype: str) -> PrefillBatch:
+    """The batch with q, k and v rounded to `dtype` (kept as f32): a kernel fed `dtype` and the float64 reference then
+    read the same values."""
+    if dtype == "float32":
+        return batch
+    import ml_dtypes
+
+    def r(x):
+        return x.astype(getattr(ml_dtypes, dtype)).astype(np.float32)
+
+    return dataclasses.replace(batch, q=r(batch.q), new_k=r(batch.new_k), new_v=r(batch.new_v), ctx_k=r(batch.ctx_k),
+                               ctx_v=r(batch.ctx_v))

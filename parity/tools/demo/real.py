@@ -4,12 +4,12 @@ frameworks' kernels and by upstream's unguarded formula."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 
 from parity.tools.chunked_prefill import (ChunkPlan, PrefillBatch, attention_real, chunk_gather_index,
                                           empty_row_classes, real_backend, reference_prefill)
+from parity.tools.chunked_prefill.reference import rounded
 from parity.tools.demo.chain import FIXED_PATHS, NAIVE_PATHS, PATHS, combine, default_torch_device, host_f32
 from parity.tools.demo.rows import FRAMEWORKS, TOLERANCE, TOLERANCE_BF16, judge_row
 
@@ -71,19 +71,6 @@ def _to_framework(parts: dict, framework: str) -> dict:
 
 
 
-def _rounded(batch: PrefillBatch, dtype: str) -> PrefillBatch:
-    """The batch with q, k and v rounded to `dtype` (kept as f32): the kernel and the float64 reference then read
-    the same values."""
-    if dtype == "float32":
-        return batch
-    import ml_dtypes
-
-    def r(x):
-        return x.astype(getattr(ml_dtypes, dtype)).astype(np.float32)
-
-    return dataclasses.replace(batch, q=r(batch.q), new_k=r(batch.new_k), new_v=r(batch.new_v), ctx_k=r(batch.ctx_k),
-                               ctx_v=r(batch.ctx_v))
-
 
 def _both_empty_tokens(batch: PrefillBatch, ptwc: int | None) -> int:
     """Tokens of requests without any context that are merged (not copied past `prefill_tokens_with_context`): both
@@ -121,7 +108,7 @@ def run_real_batch(batch: PrefillBatch, backend: str, *, framework: str = "both"
     rt = impls.make_runtime()
     if b.gpu_only and not rt.on_gpu:
         raise RuntimeError(f"backend {backend!r} ({b.kernel}) needs a CUDA GPU; on CPU use 'jax-xla' or 'modelled'")
-    batch = _rounded(batch, b.dtype)
+    batch = rounded(batch, b.dtype)
     plan = batch.plan()
     ptwc = batch.prefill_tokens_with_context()
     want = reference_prefill(batch)

@@ -23,7 +23,7 @@ import json
 
 import numpy as np
 
-from parity.tools.chunked_prefill.reference import PrefillBatch, reference_prefill
+from parity.tools.chunked_prefill.reference import PrefillBatch, reference_prefill, rounded
 from parity.tools.loop.capacity import CAPACITIES, Capacity, loop_batches, step_inputs
 
 FRAMEWORKS = ("torch", "jax")
@@ -32,18 +32,6 @@ CHUNKS = (1, 2, 4, 8)
 TOLERANCE = 1e-3  # fp32 partials: the chain's roundings are ~1e-6 of values of a few units
 TOLERANCE_BF16 = 5e-2  # bf16 partials: each rounding (partials, every merge's output) is up to 2^-9 of a value
 
-
-def _rounded(batch: PrefillBatch, dtype: str) -> PrefillBatch:
-    """The batch's q, k, v rounded to `dtype` (kept f32): the step and the float64 reference read the same values."""
-    if dtype == "float32":
-        return batch
-    import ml_dtypes
-
-    def r(x):
-        return x.astype(getattr(ml_dtypes, dtype)).astype(np.float32)
-
-    return dataclasses.replace(batch, q=r(batch.q), new_k=r(batch.new_k), new_v=r(batch.new_v), ctx_k=r(batch.ctx_k),
-                               ctx_v=r(batch.ctx_v))
 
 
 def _judge(got: np.ndarray, batch: PrefillBatch, want: np.ndarray, tolerance: float) -> dict:
@@ -192,7 +180,7 @@ def run_loop(*, framework: str = "both", chunks=CHUNKS, size: str | None = None,
     rows = []
     for c in chunks:
         cap = CAPACITIES[size].with_chunks(c)
-        batches = [_rounded(b, dtype) for b in loop_batches(cap, num_batches, seed)]
+        batches = [rounded(b, dtype) for b in loop_batches(cap, num_batches, seed)]
         wants = [reference_prefill(b) for b in batches]
         for fw in frameworks:
             if fw == "torch":
