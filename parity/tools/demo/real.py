@@ -4,7 +4,6 @@ frameworks' kernels and by upstream's unguarded formula."""
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from parity.tools.chunked_prefill import (ChunkPlan, PrefillBatch, attention_real, chunk_gather_index,
