@@ -41,21 +41,21 @@ def from_th(lse_th, layout):
     return np.swapaxes(lse_th, -1, -2) if layout == "HT" else lse_th
 
 
-def normalise(lse_th, base):
-    """Natural-log f32 with the empty sentinels +inf and NaN read as -inf (4.1)."""
+def normalise(lse_th):
+    """f32 in the LSEs' own base, with the empty sentinels +inf and NaN read as -inf (4.1)."""
     lse = lse_th.astype(np.float32)
-    if base == "2":
-        lse = lse * LN2
     return np.where(np.isposinf(lse) | np.isnan(lse), np.float32(-np.inf), lse)
 
 
-def weights(l):
-    """(w f32[N, T, H], m, z, all_empty) of normalised LSEs l f32[N, T, H] (4.2, 4.3 and 8.2, 8.3)."""
+def weights(l, base):
+    """(w f32[N, T, H], m, z, all_empty) of normalised LSEs l f32[N, T, H] (4.2, 4.3 and 8.2, 8.3). Base-2 LSEs
+    stay in base 2: their differences are exponentiated as exp((l - m) * ln2), so a lone partial's weight is
+    exactly 1 and its LSE comes back unchanged."""
     m = l.max(axis=0)
     all_empty = m == -np.inf
     m = np.where(all_empty, np.float32(0.0), m)  # every partial empty: no -inf - -inf = NaN
     with np.errstate(divide="ignore", invalid="ignore"):
-        e = np.exp(l - m)
+        e = np.exp((l - m) * LN2) if base == "2" else np.exp(l - m)
         z = e[0].copy()
         for i in range(1, len(e)):  # index order
             z = z + e[i]
@@ -81,15 +81,14 @@ def passthrough_rows(num_tokens, prefill_tokens_with_context):
 
 def merge_partials(outputs, lses_th, empty, params):
     """The N-way merge (8) of partials outputs [N, T, H, D] and raw LSEs [N, T, H]; `empty` bool[N, T] or None."""
-    l = normalise(lses_th, params["lse_base"])
+    l = normalise(lses_th)
     if empty is not None:
         l = np.where(empty[:, :, None], np.float32(-np.inf), l)
-    w, m, z, all_empty = weights(l)
+    w, m, z, all_empty = weights(l, params["lse_base"])
     out = np.where(all_empty[..., None], np.float32(0.0), combine(outputs, w))
     with np.errstate(divide="ignore"):
-        lse = np.where(all_empty, np.float32(-np.inf), np.log(z) + m)
-    if params["lse_base"] == "2":
-        lse = lse * LOG2E
+        lz = np.log(z) * LOG2E if params["lse_base"] == "2" else np.log(z)
+        lse = np.where(all_empty, np.float32(-np.inf), lz) + m  # m is 0 where every partial is empty
     copy = passthrough_rows(out.shape[0], params["prefill_tokens_with_context"])
     out_dtype = DTYPES[params["out_dtype"]]
     if params["out_dtype"] == "float8_e4m3fn":  # 4.6: scale, clamp with comparisons (NaN stays NaN), cast
