@@ -53,26 +53,38 @@ def _log(x, BASE2: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _bound(n, MAX_LEN: tl.constexpr):
+    # Triton 3.6's interpreter cannot loop to a bound loaded in the kernel under numpy >= 2.4: there it loops to
+    # the longest request (a host value; the extra steps load nothing), compiled kernels to the request's length.
+    if MAX_LEN > 0:
+        return MAX_LEN
+    else:
+        return n
+
+
+@triton.jit
 def _lse_kernel(x_ptr, qsl_ptr, lse_ptr, H: tl.constexpr, BLOCK_H: tl.constexpr, REVERSE: tl.constexpr,
-                OFF_BY_ONE: tl.constexpr, BASE2: tl.constexpr, INTERPRET: tl.constexpr):
+                OFF_BY_ONE: tl.constexpr, BASE2: tl.constexpr, INTERPRET: tl.constexpr, MAX_LEN: tl.constexpr):
     r = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)
     h_mask = h < H
     start = tl.load(qsl_ptr + r)
     end = tl.load(qsl_ptr + r + 1) - OFF_BY_ONE
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for t in range(start, end):
-        xt = tl.load(x_ptr + t * H + h, mask=h_mask, other=0.0).to(tl.float32)
-        m = tl.maximum(m, xt, propagate_nan=tl.PropagateNan.ALL)
+    for i in range(0, _bound(end - start, MAX_LEN)):
+        in_req = start + i + h * 0 < end  # a [BLOCK_H] mask: the interpreter takes no scalar mask here
+        xt = tl.load(x_ptr + (start + i) * H + h, mask=h_mask & in_req, other=float("-inf"))
+        m = tl.maximum(m, xt.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
     m = tl.where(tl.abs(m) == float("inf"), 0.0, m)
     s = tl.zeros([BLOCK_H], tl.float32)
-    for i in range(0, end - start):
+    for i in range(0, _bound(end - start, MAX_LEN)):
         if REVERSE:
             t = end - 1 - i
         else:
             t = start + i
-        xt = tl.load(x_ptr + t * H + h, mask=h_mask, other=0.0).to(tl.float32)
-        s = s + _exp(xt - m, BASE2, INTERPRET)
+        if start + i < end:
+            xt = tl.load(x_ptr + t * H + h, mask=h_mask, other=0.0).to(tl.float32)
+            s = s + _exp(xt - m, BASE2, INTERPRET)
     lse = m + _log(s, BASE2, INTERPRET)
     tl.store(lse_ptr + r * H + h, lse, mask=h_mask)
 
@@ -88,6 +100,9 @@ def ragged_lse(x: torch.Tensor, query_start_loc: torch.Tensor, *, reverse: bool 
     lse = torch.empty((R, H), dtype=torch.float32, device=x.device)
     if R == 0 or H == 0:
         return lse
+    # Under the interpreter (tensors on the CPU) the loops run to the longest request; compiled, to each one's length.
+    max_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if INTERPRET else 0
     _lse_kernel[(R,)](x, query_start_loc, lse, H=H, BLOCK_H=triton.next_power_of_2(H), REVERSE=reverse,
-                      OFF_BY_ONE=int(off_by_one), BASE2=base2, INTERPRET=INTERPRET, **PARITY_LAUNCH)
+                      OFF_BY_ONE=int(off_by_one), BASE2=base2, INTERPRET=INTERPRET, MAX_LEN=max_len,
+                      **PARITY_LAUNCH)
     return lse
