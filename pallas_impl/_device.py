@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from mla_lse_common import tiles
 from mla_lse_common.tiles import SCAN
 from pallas_impl import _math
 from pallas_impl._backend import pltriton
@@ -122,6 +123,24 @@ def _partial_lse(lses_ref, i, t0, h0, block_t, block_h, th_mask, cu_ref, cu_row,
                                     lead=(jnp.asarray(i, jnp.int32),)))  # 4.1
     if fused_mask:  # 8.1: a token of a request with no KV in this partial has LSE -inf
         lse = jnp.where(_empty_tokens(cu_ref, i, cu_row, req, in_req)[:, None], -jnp.inf, lse)
+    return lse
+
+
+def _partial_lse_chunk(lses_ref, first, num_partials, t0, h0, block_t, block_h, th_mask, cu_ref, cu_row, req, in_req,
+                       *, lse_layout, fused_mask):
+    """f32[MAX_CHUNK, block_t, block_h]: the LSE tiles of partials first, first + 1, ... in one load, as
+    `_partial_lse` each; partials past N read as -inf (the Triton kernels' `_chunk_max`)."""
+    i = first + jnp.arange(tiles.MAX_CHUNK, dtype=jnp.int32)
+    live = i < num_partials
+    i = jnp.minimum(i, num_partials - 1)
+    t = (t0 + jnp.arange(block_t, dtype=jnp.int32))[None, :, None]
+    h = (h0 + jnp.arange(block_h, dtype=jnp.int32))[None, None, :]
+    index = (i[:, None, None], h, t) if lse_layout == "HT" else (i[:, None, None], t, h)
+    lse = _math.clean_lse(pltriton.load(lses_ref.at[index], mask=live[:, None, None] & th_mask[None, :, :],
+                                        other=-jnp.inf))  # 4.1
+    if fused_mask:  # 8.1, as _empty_tokens for each partial of the chunk
+        cu = (i * cu_row)[:, None] + req[None, :]
+        lse = jnp.where((in_req[None, :] & (cu_ref[cu + 1] == cu_ref[cu]))[:, :, None], -jnp.inf, lse)
     return lse
 
 

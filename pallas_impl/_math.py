@@ -11,23 +11,24 @@ import jax
 import jax.numpy as jnp
 
 from mla_lse_common import tiles
-from mla_lse_common.constants import FP8_E4M3_MAX, LN2, LOG2E, PARTIALS_PER_STEP  # noqa: F401 (re-exported)
+from mla_lse_common.constants import FP8_E4M3_MAX, LN2, LOG2E  # noqa: F401 (re-exported)
 
 
 def fold_partials(lo: int, hi: int, body, init, num_partials: int, *, unroll: bool = False):
     """`body(i, x)` for i = lo .. hi - 1 in order from `init`, for the merge of N = `num_partials` partials: all
     unrolled at trace time up to N = UNROLLED_PARTIALS (or with unroll=True), else `lax.fori_loop` steps of
-    PARTIALS_PER_STEP partials (an `scf.for` in a Pallas kernel) and the rest unrolled: the partition of the Triton
-    kernels' loops (`mla_lse_common.tiles.loop_steps`)."""
+    `tiles.PARTIALS_PER_STEP` partials (an `scf.for` in a Pallas kernel) and the rest unrolled: the partition of the
+    Triton kernels' loops (`mla_lse_common.tiles.loop_steps`), read at trace time."""
     steps = 0 if unroll else tiles.loop_steps(hi - lo, num_partials)
+    per_step = tiles.PARTIALS_PER_STEP
 
     def step(k, x):
-        for j in range(PARTIALS_PER_STEP):
-            x = body(lo + k * PARTIALS_PER_STEP + j, x)
+        for j in range(per_step):
+            x = body(lo + k * per_step + j, x)
         return x
 
     x = jax.lax.fori_loop(0, steps, step, init) if steps else init
-    for i in range(lo + steps * PARTIALS_PER_STEP, hi):
+    for i in range(lo + steps * per_step, hi):
         x = body(i, x)
     return x
 
@@ -67,17 +68,27 @@ def two_way_weights(p, s, lse_base2: bool):
     return m, both_empty, z, pe / z, se / z
 
 
-def n_way_max_and_sum(lse_i, num_partials: int, lse_base2: bool, *, unroll: bool = False):
+def n_way_max_and_sum(lse_i, num_partials: int, lse_base2: bool, *, unroll: bool = False, lse_chunk=None):
     """(m, all_empty, e, z) of N LSE tiles (in their base) whose empty rows are -inf (docs/spec.md 8.2, 8.3): the
-    maximum in index order, 0 where all are empty; e_i = exp(lse_i - m) (base 2: exp((lse_i - m) * ln2)); z their
-    sum in index order.
+    maximum, 0 where all are empty; e_i = exp(lse_i - m) (base 2: exp((lse_i - m) * ln2)); z their sum in index
+    order.
 
     `lse_i(i)`: partial i's tile. It is called twice per partial, for the maximum and for the exponential, so a
     kernel may reload a tile rather than keep N of them live; a caller holding the tiles passes `tiles.__getitem__`
     and unroll=True (a Python list takes no traced index). The loops unroll up to N = UNROLLED_PARTIALS and are
     runtime loops beyond (`fold_partials`); `e` is the list of the e_i where every loop unrolls, else None.
+    `lse_chunk(first)`: the [tiles.MAX_CHUNK, ...] tiles of partials first, first + 1, ... (-inf past N), given by
+    a kernel whose maximum beyond UNROLLED_PARTIALS reads them in one load each (`tiles.max_chunks`; a maximum is
+    exact in any order), as the Triton kernels' `_chunk_max`; without it the maximum runs in index order.
     """
-    m = fold_partials(1, num_partials, lambda i, m: jnp.maximum(m, lse_i(i)), lse_i(0), num_partials, unroll=unroll)
+    chunks = 0 if unroll or lse_chunk is None else tiles.max_chunks(num_partials)
+    if chunks:
+        size = tiles.MAX_CHUNK
+        m = jax.lax.fori_loop(0, chunks, lambda k, m: jnp.maximum(m, jnp.max(lse_chunk(1 + k * size), axis=0)),
+                              lse_i(0))
+    else:
+        m = fold_partials(1, num_partials, lambda i, m: jnp.maximum(m, lse_i(i)), lse_i(0), num_partials,
+                          unroll=unroll)
     all_empty = m == -jnp.inf
     m = jnp.where(all_empty, 0.0, m)
     e = [exp_base(lse_i(0) - m, lse_base2)]

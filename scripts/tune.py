@@ -4,6 +4,7 @@
     python scripts/tune.py merge_n --tiles 8192,1,4 4096,4,4 --partials 4 8 --json merge_n.json
     python scripts/tune.py mask --json mask.json
     python scripts/tune.py merge_n --lse-layout HT TH --lse-base e 2 --partials-view contig gather --json l.json
+    python scripts/tune.py merge_n --partials 128 --tokens 8192 --tiles 16384,8,4/2048,4096/8,64 --json wide.json
 
 merge: for each tile (bytes of one input tile, fewest tokens, warps) sets it for every variant of both
 frameworks' `MERGE_TILES`, then times plain / output-LSE / fused merges (Triton: CUDA-graph replay; JAX: profiler
@@ -68,10 +69,26 @@ def layouts(args) -> list[tuple[str, str]]:
     return list(itertools.product(args.lse_layout, args.lse_base))
 
 
+DEFAULT_KNOBS = {k: getattr(tiles, k) for k in ("N_TILE_BYTES", "PARTIALS_PER_STEP", "MAX_CHUNK")}
+
+
+def parse_tile(text: str) -> dict:
+    """"bytes,fewest_tokens,warps[/lo,hi[/step,chunk]]": a tile, and for merge_n optionally the bounds of one
+    partial's tile (`N_TILE_BYTES`) and the loops beyond UNROLLED_PARTIALS (`PARTIALS_PER_STEP`, `MAX_CHUNK`)."""
+    parts = [tuple(int(v) for v in p.split(",")) for p in text.split("/")]
+    knobs = dict(DEFAULT_KNOBS)
+    if len(parts) > 1:
+        knobs["N_TILE_BYTES"] = parts[1]
+    if len(parts) > 2:
+        knobs["PARTIALS_PER_STEP"], knobs["MAX_CHUNK"] = parts[2]
+    return dict(tile=parts[0], knobs=knobs, label=text)
+
+
 def set_merge_tiles(tile, table: str = "MERGE_TILES") -> None:
-    """`tile` for every variant of both frameworks' `table` (mla_lse_common.tiles, the one place of the knobs)."""
-    tiles.set_knobs(**{table: {fw: {variant: tuple(tile) for variant in per_fw}
-                               for fw, per_fw in getattr(tiles, table).items()}})
+    """`tile` (a `parse_tile` dict) for every variant of both frameworks' `table` and its other knobs
+    (mla_lse_common.tiles, the one place of the knobs)."""
+    tiles.set_knobs(**{table: {fw: {variant: tuple(tile["tile"]) for variant in per_fw}
+                               for fw, per_fw in getattr(tiles, table).items()}}, **tile["knobs"])
     tplans.PLANS.clear()  # the Triton wrappers' launch plans hold tiles too
     jax.clear_caches()  # the Pallas wrapper's jit cache holds traced tiles
     gc.collect()  # the dropped executables go now, not during a CUDA-graph capture
@@ -105,7 +122,7 @@ def merge_sweep(args) -> list[dict]:
             if time.monotonic() > args.deadline:
                 break
             set_merge_tiles(tile)
-            row = {"dtype": dtype, "T": T, "H": H, "D": D, "lse_layout": layout, "lse_base": base, "tile": list(tile)}
+            row = {"dtype": dtype, "T": T, "H": H, "D": D, "lse_layout": layout, "lse_base": base, "tile": tile["label"]}
             for variant in ("plain", "lse", "fused"):
                 kw = offs if variant == "fused" else {}
                 olse_v = None if variant == "plain" else olse
@@ -155,13 +172,14 @@ def merge_n_sweep(args) -> list[dict]:
                 break
             set_merge_tiles(tile, "MERGE_N_TILES")
             row = {"N": N, "dtype": dtype, "T": T, "H": H, "D": D, "lse_layout": layout, "lse_base": base,
-                   "partials_view": view, "tile": list(tile)}
+                   "partials_view": view, "tile": tile["label"],
+                   "block": list(tiles.merge_tiles("triton", H, D, "lse", tdt.itemsize, N))}
             for variant in args.variants:
                 kw = offs if variant == "fused" else {}
                 us = gpu_us_triton(functools.partial(triton_impl.merge_attn_states_n, out_t, o, lse,
                                                      None if variant == "plain" else olse, **kw, **lay))
                 pus = float("nan")
-                if jo is not None:
+                if jo is not None and "pallas" in args.frameworks:
                     f = jax.jit(functools.partial(pallas_impl.merge_attn_states_n, return_lse=variant != "plain",
                                                   **lay))
                     last = [None]
@@ -212,8 +230,12 @@ def mask_sweep(args) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("what", choices=("merge", "merge_n", "mask"))
-    p.add_argument("--tiles", nargs="+", default=["8192,1,4", "8192,8,4", "16384,8,8", "4096,1,2"],
-                   type=lambda s: tuple(int(v) for v in s.split(",")), help="bytes,fewest_tokens,warps")
+    p.add_argument("--tiles", nargs="+", type=parse_tile,
+                   default=[parse_tile(t) for t in ("8192,1,4", "8192,8,4", "16384,8,8", "4096,1,2")],
+                   help="bytes,fewest_tokens,warps; merge_n: optionally /lo,hi (N_TILE_BYTES) and "
+                        "/step,chunk (PARTIALS_PER_STEP, MAX_CHUNK)")
+    p.add_argument("--frameworks", nargs="+", choices=("triton", "pallas"), default=["triton", "pallas"],
+                   help="merge_n: the frameworks timed")
     p.add_argument("--tokens", nargs="+", type=int, default=[32768, 131072])
     p.add_argument("--partials", nargs="+", type=int, default=[4, 8], help="merge_n: N")
     p.add_argument("--variants", nargs="+", default=["plain", "lse", "fused"], help="merge_n: variants timed")

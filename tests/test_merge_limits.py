@@ -184,8 +184,9 @@ def test_n2_gives_the_two_way_bits_with_another_out_dtype(impl, base):
 
 @pytest.fixture
 def runtime_loops(monkeypatch):
-    """Every N-way loop over the partials a runtime loop (no unrolling), with fresh plan and compile caches."""
-    from mla_lse_common import constants
+    """Every N-way loop over the partials a runtime loop (no unrolling; the maximum in loads of `max_chunk` LSE
+    tiles, 0: one partial at a time), with fresh plan and compile caches."""
+    from mla_lse_common import constants, tiles
     from pallas_impl import merge_n as pallas_merge_n
     from triton_impl import _plans as triton_plans
 
@@ -194,36 +195,46 @@ def runtime_loops(monkeypatch):
         pallas_merge_n._PLANS.clear()
         jax.clear_caches()
 
-    yield lambda: (monkeypatch.setattr(constants, "UNROLLED_PARTIALS", 0), fresh())
+    def runtime(max_chunk=None):
+        monkeypatch.setattr(constants, "UNROLLED_PARTIALS", 0)
+        if max_chunk is not None:
+            monkeypatch.setattr(tiles, "MAX_CHUNK", max_chunk)
+        fresh()
+
+    yield runtime
     monkeypatch.undo()
     fresh()
 
 
-def test_both_frameworks_unroll_to_the_same_n():
-    """One partition of the N-way loops (mla_lse_common.tiles.loop_steps) for both frameworks; the Triton kernels'
-    compile-time step and the Pallas loops' step are the shared constant."""
+def test_loop_partition_of_both_frameworks():
+    """One partition of the N-way loops for both frameworks (mla_lse_common.tiles, read at plan and trace time):
+    every loop unrolled up to UNROLLED_PARTIALS; beyond, steps of PARTIALS_PER_STEP for the sums and loads of
+    MAX_CHUNK LSE tiles for the maximum."""
     from mla_lse_common import constants, tiles
-    from pallas_impl import _math
-    from triton_impl import _device
 
-    assert _device.STEP.value == _math.PARTIALS_PER_STEP == constants.PARTIALS_PER_STEP
     n = constants.UNROLLED_PARTIALS
-    assert tiles.loop_steps(n - 1, n) == 0  # up to UNROLLED_PARTIALS: every loop unrolled
-    assert tiles.loop_steps(n, n + 1) == n // constants.PARTIALS_PER_STEP
+    assert tiles.loop_steps(n - 1, n) == 0 and tiles.max_chunks(n) == 0
+    assert tiles.loop_steps(n, n + 1) == n // tiles.PARTIALS_PER_STEP
+    assert tiles.max_chunks(n + 1) == -(-n // tiles.MAX_CHUNK)
     assert tiles.loop_steps(-1, n + 1) == 0
 
 
 # XLA:CPU compiles an unrolled loop and a while loop into different float code (docs/spec.md 5): bit for bit on a
 # CPU only Triton's interpreter, which evaluates each operation with numpy.
+@pytest.mark.parametrize("max_chunk", [0, 4, 64])
 @pytest.mark.parametrize("impl", ["triton"] + [pytest.param(i, marks=pytest.mark.gpu) for i in ("pallas", "jnp")])
-def test_unrolled_and_runtime_loops_give_the_same_bits(impl, runtime_loops):
+def test_unrolled_and_runtime_loops_give_the_same_bits(impl, max_chunk, runtime_loops):
     """docs/spec.md 8, "Any N": the loops over the partials do the same operations in the same order unrolled
-    (N <= UNROLLED_PARTIALS) and as runtime loops."""
+    (N <= UNROLLED_PARTIALS) and as runtime loops; the maximum, exact in any order, also in chunks of LSE tiles
+    (4: three loads, the last with two partials past N; 64: one load). Zeros of both signs among the LSEs: the
+    sign of a zero maximum never reaches a bit (docs/spec.md 8.2)."""
     # N = 11: partials 1 .. 10 in 2 steps of 4 and 2 unrolled; 1 .. 9 (the weighted sum) in 2 steps and 1.
     outputs, lses, cu = _partials(11, "bfloat16", seed=9)
+    lses[:, :, 0] = np.where(np.arange(11)[:, None] % 2, -0.0, 0.0)  # token 0: every maximum a zero
+    lses[3, 0, 2] = np.nan
     kw = dict(cu=cu, ptwc=2, base=2, out_dtype="float32")
     want = _merge_n(impl, outputs, lses, **kw)
-    runtime_loops()
+    runtime_loops(max_chunk)
     got = _merge_n(impl, outputs, lses, **kw)
     for x, y in zip(got, want):
         np.testing.assert_array_equal(x.view(BITS[x.dtype.itemsize]), y.view(BITS[y.dtype.itemsize]))

@@ -23,7 +23,6 @@ if not _backend.interpreting():
 LN2 = tl.constexpr(constants.LN2)
 LOG2E = tl.constexpr(constants.LOG2E)
 FP8_MAX = tl.constexpr(constants.FP8_E4M3_MAX)
-STEP = tl.constexpr(constants.PARTIALS_PER_STEP)  # partials per runtime step of the N-way loops (`tiles.loop_steps`)
 
 
 @triton.jit
@@ -191,20 +190,44 @@ def _max_step(m, i, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu
 
 
 @triton.jit
+def _chunk_max(m, first, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
+               NUM_PARTIALS: tl.constexpr, MAX_CHUNK: tl.constexpr, FUSED_MASK: tl.constexpr):
+    """max(m, lse_first, ..., lse_{first + MAX_CHUNK - 1}) over the partials below N, their LSE tiles in one
+    [MAX_CHUNK, BLOCK_T, BLOCK_H] load (8.2; a maximum is exact in any order). Partials past N read as -inf."""
+    i = first + tl.arange(0, MAX_CHUNK)
+    live = i < NUM_PARTIALS
+    i64 = tl.minimum(i, NUM_PARTIALS - 1).to(tl.int64)
+    lse = _clean_lse(tl.load(lses_ptr + i64[:, None, None] * stride_lse_n + lse_offs[None, :, :],
+                             mask=live[:, None, None] & th_mask[None, :, :], other=float("-inf")))  # 4.1
+    if FUSED_MASK:  # 8.1, as _empty_tokens for each partial of the chunk
+        cu = cu_ptr + i64[:, None] * stride_cu_n + req[None, :]
+        lse = tl.where((in_req[None, :] & (tl.load(cu + 1) == tl.load(cu)))[:, :, None], float("-inf"), lse)
+    return tl.maximum(m, tl.max(lse, axis=0))
+
+
+@triton.jit
 def _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
                  NUM_PARTIALS: tl.constexpr, LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr,
-                 INTERPRET: tl.constexpr, LSE_STEPS: tl.constexpr):
+                 INTERPRET: tl.constexpr, LSE_STEPS: tl.constexpr, STEP: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+                 MAX_CHUNK: tl.constexpr):
     """(m, all_empty, z) of the N-way weights (8.2, 8.3): the largest LSE (0 where every partial is empty) and
-    z = e_0 + ... + e_{N-1} in index order. Partials 1 .. N-1 in LSE_STEPS runtime steps of STEP partials (a
-    runtime loop, `range`, each step unrolled), then the rest unrolled (`tl.static_range`); LSE_STEPS = 0 up to
-    N = UNROLLED_PARTIALS: all unrolled. The same operations in the same order either way."""
+    z = e_0 + ... + e_{N-1} in index order. Up to N = UNROLLED_PARTIALS every loop unrolls (LSE_STEPS = MAX_CHUNKS
+    = 0). Beyond, the maximum over partials 1 .. N-1 takes MAX_CHUNKS runtime steps of MAX_CHUNK partials (one load
+    each, `_chunk_max`), and the sum LSE_STEPS runtime steps of STEP partials (`range`, each step unrolled), then the
+    rest unrolled (`tl.static_range`): `tiles.max_chunks`, `tiles.loop_steps`. The same bits either way."""
     m = _partial_lse(lses_ptr, lse_offs, th_mask, cu_ptr, req, in_req, FUSED_MASK)
-    for k in range(0, LSE_STEPS):
-        for j in tl.static_range(STEP):
-            m = _max_step(m, 1 + k * STEP + j, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req,
-                          in_req, FUSED_MASK)
-    for i in tl.static_range(1 + LSE_STEPS * STEP, NUM_PARTIALS):
-        m = _max_step(m, i, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, FUSED_MASK)
+    if MAX_CHUNKS > 0:
+        for k in range(0, MAX_CHUNKS):
+            m = _chunk_max(m, 1 + k * MAX_CHUNK, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req,
+                           in_req, NUM_PARTIALS, MAX_CHUNK, FUSED_MASK)
+    else:
+        for k in range(0, LSE_STEPS):
+            for j in tl.static_range(STEP):
+                m = _max_step(m, 1 + k * STEP + j, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n,
+                              req, in_req, FUSED_MASK)
+        for i in tl.static_range(1 + LSE_STEPS * STEP, NUM_PARTIALS):
+            m = _max_step(m, i, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
+                          FUSED_MASK)
     all_empty = m == float("-inf")
     m = tl.where(all_empty, 0.0, m)
     z = _partial_exp(lses_ptr, stride_lse_n, 0, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, LSE_BASE2,

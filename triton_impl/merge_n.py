@@ -29,7 +29,7 @@ from triton_impl import _backend
 from triton_impl import _checks as checks
 from triton_impl import _launch as launcher
 from triton_impl import _plans as plans
-from triton_impl._device import (STEP, _copied_lse, _max_and_sum, _merged_lse, _partial_exp, _program_tile,
+from triton_impl._device import (_copied_lse, _max_and_sum, _merged_lse, _partial_exp, _program_tile,
                                  _store_output, _token_requests, _weighted)
 
 
@@ -69,7 +69,8 @@ def _merge_attn_states_n_kernel(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     SCAN: tl.constexpr, N_INTERPRET: tl.constexpr,
     LSE_BASE2: tl.constexpr, OUTPUT_LSE: tl.constexpr, FUSED_MASK: tl.constexpr, FP8_OUT: tl.constexpr,
-    INTERPRET: tl.constexpr, LSE_STEPS: tl.constexpr, OUT_STEPS: tl.constexpr,
+    INTERPRET: tl.constexpr, LSE_STEPS: tl.constexpr, OUT_STEPS: tl.constexpr, STEP: tl.constexpr,
+    MAX_CHUNKS: tl.constexpr, MAX_CHUNK: tl.constexpr,
 ):
     t, t_mask, th_mask, thd_mask, t64, h64, d64 = _program_tile(num_tokens, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H,
                                                                   BLOCK_D)
@@ -88,7 +89,8 @@ def _merge_attn_states_n_kernel(
     # The request of each token, once for every partial; m and z (8.2, 8.3).
     req, in_req = _token_requests(qsl_ptr, t, t_mask, num_requests, SCAN, N_INTERPRET, FUSED_MASK)
     m, all_empty, z = _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
-                                   NUM_PARTIALS, LSE_BASE2, FUSED_MASK, INTERPRET, LSE_STEPS)
+                                   NUM_PARTIALS, LSE_BASE2, FUSED_MASK, INTERPRET, LSE_STEPS, STEP, MAX_CHUNKS,
+                                   MAX_CHUNK)
     # out = sum_i w_i * o_i in index order, w_i = e_i / z.
     w_last = _partial_exp(lses_ptr, stride_lse_n, last, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
                           LSE_BASE2, FUSED_MASK, INTERPRET) / z
@@ -219,6 +221,8 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
                             INTERPRET=_backend.interpreting(),
                             LSE_STEPS=tiles.loop_steps(num_partials - 1, num_partials),
                             OUT_STEPS=tiles.loop_steps(num_partials - 2, num_partials),
+                            STEP=tiles.PARTIALS_PER_STEP, MAX_CHUNKS=tiles.max_chunks(num_partials),
+                            MAX_CHUNK=tiles.MAX_CHUNK,
                             num_warps=tiles.merge_num_warps("triton", variant, num_partials), **_backend.PARITY_LAUNCH),
             state=launcher.launch_state(key))
     # A non-contiguous cu_seq_lens row is copied per call: no plan for it (its copy would be the launch's pointer).
