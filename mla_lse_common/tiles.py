@@ -48,17 +48,19 @@ MERGE_N_TILES = {
 }
 N_TILE_BYTES = (2048, 4096)  # (fewest, most) bytes of one partial's tile in the N-way merge
 # The N-way loops beyond N = constants.UNROLLED_PARTIALS (docs/spec.md 8, "Any N"; docs/design.md, "Loops over
-# many partials"): the sums run in runtime steps of PARTIALS_PER_STEP partials (each step unrolled: its loads are in
-# flight together), the last count % PARTIALS_PER_STEP unrolled; the maximum reads MAX_CHUNK partials' LSE tiles in
-# one load (a maximum is exact in any order), 0: one partial at a time, as the sums. Neither changes a bit.
-PARTIALS_PER_STEP = 4
+# many partials"): the maximum reads MAX_CHUNK partials' LSE tiles in one load (a maximum is exact in any order; 0:
+# one partial at a time, in steps of EXP_STEP); the sum of the exponentials runs in runtime steps of EXP_STEP
+# partials and the weighted sum of the outputs in steps of OUT_STEP (each step unrolled: its loads are in flight
+# together), the last count % step unrolled. None of them changes a bit.
 MAX_CHUNK = 64
+EXP_STEP = 4
+OUT_STEP = 4
 # The context-parallel rescale reads one partial's tile and writes one: it takes the N-way tile of two partials
 # (the 2-way merge's bytes per tile).
 RESCALE_TILE_PARTIALS = 2
 
 KNOBS = ("MASK_NUM_WARPS", "MASK_TILE_H", "ZERO_TILE_ELEMS", "MASK_TARGET_PROGRAMS", "MASK_ZERO_SPLIT",
-         "MASK_LSE_SPLIT", "MERGE_TILES", "MERGE_N_TILES", "N_TILE_BYTES", "PARTIALS_PER_STEP", "MAX_CHUNK")
+         "MASK_LSE_SPLIT", "MERGE_TILES", "MERGE_N_TILES", "N_TILE_BYTES", "MAX_CHUNK", "EXP_STEP", "OUT_STEP")
 
 
 def set_knobs(**values) -> dict:
@@ -132,17 +134,18 @@ def merge_grid(framework: str, num_tokens: int, num_heads: int, head_dim: int, v
     return (cdiv(num_tokens, block_t) * cdiv(num_heads, block_h),)
 
 
-def loop_steps(count: int, num_partials: int) -> int:
-    """The runtime steps of `PARTIALS_PER_STEP` partials of a loop over `count` of the N = `num_partials` partials,
-    the rest unrolled (0: all unrolled, N <= `constants.UNROLLED_PARTIALS`); read at plan time."""
+def loop_steps(count: int, num_partials: int, step: int) -> int:
+    """The runtime steps of `step` partials (`EXP_STEP` or `OUT_STEP`) of a loop over `count` of the N =
+    `num_partials` partials, the rest unrolled (0: all unrolled, N <= `constants.UNROLLED_PARTIALS`); read at plan
+    time."""
     if num_partials <= constants.UNROLLED_PARTIALS:
         return 0
-    return max(count, 0) // PARTIALS_PER_STEP
+    return max(count, 0) // step
 
 
 def max_chunks(num_partials: int) -> int:
     """The loads of `MAX_CHUNK` LSE tiles of the N-way maximum over partials 1 .. N-1 (0: one partial at a time,
-    `loop_steps`; always 0 up to N = `constants.UNROLLED_PARTIALS`); read at plan time."""
+    in `loop_steps` of `EXP_STEP`; always 0 up to N = `constants.UNROLLED_PARTIALS`); read at plan time."""
     if num_partials <= constants.UNROLLED_PARTIALS or not MAX_CHUNK:
         return 0
     return cdiv(num_partials - 1, MAX_CHUNK)

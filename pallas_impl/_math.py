@@ -14,13 +14,13 @@ from mla_lse_common import tiles
 from mla_lse_common.constants import FP8_E4M3_MAX, LN2, LOG2E  # noqa: F401 (re-exported)
 
 
-def fold_partials(lo: int, hi: int, body, init, num_partials: int, *, unroll: bool = False):
+def fold_partials(lo: int, hi: int, body, init, num_partials: int, step: int, *, unroll: bool = False):
     """`body(i, x)` for i = lo .. hi - 1 in order from `init`, for the merge of N = `num_partials` partials: all
-    unrolled at trace time up to N = UNROLLED_PARTIALS (or with unroll=True), else `lax.fori_loop` steps of
-    `tiles.PARTIALS_PER_STEP` partials (an `scf.for` in a Pallas kernel) and the rest unrolled: the partition of the
-    Triton kernels' loops (`mla_lse_common.tiles.loop_steps`), read at trace time."""
-    steps = 0 if unroll else tiles.loop_steps(hi - lo, num_partials)
-    per_step = tiles.PARTIALS_PER_STEP
+    unrolled at trace time up to N = UNROLLED_PARTIALS (or with unroll=True), else `lax.fori_loop` steps of `step`
+    partials (`tiles.EXP_STEP` or `OUT_STEP`; an `scf.for` in a Pallas kernel) and the rest unrolled: the partition
+    of the Triton kernels' loops (`mla_lse_common.tiles.loop_steps`), read at trace time."""
+    steps = 0 if unroll else tiles.loop_steps(hi - lo, num_partials, step)
+    per_step = step
 
     def step(k, x):
         for j in range(per_step):
@@ -88,15 +88,16 @@ def n_way_max_and_sum(lse_i, num_partials: int, lse_base2: bool, *, unroll: bool
                               lse_i(0))
     else:
         m = fold_partials(1, num_partials, lambda i, m: jnp.maximum(m, lse_i(i)), lse_i(0), num_partials,
-                          unroll=unroll)
+                          tiles.EXP_STEP, unroll=unroll)
     all_empty = m == -jnp.inf
     m = jnp.where(all_empty, 0.0, m)
     e = [exp_base(lse_i(0) - m, lse_base2)]
-    if unroll or not tiles.loop_steps(num_partials - 1, num_partials):
+    if unroll or not tiles.loop_steps(num_partials - 1, num_partials, tiles.EXP_STEP):
         z = e[0]
         for i in range(1, num_partials):
             e.append(exp_base(lse_i(i) - m, lse_base2))
             z = z + e[i]
         return m, all_empty, e, z
-    z = fold_partials(1, num_partials, lambda i, z: z + exp_base(lse_i(i) - m, lse_base2), e[0], num_partials)
+    z = fold_partials(1, num_partials, lambda i, z: z + exp_base(lse_i(i) - m, lse_base2), e[0], num_partials,
+                      tiles.EXP_STEP)
     return m, all_empty, None, z

@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from mla_lse_common import tiles
 from pallas_impl import _checks, _math
 from pallas_impl._math import clean_lse, exp_base, fold_partials, merged_lse, two_way_weights
 
@@ -99,14 +100,14 @@ def _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout, l
     if query_start_loc is not None:
         empty = jax.vmap(lambda cu: _empty_tokens(query_start_loc, cu, num_tokens))(cu_seq_lens)  # [N, T]
         lse = jnp.where(empty[:, :, None], -jnp.inf, lse)
-    m = fold_partials(1, num_partials, lambda i, m: jnp.maximum(m, lse[i]), lse[0], num_partials)
+    m = fold_partials(1, num_partials, lambda i, m: jnp.maximum(m, lse[i]), lse[0], num_partials, tiles.EXP_STEP)
     all_empty = m == -jnp.inf
     m = jnp.where(all_empty, 0.0, m)
 
     def e(i):
         return exp_base(lse[i] - m, lse_base2)
 
-    z = fold_partials(1, num_partials, lambda i, z: z + e(i), e(0), num_partials)  # index order, as the kernels
+    z = fold_partials(1, num_partials, lambda i, z: z + e(i), e(0), num_partials, tiles.EXP_STEP)  # index order
     return l_raw, e, m, all_empty, z, empty
 
 
@@ -122,7 +123,7 @@ def merge_attn_states_n(outputs, lses, output_scale, query_start_loc, cu_seq_len
         w = (e(i) / z)[..., None]
         return jnp.where(w > 0, outputs[i].astype(jnp.float32) * w, 0.0)
 
-    out = fold_partials(1, num_partials, lambda i, out: out + term(i), term(0), num_partials)
+    out = fold_partials(1, num_partials, lambda i, out: out + term(i), term(0), num_partials, tiles.OUT_STEP)
     out = jnp.where(all_empty[..., None], 0.0, out)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill_tokens[0]
     out = _stored(out, outputs[-1], copy_t, output_scale, out_dtype)

@@ -18,9 +18,9 @@
 #                 the time left: host_cost.log wide_n_* loop_* probe.* pytest.log
 #   mosaic        the Mosaic GPU backend of pallas_impl: its tests, the full check on it, compute-sanitizer
 #   mosaic_speed  the Mosaic GPU kernels timed beside the Triton backend's, with a sweep of their launch choices
-#   tune_n        the N-way merge's GPU tests, then its launch sweeps (scripts/tune.py): N = 128 and 256 at T = 8192
-#                 (tiles, MAX_CHUNK, PARTIALS_PER_STEP), the all-gather view at N = 8 and 16 beside the contiguous
-#                 one in both LSE layouts, and the 2-way merge's tiles: pytest.log tune_*.json tune_*.log
+#   tune_n        the N-way merge's launch sweeps (scripts/tune.py): N = 128 and 256 at T = 8192 (tiles,
+#                 MAX_CHUNK, EXP_STEP, OUT_STEP), the all-gather view at N = 8 and 16 beside the contiguous one in
+#                 both LSE layouts: tune_*.json tune_*.log
 #   all           tests, bench, then more
 # Every file but env.txt and summary.txt is packed into $OUT/run.tgz at the end (the device tool brings back
 # few files).
@@ -126,25 +126,25 @@ if [ "$PLAN" = mosaic ] || [ "$PLAN" = mosaic_speed ]; then
     exit "$FAILED"
 fi
 if [ "$PLAN" = tune_n ]; then
-    # shellcheck disable=SC2086
-    step pytest 90 440 "$OUT/pytest.log" "$PY" -m pytest -q -rs -m gpu $XDIST tests/test_merge_limits.py \
-        tests/test_op_merge_n.py tests/test_op_cp_merge.py
+    # Tiles "bytes,fewest_tokens,warps/lo,hi/chunk,exp_step,out_step" (scripts/tune.py --tiles).
     TUNE=("$PY" scripts/tune.py merge_n --heads 64 --dims 128 --variants plain lse)
-    step tune_128 170 270 "$OUT/tune_128.log" "${TUNE[@]}" --partials 128 --tokens 8192 --budget-s 125 \
-        --tiles 16384,1,4/2048,4096/4,0 16384,8,4/2048,4096/4,64 16384,1,4/2048,4096/4,64 \
-        16384,8,4/2048,4096/4,0 16384,8,4/2048,4096/8,64 16384,8,4/4096,4096/8,64 16384,8,8/4096,4096/8,64 \
-        16384,8,8/8192,8192/8,64 16384,8,4/2048,4096/16,64 16384,4,4/2048,4096/4,0 --json "$OUT/tune_128.json"
-    step tune_256 120 150 "$OUT/tune_256.log" "${TUNE[@]}" --partials 256 --tokens 8192 --budget-s 80 \
-        --tiles 16384,1,4/2048,4096/4,0 16384,8,4/2048,4096/4,64 16384,8,4/2048,4096/8,64 \
-        16384,8,4/4096,4096/8,64 16384,8,8/4096,4096/8,64 16384,8,8/8192,8192/8,64 --json "$OUT/tune_256.json"
+    step tune_128 130 300 "$OUT/tune_128.log" "${TUNE[@]}" --partials 128 --tokens 8192 --budget-s 100 \
+        --tiles 16384,8,4/2048,4096/64,4,8 16384,8,4/2048,4096/64,16,8 16384,8,4/2048,4096/64,16,6 \
+        16384,8,4/2048,4096/16,16,6 16384,8,4/2048,4096/16,16,8 16384,8,4/2048,4096/32,16,8 \
+        16384,8,4/2048,4096/16,32,8 16384,8,4/1024,4096/16,16,8 16384,4,4/2048,4096/16,16,8 \
+        16384,8,4/2048,4096/16,16,4 --json "$OUT/tune_128.json"
+    step tune_128th 60 240 "$OUT/tune_128th.log" "${TUNE[@]}" --partials 128 --tokens 8192 --budget-s 40 \
+        --lse-layout TH --tiles 16384,1,4/2048,4096/0,4,4 16384,1,4/2048,4096/16,16,8 \
+        16384,1,4/2048,4096/64,16,8 16384,1,4/2048,4096/0,16,8 --json "$OUT/tune_128th.json"
+    step tune_256 90 130 "$OUT/tune_256.log" "${TUNE[@]}" --partials 256 --tokens 8192 --budget-s 60 \
+        --tiles 16384,8,4/2048,4096/64,16,8 16384,8,4/2048,4096/16,16,6 16384,8,4/2048,4096/16,16,8 \
+        16384,8,4/1024,4096/16,16,8 16384,4,4/2048,4096/16,16,8 --json "$OUT/tune_256.json"
     for nt in 8:32768 16:8192; do
-        step "tune_${nt%%:*}" 50 $(( ${nt%%:*} == 8 ? 100 : 50 )) "$OUT/tune_${nt%%:*}.log" "${TUNE[@]}" \
+        step "tune_${nt%%:*}" 60 $(( ${nt%%:*} == 8 ? 65 : 0 )) "$OUT/tune_${nt%%:*}.log" "${TUNE[@]}" \
             --partials "${nt%%:*}" --tokens "${nt##*:}" --variants lse --frameworks triton --lse-layout HT TH \
-            --partials-view contig gather --budget-s 35 --tiles 16384,1,4 16384,8,4 32768,8,4 32768,8,8 16384,4,4 \
-            --json "$OUT/tune_${nt%%:*}.json"
+            --partials-view contig gather --budget-s 45 --tiles 16384,8,4 16384,1,4 8192,8,2/1024,4096 \
+            8192,1,2/1024,4096 16384,8,2 16384,1,8 32768,8,8/4096,4096 --json "$OUT/tune_${nt%%:*}.json"
     done
-    step tune_2way 50 0 "$OUT/tune_2way.log" "$PY" scripts/tune.py merge --heads 64 --dims 128 --tokens 32768 \
-        --budget-s 35 --tiles 4096,1,4 4096,4,4 4096,8,4 8192,8,4 --json "$OUT/tune_2way.json"
 fi
 if [ "$PLAN" = all ] || [ "$PLAN" = tests ]; then
     # shellcheck disable=SC2086

@@ -4,7 +4,7 @@
     python scripts/tune.py merge_n --tiles 8192,1,4 4096,4,4 --partials 4 8 --json merge_n.json
     python scripts/tune.py mask --json mask.json
     python scripts/tune.py merge_n --lse-layout HT TH --lse-base e 2 --partials-view contig gather --json l.json
-    python scripts/tune.py merge_n --partials 128 --tokens 8192 --tiles 16384,8,4/2048,4096/8,64 --json wide.json
+    python scripts/tune.py merge_n --partials 128 --tokens 8192 --tiles 16384,8,4/2048,4096/64,16,8 --json wide.json
 
 merge: for each tile (bytes of one input tile, fewest tokens, warps) sets it for every variant of both
 frameworks' `MERGE_TILES`, then times plain / output-LSE / fused merges (Triton: CUDA-graph replay; JAX: profiler
@@ -69,18 +69,19 @@ def layouts(args) -> list[tuple[str, str]]:
     return list(itertools.product(args.lse_layout, args.lse_base))
 
 
-DEFAULT_KNOBS = {k: getattr(tiles, k) for k in ("N_TILE_BYTES", "PARTIALS_PER_STEP", "MAX_CHUNK")}
+DEFAULT_KNOBS = {k: getattr(tiles, k) for k in ("N_TILE_BYTES", "MAX_CHUNK", "EXP_STEP", "OUT_STEP")}
 
 
 def parse_tile(text: str) -> dict:
-    """"bytes,fewest_tokens,warps[/lo,hi[/step,chunk]]": a tile, and for merge_n optionally the bounds of one
-    partial's tile (`N_TILE_BYTES`) and the loops beyond UNROLLED_PARTIALS (`PARTIALS_PER_STEP`, `MAX_CHUNK`)."""
+    """"bytes,fewest_tokens,warps[/lo,hi[/chunk,exp_step,out_step]]": a tile, and for merge_n optionally the
+    bounds of one partial's tile (`N_TILE_BYTES`) and the loops beyond UNROLLED_PARTIALS (`MAX_CHUNK`, `EXP_STEP`,
+    `OUT_STEP`)."""
     parts = [tuple(int(v) for v in p.split(",")) for p in text.split("/")]
     knobs = dict(DEFAULT_KNOBS)
     if len(parts) > 1:
         knobs["N_TILE_BYTES"] = parts[1]
     if len(parts) > 2:
-        knobs["PARTIALS_PER_STEP"], knobs["MAX_CHUNK"] = parts[2]
+        knobs["MAX_CHUNK"], knobs["EXP_STEP"], knobs["OUT_STEP"] = parts[2]
     return dict(tile=parts[0], knobs=knobs, label=text)
 
 
@@ -233,7 +234,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiles", nargs="+", type=parse_tile,
                    default=[parse_tile(t) for t in ("8192,1,4", "8192,8,4", "16384,8,8", "4096,1,2")],
                    help="bytes,fewest_tokens,warps; merge_n: optionally /lo,hi (N_TILE_BYTES) and "
-                        "/step,chunk (PARTIALS_PER_STEP, MAX_CHUNK)")
+                        "/chunk,exp_step,out_step (MAX_CHUNK, EXP_STEP, OUT_STEP)")
     p.add_argument("--frameworks", nargs="+", choices=("triton", "pallas"), default=["triton", "pallas"],
                    help="merge_n: the frameworks timed")
     p.add_argument("--tokens", nargs="+", type=int, default=[32768, 131072])

@@ -208,15 +208,15 @@ def runtime_loops(monkeypatch):
 
 def test_loop_partition_of_both_frameworks():
     """One partition of the N-way loops for both frameworks (mla_lse_common.tiles, read at plan and trace time):
-    every loop unrolled up to UNROLLED_PARTIALS; beyond, steps of PARTIALS_PER_STEP for the sums and loads of
+    every loop unrolled up to UNROLLED_PARTIALS; beyond, steps of EXP_STEP and OUT_STEP for the sums and loads of
     MAX_CHUNK LSE tiles for the maximum."""
     from mla_lse_common import constants, tiles
 
     n = constants.UNROLLED_PARTIALS
-    assert tiles.loop_steps(n - 1, n) == 0 and tiles.max_chunks(n) == 0
-    assert tiles.loop_steps(n, n + 1) == n // tiles.PARTIALS_PER_STEP
+    assert tiles.loop_steps(n - 1, n, 4) == 0 and tiles.max_chunks(n) == 0
+    assert tiles.loop_steps(n, n + 1, 4) == n // 4
     assert tiles.max_chunks(n + 1) == -(-n // tiles.MAX_CHUNK)
-    assert tiles.loop_steps(-1, n + 1) == 0
+    assert tiles.loop_steps(-1, n + 1, 4) == 0
 
 
 # XLA:CPU compiles an unrolled loop and a while loop into different float code (docs/spec.md 5): bit for bit on a

@@ -208,12 +208,12 @@ def _chunk_max(m, first, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stri
 @triton.jit
 def _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
                  NUM_PARTIALS: tl.constexpr, LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr,
-                 INTERPRET: tl.constexpr, LSE_STEPS: tl.constexpr, STEP: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-                 MAX_CHUNK: tl.constexpr):
+                 INTERPRET: tl.constexpr, LSE_STEPS: tl.constexpr, EXP_STEP: tl.constexpr,
+                 MAX_CHUNKS: tl.constexpr, MAX_CHUNK: tl.constexpr):
     """(m, all_empty, z) of the N-way weights (8.2, 8.3): the largest LSE (0 where every partial is empty) and
     z = e_0 + ... + e_{N-1} in index order. Up to N = UNROLLED_PARTIALS every loop unrolls (LSE_STEPS = MAX_CHUNKS
     = 0). Beyond, the maximum over partials 1 .. N-1 takes MAX_CHUNKS runtime steps of MAX_CHUNK partials (one load
-    each, `_chunk_max`), and the sum LSE_STEPS runtime steps of STEP partials (`range`, each step unrolled), then the
+    each, `_chunk_max`), and the sum LSE_STEPS runtime steps of EXP_STEP partials (`range`, each step unrolled), then the
     rest unrolled (`tl.static_range`): `tiles.max_chunks`, `tiles.loop_steps`. The same bits either way."""
     m = _partial_lse(lses_ptr, lse_offs, th_mask, cu_ptr, req, in_req, FUSED_MASK)
     if MAX_CHUNKS > 0:
@@ -222,10 +222,10 @@ def _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n,
                            in_req, NUM_PARTIALS, MAX_CHUNK, FUSED_MASK)
     else:
         for k in range(0, LSE_STEPS):
-            for j in tl.static_range(STEP):
-                m = _max_step(m, 1 + k * STEP + j, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n,
+            for j in tl.static_range(EXP_STEP):
+                m = _max_step(m, 1 + k * EXP_STEP + j, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n,
                               req, in_req, FUSED_MASK)
-        for i in tl.static_range(1 + LSE_STEPS * STEP, NUM_PARTIALS):
+        for i in tl.static_range(1 + LSE_STEPS * EXP_STEP, NUM_PARTIALS):
             m = _max_step(m, i, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
                           FUSED_MASK)
     all_empty = m == float("-inf")
@@ -233,10 +233,10 @@ def _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n,
     z = _partial_exp(lses_ptr, stride_lse_n, 0, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, LSE_BASE2,
                      FUSED_MASK, INTERPRET)
     for k in range(0, LSE_STEPS):
-        for j in tl.static_range(STEP):
-            z = z + _partial_exp(lses_ptr, stride_lse_n, 1 + k * STEP + j, lse_offs, th_mask, cu_ptr, stride_cu_n,
+        for j in tl.static_range(EXP_STEP):
+            z = z + _partial_exp(lses_ptr, stride_lse_n, 1 + k * EXP_STEP + j, lse_offs, th_mask, cu_ptr, stride_cu_n,
                                  req, in_req, m, LSE_BASE2, FUSED_MASK, INTERPRET)
-    for i in tl.static_range(1 + LSE_STEPS * STEP, NUM_PARTIALS):
+    for i in tl.static_range(1 + LSE_STEPS * EXP_STEP, NUM_PARTIALS):
         z = z + _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
                              LSE_BASE2, FUSED_MASK, INTERPRET)
     return m, all_empty, z

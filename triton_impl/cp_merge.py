@@ -55,7 +55,7 @@ def _cp_rescale_kernel(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     SCAN: tl.constexpr, N_INTERPRET: tl.constexpr,
     LSE_BASE2: tl.constexpr, OUTPUT_LSE: tl.constexpr, FUSED_MASK: tl.constexpr, INTERPRET: tl.constexpr,
-    LSE_STEPS: tl.constexpr, STEP: tl.constexpr, MAX_CHUNKS: tl.constexpr, MAX_CHUNK: tl.constexpr,
+    LSE_STEPS: tl.constexpr, EXP_STEP: tl.constexpr, MAX_CHUNKS: tl.constexpr, MAX_CHUNK: tl.constexpr,
 ):
     t, t_mask, th_mask, thd_mask, t64, h64, d64 = _program_tile(num_tokens, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H,
                                                                   BLOCK_D)
@@ -73,7 +73,7 @@ def _cp_rescale_kernel(
     # The N-way merge's weights (8.2, 8.3), for partial `rank` only.
     req, in_req = _token_requests(qsl_ptr, t, t_mask, num_requests, SCAN, N_INTERPRET, FUSED_MASK)
     m, all_empty, z = _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
-                                   NUM_PARTIALS, LSE_BASE2, FUSED_MASK, INTERPRET, LSE_STEPS, STEP, MAX_CHUNKS,
+                                   NUM_PARTIALS, LSE_BASE2, FUSED_MASK, INTERPRET, LSE_STEPS, EXP_STEP, MAX_CHUNKS,
                                    MAX_CHUNK)
     w = _partial_exp(lses_ptr, stride_lse_n, rank, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
                      LSE_BASE2, FUSED_MASK, INTERPRET) / z
@@ -345,8 +345,8 @@ def _rescale_plan(scaled, output_lse, partial_output, lses, cus, params, lse_lay
                         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
                         SCAN=tiles.SCAN, N_INTERPRET=_backend.n_interpret(max(params.num_requests, 0) + 1),
                         LSE_BASE2=params.base2, OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused,
-                        INTERPRET=_backend.interpreting(), LSE_STEPS=tiles.loop_steps(num_partials - 1, num_partials),
-                        STEP=tiles.PARTIALS_PER_STEP, MAX_CHUNKS=tiles.max_chunks(num_partials),
+                        INTERPRET=_backend.interpreting(), LSE_STEPS=tiles.loop_steps(num_partials - 1, num_partials, tiles.EXP_STEP),
+                        EXP_STEP=tiles.EXP_STEP, MAX_CHUNKS=tiles.max_chunks(num_partials),
                         MAX_CHUNK=tiles.MAX_CHUNK,
                         num_warps=tiles.merge_num_warps("triton", variant, RESCALE_TILE_PARTIALS),
                         **_backend.PARITY_LAUNCH),

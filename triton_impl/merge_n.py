@@ -3,8 +3,8 @@
 The context-parallel building block: N partials stacked on a leading axis, as an all-gather produces them.
 Grid: `(cdiv(T, BLOCK_T) * cdiv(H, BLOCK_H),)`, head blocks fastest, as the 2-way merge; a program merges a
 [BLOCK_T, BLOCK_H, BLOCK_D] tile of every partial (`tiles.MERGE_N_TILES`). The loops over the N partials unroll
-(`tl.static_range`) up to N = UNROLLED_PARTIALS and beyond run in runtime steps of PARTIALS_PER_STEP partials
-(`range`, which Triton does not unroll; `mla_lse_common.constants`, `tiles.loop_steps`), so the compile time stays
+(`tl.static_range`) up to N = UNROLLED_PARTIALS and beyond run in runtime steps of a few partials
+(`range`, which Triton does not unroll; `mla_lse_common.tiles`: `loop_steps`, `max_chunks`), so the compile time stays
 short at every N; each pass does the spec's operations in index order either way (docs/spec.md 8). Three passes over
 the partials' LSE tiles: the largest LSE, the sum of the exponentials, then the weighted sum of the outputs;
 an LSE tile is reloaded (from cache) and its exponential recomputed in each pass, which gives the same bits.
@@ -69,8 +69,8 @@ def _merge_attn_states_n_kernel(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     SCAN: tl.constexpr, N_INTERPRET: tl.constexpr,
     LSE_BASE2: tl.constexpr, OUTPUT_LSE: tl.constexpr, FUSED_MASK: tl.constexpr, FP8_OUT: tl.constexpr,
-    INTERPRET: tl.constexpr, LSE_STEPS: tl.constexpr, OUT_STEPS: tl.constexpr, STEP: tl.constexpr,
-    MAX_CHUNKS: tl.constexpr, MAX_CHUNK: tl.constexpr,
+    INTERPRET: tl.constexpr, LSE_STEPS: tl.constexpr, OUT_STEPS: tl.constexpr, EXP_STEP: tl.constexpr,
+    OUT_STEP: tl.constexpr, MAX_CHUNKS: tl.constexpr, MAX_CHUNK: tl.constexpr,
 ):
     t, t_mask, th_mask, thd_mask, t64, h64, d64 = _program_tile(num_tokens, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H,
                                                                   BLOCK_D)
@@ -89,7 +89,7 @@ def _merge_attn_states_n_kernel(
     # The request of each token, once for every partial; m and z (8.2, 8.3).
     req, in_req = _token_requests(qsl_ptr, t, t_mask, num_requests, SCAN, N_INTERPRET, FUSED_MASK)
     m, all_empty, z = _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
-                                   NUM_PARTIALS, LSE_BASE2, FUSED_MASK, INTERPRET, LSE_STEPS, STEP, MAX_CHUNKS,
+                                   NUM_PARTIALS, LSE_BASE2, FUSED_MASK, INTERPRET, LSE_STEPS, EXP_STEP, MAX_CHUNKS,
                                    MAX_CHUNK)
     # out = sum_i w_i * o_i in index order, w_i = e_i / z.
     w_last = _partial_exp(lses_ptr, stride_lse_n, last, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
@@ -100,12 +100,12 @@ def _merge_attn_states_n_kernel(
         w = _partial_exp(lses_ptr, stride_lse_n, 0, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
                          LSE_BASE2, FUSED_MASK, INTERPRET) / z
         out = _weighted(tl.load(outs_ptr + o_offs, mask=thd_mask, other=0.0), w)
-        for k in range(0, OUT_STEPS):  # partials 1 .. N-2, in steps as in _max_and_sum
-            for j in tl.static_range(STEP):
-                out = _out_step(out, 1 + k * STEP + j, outs_ptr, stride_o_n, o_offs, thd_mask, lses_ptr, stride_lse_n,
+        for k in range(0, OUT_STEPS):  # partials 1 .. N-2, in steps of OUT_STEP
+            for j in tl.static_range(OUT_STEP):
+                out = _out_step(out, 1 + k * OUT_STEP + j, outs_ptr, stride_o_n, o_offs, thd_mask, lses_ptr, stride_lse_n,
                                 lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, z, LSE_BASE2, FUSED_MASK,
                                 INTERPRET)
-        for i in tl.static_range(1 + OUT_STEPS * STEP, NUM_PARTIALS - 1):
+        for i in tl.static_range(1 + OUT_STEPS * OUT_STEP, NUM_PARTIALS - 1):
             out = _out_step(out, i, outs_ptr, stride_o_n, o_offs, thd_mask, lses_ptr, stride_lse_n, lse_offs, th_mask,
                             cu_ptr, stride_cu_n, req, in_req, m, z, LSE_BASE2, FUSED_MASK, INTERPRET)
         out = out + _weighted(b, w_last)
@@ -219,9 +219,9 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
                             SCAN=tiles.SCAN, N_INTERPRET=_backend.n_interpret(num_requests + 1),
                             LSE_BASE2=base2, OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused, FP8_OUT=fp8,
                             INTERPRET=_backend.interpreting(),
-                            LSE_STEPS=tiles.loop_steps(num_partials - 1, num_partials),
-                            OUT_STEPS=tiles.loop_steps(num_partials - 2, num_partials),
-                            STEP=tiles.PARTIALS_PER_STEP, MAX_CHUNKS=tiles.max_chunks(num_partials),
+                            LSE_STEPS=tiles.loop_steps(num_partials - 1, num_partials, tiles.EXP_STEP),
+                            OUT_STEPS=tiles.loop_steps(num_partials - 2, num_partials, tiles.OUT_STEP),
+                            EXP_STEP=tiles.EXP_STEP, OUT_STEP=tiles.OUT_STEP, MAX_CHUNKS=tiles.max_chunks(num_partials),
                             MAX_CHUNK=tiles.MAX_CHUNK,
                             num_warps=tiles.merge_num_warps("triton", variant, num_partials), **_backend.PARITY_LAUNCH),
             state=launcher.launch_state(key))
