@@ -39,12 +39,18 @@ MERGE_TILES = {
     "triton": {"plain": (2048, 4, 4), "lse": (4096, 1, 4), "fused": (8192, 8, 4)},
     "pallas": {"plain": (2048, 4, 4), "lse": (4096, 4, 4), "fused": (8192, 8, 4)},
 }
-# The N-way merge's launch per framework and variant: (bytes of a program's N input tiles together, fewest tokens,
-# warps). Each partial's tile gets total // N bytes (a power of two) within N_TILE_BYTES: a program's loads stay
-# about the same as N grows, and never below one 16-byte vector per thread of 4 warps (`scripts/tune.py merge_n`).
+# The N-way merge's launch per framework, variant and LSE layout: (bytes of a program's N input tiles together,
+# fewest tokens, warps). Each partial's tile gets total // N bytes (a power of two) within N_TILE_BYTES: a program's
+# loads stay about the same as N grows, and never below one 16-byte vector per thread of 4 warps. Per layout: a
+# program's LSE tile is best a run along the LSEs' contiguous axis (tokens in [H, T], heads in [T, H]), which the
+# fewest tokens decide (`scripts/tune.py merge_n`; docs/results.md).
 MERGE_N_TILES = {
-    "triton": {"plain": (16384, 1, 4), "lse": (16384, 1, 4), "fused": (32768, 4, 4)},
-    "pallas": {"plain": (16384, 4, 4), "lse": (16384, 4, 4), "fused": (16384, 4, 4)},
+    "triton": {"plain": {"HT": (16384, 1, 4), "TH": (16384, 1, 4)},
+               "lse": {"HT": (16384, 1, 4), "TH": (16384, 1, 4)},
+               "fused": {"HT": (32768, 4, 4), "TH": (32768, 4, 4)}},
+    "pallas": {"plain": {"HT": (16384, 4, 4), "TH": (16384, 4, 4)},
+               "lse": {"HT": (16384, 4, 4), "TH": (16384, 4, 4)},
+               "fused": {"HT": (16384, 4, 4), "TH": (16384, 4, 4)}},
 }
 N_TILE_BYTES = (2048, 4096)  # (fewest, most) bytes of one partial's tile in the N-way merge
 # The N-way loops beyond N = constants.UNROLLED_PARTIALS (docs/spec.md 8, "Any N"; docs/design.md, "Loops over
@@ -95,12 +101,12 @@ def mask_tiles(num_heads: int, head_dim: int) -> tuple[int, int, int]:
 
 @functools.lru_cache(maxsize=None)
 def merge_tiles(framework: str, num_heads: int, head_dim: int, variant: str = "plain",
-                itemsize: int = 2, num_partials: int = 0) -> tuple[int, int, int]:
+                itemsize: int = 2, num_partials: int = 0, lse_layout: str = "HT") -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_H, BLOCK_D) of a merge program: the whole (padded) head, the variant's fewest tokens, then
     heads, then more tokens, up to the byte budget of one `itemsize`-byte input tile: `MERGE_TILES` for the 2-way
-    merge (num_partials=0), else `partial_tile_bytes` of `MERGE_N_TILES`."""
+    merge (num_partials=0), else `partial_tile_bytes` of `MERGE_N_TILES` for `lse_layout`."""
     if num_partials:
-        total, min_block_t, _ = MERGE_N_TILES[framework][variant]
+        total, min_block_t, _ = MERGE_N_TILES[framework][variant][lse_layout]
         tile_bytes = partial_tile_bytes(total, num_partials)
     else:
         tile_bytes, min_block_t, _ = MERGE_TILES[framework][variant]
@@ -119,8 +125,10 @@ def partial_tile_bytes(total: int, num_partials: int) -> int:
     return min(max(share, N_TILE_BYTES[0]), N_TILE_BYTES[1])
 
 
-def merge_num_warps(framework: str, variant: str, num_partials: int = 0) -> int:
-    return (MERGE_N_TILES if num_partials else MERGE_TILES)[framework][variant][2]
+def merge_num_warps(framework: str, variant: str, num_partials: int = 0, lse_layout: str = "HT") -> int:
+    if num_partials:
+        return MERGE_N_TILES[framework][variant][lse_layout][2]
+    return MERGE_TILES[framework][variant][2]
 
 
 def merge_variant(output_lse: bool, fused: bool) -> str:
@@ -128,9 +136,9 @@ def merge_variant(output_lse: bool, fused: bool) -> str:
 
 
 def merge_grid(framework: str, num_tokens: int, num_heads: int, head_dim: int, variant: str = "plain",
-               itemsize: int = 2, num_partials: int = 0) -> tuple[int]:
+               itemsize: int = 2, num_partials: int = 0, lse_layout: str = "HT") -> tuple[int]:
     """One axis (no 65535 limit), head blocks fastest: program = token block * head blocks + head block."""
-    block_t, block_h, _ = merge_tiles(framework, num_heads, head_dim, variant, itemsize, num_partials)
+    block_t, block_h, _ = merge_tiles(framework, num_heads, head_dim, variant, itemsize, num_partials, lse_layout)
     return (cdiv(num_tokens, block_t) * cdiv(num_heads, block_h),)
 
 

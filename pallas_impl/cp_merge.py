@@ -93,7 +93,7 @@ def _rescale_jit(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with_c
     variant = tiles.merge_variant(return_lse, fused)
     itemsize = jnp.dtype(part.dtype).itemsize
     block_t, block_h, block_d = tiles.merge_tiles("pallas", num_heads, head_dim, variant, itemsize,
-                                                  RESCALE_TILE_PARTIALS)
+                                                  RESCALE_TILE_PARTIALS, lse_layout)
     kernel = functools.partial(
         _cp_rescale_kernel, num_partials=num_partials, num_tokens=num_tokens, num_heads=num_heads, head_dim=head_dim,
         num_requests=query_start_loc.shape[0] - 1 if fused else 0, block_t=block_t, block_h=block_h,
@@ -105,10 +105,11 @@ def _rescale_jit(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with_c
     dummy = jnp.zeros((1,), jnp.int32)
     results = pl.pallas_call(
         kernel, out_shape=out_shape,
-        grid=tiles.merge_grid("pallas", num_tokens, num_heads, head_dim, variant, itemsize, RESCALE_TILE_PARTIALS),
+        grid=tiles.merge_grid("pallas", num_tokens, num_heads, head_dim, variant, itemsize, RESCALE_TILE_PARTIALS,
+                              lse_layout),
         interpret=interpret,
         compiler_params=_backend.compiler_params(
-            num_warps=tiles.merge_num_warps("pallas", variant, RESCALE_TILE_PARTIALS)),
+            num_warps=tiles.merge_num_warps("pallas", variant, RESCALE_TILE_PARTIALS, lse_layout)),
         name="cp_rescale",
     )(part, lses, query_start_loc if fused else dummy, cu_seq_lens.reshape(-1) if fused else dummy,
       checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens), rank.reshape(1))

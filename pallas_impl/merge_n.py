@@ -110,7 +110,8 @@ def _merge_n_jit(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pref
     dummy_i32 = jnp.zeros((1,), jnp.int32)
     variant = tiles.merge_variant(return_lse, fused)
     itemsize = jnp.dtype(outputs.dtype).itemsize
-    block_t, block_h, block_d = tiles.merge_tiles("pallas", num_heads, head_dim, variant, itemsize, num_partials)
+    block_t, block_h, block_d = tiles.merge_tiles("pallas", num_heads, head_dim, variant, itemsize, num_partials,
+                                                  lse_layout)
     kernel = functools.partial(
         _merge_attn_states_n_kernel, num_partials=num_partials, num_tokens=num_tokens, num_heads=num_heads,
         head_dim=head_dim, num_requests=query_start_loc.shape[0] - 1 if fused else 0,
@@ -122,9 +123,10 @@ def _merge_n_jit(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pref
     results = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=tiles.merge_grid("pallas", num_tokens, num_heads, head_dim, variant, itemsize, num_partials),
+        grid=tiles.merge_grid("pallas", num_tokens, num_heads, head_dim, variant, itemsize, num_partials, lse_layout),
         interpret=interpret,
-        compiler_params=_backend.compiler_params(num_warps=tiles.merge_num_warps("pallas", variant, num_partials)),
+        compiler_params=_backend.compiler_params(num_warps=tiles.merge_num_warps("pallas", variant, num_partials,
+                                                                                 lse_layout)),
         name="merge_attn_states_n",
     )(outputs, lses, output_scale.reshape(1) if fp8 else jnp.ones((1,), jnp.float32),
       query_start_loc if fused else dummy_i32, cu_seq_lens.reshape(-1) if fused else dummy_i32, prefill_tokens)

@@ -127,24 +127,24 @@ if [ "$PLAN" = mosaic ] || [ "$PLAN" = mosaic_speed ]; then
 fi
 if [ "$PLAN" = tune_n ]; then
     # Tiles "bytes,fewest_tokens,warps/lo,hi/chunk,exp_step,out_step" (scripts/tune.py --tiles).
-    TUNE=("$PY" scripts/tune.py merge_n --heads 64 --dims 128 --variants plain lse)
-    step tune_128 130 300 "$OUT/tune_128.log" "${TUNE[@]}" --partials 128 --tokens 8192 --budget-s 100 \
-        --tiles 16384,8,4/2048,4096/64,4,8 16384,8,4/2048,4096/64,16,8 16384,8,4/2048,4096/64,16,6 \
-        16384,8,4/2048,4096/16,16,6 16384,8,4/2048,4096/16,16,8 16384,8,4/2048,4096/32,16,8 \
-        16384,8,4/2048,4096/16,32,8 16384,8,4/1024,4096/16,16,8 16384,4,4/2048,4096/16,16,8 \
-        16384,8,4/2048,4096/16,16,4 --json "$OUT/tune_128.json"
-    step tune_128th 60 240 "$OUT/tune_128th.log" "${TUNE[@]}" --partials 128 --tokens 8192 --budget-s 40 \
-        --lse-layout TH --tiles 16384,1,4/2048,4096/0,4,4 16384,1,4/2048,4096/16,16,8 \
-        16384,1,4/2048,4096/64,16,8 16384,1,4/2048,4096/0,16,8 --json "$OUT/tune_128th.json"
-    step tune_256 90 130 "$OUT/tune_256.log" "${TUNE[@]}" --partials 256 --tokens 8192 --budget-s 60 \
-        --tiles 16384,8,4/2048,4096/64,16,8 16384,8,4/2048,4096/16,16,6 16384,8,4/2048,4096/16,16,8 \
-        16384,8,4/1024,4096/16,16,8 16384,4,4/2048,4096/16,16,8 --json "$OUT/tune_256.json"
+    TUNE=("$PY" scripts/tune.py merge_n --heads 64 --dims 128)
     for nt in 8:32768 16:8192; do
-        step "tune_${nt%%:*}" 60 $(( ${nt%%:*} == 8 ? 65 : 0 )) "$OUT/tune_${nt%%:*}.log" "${TUNE[@]}" \
-            --partials "${nt%%:*}" --tokens "${nt##*:}" --variants lse --frameworks triton --lse-layout HT TH \
-            --partials-view contig gather --budget-s 45 --tiles 16384,8,4 16384,1,4 8192,8,2/1024,4096 \
-            8192,1,2/1024,4096 16384,8,2 16384,1,8 32768,8,8/4096,4096 --json "$OUT/tune_${nt%%:*}.json"
+        step "tune_${nt%%:*}" 75 $(( ${nt%%:*} == 8 ? 300 : 230 )) "$OUT/tune_${nt%%:*}.log" "${TUNE[@]}" \
+            --partials "${nt%%:*}" --tokens "${nt##*:}" --variants plain lse fused --lse-layout HT TH \
+            --partials-view contig gather --budget-s 55 --tiles 16384,8,4 16384,1,4 16384,4,4 32768,8,4 \
+            --json "$OUT/tune_${nt%%:*}.json"
     done
+    step tune_128 120 110 "$OUT/tune_128.log" "${TUNE[@]}" --variants plain lse --partials 128 --tokens 8192 \
+        --budget-s 90 --tiles 16384,8,4/2048,4096/64,16,8 16384,8,4/2048,4096/16,16,6 16384,8,4/2048,4096/64,4,8 \
+        16384,8,4/2048,4096/16,16,8 16384,8,4/2048,4096/32,16,8 16384,8,4/1024,4096/16,16,8 \
+        16384,4,4/2048,4096/16,16,8 16384,8,4/2048,4096/16,32,8 16384,8,4/2048,4096/64,16,6 \
+        --json "$OUT/tune_128.json"
+    step tune_128th 45 60 "$OUT/tune_128th.log" "${TUNE[@]}" --variants plain lse --partials 128 --tokens 8192 \
+        --budget-s 30 --lse-layout TH --tiles 16384,1,4/2048,4096/16,16,8 16384,1,4/2048,4096/0,16,8 \
+        16384,1,4/2048,4096/64,16,8 --json "$OUT/tune_128th.json"
+    step tune_256 60 0 "$OUT/tune_256.log" "${TUNE[@]}" --variants plain lse --partials 256 --tokens 8192 \
+        --budget-s 40 --tiles 16384,8,4/2048,4096/64,16,8 16384,8,4/2048,4096/16,16,6 \
+        16384,8,4/2048,4096/16,16,8 --json "$OUT/tune_256.json"
 fi
 if [ "$PLAN" = all ] || [ "$PLAN" = tests ]; then
     # shellcheck disable=SC2086

@@ -88,7 +88,10 @@ def parse_tile(text: str) -> dict:
 def set_merge_tiles(tile, table: str = "MERGE_TILES") -> None:
     """`tile` (a `parse_tile` dict) for every variant of both frameworks' `table` and its other knobs
     (mla_lse_common.tiles, the one place of the knobs)."""
-    tiles.set_knobs(**{table: {fw: {variant: tuple(tile["tile"]) for variant in per_fw}
+    def entry():
+        return tuple(tile["tile"]) if table == "MERGE_TILES" else {k: tuple(tile["tile"]) for k in ("HT", "TH")}
+
+    tiles.set_knobs(**{table: {fw: {variant: entry() for variant in per_fw}
                                for fw, per_fw in getattr(tiles, table).items()}}, **tile["knobs"])
     tplans.PLANS.clear()  # the Triton wrappers' launch plans hold tiles too
     jax.clear_caches()  # the Pallas wrapper's jit cache holds traced tiles
@@ -174,7 +177,7 @@ def merge_n_sweep(args) -> list[dict]:
             set_merge_tiles(tile, "MERGE_N_TILES")
             row = {"N": N, "dtype": dtype, "T": T, "H": H, "D": D, "lse_layout": layout, "lse_base": base,
                    "partials_view": view, "tile": tile["label"],
-                   "block": list(tiles.merge_tiles("triton", H, D, "lse", tdt.itemsize, N))}
+                   "block": list(tiles.merge_tiles("triton", H, D, "lse", tdt.itemsize, N, layout))}
             for variant in args.variants:
                 kw = offs if variant == "fused" else {}
                 us = gpu_us_triton(functools.partial(triton_impl.merge_attn_states_n, out_t, o, lse,

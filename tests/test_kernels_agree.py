@@ -180,25 +180,26 @@ def test_merge_agrees_bitwise_gpu(case):
 @pytest.mark.parametrize("framework", tiles.FRAMEWORKS)
 @pytest.mark.parametrize("num_heads", [1, 3, 5, 64])
 def test_n_way_tiles_are_powers_of_two_within_budget(framework, num_heads):
-    for variant, itemsize in itertools.product(("plain", "lse", "fused"), (2, 4)):
-        total, _, num_warps = tiles.MERGE_N_TILES[framework][variant]
+    for variant, itemsize, layout in itertools.product(("plain", "lse", "fused"), (2, 4), ("HT", "TH")):
+        total, _, num_warps = tiles.MERGE_N_TILES[framework][variant][layout]
         for num_partials, head_dim in itertools.product((1, 2, 3, 4, 8, 16, 64), (32, 64, 80, 128, 512)):
             tile_bytes = tiles.partial_tile_bytes(total, num_partials)
             assert tiles.N_TILE_BYTES[0] <= tile_bytes <= tiles.N_TILE_BYTES[1]
             assert tile_bytes <= total // num_partials < 2 * tile_bytes or tile_bytes in tiles.N_TILE_BYTES
             block_t, block_h, block_d = tiles.merge_tiles(framework, num_heads, head_dim, variant, itemsize,
-                                                          num_partials)
+                                                          num_partials, layout)
             assert all(_pow2(b) for b in (block_t, block_h, block_d, num_warps))
             assert block_d >= head_dim and block_t * block_h * block_d <= max(tile_bytes // itemsize, block_d)
-            grid = tiles.merge_grid(framework, 1000, num_heads, head_dim, variant, itemsize, num_partials)
+            grid = tiles.merge_grid(framework, 1000, num_heads, head_dim, variant, itemsize, num_partials, layout)
             _merge_programs_cover(grid, 1000, num_heads, block_t, block_h)
 
 
 @pytest.mark.parametrize("framework", tiles.FRAMEWORKS)
 def test_n_way_tiles_shrink_as_partials_grow(framework):
     """A program's N input tiles share one budget: 4 partials get half the bytes of 2, down to the floor."""
-    for variant in ("plain", "lse", "fused"):
-        sizes = [tiles.partial_tile_bytes(tiles.MERGE_N_TILES[framework][variant][0], n) for n in (1, 2, 4, 8, 16, 64)]
+    for variant, layout in itertools.product(("plain", "lse", "fused"), ("HT", "TH")):
+        total = tiles.MERGE_N_TILES[framework][variant][layout][0]
+        sizes = [tiles.partial_tile_bytes(total, n) for n in (1, 2, 4, 8, 16, 64)]
         assert sizes == sorted(sizes, reverse=True) and sizes[-1] == tiles.N_TILE_BYTES[0]
 
 

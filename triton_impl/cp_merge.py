@@ -332,13 +332,14 @@ def _rescale_plan(scaled, output_lse, partial_output, lses, cus, params, lse_lay
     variant = tiles.merge_variant(output_lse is not None, fused)
     itemsize = partial_output.element_size()
     block_t, block_h, block_d = tiles.merge_tiles("triton", num_heads, head_dim, variant, itemsize,
-                                                  RESCALE_TILE_PARTIALS)
+                                                  RESCALE_TILE_PARTIALS, lse_layout)
     stride_lse_n, stride_lse_h, stride_lse_t = checks.lses_strides(lses, lse_layout, num_partials, num_heads,
                                                                    num_tokens)
     olse_strides = (0, 0) if output_lse is None else checks.lse_ht_strides("merged_lse", output_lse, lse_layout,
                                                                            num_heads, num_tokens)
     return plans.kernel_launch(
-        grid=tiles.merge_grid("triton", num_tokens, num_heads, head_dim, variant, itemsize, RESCALE_TILE_PARTIALS),
+        grid=tiles.merge_grid("triton", num_tokens, num_heads, head_dim, variant, itemsize, RESCALE_TILE_PARTIALS,
+                              lse_layout),
         ints=(*scaled.stride(), *partial_output.stride(), *olse_strides, stride_lse_n, stride_lse_h, stride_lse_t,
               cus.stride(0) if fused else 0, num_tokens),
         constexprs=dict(NUM_PARTIALS=num_partials, NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEADS_PER_GROUP=heads,
@@ -348,6 +349,6 @@ def _rescale_plan(scaled, output_lse, partial_output, lses, cus, params, lse_lay
                         INTERPRET=_backend.interpreting(), LSE_STEPS=tiles.loop_steps(num_partials - 1, num_partials, tiles.EXP_STEP),
                         EXP_STEP=tiles.EXP_STEP, MAX_CHUNKS=tiles.max_chunks(num_partials),
                         MAX_CHUNK=tiles.MAX_CHUNK,
-                        num_warps=tiles.merge_num_warps("triton", variant, RESCALE_TILE_PARTIALS),
+                        num_warps=tiles.merge_num_warps("triton", variant, RESCALE_TILE_PARTIALS, lse_layout),
                         **_backend.PARITY_LAUNCH),
         state=launcher.launch_state(key))

@@ -207,9 +207,11 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
     elif num_tokens and num_heads:
         variant = tiles.merge_variant(output_lse is not None, fused)
         itemsize = outputs.element_size()
-        block_t, block_h, block_d = tiles.merge_tiles("triton", num_heads, head_dim, variant, itemsize, num_partials)
+        block_t, block_h, block_d = tiles.merge_tiles("triton", num_heads, head_dim, variant, itemsize, num_partials,
+                                                      lse_layout)
         launch = plans.merge_launch(
-            grid=tiles.merge_grid("triton", num_tokens, num_heads, head_dim, variant, itemsize, num_partials),
+            grid=tiles.merge_grid("triton", num_tokens, num_heads, head_dim, variant, itemsize, num_partials,
+                                  lse_layout),
             fused=fused,
             ints=(*output.stride(), *outputs.stride(), *olse_strides, stride_lse_n, stride_lse_h, stride_lse_t,
                   cu_seq_lens.stride(0) if fused else 0, num_tokens),
@@ -223,7 +225,8 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
                             OUT_STEPS=tiles.loop_steps(num_partials - 2, num_partials, tiles.OUT_STEP),
                             EXP_STEP=tiles.EXP_STEP, OUT_STEP=tiles.OUT_STEP, MAX_CHUNKS=tiles.max_chunks(num_partials),
                             MAX_CHUNK=tiles.MAX_CHUNK,
-                            num_warps=tiles.merge_num_warps("triton", variant, num_partials), **_backend.PARITY_LAUNCH),
+                            num_warps=tiles.merge_num_warps("triton", variant, num_partials, lse_layout),
+                            **_backend.PARITY_LAUNCH),
             state=launcher.launch_state(key))
     # A non-contiguous cu_seq_lens row is copied per call: no plan for it (its copy would be the launch's pointer).
     if not (fused and cu_seq_lens is not cu_given):
