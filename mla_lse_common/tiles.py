@@ -40,27 +40,30 @@ MERGE_TILES = {
     "pallas": {"plain": (2048, 4, 4), "lse": (4096, 4, 4), "fused": (8192, 8, 4)},
 }
 # The N-way merge's launch per framework, variant and LSE layout: (bytes of a program's N input tiles together,
-# fewest tokens, warps). Each partial's tile gets total // N bytes (a power of two) within N_TILE_BYTES: a program's
-# loads stay about the same as N grows, and never below one 16-byte vector per thread of 4 warps. Per layout: a
-# program's LSE tile is best a run along the LSEs' contiguous axis (tokens in [H, T], heads in [T, H]), which the
-# fewest tokens decide (`scripts/tune.py merge_n`; docs/results.md).
+# fewest tokens, fewest tokens of a tile at the floor, warps). Each partial's tile gets total // N bytes (a power
+# of two) within N_TILE_BYTES: a program's loads stay about the same as N grows, and never below one 16-byte vector
+# per thread of 4 warps. A tile at the floor (N >= 8 at these totals) with [H, T] LSEs takes 8 tokens of one head:
+# its LSE tile is one 32-byte run of tokens, not 8 heads' scattered words (`scripts/tune.py merge_n`;
+# docs/results.md, N = 8 to 256); a larger tile keeps heads first (a [8, 2] tile of 4 KiB lost 4-40 points).
 MERGE_N_TILES = {
-    "triton": {"plain": {"HT": (16384, 1, 4), "TH": (16384, 1, 4)},
-               "lse": {"HT": (16384, 1, 4), "TH": (16384, 1, 4)},
-               "fused": {"HT": (32768, 4, 4), "TH": (32768, 4, 4)}},
-    "pallas": {"plain": {"HT": (16384, 4, 4), "TH": (16384, 4, 4)},
-               "lse": {"HT": (16384, 4, 4), "TH": (16384, 4, 4)},
-               "fused": {"HT": (16384, 4, 4), "TH": (16384, 4, 4)}},
+    "triton": {"plain": {"HT": (16384, 1, 8, 4), "TH": (16384, 1, 1, 4)},
+               "lse": {"HT": (16384, 1, 8, 4), "TH": (16384, 1, 1, 4)},
+               "fused": {"HT": (32768, 4, 4, 4), "TH": (32768, 4, 4, 4)}},
+    "pallas": {"plain": {"HT": (16384, 4, 8, 4), "TH": (16384, 4, 4, 4)},
+               "lse": {"HT": (16384, 4, 8, 4), "TH": (16384, 4, 4, 4)},
+               "fused": {"HT": (16384, 4, 4, 4), "TH": (16384, 4, 4, 4)}},
 }
 N_TILE_BYTES = (2048, 4096)  # (fewest, most) bytes of one partial's tile in the N-way merge
 # The N-way loops beyond N = constants.UNROLLED_PARTIALS (docs/spec.md 8, "Any N"; docs/design.md, "Loops over
 # many partials"): the maximum reads MAX_CHUNK partials' LSE tiles in one load (a maximum is exact in any order; 0:
 # one partial at a time, in steps of EXP_STEP); the sum of the exponentials runs in runtime steps of EXP_STEP
-# partials and the weighted sum of the outputs in steps of OUT_STEP (each step unrolled: its loads are in flight
-# together), the last count % step unrolled. None of them changes a bit.
-MAX_CHUNK = 64
-EXP_STEP = 4
-OUT_STEP = 4
+# partials and the weighted sum of the outputs in steps of OUT_STEP per framework (each step unrolled: its loads are
+# in flight together), the last count % step unrolled. None of them changes a bit. Chosen from the sweeps at N = 128
+# and 256 (`scripts/tune.py merge_n`; docs/results.md): a larger chunk costs Pallas registers (MAX_CHUNK = 64 halved
+# its bandwidth), larger steps cost both frameworks occupancy.
+MAX_CHUNK = 16
+EXP_STEP = 16
+OUT_STEP = {"triton": 8, "pallas": 6}
 # The context-parallel rescale reads one partial's tile and writes one: it takes the N-way tile of two partials
 # (the 2-way merge's bytes per tile).
 RESCALE_TILE_PARTIALS = 2
@@ -106,8 +109,10 @@ def merge_tiles(framework: str, num_heads: int, head_dim: int, variant: str = "p
     heads, then more tokens, up to the byte budget of one `itemsize`-byte input tile: `MERGE_TILES` for the 2-way
     merge (num_partials=0), else `partial_tile_bytes` of `MERGE_N_TILES` for `lse_layout`."""
     if num_partials:
-        total, min_block_t, _ = MERGE_N_TILES[framework][variant][lse_layout]
+        total, min_block_t, floor_block_t, _ = MERGE_N_TILES[framework][variant][lse_layout]
         tile_bytes = partial_tile_bytes(total, num_partials)
+        if tile_bytes == N_TILE_BYTES[0]:
+            min_block_t = floor_block_t
     else:
         tile_bytes, min_block_t, _ = MERGE_TILES[framework][variant]
     elems = max(1, tile_bytes // itemsize)
@@ -127,7 +132,7 @@ def partial_tile_bytes(total: int, num_partials: int) -> int:
 
 def merge_num_warps(framework: str, variant: str, num_partials: int = 0, lse_layout: str = "HT") -> int:
     if num_partials:
-        return MERGE_N_TILES[framework][variant][lse_layout][2]
+        return MERGE_N_TILES[framework][variant][lse_layout][3]
     return MERGE_TILES[framework][variant][2]
 
 

@@ -17,7 +17,7 @@ from mla_lse_common.constants import FP8_E4M3_MAX, LN2, LOG2E  # noqa: F401 (re-
 def fold_partials(lo: int, hi: int, body, init, num_partials: int, step: int, *, unroll: bool = False):
     """`body(i, x)` for i = lo .. hi - 1 in order from `init`, for the merge of N = `num_partials` partials: all
     unrolled at trace time up to N = UNROLLED_PARTIALS (or with unroll=True), else `lax.fori_loop` steps of `step`
-    partials (`tiles.EXP_STEP` or `OUT_STEP`; an `scf.for` in a Pallas kernel) and the rest unrolled: the partition
+    partials (`tiles.EXP_STEP` or `OUT_STEP["pallas"]`; an `scf.for` in a Pallas kernel) and the rest unrolled: the partition
     of the Triton kernels' loops (`mla_lse_common.tiles.loop_steps`), read at trace time."""
     steps = 0 if unroll else tiles.loop_steps(hi - lo, num_partials, step)
     per_step = step

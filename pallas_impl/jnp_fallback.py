@@ -123,7 +123,7 @@ def merge_attn_states_n(outputs, lses, output_scale, query_start_loc, cu_seq_len
         w = (e(i) / z)[..., None]
         return jnp.where(w > 0, outputs[i].astype(jnp.float32) * w, 0.0)
 
-    out = fold_partials(1, num_partials, lambda i, out: out + term(i), term(0), num_partials, tiles.OUT_STEP)
+    out = fold_partials(1, num_partials, lambda i, out: out + term(i), term(0), num_partials, tiles.OUT_STEP["pallas"])
     out = jnp.where(all_empty[..., None], 0.0, out)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill_tokens[0]
     out = _stored(out, outputs[-1], copy_t, output_scale, out_dtype)

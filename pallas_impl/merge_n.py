@@ -80,7 +80,7 @@ def _merge_attn_states_n_kernel(
         out = _math.fold_partials(  # unrolled or a runtime loop, as in n_way_max_and_sum
             1, num_partials - 1,
             lambda i, out: out + _weighted(pltriton.load(tile(i), mask=thd_mask, other=0.0), weight(i)), out,
-            num_partials, tiles.OUT_STEP)
+            num_partials, tiles.OUT_STEP["pallas"])
         out = out + _weighted(b, w_last)
     out = jnp.where(all_empty[:, :, None], 0.0, out)
     copy_t = t >= ptwc_ref[0]  # 8.4

@@ -21,6 +21,10 @@
 #   tune_n        the N-way merge's launch sweeps (scripts/tune.py): N = 128 and 256 at T = 8192 (tiles,
 #                 MAX_CHUNK, EXP_STEP, OUT_STEP), the all-gather view at N = 8 and 16 beside the contiguous one in
 #                 both LSE layouts: tune_*.json tune_*.log
+#   verify        after a kernel or launch change: the full parity check on both Pallas backends, the N-way merge
+#                 at large N (scripts/wide_n.py speed), the committed N-way tiles at N = 8 and 16 in both views and
+#                 layouts (scripts/tune.py merge_n), the GPU tests, the first-call compile times (wide_n.py):
+#                 check*.json check*.log wide_n_* tune_*.json pytest.log
 #   all           tests, bench, then more
 # Every file but env.txt and summary.txt is packed into $OUT/run.tgz at the end (the device tool brings back
 # few files).
@@ -145,6 +149,22 @@ if [ "$PLAN" = tune_n ]; then
     step tune_256 60 0 "$OUT/tune_256.log" "${TUNE[@]}" --variants plain lse --partials 256 --tokens 8192 \
         --budget-s 40 --tiles 16384,8,4/2048,4096/64,16,8 16384,8,4/2048,4096/16,16,6 \
         16384,8,4/2048,4096/16,16,8 --json "$OUT/tune_256.json"
+fi
+if [ "$PLAN" = verify ]; then
+    step check 110 420 "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json"
+    step check_mosaic 110 320 "$OUT/check_mosaic.log" bash scripts/check_shards.sh "$OUT/check_mosaic.json" \
+        --pallas-backend mosaic_gpu
+    step wide_n_speed 90 230 "$OUT/wide_n_speed.log" "$PY" scripts/wide_n.py --part speed \
+        --json "$OUT/wide_n_speed.json"
+    for nt in 8:32768 16:8192; do
+        step "tune_${nt%%:*}" 35 $(( ${nt%%:*} == 8 ? 195 : 160 )) "$OUT/tune_${nt%%:*}.log" "$PY" scripts/tune.py \
+            merge_n --heads 64 --dims 128 --partials "${nt%%:*}" --tokens "${nt##*:}" --variants plain lse fused \
+            --lse-layout HT TH --partials-view contig gather --json "$OUT/tune_${nt%%:*}.json"
+    done
+    # shellcheck disable=SC2086
+    step pytest 150 90 "$OUT/pytest.log" "$PY" -m pytest -q -rs -m gpu $XDIST
+    step wide_n_compile 100 0 "$OUT/wide_n_compile.log" "$PY" scripts/wide_n.py --part compile --ns 4,16,64,256 \
+        --json "$OUT/wide_n_compile.json"
 fi
 if [ "$PLAN" = all ] || [ "$PLAN" = tests ]; then
     # shellcheck disable=SC2086

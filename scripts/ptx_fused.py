@@ -91,7 +91,8 @@ def main() -> None:
         dict(NUM_PARTIALS=N, NUM_HEADS=H, HEAD_DIM=D, BLOCK_T=bt, BLOCK_H=bh, BLOCK_D=bd, SCAN=tiles.SCAN,
              N_INTERPRET=0, LSE_BASE2=False, OUTPUT_LSE=True, FUSED_MASK=True, FP8_OUT=False, INTERPRET=False,
              LSE_STEPS=tiles.loop_steps(N - 1, N, tiles.EXP_STEP),
-             OUT_STEPS=tiles.loop_steps(N - 2, N, tiles.OUT_STEP), EXP_STEP=tiles.EXP_STEP, OUT_STEP=tiles.OUT_STEP,
+             OUT_STEPS=tiles.loop_steps(N - 2, N, tiles.OUT_STEP["triton"]), EXP_STEP=tiles.EXP_STEP,
+             OUT_STEP=tiles.OUT_STEP["triton"],
              MAX_CHUNKS=tiles.max_chunks(N), MAX_CHUNK=tiles.MAX_CHUNK,
              stride_out_d=1, stride_o_d=1, stride_olse_t=1, stride_lse_t=1),
         tiles.merge_num_warps("triton", "fused", N))

@@ -81,7 +81,8 @@ def parse_tile(text: str) -> dict:
     if len(parts) > 1:
         knobs["N_TILE_BYTES"] = parts[1]
     if len(parts) > 2:
-        knobs["MAX_CHUNK"], knobs["EXP_STEP"], knobs["OUT_STEP"] = parts[2]
+        knobs["MAX_CHUNK"], knobs["EXP_STEP"], out_step = parts[2]
+        knobs["OUT_STEP"] = {fw: out_step for fw in tiles.FRAMEWORKS}
     return dict(tile=parts[0], knobs=knobs, label=text)
 
 
@@ -89,7 +90,10 @@ def set_merge_tiles(tile, table: str = "MERGE_TILES") -> None:
     """`tile` (a `parse_tile` dict) for every variant of both frameworks' `table` and its other knobs
     (mla_lse_common.tiles, the one place of the knobs)."""
     def entry():
-        return tuple(tile["tile"]) if table == "MERGE_TILES" else {k: tuple(tile["tile"]) for k in ("HT", "TH")}
+        if table == "MERGE_TILES":
+            return tuple(tile["tile"])
+        total, fewest, warps = tile["tile"]  # the N-way entry: the same fewest tokens at the floor
+        return {layout: (total, fewest, fewest, warps) for layout in ("HT", "TH")}
 
     tiles.set_knobs(**{table: {fw: {variant: entry() for variant in per_fw}
                                for fw, per_fw in getattr(tiles, table).items()}}, **tile["knobs"])
@@ -174,9 +178,10 @@ def merge_n_sweep(args) -> list[dict]:
         for tile in args.tiles:
             if time.monotonic() > args.deadline:
                 break
-            set_merge_tiles(tile, "MERGE_N_TILES")
+            if tile is not None:
+                set_merge_tiles(tile, "MERGE_N_TILES")
             row = {"N": N, "dtype": dtype, "T": T, "H": H, "D": D, "lse_layout": layout, "lse_base": base,
-                   "partials_view": view, "tile": tile["label"],
+                   "partials_view": view, "tile": "committed" if tile is None else tile["label"],
                    "block": list(tiles.merge_tiles("triton", H, D, "lse", tdt.itemsize, N, layout))}
             for variant in args.variants:
                 kw = offs if variant == "fused" else {}
@@ -234,10 +239,10 @@ def mask_sweep(args) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("what", choices=("merge", "merge_n", "mask"))
-    p.add_argument("--tiles", nargs="+", type=parse_tile,
-                   default=[parse_tile(t) for t in ("8192,1,4", "8192,8,4", "16384,8,8", "4096,1,2")],
+    p.add_argument("--tiles", nargs="+", type=parse_tile, default=None,
                    help="bytes,fewest_tokens,warps; merge_n: optionally /lo,hi (N_TILE_BYTES) and "
-                        "/chunk,exp_step,out_step (MAX_CHUNK, EXP_STEP, OUT_STEP)")
+                        "/chunk,exp_step,out_step (MAX_CHUNK, EXP_STEP, OUT_STEP); default: merge 8192,1,4 8192,8,4 "
+                        "16384,8,8 4096,1,2, merge_n the committed tables")
     p.add_argument("--frameworks", nargs="+", choices=("triton", "pallas"), default=["triton", "pallas"],
                    help="merge_n: the frameworks timed")
     p.add_argument("--tokens", nargs="+", type=int, default=[32768, 131072])
@@ -257,6 +262,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     args.deadline = time.monotonic() + args.budget_s
+    if args.tiles is None:
+        args.tiles = ([None] if args.what == "merge_n" else
+                      [parse_tile(t) for t in ("8192,1,4", "8192,8,4", "16384,8,8", "4096,1,2")])
     if not torch.cuda.is_available():
         print("scripts/tune.py needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -181,7 +181,7 @@ def test_merge_agrees_bitwise_gpu(case):
 @pytest.mark.parametrize("num_heads", [1, 3, 5, 64])
 def test_n_way_tiles_are_powers_of_two_within_budget(framework, num_heads):
     for variant, itemsize, layout in itertools.product(("plain", "lse", "fused"), (2, 4), ("HT", "TH")):
-        total, _, num_warps = tiles.MERGE_N_TILES[framework][variant][layout]
+        total, _, _, num_warps = tiles.MERGE_N_TILES[framework][variant][layout]
         for num_partials, head_dim in itertools.product((1, 2, 3, 4, 8, 16, 64), (32, 64, 80, 128, 512)):
             tile_bytes = tiles.partial_tile_bytes(total, num_partials)
             assert tiles.N_TILE_BYTES[0] <= tile_bytes <= tiles.N_TILE_BYTES[1]
