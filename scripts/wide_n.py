@@ -202,7 +202,7 @@ class _Pallas:
         gc.collect()
 
 
-def _worker(part: str, framework: str, ns) -> list[dict]:
+def _worker(part: str, framework: str, ns, variants=SPEED_VARIANTS) -> list[dict]:
     fw = _Triton() if framework == "triton" else _Pallas()
     records = []
     if part == "compile":
@@ -234,7 +234,7 @@ def _worker(part: str, framework: str, ns) -> list[dict]:
     fw.free()
     records.append(dict(part=part, framework=framework, variant="ceiling add_2r1w", tbps=ceiling))
     for n in ns:
-        for variant in SPEED_VARIANTS:
+        for variant in variants:
             opts = VARIANTS[variant]
             call = fw.build(n, s["T"], s["H"], s["D"], opts)
             us = fw.gpu_us(call)
@@ -252,11 +252,12 @@ def _worker(part: str, framework: str, ns) -> list[dict]:
 # Driver
 
 
-def _spawn(part: str, framework: str, ns) -> list[dict]:
+def _spawn(part: str, framework: str, ns, variants) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="wide_n_triton_cache_") as cache:
         env = dict(os.environ, TRITON_CACHE_DIR=cache, XLA_PYTHON_CLIENT_PREALLOCATE="false",
                    PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        cmd = [sys.executable, __file__, "--worker", part, "--frameworks", framework, "--ns", ",".join(map(str, ns))]
+        cmd = [sys.executable, __file__, "--worker", part, "--frameworks", framework, "--ns", ",".join(map(str, ns)),
+               "--variants", ",".join(variants)]
         done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
     if done.returncode:
         return [dict(part=part, framework=framework, error=f"worker exited with {done.returncode}")]
@@ -298,19 +299,24 @@ def main(argv=None) -> int:
     ap.add_argument("--part", choices=("compile", "speed", "all"), default="all")
     ap.add_argument("--frameworks", default="triton,pallas")
     ap.add_argument("--ns", default=None, help="comma-separated N (default: 4,16,64,128,256 / 128,256)")
+    ap.add_argument("--variants", default=",".join(SPEED_VARIANTS), help="speed: comma-separated variants")
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", choices=("compile", "speed"), default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     frameworks = [f for f in args.frameworks.split(",") if f]
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}; the variants are {list(VARIANTS)}")
     if args.worker:
         ns = tuple(int(x) for x in args.ns.split(","))
-        print(json.dumps(_worker(args.worker, frameworks[0], ns)))
+        print(json.dumps(_worker(args.worker, frameworks[0], ns, variants)))
         return 0
     records = []
     for part in (("compile", "speed") if args.part == "all" else (args.part,)):
         ns = tuple(int(x) for x in args.ns.split(",")) if args.ns else (COMPILE_NS if part == "compile" else SPEED_NS)
         for fw in frameworks:
-            records += _spawn(part, fw, ns)
+            records += _spawn(part, fw, ns, variants)
     _table(records)
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
