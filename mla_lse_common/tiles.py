@@ -48,28 +48,30 @@ MERGE_TILES = {
 MERGE_N_TILES = {
     "triton": {"plain": {"HT": (16384, 1, 8, 4), "TH": (16384, 1, 1, 4)},
                "lse": {"HT": (16384, 1, 8, 4), "TH": (16384, 1, 1, 4)},
-               "fused": {"HT": (32768, 4, 8, 4), "TH": (32768, 4, 4, 4)}},
+               "fused": {"HT": (32768, 4, 4, 4), "TH": (32768, 4, 4, 4)}},
     "pallas": {"plain": {"HT": (16384, 4, 8, 4), "TH": (16384, 4, 4, 4)},
                "lse": {"HT": (16384, 4, 8, 4), "TH": (16384, 4, 4, 4)},
                "fused": {"HT": (16384, 4, 4, 4), "TH": (16384, 4, 4, 4)}},
 }
 N_TILE_BYTES = (2048, 4096)  # (fewest, most) bytes of one partial's tile in the N-way merge
 # The N-way loops beyond N = constants.UNROLLED_PARTIALS (docs/spec.md 8, "Any N"; docs/design.md, "Loops over
-# many partials"): the maximum reads MAX_CHUNK partials' LSE tiles in one load (a maximum is exact in any order; 0:
-# one partial at a time, in steps of EXP_STEP); the sum of the exponentials runs in runtime steps of EXP_STEP
-# partials and the weighted sum of the outputs in steps of OUT_STEP per framework (each step unrolled: its loads are
-# in flight together), the last count % step unrolled. None of them changes a bit. Chosen from the sweeps at N = 128
-# and 256 (`scripts/tune.py merge_n`; docs/results.md): a larger chunk costs Pallas registers (MAX_CHUNK = 64 halved
-# its bandwidth), larger steps cost both frameworks occupancy.
-MAX_CHUNK = 16
-EXP_STEP = 16
-OUT_STEP = {"triton": 8, "pallas": 6}
+# many partials") per framework and variant: (max_chunk, exp_step, out_step). The maximum reads max_chunk partials'
+# LSE tiles in one load (a maximum is exact in any order; 0: one partial at a time, in steps of exp_step); the sum
+# of the exponentials runs in runtime steps of exp_step partials and the weighted sum of the outputs in steps of
+# out_step (each step unrolled: its loads are in flight together), the last count % step unrolled. None of them
+# changes a bit. Chosen from the sweeps at N = 128 and 256 (`scripts/tune.py merge_n`; docs/results.md): a chunk
+# of 64 cost Pallas registers (half its bandwidth), steps of 16 for the weighted sum cost occupancy, and the fused
+# variant (its offsets read per partial) ran slower with chunks and long steps than one partial at a time.
+N_LOOPS = {
+    "triton": {"plain": (16, 16, 8), "lse": (16, 16, 8), "fused": (0, 4, 4)},
+    "pallas": {"plain": (16, 16, 6), "lse": (16, 16, 6), "fused": (0, 4, 4)},
+}
 # The context-parallel rescale reads one partial's tile and writes one: it takes the N-way tile of two partials
 # (the 2-way merge's bytes per tile).
 RESCALE_TILE_PARTIALS = 2
 
 KNOBS = ("MASK_NUM_WARPS", "MASK_TILE_H", "ZERO_TILE_ELEMS", "MASK_TARGET_PROGRAMS", "MASK_ZERO_SPLIT",
-         "MASK_LSE_SPLIT", "MERGE_TILES", "MERGE_N_TILES", "N_TILE_BYTES", "MAX_CHUNK", "EXP_STEP", "OUT_STEP")
+         "MASK_LSE_SPLIT", "MERGE_TILES", "MERGE_N_TILES", "N_TILE_BYTES", "N_LOOPS")
 
 
 def set_knobs(**values) -> dict:
@@ -147,8 +149,13 @@ def merge_grid(framework: str, num_tokens: int, num_heads: int, head_dim: int, v
     return (cdiv(num_tokens, block_t) * cdiv(num_heads, block_h),)
 
 
+def n_loops(framework: str, variant: str) -> tuple[int, int, int]:
+    """(max_chunk, exp_step, out_step) of the N-way loops of `variant` ("plain", "lse", "fused"; `N_LOOPS`)."""
+    return N_LOOPS[framework][variant]
+
+
 def loop_steps(count: int, num_partials: int, step: int) -> int:
-    """The runtime steps of `step` partials (`EXP_STEP` or `OUT_STEP`) of a loop over `count` of the N =
+    """The runtime steps of `step` partials (an exp_step or out_step of `N_LOOPS`) of a loop over `count` of the N =
     `num_partials` partials, the rest unrolled (0: all unrolled, N <= `constants.UNROLLED_PARTIALS`); read at plan
     time."""
     if num_partials <= constants.UNROLLED_PARTIALS:
@@ -156,12 +163,12 @@ def loop_steps(count: int, num_partials: int, step: int) -> int:
     return max(count, 0) // step
 
 
-def max_chunks(num_partials: int) -> int:
-    """The loads of `MAX_CHUNK` LSE tiles of the N-way maximum over partials 1 .. N-1 (0: one partial at a time,
-    in `loop_steps` of `EXP_STEP`; always 0 up to N = `constants.UNROLLED_PARTIALS`); read at plan time."""
-    if num_partials <= constants.UNROLLED_PARTIALS or not MAX_CHUNK:
+def max_chunks(num_partials: int, chunk: int) -> int:
+    """The loads of `chunk` LSE tiles (a max_chunk of `N_LOOPS`) of the N-way maximum over partials 1 .. N-1 (0: one
+    partial at a time, in `loop_steps`; always 0 up to N = `constants.UNROLLED_PARTIALS`); read at plan time."""
+    if num_partials <= constants.UNROLLED_PARTIALS or not chunk:
         return 0
-    return cdiv(num_partials - 1, MAX_CHUNK)
+    return cdiv(num_partials - 1, chunk)
 
 
 def mask_blocks(num_tokens: int, num_requests: int) -> int:

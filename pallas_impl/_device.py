@@ -126,11 +126,11 @@ def _partial_lse(lses_ref, i, t0, h0, block_t, block_h, th_mask, cu_ref, cu_row,
     return lse
 
 
-def _partial_lse_chunk(lses_ref, first, num_partials, t0, h0, block_t, block_h, th_mask, cu_ref, cu_row, req, in_req,
-                       *, lse_layout, fused_mask):
-    """f32[MAX_CHUNK, block_t, block_h]: the LSE tiles of partials first, first + 1, ... in one load, as
-    `_partial_lse` each; partials past N read as -inf (the Triton kernels' `_chunk_max`)."""
-    i = first + jnp.arange(tiles.MAX_CHUNK, dtype=jnp.int32)
+def _partial_lse_chunk(lses_ref, first, chunk, num_partials, t0, h0, block_t, block_h, th_mask, cu_ref, cu_row, req,
+                       in_req, *, lse_layout, fused_mask):
+    """f32[chunk, block_t, block_h]: the LSE tiles of partials first, first + 1, ... in one load, as `_partial_lse`
+    each; partials past N read as -inf (the Triton kernels' `_chunk_max`)."""
+    i = first + jnp.arange(chunk, dtype=jnp.int32)
     live = i < num_partials
     i = jnp.minimum(i, num_partials - 1)
     t = (t0 + jnp.arange(block_t, dtype=jnp.int32))[None, :, None]

@@ -17,8 +17,8 @@ from mla_lse_common.constants import FP8_E4M3_MAX, LN2, LOG2E  # noqa: F401 (re-
 def fold_partials(lo: int, hi: int, body, init, num_partials: int, step: int, *, unroll: bool = False):
     """`body(i, x)` for i = lo .. hi - 1 in order from `init`, for the merge of N = `num_partials` partials: all
     unrolled at trace time up to N = UNROLLED_PARTIALS (or with unroll=True), else `lax.fori_loop` steps of `step`
-    partials (`tiles.EXP_STEP` or `OUT_STEP["pallas"]`; an `scf.for` in a Pallas kernel) and the rest unrolled: the partition
-    of the Triton kernels' loops (`mla_lse_common.tiles.loop_steps`), read at trace time."""
+    partials (an exp_step or out_step of `tiles.N_LOOPS`; an `scf.for` in a Pallas kernel) and the rest unrolled:
+    the partition of the Triton kernels' loops (`mla_lse_common.tiles.loop_steps`), read at trace time."""
     steps = 0 if unroll else tiles.loop_steps(hi - lo, num_partials, step)
     per_step = step
 
@@ -68,7 +68,8 @@ def two_way_weights(p, s, lse_base2: bool):
     return m, both_empty, z, pe / z, se / z
 
 
-def n_way_max_and_sum(lse_i, num_partials: int, lse_base2: bool, *, unroll: bool = False, lse_chunk=None):
+def n_way_max_and_sum(lse_i, num_partials: int, lse_base2: bool, *, unroll: bool = False, lse_chunk=None,
+                      chunk: int = 0, exp_step: int = 4):
     """(m, all_empty, e, z) of N LSE tiles (in their base) whose empty rows are -inf (docs/spec.md 8.2, 8.3): the
     maximum, 0 where all are empty; e_i = exp(lse_i - m) (base 2: exp((lse_i - m) * ln2)); z their sum in index
     order.
@@ -77,27 +78,27 @@ def n_way_max_and_sum(lse_i, num_partials: int, lse_base2: bool, *, unroll: bool
     kernel may reload a tile rather than keep N of them live; a caller holding the tiles passes `tiles.__getitem__`
     and unroll=True (a Python list takes no traced index). The loops unroll up to N = UNROLLED_PARTIALS and are
     runtime loops beyond (`fold_partials`); `e` is the list of the e_i where every loop unrolls, else None.
-    `lse_chunk(first)`: the [tiles.MAX_CHUNK, ...] tiles of partials first, first + 1, ... (-inf past N), given by
-    a kernel whose maximum beyond UNROLLED_PARTIALS reads them in one load each (`tiles.max_chunks`; a maximum is
-    exact in any order), as the Triton kernels' `_chunk_max`; without it the maximum runs in index order.
+    `lse_chunk(first)`: the [chunk, ...] tiles of partials first, first + 1, ... (-inf past N), given by a kernel
+    whose maximum beyond UNROLLED_PARTIALS reads them in one load each (`tiles.max_chunks`; a maximum is exact in
+    any order), as the Triton kernels' `_chunk_max`; without it, or with chunk = 0, the maximum runs in index order.
+    The runtime loops take steps of `exp_step` partials (`tiles.N_LOOPS`).
     """
-    chunks = 0 if unroll or lse_chunk is None else tiles.max_chunks(num_partials)
+    chunks = 0 if unroll or lse_chunk is None else tiles.max_chunks(num_partials, chunk)
     if chunks:
-        size = tiles.MAX_CHUNK
-        m = jax.lax.fori_loop(0, chunks, lambda k, m: jnp.maximum(m, jnp.max(lse_chunk(1 + k * size), axis=0)),
+        m = jax.lax.fori_loop(0, chunks, lambda k, m: jnp.maximum(m, jnp.max(lse_chunk(1 + k * chunk), axis=0)),
                               lse_i(0))
     else:
         m = fold_partials(1, num_partials, lambda i, m: jnp.maximum(m, lse_i(i)), lse_i(0), num_partials,
-                          tiles.EXP_STEP, unroll=unroll)
+                          exp_step, unroll=unroll)
     all_empty = m == -jnp.inf
     m = jnp.where(all_empty, 0.0, m)
     e = [exp_base(lse_i(0) - m, lse_base2)]
-    if unroll or not tiles.loop_steps(num_partials - 1, num_partials, tiles.EXP_STEP):
+    if unroll or not tiles.loop_steps(num_partials - 1, num_partials, exp_step):
         z = e[0]
         for i in range(1, num_partials):
             e.append(exp_base(lse_i(i) - m, lse_base2))
             z = z + e[i]
         return m, all_empty, e, z
     z = fold_partials(1, num_partials, lambda i, z: z + exp_base(lse_i(i) - m, lse_base2), e[0], num_partials,
-                      tiles.EXP_STEP)
+                      exp_step)
     return m, all_empty, None, z

@@ -65,10 +65,13 @@ def _cp_rescale_kernel(
     where = dict(t0=t0, h0=h0, block_t=block_t, block_h=block_h, th_mask=th_mask, cu_ref=cu_ref,
                  cu_row=num_requests + 1, req=req, in_req=in_req, lse_layout=lse_layout, fused_mask=fused_mask)
     lse_i = functools.partial(_partial_lse, lses_ref, **where)
-    lse_chunk = functools.partial(_partial_lse_chunk, lses_ref, num_partials=num_partials, **where)
+    chunk, exp_step, out_step = tiles.n_loops("pallas", tiles.merge_variant(output_lse, fused_mask))
+    lse_chunk = functools.partial(_partial_lse_chunk, lses_ref, chunk=max(chunk, 1), num_partials=num_partials,
+                                  **where)
 
     # The N-way merge's weights (8.2, 8.3), for partial `rank` only.
-    m, all_empty, _, z = _math.n_way_max_and_sum(lse_i, num_partials, lse_base2, lse_chunk=lse_chunk)
+    m, all_empty, _, z = _math.n_way_max_and_sum(lse_i, num_partials, lse_base2, lse_chunk=lse_chunk, chunk=chunk,
+                                                 exp_step=exp_step)
     w = _math.exp_base(lse_i(rank) - m, lse_base2) / z
     scaled = _weighted(o, w)
     scaled = jnp.where(all_empty[:, :, None], 0.0, scaled)

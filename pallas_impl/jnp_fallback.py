@@ -100,14 +100,15 @@ def _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout, l
     if query_start_loc is not None:
         empty = jax.vmap(lambda cu: _empty_tokens(query_start_loc, cu, num_tokens))(cu_seq_lens)  # [N, T]
         lse = jnp.where(empty[:, :, None], -jnp.inf, lse)
-    m = fold_partials(1, num_partials, lambda i, m: jnp.maximum(m, lse[i]), lse[0], num_partials, tiles.EXP_STEP)
+    exp_step = tiles.n_loops("pallas", "lse")[1]  # the partition changes no bit: the kernels' lse loops
+    m = fold_partials(1, num_partials, lambda i, m: jnp.maximum(m, lse[i]), lse[0], num_partials, exp_step)
     all_empty = m == -jnp.inf
     m = jnp.where(all_empty, 0.0, m)
 
     def e(i):
         return exp_base(lse[i] - m, lse_base2)
 
-    z = fold_partials(1, num_partials, lambda i, z: z + e(i), e(0), num_partials, tiles.EXP_STEP)  # index order
+    z = fold_partials(1, num_partials, lambda i, z: z + e(i), e(0), num_partials, exp_step)  # index order
     return l_raw, e, m, all_empty, z, empty
 
 
@@ -123,7 +124,8 @@ def merge_attn_states_n(outputs, lses, output_scale, query_start_loc, cu_seq_len
         w = (e(i) / z)[..., None]
         return jnp.where(w > 0, outputs[i].astype(jnp.float32) * w, 0.0)
 
-    out = fold_partials(1, num_partials, lambda i, out: out + term(i), term(0), num_partials, tiles.OUT_STEP["pallas"])
+    out_step = tiles.n_loops("pallas", "lse")[2]
+    out = fold_partials(1, num_partials, lambda i, out: out + term(i), term(0), num_partials, out_step)
     out = jnp.where(all_empty[..., None], 0.0, out)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill_tokens[0]
     out = _stored(out, outputs[-1], copy_t, output_scale, out_dtype)

@@ -64,9 +64,12 @@ def _merge_attn_states_n_kernel(
     where = dict(t0=t0, h0=h0, block_t=block_t, block_h=block_h, th_mask=th_mask, cu_ref=cu_ref,
                  cu_row=num_requests + 1, req=req, in_req=in_req, lse_layout=lse_layout, fused_mask=fused_mask)
     lse_i = functools.partial(_partial_lse, lses_ref, **where)
-    lse_chunk = functools.partial(_partial_lse_chunk, lses_ref, num_partials=num_partials, **where)
+    chunk, exp_step, out_step = tiles.n_loops("pallas", tiles.merge_variant(output_lse, fused_mask))
+    lse_chunk = functools.partial(_partial_lse_chunk, lses_ref, chunk=max(chunk, 1), num_partials=num_partials,
+                                  **where)
 
-    m, all_empty, _, z = _math.n_way_max_and_sum(lse_i, num_partials, lse_base2, lse_chunk=lse_chunk)  # 8.2, 8.3
+    m, all_empty, _, z = _math.n_way_max_and_sum(lse_i, num_partials, lse_base2, lse_chunk=lse_chunk, chunk=chunk,
+                                                 exp_step=exp_step)  # 8.2, 8.3
 
     def weight(i):  # w_i = e_i / z
         return _math.exp_base(lse_i(i) - m, lse_base2) / z
@@ -80,7 +83,7 @@ def _merge_attn_states_n_kernel(
         out = _math.fold_partials(  # unrolled or a runtime loop, as in n_way_max_and_sum
             1, num_partials - 1,
             lambda i, out: out + _weighted(pltriton.load(tile(i), mask=thd_mask, other=0.0), weight(i)), out,
-            num_partials, tiles.OUT_STEP["pallas"])
+            num_partials, out_step)
         out = out + _weighted(b, w_last)
     out = jnp.where(all_empty[:, :, None], 0.0, out)
     copy_t = t >= ptwc_ref[0]  # 8.4

@@ -162,7 +162,8 @@ if [ "$PLAN" = verify ]; then
             --lse-layout HT TH --partials-view contig gather --json "$OUT/tune_${nt%%:*}.json"
     done
     # shellcheck disable=SC2086
-    step pytest 150 90 "$OUT/pytest.log" "$PY" -m pytest -q -rs -m gpu $XDIST
+    # -v: a timeout still shows which tests ran and failed
+    step pytest 200 90 "$OUT/pytest.log" "$PY" -m pytest -v -rfs -m gpu $XDIST
     step wide_n_compile 100 0 "$OUT/wide_n_compile.log" "$PY" scripts/wide_n.py --part compile --ns 4,16,64,256 \
         --json "$OUT/wide_n_compile.json"
 fi

@@ -69,20 +69,19 @@ def layouts(args) -> list[tuple[str, str]]:
     return list(itertools.product(args.lse_layout, args.lse_base))
 
 
-DEFAULT_KNOBS = {k: getattr(tiles, k) for k in ("N_TILE_BYTES", "MAX_CHUNK", "EXP_STEP", "OUT_STEP")}
+DEFAULT_KNOBS = {k: getattr(tiles, k) for k in ("N_TILE_BYTES", "N_LOOPS")}
 
 
 def parse_tile(text: str) -> dict:
     """"bytes,fewest_tokens,warps[/lo,hi[/chunk,exp_step,out_step]]": a tile, and for merge_n optionally the
-    bounds of one partial's tile (`N_TILE_BYTES`) and the loops beyond UNROLLED_PARTIALS (`MAX_CHUNK`, `EXP_STEP`,
-    `OUT_STEP`)."""
+    bounds of one partial's tile (`N_TILE_BYTES`) and the loops beyond UNROLLED_PARTIALS (`N_LOOPS`: max_chunk,
+    exp_step, out_step), for every variant of both frameworks."""
     parts = [tuple(int(v) for v in p.split(",")) for p in text.split("/")]
     knobs = dict(DEFAULT_KNOBS)
     if len(parts) > 1:
         knobs["N_TILE_BYTES"] = parts[1]
     if len(parts) > 2:
-        knobs["MAX_CHUNK"], knobs["EXP_STEP"], out_step = parts[2]
-        knobs["OUT_STEP"] = {fw: out_step for fw in tiles.FRAMEWORKS}
+        knobs["N_LOOPS"] = {fw: {v: tuple(parts[2]) for v in ("plain", "lse", "fused")} for fw in tiles.FRAMEWORKS}
     return dict(tile=parts[0], knobs=knobs, label=text)
 
 
@@ -241,7 +240,7 @@ def main(argv=None) -> int:
     p.add_argument("what", choices=("merge", "merge_n", "mask"))
     p.add_argument("--tiles", nargs="+", type=parse_tile, default=None,
                    help="bytes,fewest_tokens,warps; merge_n: optionally /lo,hi (N_TILE_BYTES) and "
-                        "/chunk,exp_step,out_step (MAX_CHUNK, EXP_STEP, OUT_STEP); default: merge 8192,1,4 8192,8,4 "
+                        "/chunk,exp_step,out_step (N_LOOPS); default: merge 8192,1,4 8192,8,4 "
                         "16384,8,8 4096,1,2, merge_n the committed tables")
     p.add_argument("--frameworks", nargs="+", choices=("triton", "pallas"), default=["triton", "pallas"],
                    help="merge_n: the frameworks timed")

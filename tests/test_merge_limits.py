@@ -198,7 +198,8 @@ def runtime_loops(monkeypatch):
     def runtime(max_chunk=None):
         monkeypatch.setattr(constants, "UNROLLED_PARTIALS", 0)
         if max_chunk is not None:
-            monkeypatch.setattr(tiles, "MAX_CHUNK", max_chunk)
+            monkeypatch.setattr(tiles, "N_LOOPS", {fw: {v: (max_chunk, *loops[1:]) for v, loops in per_fw.items()}
+                                                   for fw, per_fw in tiles.N_LOOPS.items()})
         fresh()
 
     yield runtime
@@ -208,14 +209,14 @@ def runtime_loops(monkeypatch):
 
 def test_loop_partition_of_both_frameworks():
     """One partition of the N-way loops for both frameworks (mla_lse_common.tiles, read at plan and trace time):
-    every loop unrolled up to UNROLLED_PARTIALS; beyond, steps of EXP_STEP and OUT_STEP for the sums and loads of
-    MAX_CHUNK LSE tiles for the maximum."""
+    every loop unrolled up to UNROLLED_PARTIALS; beyond, steps for the sums and loads of a chunk of LSE tiles for
+    the maximum (`tiles.N_LOOPS`)."""
     from mla_lse_common import constants, tiles
 
     n = constants.UNROLLED_PARTIALS
-    assert tiles.loop_steps(n - 1, n, 4) == 0 and tiles.max_chunks(n) == 0
+    assert tiles.loop_steps(n - 1, n, 4) == 0 and tiles.max_chunks(n, 4) == 0
     assert tiles.loop_steps(n, n + 1, 4) == n // 4
-    assert tiles.max_chunks(n + 1) == -(-n // tiles.MAX_CHUNK)
+    assert tiles.max_chunks(n + 1, 4) == -(-n // 4) and tiles.max_chunks(n + 1, 0) == 0
     assert tiles.loop_steps(-1, n + 1, 4) == 0
 
 
