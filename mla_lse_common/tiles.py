@@ -43,8 +43,8 @@ MERGE_TILES = {
 # fewest tokens, fewest tokens of a tile at the floor, warps). Each partial's tile gets total // N bytes (a power
 # of two) within N_TILE_BYTES: a program's loads stay about the same as N grows, and never below one 16-byte vector
 # per thread of 4 warps. A tile at the floor (N >= 8 at these totals) with [H, T] LSEs takes 8 tokens of one head:
-# its LSE tile is one 32-byte run of tokens, not 8 heads' scattered words (`scripts/tune.py merge_n`;
-# docs/results.md, N = 8 to 256); a larger tile keeps heads first (a [8, 2] tile of 4 KiB lost 4-40 points).
+# its LSE tile is one 32-byte run of tokens, not 8 heads' scattered words; a larger tile keeps heads first, which
+# the sweeps preferred (`scripts/tune.py merge_n`; docs/design.md, "N-way tiles").
 MERGE_N_TILES = {
     "triton": {"plain": {"HT": (16384, 1, 8, 4), "TH": (16384, 1, 1, 4)},
                "lse": {"HT": (16384, 1, 8, 4), "TH": (16384, 1, 1, 4)},
@@ -59,9 +59,9 @@ N_TILE_BYTES = (2048, 4096)  # (fewest, most) bytes of one partial's tile in the
 # LSE tiles in one load (a maximum is exact in any order; 0: one partial at a time, in steps of exp_step); the sum
 # of the exponentials runs in runtime steps of exp_step partials and the weighted sum of the outputs in steps of
 # out_step (each step unrolled: its loads are in flight together), the last count % step unrolled. None of them
-# changes a bit. Chosen from the sweeps at N = 128 and 256 (`scripts/tune.py merge_n`; docs/results.md): a chunk
-# of 64 cost Pallas registers (half its bandwidth), steps of 16 for the weighted sum cost occupancy, and the fused
-# variant (its offsets read per partial) ran slower with chunks and long steps than one partial at a time.
+# changes a bit. Chosen from the sweeps at N = 128 and 256 (`scripts/tune.py merge_n`; docs/design.md, "Loops over
+# many partials"): larger chunks and steps cost registers, and so occupancy; the fused variant (its offsets read
+# per partial) ran best one partial at a time.
 N_LOOPS = {
     "triton": {"plain": (16, 16, 8), "lse": (16, 16, 8), "fused": (0, 4, 4)},
     "pallas": {"plain": (16, 16, 6), "lse": (16, 16, 6), "fused": (0, 4, 4)},

@@ -19,7 +19,7 @@
 #   mosaic        the Mosaic GPU backend of pallas_impl: its tests, the full check on it, compute-sanitizer
 #   mosaic_speed  the Mosaic GPU kernels timed beside the Triton backend's, with a sweep of their launch choices
 #   tune_n        the N-way merge's launch sweeps (scripts/tune.py): N = 128 and 256 at T = 8192 (tiles,
-#                 MAX_CHUNK, EXP_STEP, OUT_STEP), the all-gather view at N = 8 and 16 beside the contiguous one in
+#                 N_LOOPS), the all-gather view at N = 8 and 16 beside the contiguous one in
 #                 both LSE layouts: tune_*.json tune_*.log
 #   verify        after a kernel or launch change: the full parity check on both Pallas backends, the N-way merge
 #                 at large N (scripts/wide_n.py speed), the committed N-way tiles at N = 8 and 16 in both views and
