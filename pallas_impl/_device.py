@@ -2,13 +2,15 @@
 
 The request search (`_count_keys_le`, the two-level 32-wide compare-and-sum of the mask and the fused merges), LSE
 tiles of either layout, a merge program's tile (`_program_tile`), the fused mask's token requests, the store of a
-merged tile and of its LSE (2-way, N-way and the context-parallel rescale), and the N-way merge's per-partial LSE
-tiles. `triton_impl/_device.py` holds the same helpers under the same names, statement by statement; the N-way
-maximum and sum, which the Triton kernels keep there (`_max_and_sum`), are `_math.n_way_max_and_sum` here, the
-element math both Pallas backends share. A helper used by one kernel only stays in that kernel's file.
+merged tile and of its LSE (2-way, N-way and the context-parallel rescale), and the N-way merge's LSE tiles and
+weights (`_max_and_sum`). `triton_impl/_device.py` holds the same helpers under the same names, statement by
+statement; the element math of the N-way maximum and sum is `_math.n_way_max_and_sum` here, which both Pallas
+backends share. A helper used by one kernel only stays in that kernel's file.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -142,6 +144,23 @@ def _partial_lse_chunk(lses_ref, first, chunk, num_partials, t0, h0, block_t, bl
         cu = (i * cu_row)[:, None] + req[None, :]
         lse = jnp.where((in_req[None, :] & (cu_ref[cu + 1] == cu_ref[cu]))[:, :, None], -jnp.inf, lse)
     return lse
+
+
+def _max_and_sum(lses_ref, num_partials, lse_base2, output_lse, *, t0, h0, block_t, block_h, th_mask, cu_ref,
+                 num_requests, req, in_req, lse_layout, fused_mask):
+    """(lse_i, m, all_empty, z) of the N-way weights (8.2, 8.3), as the Triton kernels' `_max_and_sum`:
+    `_math.n_way_max_and_sum` over the program's LSE tiles (`_partial_lse`; for the maximum beyond
+    UNROLLED_PARTIALS `_partial_lse_chunk`) with the variant's loops (`tiles.N_LOOPS`). `lse_i(i)`: partial i's
+    tile, for the weights."""
+    where = dict(t0=t0, h0=h0, block_t=block_t, block_h=block_h, th_mask=th_mask, cu_ref=cu_ref,
+                 cu_row=num_requests + 1, req=req, in_req=in_req, lse_layout=lse_layout, fused_mask=fused_mask)
+    lse_i = functools.partial(_partial_lse, lses_ref, **where)
+    chunk, exp_step, _ = tiles.n_loops("pallas", tiles.merge_variant(output_lse, fused_mask))
+    lse_chunk = functools.partial(_partial_lse_chunk, lses_ref, chunk=max(chunk, 1), num_partials=num_partials,
+                                  **where)
+    m, all_empty, _, z = _math.n_way_max_and_sum(lse_i, num_partials, lse_base2, lse_chunk=lse_chunk, chunk=chunk,
+                                                 exp_step=exp_step)
+    return lse_i, m, all_empty, z
 
 
 def _weighted(x, w):

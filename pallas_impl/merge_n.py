@@ -31,8 +31,8 @@ from pallas_impl import _math, jnp_fallback
 from pallas_impl import _plans as plans
 from pallas_impl import _sharding as sharding
 from pallas_impl._backend import pltriton
-from pallas_impl._device import (_copied_lse, _load_lse, _merged_lse, _partial_lse, _partial_lse_chunk,
-                                 _program_tile, _store_lse, _store_output, _token_requests, _weighted)
+from pallas_impl._device import (_copied_lse, _load_lse, _max_and_sum, _merged_lse, _program_tile, _store_lse,
+                                 _store_output, _token_requests, _weighted)
 
 
 def _merge_attn_states_n_kernel(
@@ -61,15 +61,11 @@ def _merge_attn_states_n_kernel(
     last_raw = _load_lse(lses_ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=(jnp.int32(last),))
 
     req, in_req = _token_requests(qsl_ref, t, t_mask, num_requests, fused_mask)  # once for every partial
-    where = dict(t0=t0, h0=h0, block_t=block_t, block_h=block_h, th_mask=th_mask, cu_ref=cu_ref,
-                 cu_row=num_requests + 1, req=req, in_req=in_req, lse_layout=lse_layout, fused_mask=fused_mask)
-    lse_i = functools.partial(_partial_lse, lses_ref, **where)
-    chunk, exp_step, out_step = tiles.n_loops("pallas", tiles.merge_variant(output_lse, fused_mask))
-    lse_chunk = functools.partial(_partial_lse_chunk, lses_ref, chunk=max(chunk, 1), num_partials=num_partials,
-                                  **where)
-
-    m, all_empty, _, z = _math.n_way_max_and_sum(lse_i, num_partials, lse_base2, lse_chunk=lse_chunk, chunk=chunk,
-                                                 exp_step=exp_step)  # 8.2, 8.3
+    lse_i, m, all_empty, z = _max_and_sum(  # 8.2, 8.3
+        lses_ref, num_partials, lse_base2, output_lse, t0=t0, h0=h0, block_t=block_t, block_h=block_h,
+        th_mask=th_mask, cu_ref=cu_ref, num_requests=num_requests, req=req, in_req=in_req, lse_layout=lse_layout,
+        fused_mask=fused_mask)
+    out_step = tiles.n_loops("pallas", tiles.merge_variant(output_lse, fused_mask))[2]
 
     def weight(i):  # w_i = e_i / z
         return _math.exp_base(lse_i(i) - m, lse_base2) / z
