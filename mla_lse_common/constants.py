@@ -7,6 +7,7 @@ LOG2E = 1.4426950408889634  # natural log to base 2: y * LOG2E at the store
 FP8_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn (docs/spec.md 4.6)
 LSE_LAYOUTS = ("HT", "TH")  # f32[H, T] (vLLM, FA2) or f32[T, H] (FlashInfer, SGLang)
 # The N-way loops over the partials (docs/spec.md 8, "Any N"): unrolled up to N = UNROLLED_PARTIALS (fast code, a
-# short compile); beyond, runtime loops whose partition is a launch knob (`tiles.N_LOOPS`): a compile that does not grow with N, and the same bits whatever the partition.
+# short compile); beyond, runtime loops whose partition is a launch knob (`tiles.N_LOOPS`): a compile that does
+# not grow with N, and the same bits whatever the partition.
 UNROLLED_PARTIALS = 16
 CP_METHODS = ("gather", "reduce_scatter")  # the context-parallel combine's methods (docs/spec.md 9)

@@ -129,7 +129,8 @@ def merge_sweep(args) -> list[dict]:
             if time.monotonic() > args.deadline:
                 break
             set_merge_tiles(tile)
-            row = {"dtype": dtype, "T": T, "H": H, "D": D, "lse_layout": layout, "lse_base": base, "tile": tile["label"]}
+            row = {"dtype": dtype, "T": T, "H": H, "D": D, "lse_layout": layout, "lse_base": base,
+                   "tile": tile["label"]}
             for variant in ("plain", "lse", "fused"):
                 kw = offs if variant == "fused" else {}
                 olse_v = None if variant == "plain" else olse

@@ -213,8 +213,9 @@ def _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n,
     """(m, all_empty, z) of the N-way weights (8.2, 8.3): the largest LSE (0 where every partial is empty) and
     z = e_0 + ... + e_{N-1} in index order. Up to N = UNROLLED_PARTIALS every loop unrolls (LSE_STEPS = MAX_CHUNKS
     = 0). Beyond, the maximum over partials 1 .. N-1 takes MAX_CHUNKS runtime steps of MAX_CHUNK partials (one load
-    each, `_chunk_max`), and the sum LSE_STEPS runtime steps of EXP_STEP partials (`range`, each step unrolled), then the
-    rest unrolled (`tl.static_range`): `tiles.max_chunks`, `tiles.loop_steps`. The same bits either way."""
+    each, `_chunk_max`) or, with MAX_CHUNKS = 0, steps of EXP_STEP partials as the sum: LSE_STEPS runtime steps
+    (`range`, each step unrolled), then the rest unrolled (`tl.static_range`); `tiles.max_chunks`,
+    `tiles.loop_steps`. The same bits either way."""
     m = _partial_lse(lses_ptr, lse_offs, th_mask, cu_ptr, req, in_req, FUSED_MASK)
     if MAX_CHUNKS > 0:
         for k in range(0, MAX_CHUNKS):
