@@ -14,7 +14,8 @@
     fused mask, [T, H] LSEs; `--variants`), as a fraction of the copy ceiling of `python -m parity bench`
     (`parity.tools.bench.points`: torch.add of 2 GiB bf16 tensors, two reads and one write, by CUDA-graph replay)
     with the bench's byte formula for merge_n. Triton by CUDA-graph replay (`timers.time_cudagraph`), Pallas by
-    jax.profiler kernel time (`timers.time_jax_gpu`). Needs about 40 GB of GPU memory per framework at N = 256. The target: 90% or more.
+    jax.profiler kernel time (`timers.time_jax_gpu`). Needs about 40 GB of GPU memory per framework at N = 256.
+    The target: 90% or more.
 
 Prints one table per part and writes every record to --json. About 2-4 minutes per part on an H200.
 """
