@@ -64,9 +64,11 @@ def _merge_programs_cover(grid, num_tokens, num_heads, block_t, block_h):
     head_blocks = -(-num_heads // block_h)
     t0, h0 = programs // head_blocks * block_t, programs % head_blocks * block_h
     assert (t0 < num_tokens).all() and (h0 < num_heads).all()  # no program without a cell
+    tt, hh = np.broadcast_arrays(t0[:, None, None] + np.arange(block_t)[None, :, None],
+                                 h0[:, None, None] + np.arange(block_h)[None, None, :])
+    inside = (tt < num_tokens) & (hh < num_heads)  # a tile's cells past T or H belong to no one (masked)
     owned = np.zeros((num_tokens, num_heads), np.int32)
-    for t, h in zip(t0, h0):
-        owned[t:t + block_t, h:h + block_h] += 1
+    np.add.at(owned, (tt[inside], hh[inside]), 1)
     assert (owned == 1).all()
 
 
