@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU run: versions, the GPU tests, the full parity check, the demos, the benchmark and the sweeps.
 #
-#   OUT=/some/dir [PLAN=all|tests|bench|mosaic|mosaic_speed] bash scripts/gpu_check.sh     # from the repository root
+#   OUT=/some/dir [PLAN=all|tests|bench|more|mosaic|mosaic_speed|tune_n|verify|verify_tests] bash scripts/gpu_check.sh
 #
 # PLAN picks the steps; each plan but "all" fits one 10-minute call (DEADLINE_S, default 560 s; "all": 1500 s):
 #   tests         the GPU-marked tests (`pytest -m gpu`; the CPU tests are CI's) and the full parity check on
@@ -23,8 +23,9 @@
 #                 both LSE layouts: tune_*.json tune_*.log
 #   verify        after a kernel or launch change: the full parity check on both Pallas backends, the N-way merge
 #                 at large N (scripts/wide_n.py speed), the committed N-way tiles at N = 8 and 16 in both views and
-#                 layouts (scripts/tune.py merge_n), the GPU tests, the first-call compile times (wide_n.py):
-#                 check*.json check*.log wide_n_* tune_*.json pytest.log
+#                 layouts (scripts/tune.py merge_n): check*.json check*.log wide_n_speed.* tune_*.json
+#   verify_tests  the GPU tests (`pytest -m gpu -v -rf`: a timeout still names what ran and failed), then the
+#                 first-call compile times (wide_n.py compile): pytest.log wide_n_compile.*
 #   all           tests, bench, then more
 # Every file but env.txt and summary.txt is packed into $OUT/run.tgz at the end (the device tool brings back
 # few files).
@@ -43,6 +44,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export PYTHONUNBUFFERED=1
+# The device tool's copy of the tree may carry stale git metadata: pass GIT_COMMIT=<the tree's commit> there.
 if [ -z "${GIT_COMMIT:-}" ] && command -v git >/dev/null 2>&1; then
     GIT_COMMIT=$(git rev-parse --verify -q HEAD 2>/dev/null || true)
     export GIT_COMMIT
@@ -151,20 +153,21 @@ if [ "$PLAN" = tune_n ]; then
         16384,8,4/2048,4096/16,16,8 --json "$OUT/tune_256.json"
 fi
 if [ "$PLAN" = verify ]; then
-    step check 110 420 "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json"
-    step check_mosaic 110 320 "$OUT/check_mosaic.log" bash scripts/check_shards.sh "$OUT/check_mosaic.json" \
+    step check 110 300 "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json"
+    step check_mosaic 110 200 "$OUT/check_mosaic.log" bash scripts/check_shards.sh "$OUT/check_mosaic.json" \
         --pallas-backend mosaic_gpu
-    step wide_n_speed 90 230 "$OUT/wide_n_speed.log" "$PY" scripts/wide_n.py --part speed \
+    step wide_n_speed 130 80 "$OUT/wide_n_speed.log" "$PY" scripts/wide_n.py --part speed \
         --json "$OUT/wide_n_speed.json"
     for nt in 8:32768 16:8192; do
-        step "tune_${nt%%:*}" 35 $(( ${nt%%:*} == 8 ? 195 : 160 )) "$OUT/tune_${nt%%:*}.log" "$PY" scripts/tune.py \
+        step "tune_${nt%%:*}" 40 $(( ${nt%%:*} == 8 ? 40 : 0 )) "$OUT/tune_${nt%%:*}.log" "$PY" scripts/tune.py \
             merge_n --heads 64 --dims 128 --partials "${nt%%:*}" --tokens "${nt##*:}" --variants plain lse fused \
             --lse-layout HT TH --partials-view contig gather --json "$OUT/tune_${nt%%:*}.json"
     done
+fi
+if [ "$PLAN" = verify_tests ]; then
     # shellcheck disable=SC2086
-    # -v: a timeout still shows which tests ran and failed
-    step pytest 200 90 "$OUT/pytest.log" "$PY" -m pytest -v -rfs -m gpu $XDIST
-    step wide_n_compile 100 0 "$OUT/wide_n_compile.log" "$PY" scripts/wide_n.py --part compile --ns 4,16,64,256 \
+    step pytest 380 150 "$OUT/pytest.log" "$PY" -m pytest -v -rfs -m gpu $XDIST
+    step wide_n_compile 150 0 "$OUT/wide_n_compile.log" "$PY" scripts/wide_n.py --part compile --ns 4,16,64,256 \
         --json "$OUT/wide_n_compile.json"
 fi
 if [ "$PLAN" = all ] || [ "$PLAN" = tests ]; then
