@@ -140,9 +140,9 @@ def _partial_lse_chunk(lses_ref, first, chunk, num_partials, t0, h0, block_t, bl
     index = (i[:, None, None], h, t) if lse_layout == "HT" else (i[:, None, None], t, h)
     lse = _math.clean_lse(pltriton.load(lses_ref.at[index], mask=live[:, None, None] & th_mask[None, :, :],
                                         other=-jnp.inf))  # 4.1
-    if fused_mask:  # 8.1, as _empty_tokens for each partial of the chunk
-        cu = (i * cu_row)[:, None] + req[None, :]
-        lse = jnp.where((in_req[None, :] & (cu_ref[cu + 1] == cu_ref[cu]))[:, :, None], -jnp.inf, lse)
+    if fused_mask:  # 8.1, for each partial of the chunk
+        lse = jnp.where(_empty_tokens(cu_ref, i[:, None], cu_row, req[None, :], in_req[None, :])[:, :, None], -jnp.inf,
+                        lse)
     return lse
 
 

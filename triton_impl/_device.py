@@ -199,9 +199,9 @@ def _chunk_max(m, first, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stri
     i64 = tl.minimum(i, NUM_PARTIALS - 1).to(tl.int64)
     lse = _clean_lse(tl.load(lses_ptr + i64[:, None, None] * stride_lse_n + lse_offs[None, :, :],
                              mask=live[:, None, None] & th_mask[None, :, :], other=float("-inf")))  # 4.1
-    if FUSED_MASK:  # 8.1, as _empty_tokens for each partial of the chunk
-        cu = cu_ptr + i64[:, None] * stride_cu_n + req[None, :]
-        lse = tl.where((in_req[None, :] & (tl.load(cu + 1) == tl.load(cu)))[:, :, None], float("-inf"), lse)
+    if FUSED_MASK:  # 8.1, for each partial of the chunk
+        empty = _empty_tokens(cu_ptr + i64[:, None] * stride_cu_n, req[None, :], in_req[None, :])
+        lse = tl.where(empty[:, :, None], float("-inf"), lse)
     return tl.maximum(m, tl.max(lse, axis=0))
 
 
