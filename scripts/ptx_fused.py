@@ -28,6 +28,7 @@ from pallas_impl import merge as pmerge  # noqa: E402
 from pallas_impl import merge_n as pmerge_n  # noqa: E402
 from triton_impl import merge as tmerge  # noqa: E402
 from triton_impl import merge_n as tmerge_n  # noqa: E402
+from triton_impl import _plans as tplans  # noqa: E402
 
 T, H, D, R, N = 32768, 64, 128, 256, 4
 BF16 = jnp.dtype(jnp.bfloat16)
@@ -83,7 +84,6 @@ def main() -> None:
                                                    lse_layout="HT", lse_base2=False, interpret=False),
         (x, lse, x, lse, i32, i32), tiles.merge_num_warps("pallas", "fused"))
     bt, bh, bd = tiles.merge_tiles("triton", H, D, "fused", 2, N)
-    loops = tiles.n_loops("triton", "fused")
     print(f"N-way fused tile at N = {N}: triton {(bt, bh, bd)}, pallas {tiles.merge_tiles('pallas', H, D, 'fused', 2, N)}")
     ptx["triton merge_n fused"] = po.triton_ptx(
         tmerge_n._merge_attn_states_n_kernel["HT"],
@@ -91,9 +91,7 @@ def main() -> None:
              qsl_ptr="*i32", cu_ptr="*i32"),
         dict(NUM_PARTIALS=N, NUM_HEADS=H, HEAD_DIM=D, BLOCK_T=bt, BLOCK_H=bh, BLOCK_D=bd, SCAN=tiles.SCAN,
              N_INTERPRET=0, LSE_BASE2=False, OUTPUT_LSE=True, FUSED_MASK=True, FP8_OUT=False, INTERPRET=False,
-             LSE_STEPS=tiles.loop_steps(N - 1, N, loops[1]), OUT_STEPS=tiles.loop_steps(N - 2, N, loops[2]),
-             EXP_STEP=loops[1], OUT_STEP=loops[2], MAX_CHUNKS=tiles.max_chunks(N, loops[0]),
-             MAX_CHUNK=max(loops[0], 1),
+             **tplans.n_way_loops("fused", N),
              stride_out_d=1, stride_o_d=1, stride_olse_t=1, stride_lse_t=1),
         tiles.merge_num_warps("triton", "fused", N))
     ptx["pallas merge_n fused"] = po.pallas_ptx(

@@ -333,7 +333,6 @@ def _rescale_plan(scaled, output_lse, partial_output, lses, cus, params, lse_lay
     itemsize = partial_output.element_size()
     block_t, block_h, block_d = tiles.merge_tiles("triton", num_heads, head_dim, variant, itemsize,
                                                   RESCALE_TILE_PARTIALS, lse_layout)
-    chunk, exp_step, _ = tiles.n_loops("triton", variant)
     stride_lse_n, stride_lse_h, stride_lse_t = checks.lses_strides(lses, lse_layout, num_partials, num_heads,
                                                                    num_tokens)
     olse_strides = (0, 0) if output_lse is None else checks.lse_ht_strides("merged_lse", output_lse, lse_layout,
@@ -348,8 +347,7 @@ def _rescale_plan(scaled, output_lse, partial_output, lses, cus, params, lse_lay
                         SCAN=tiles.SCAN, N_INTERPRET=_backend.n_interpret(max(params.num_requests, 0) + 1),
                         LSE_BASE2=params.base2, OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused,
                         INTERPRET=_backend.interpreting(),
-                        LSE_STEPS=tiles.loop_steps(num_partials - 1, num_partials, exp_step), EXP_STEP=exp_step,
-                        MAX_CHUNKS=tiles.max_chunks(num_partials, chunk), MAX_CHUNK=max(chunk, 1),
+                        **plans.n_way_loops(variant, num_partials, weighted_sum=False),
                         num_warps=tiles.merge_num_warps("triton", variant, RESCALE_TILE_PARTIALS, lse_layout),
                         **_backend.PARITY_LAUNCH),
         state=launcher.launch_state(key))

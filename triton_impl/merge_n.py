@@ -209,7 +209,6 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
         itemsize = outputs.element_size()
         block_t, block_h, block_d = tiles.merge_tiles("triton", num_heads, head_dim, variant, itemsize, num_partials,
                                                       lse_layout)
-        chunk, exp_step, out_step = tiles.n_loops("triton", variant)
         launch = plans.merge_launch(
             grid=tiles.merge_grid("triton", num_tokens, num_heads, head_dim, variant, itemsize, num_partials,
                                   lse_layout),
@@ -222,10 +221,7 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
                             SCAN=tiles.SCAN, N_INTERPRET=_backend.n_interpret(num_requests + 1),
                             LSE_BASE2=base2, OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused, FP8_OUT=fp8,
                             INTERPRET=_backend.interpreting(),
-                            LSE_STEPS=tiles.loop_steps(num_partials - 1, num_partials, exp_step),
-                            OUT_STEPS=tiles.loop_steps(num_partials - 2, num_partials, out_step),
-                            EXP_STEP=exp_step, OUT_STEP=out_step, MAX_CHUNKS=tiles.max_chunks(num_partials, chunk),
-                            MAX_CHUNK=max(chunk, 1),
+                            **plans.n_way_loops(variant, num_partials),
                             num_warps=tiles.merge_num_warps("triton", variant, num_partials, lse_layout),
                             **_backend.PARITY_LAUNCH),
             state=launcher.launch_state(key))
