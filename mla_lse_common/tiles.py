@@ -66,12 +66,15 @@ N_LOOPS = {
     "triton": {"plain": (16, 16, 8), "lse": (16, 16, 8), "fused": (0, 4, 4)},
     "pallas": {"plain": (16, 16, 6), "lse": (16, 16, 6), "fused": (0, 4, 4)},
 }
+# The L2 eviction policy of the N-way merge's loads of the partials' output tiles, per framework ("" the default,
+# "evict_first": read once, first out of L2, ahead of the LSE tiles each pass reloads). No bit depends on it.
+N_OUTPUTS_EVICT = {"triton": "", "pallas": ""}
 # The context-parallel rescale reads one partial's tile and writes one: it takes the N-way tile of two partials
 # (the 2-way merge's bytes per tile).
 RESCALE_TILE_PARTIALS = 2
 
 KNOBS = ("MASK_NUM_WARPS", "MASK_TILE_H", "ZERO_TILE_ELEMS", "MASK_TARGET_PROGRAMS", "MASK_ZERO_SPLIT",
-         "MASK_LSE_SPLIT", "MERGE_TILES", "MERGE_N_TILES", "N_TILE_BYTES", "N_LOOPS")
+         "MASK_LSE_SPLIT", "MERGE_TILES", "MERGE_N_TILES", "N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT")
 
 
 def set_knobs(**values) -> dict:

@@ -53,11 +53,14 @@ def _merge_attn_states_n_kernel(
     t0, h0, t, t_mask, th_mask, thd_mask = _program_tile(num_tokens, num_heads, head_dim, block_t, block_h, block_d)
     last = num_partials - 1
 
-    def tile(i):
-        return outs_ref.at[jnp.asarray(i, jnp.int32), pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)]
+    evict = tiles.N_OUTPUTS_EVICT["pallas"] or None
+
+    def tile(i):  # partial i's output tile
+        return pltriton.load(outs_ref.at[jnp.asarray(i, jnp.int32), pl.ds(t0, block_t), pl.ds(h0, block_h),
+                                         pl.ds(0, block_d)], mask=thd_mask, other=0.0, eviction_policy=evict)
 
     # The last partial: also the pass-through row and LSE (8.4). Its loads are issued first.
-    b = pltriton.load(tile(last), mask=thd_mask, other=0.0)
+    b = tile(last)
     last_raw = _load_lse(lses_ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=(jnp.int32(last),))
 
     req, in_req = _token_requests(qsl_ref, t, t_mask, num_requests, fused_mask)  # once for every partial
@@ -75,10 +78,10 @@ def _merge_attn_states_n_kernel(
     if num_partials == 1:
         out = _weighted(b, w_last)
     else:
-        out = _weighted(pltriton.load(tile(0), mask=thd_mask, other=0.0), weight(0))
+        out = _weighted(tile(0), weight(0))
         out = _math.fold_partials(  # unrolled or a runtime loop, as in n_way_max_and_sum
             1, num_partials - 1,
-            lambda i, out: out + _weighted(pltriton.load(tile(i), mask=thd_mask, other=0.0), weight(i)), out,
+            lambda i, out: out + _weighted(tile(i), weight(i)), out,
             num_partials, out_step)
         out = out + _weighted(b, w_last)
     out = jnp.where(all_empty[:, :, None], 0.0, out)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU run: versions, the GPU tests, the full parity check, the demos, the benchmark and the sweeps.
 #
-#   OUT=/some/dir [PLAN=all|tests|bench|more|mosaic|mosaic_speed|tune_n|verify|verify_tests] bash scripts/gpu_check.sh
+#   OUT=/some/dir [PLAN=all|tests|bench|more|mosaic|mosaic_speed|tune_n|limits|verify|verify_tests] bash scripts/gpu_check.sh
 #
 # PLAN picks the steps; each plan but "all" fits one 10-minute call (DEADLINE_S, default 560 s; "all": 1500 s):
 #   tests         the GPU-marked tests (`pytest -m gpu`; the CPU tests are CI's) and the full parity check on
@@ -24,6 +24,9 @@
 #   verify        after a kernel or launch change: the full parity check on both Pallas backends, the N-way merge
 #                 at large N (scripts/wide_n.py speed), the committed N-way tiles at N = 8 and 16 in both views and
 #                 layouts (scripts/tune.py merge_n): check*.json check*.log wide_n_speed.* tune_*.json
+#   limits        what limits the N-way merge at large N (scripts/n_stream.py: the merge beside a stream of its
+#                 bytes), the committed tables with evict_first output loads at N = 128 / 256 and in the
+#                 all-gather view at N = 8 and 16: n_stream.* tune_*.json gather_*.json
 #   verify_tests  the GPU tests (`pytest -m gpu -v -rf`: a timeout still names what ran and failed), then the
 #                 first-call compile times (wide_n.py compile): pytest.log wide_n_compile.*
 #   all           tests, bench, then more
@@ -152,6 +155,25 @@ if [ "$PLAN" = tune_n ]; then
         --budget-s 40 --tiles 16384,8,4/2048,4096/64,16,8 16384,8,4/2048,4096/16,16,6 \
         16384,8,4/2048,4096/16,16,8 --json "$OUT/tune_256.json"
 fi
+if [ "$PLAN" = limits ]; then
+    # What limits the N-way merge at large N: the merge beside a stream of the same bytes (scripts/n_stream.py) at
+    # spans of 2 to 34 GB; the committed tables at N = 128 over two spans and with evict_first loads of the
+    # partials' outputs (both frameworks); the all-gather view at N = 8 and 16 with and without them.
+    TUNE=("$PY" scripts/tune.py merge_n --heads 64 --dims 128)
+    step n_stream 170 380 "$OUT/n_stream.log" "$PY" scripts/n_stream.py --json "$OUT/n_stream.json"
+    step tune_128 110 270 "$OUT/tune_128.log" "${TUNE[@]}" --variants plain lse --partials 128 \
+        --tokens 1024 8192 --tiles committed committed+ef --json "$OUT/tune_128.json"
+    step tune_256 60 210 "$OUT/tune_256.log" "${TUNE[@]}" --variants plain lse --partials 256 --tokens 8192 \
+        --tiles committed committed+ef --json "$OUT/tune_256.json"
+    step tune_16 40 170 "$OUT/tune_16.log" "${TUNE[@]}" --variants plain lse --partials 16 --tokens 8192 65536 \
+        --tiles committed committed+ef --json "$OUT/tune_16.json"
+    for nt in 8:32768 16:8192; do
+        step "gather_${nt%%:*}" 80 $(( ${nt%%:*} == 8 ? 85 : 0 )) "$OUT/gather_${nt%%:*}.log" "${TUNE[@]}" \
+            --frameworks triton --partials "${nt%%:*}" --tokens "${nt##*:}" --variants plain lse fused \
+            --lse-layout HT TH --partials-view contig gather --tiles committed committed+ef \
+            --json "$OUT/gather_${nt%%:*}.json"
+    done
+fi
 if [ "$PLAN" = verify ]; then
     step check 110 300 "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json"
     step check_mosaic 110 200 "$OUT/check_mosaic.log" bash scripts/check_shards.sh "$OUT/check_mosaic.json" \
@@ -166,8 +188,8 @@ if [ "$PLAN" = verify ]; then
 fi
 if [ "$PLAN" = verify_tests ]; then
     # shellcheck disable=SC2086
-    step pytest 380 150 "$OUT/pytest.log" "$PY" -m pytest -v -rfs -m gpu $XDIST
-    step wide_n_compile 150 0 "$OUT/wide_n_compile.log" "$PY" scripts/wide_n.py --part compile --ns 4,16,64,256 \
+    step pytest 360 190 "$OUT/pytest.log" "$PY" -m pytest -v -rfs --durations=25 -m gpu $XDIST
+    step wide_n_compile 190 0 "$OUT/wide_n_compile.log" "$PY" scripts/wide_n.py --part compile --ns 4,16,64,256 \
         --json "$OUT/wide_n_compile.json"
 fi
 if [ "$PLAN" = all ] || [ "$PLAN" = tests ]; then

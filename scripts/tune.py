@@ -23,6 +23,7 @@ and of a jitted JAX dispatch) are recorded by every `python -m parity bench` run
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import gc
 import itertools
@@ -69,25 +70,36 @@ def layouts(args) -> list[tuple[str, str]]:
     return list(itertools.product(args.lse_layout, args.lse_base))
 
 
-DEFAULT_KNOBS = {k: getattr(tiles, k) for k in ("N_TILE_BYTES", "N_LOOPS")}
+COMMITTED = {k: copy.deepcopy(getattr(tiles, k)) for k in ("MERGE_TILES", "MERGE_N_TILES")}
+DEFAULT_KNOBS = {k: getattr(tiles, k) for k in ("N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT")}
 
 
 def parse_tile(text: str) -> dict:
-    """"bytes,fewest_tokens,warps[/lo,hi[/chunk,exp_step,out_step]]": a tile, and for merge_n optionally the
-    bounds of one partial's tile (`N_TILE_BYTES`) and the loops beyond UNROLLED_PARTIALS (`N_LOOPS`: max_chunk,
-    exp_step, out_step), for every variant of both frameworks."""
-    parts = [tuple(int(v) for v in p.split(",")) for p in text.split("/")]
+    """"bytes,fewest_tokens,warps[/lo,hi[/chunk,exp_step,out_step]][+ef]": a tile, and for merge_n optionally the
+    bounds of one partial's tile (`N_TILE_BYTES`), the loops beyond UNROLLED_PARTIALS (`N_LOOPS`: max_chunk,
+    exp_step, out_step) and, with "+ef", "evict_first" loads of the partials' outputs (`N_OUTPUTS_EVICT`), for every
+    variant of both frameworks."""
+    text, _, hint = text.partition("+")
+    parts = [None] if text == "committed" else [tuple(int(v) for v in p.split(",")) for p in text.split("/")]
     knobs = dict(DEFAULT_KNOBS)
+    if hint:
+        if hint != "ef":
+            raise argparse.ArgumentTypeError(f"the only load hint is +ef (evict_first), got +{hint}")
+        knobs["N_OUTPUTS_EVICT"] = {fw: "evict_first" for fw in tiles.FRAMEWORKS}
     if len(parts) > 1:
         knobs["N_TILE_BYTES"] = parts[1]
     if len(parts) > 2:
         knobs["N_LOOPS"] = {fw: {v: tuple(parts[2]) for v in ("plain", "lse", "fused")} for fw in tiles.FRAMEWORKS}
-    return dict(tile=parts[0], knobs=knobs, label=text)
+    return dict(tile=parts[0], knobs=knobs, label=text + (f"+{hint}" if hint else ""))
 
 
 def set_merge_tiles(tile, table: str = "MERGE_TILES") -> None:
     """`tile` (a `parse_tile` dict) for every variant of both frameworks' `table` and its other knobs
     (mla_lse_common.tiles, the one place of the knobs)."""
+    if tile["tile"] is None:  # the committed tables, with the tile's other knobs
+        tiles.set_knobs(**{table: COMMITTED[table]}, **tile["knobs"])
+        return clear_caches()
+
     def entry():
         if table == "MERGE_TILES":
             return tuple(tile["tile"])
@@ -96,6 +108,10 @@ def set_merge_tiles(tile, table: str = "MERGE_TILES") -> None:
 
     tiles.set_knobs(**{table: {fw: {variant: entry() for variant in per_fw}
                                for fw, per_fw in getattr(tiles, table).items()}}, **tile["knobs"])
+    clear_caches()
+
+
+def clear_caches() -> None:
     tplans.PLANS.clear()  # the Triton wrappers' launch plans hold tiles too
     jax.clear_caches()  # the Pallas wrapper's jit cache holds traced tiles
     gc.collect()  # the dropped executables go now, not during a CUDA-graph capture
@@ -178,10 +194,9 @@ def merge_n_sweep(args) -> list[dict]:
         for tile in args.tiles:
             if time.monotonic() > args.deadline:
                 break
-            if tile is not None:
-                set_merge_tiles(tile, "MERGE_N_TILES")
+            set_merge_tiles(tile, "MERGE_N_TILES")
             row = {"N": N, "dtype": dtype, "T": T, "H": H, "D": D, "lse_layout": layout, "lse_base": base,
-                   "partials_view": view, "tile": "committed" if tile is None else tile["label"],
+                   "partials_view": view, "tile": tile["label"],
                    "block": list(tiles.merge_tiles("triton", H, D, "lse", tdt.itemsize, N, layout))}
             for variant in args.variants:
                 kw = offs if variant == "fused" else {}
@@ -242,7 +257,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiles", nargs="+", type=parse_tile, default=None,
                    help="bytes,fewest_tokens,warps; merge_n: optionally /lo,hi (N_TILE_BYTES) and "
                         "/chunk,exp_step,out_step (N_LOOPS); default: merge 8192,1,4 8192,8,4 "
-                        "16384,8,8 4096,1,2, merge_n the committed tables")
+                        "16384,8,8 4096,1,2, merge_n the committed tables (\"committed\", with +ef: evict_first)")
     p.add_argument("--frameworks", nargs="+", choices=("triton", "pallas"), default=["triton", "pallas"],
                    help="merge_n: the frameworks timed")
     p.add_argument("--tokens", nargs="+", type=int, default=[32768, 131072])
@@ -263,8 +278,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.deadline = time.monotonic() + args.budget_s
     if args.tiles is None:
-        args.tiles = ([None] if args.what == "merge_n" else
-                      [parse_tile(t) for t in ("8192,1,4", "8192,8,4", "16384,8,8", "4096,1,2")])
+        args.tiles = [parse_tile(t) for t in (("committed",) if args.what == "merge_n" else
+                                              ("8192,1,4", "8192,8,4", "16384,8,8", "4096,1,2"))]
     if not torch.cuda.is_available():
         print("scripts/tune.py needs a CUDA GPU", file=sys.stderr)
         return 2

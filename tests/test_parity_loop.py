@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from parity.tools.chunked_prefill.attention import attention_torch
-from parity.tools.chunked_prefill.reference import make_batch, reference_prefill
+from parity.tools.chunked_prefill.reference import make_batch, reference_prefill, rounded
 from parity.tools.loop import CAPACITIES, run_jax, run_torch
 from parity.tools.loop.capacity import Capacity, loop_batches, step_inputs
 
@@ -154,10 +154,8 @@ GPU_SMALL = Capacity(num_tokens=1024, num_requests=16, num_chunks=4, workspace_r
 
 
 def _gpu_case(num_chunks):
-    from parity.tools.loop import _rounded
-
     cap = GPU_SMALL.with_chunks(num_chunks)
-    batches = [_rounded(b, "bfloat16") for b in loop_batches(cap, 3, seed=5)]
+    batches = [rounded(b, "bfloat16") for b in loop_batches(cap, 3, seed=5)]
     return cap, batches, [reference_prefill(b) for b in batches]
 
 

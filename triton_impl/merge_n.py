@@ -36,11 +36,12 @@ from triton_impl._device import (_copied_lse, _max_and_sum, _merged_lse, _partia
 @triton.jit
 def _out_step(out, i, outs_ptr, stride_o_n, o_offs, thd_mask, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr,
               stride_cu_n, req, in_req, m, z, LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr,
-              INTERPRET: tl.constexpr):
+              INTERPRET: tl.constexpr, OUT_EVICT: tl.constexpr):
     """out + w_i * o_i, w_i = e_i / z: one step of the weighted sum (8.3)."""
     w = _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, LSE_BASE2,
                      FUSED_MASK, INTERPRET) / z
-    return out + _weighted(tl.load(outs_ptr + i * stride_o_n + o_offs, mask=thd_mask, other=0.0), w)
+    return out + _weighted(tl.load(outs_ptr + i * stride_o_n + o_offs, mask=thd_mask, other=0.0,
+                                   eviction_policy=OUT_EVICT), w)
 
 
 # Runtime values, never specialised: token counts, offsets, and the strides that follow T or R (the LSE
@@ -70,7 +71,7 @@ def _merge_attn_states_n_kernel(
     SCAN: tl.constexpr, N_INTERPRET: tl.constexpr,
     LSE_BASE2: tl.constexpr, OUTPUT_LSE: tl.constexpr, FUSED_MASK: tl.constexpr, FP8_OUT: tl.constexpr,
     INTERPRET: tl.constexpr, LSE_STEPS: tl.constexpr, OUT_STEPS: tl.constexpr, EXP_STEP: tl.constexpr,
-    OUT_STEP: tl.constexpr, MAX_CHUNKS: tl.constexpr, MAX_CHUNK: tl.constexpr,
+    OUT_STEP: tl.constexpr, MAX_CHUNKS: tl.constexpr, MAX_CHUNK: tl.constexpr, OUT_EVICT: tl.constexpr,
 ):
     t, t_mask, th_mask, thd_mask, t64, h64, d64 = _program_tile(num_tokens, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H,
                                                                   BLOCK_D)
@@ -83,7 +84,7 @@ def _merge_attn_states_n_kernel(
     stride_cu_n = tl.cast(stride_cu_n, tl.int64)
 
     # The last partial: also the pass-through row and LSE (8.4). Its loads are issued first.
-    b = tl.load(outs_ptr + last * stride_o_n + o_offs, mask=thd_mask, other=0.0)
+    b = tl.load(outs_ptr + last * stride_o_n + o_offs, mask=thd_mask, other=0.0, eviction_policy=OUT_EVICT)
     last_raw = tl.load(lses_ptr + last * stride_lse_n + lse_offs, mask=th_mask, other=float("-inf"))
 
     # The request of each token, once for every partial; m and z (8.2, 8.3).
@@ -99,15 +100,15 @@ def _merge_attn_states_n_kernel(
     else:
         w = _partial_exp(lses_ptr, stride_lse_n, 0, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
                          LSE_BASE2, FUSED_MASK, INTERPRET) / z
-        out = _weighted(tl.load(outs_ptr + o_offs, mask=thd_mask, other=0.0), w)
+        out = _weighted(tl.load(outs_ptr + o_offs, mask=thd_mask, other=0.0, eviction_policy=OUT_EVICT), w)
         for k in range(0, OUT_STEPS):  # partials 1 .. N-2, in steps of OUT_STEP
             for j in tl.static_range(OUT_STEP):
                 out = _out_step(out, 1 + k * OUT_STEP + j, outs_ptr, stride_o_n, o_offs, thd_mask, lses_ptr, stride_lse_n,
                                 lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, z, LSE_BASE2, FUSED_MASK,
-                                INTERPRET)
+                                INTERPRET, OUT_EVICT)
         for i in tl.static_range(1 + OUT_STEPS * OUT_STEP, NUM_PARTIALS - 1):
             out = _out_step(out, i, outs_ptr, stride_o_n, o_offs, thd_mask, lses_ptr, stride_lse_n, lse_offs, th_mask,
-                            cu_ptr, stride_cu_n, req, in_req, m, z, LSE_BASE2, FUSED_MASK, INTERPRET)
+                            cu_ptr, stride_cu_n, req, in_req, m, z, LSE_BASE2, FUSED_MASK, INTERPRET, OUT_EVICT)
         out = out + _weighted(b, w_last)
     out = tl.where(all_empty[:, :, None], 0.0, out)
     copy_t = t >= prefill_tokens_with_context  # 8.4
@@ -221,7 +222,7 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
                             SCAN=tiles.SCAN, N_INTERPRET=_backend.n_interpret(num_requests + 1),
                             LSE_BASE2=base2, OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused, FP8_OUT=fp8,
                             INTERPRET=_backend.interpreting(),
-                            **plans.n_way_loops(variant, num_partials),
+                            **plans.n_way_loops(variant, num_partials), OUT_EVICT=tiles.N_OUTPUTS_EVICT["triton"],
                             num_warps=tiles.merge_num_warps("triton", variant, num_partials, lse_layout),
                             **_backend.PARITY_LAUNCH),
             state=launcher.launch_state(key))

@@ -1,0 +1,134 @@
+"""What limits the N-way merge at large N on the GPU: the merge beside a stream of the same bytes without the LSEs.
+
+    python scripts/n_stream.py [--points 16:8192,128:1024,128:8192] [--json OUT.json]
+
+For each (N, T) point (H = 64, D = 128 bf16) one process times, by CUDA-graph replay, as % of the copy ceiling of
+`python -m parity bench` (torch.add of 2 GiB bf16 tensors: two reads, one write):
+  - `merge_attn_states_n` of triton_impl, plain and with an output LSE (the committed launch tables);
+  - `stream`: a diagnostic kernel that sums the N partials' tiles, out = o_0 + ... + o_{N-1} (no LSE, no weights),
+    with the merge's grid order (head blocks fastest) and a tile, warps and loop of its own (`CONFIGS`): the bytes
+    of the merge's outputs read the same way, without the three passes over the LSEs.
+Reading the table: if the stream at a tile is no faster than the merge, the passes over the LSEs are not what limits
+it; if the stream at (N, T) falls with the bytes' span (N x T) at a fixed N, the access pattern is (address
+translation, DRAM pages), not the loops. The stream's sums are not the merge's bits; nothing here is a result of the
+project's kernels but their times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import triton_impl  # noqa: E402
+from parity.tools.bench import points, timers  # noqa: E402
+
+H, D = 64, 128
+# name -> (BLOCK_T, BLOCK_H, warps, step, unroll, evict): step partials per runtime step (each unrolled), or every
+# partial unrolled; evict the L2 policy of the partials' loads ("" normal, "evict_first").
+CONFIGS = {
+    "8x1 w4 s8": (8, 1, 4, 8, False, ""),  # the merge's tile and weighted-sum step at N > 16
+    "8x1 w4 s8 ef": (8, 1, 4, 8, False, "evict_first"),
+    "8x1 w4 unrolled": (8, 1, 4, 8, True, ""),
+    "8x1 w4 s16": (8, 1, 4, 16, False, ""),
+    "1x8 w4 s8": (1, 8, 4, 8, False, ""),
+    "16x1 w4 s4": (16, 1, 4, 4, False, ""),
+    "8x8 w8 s2": (8, 8, 8, 2, False, ""),
+    "1x64 w8 s2": (1, 64, 8, 2, False, ""),
+}
+
+
+@triton.jit
+def _stream_kernel(out_ptr, outs_ptr, stride_n, N: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, STEP: tl.constexpr, UNROLL: tl.constexpr,
+                   EVICT: tl.constexpr):
+    pid = tl.program_id(0)
+    num_h_blocks: tl.constexpr = NUM_HEADS // BLOCK_H
+    t = (pid // num_h_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = (pid % num_h_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HEAD_DIM)
+    offs = (t.to(tl.int64)[:, None, None] * (NUM_HEADS * HEAD_DIM) + h[None, :, None] * HEAD_DIM
+            + d[None, None, :])
+    stride_n = tl.cast(stride_n, tl.int64)
+    acc = tl.zeros([BLOCK_T, BLOCK_H, HEAD_DIM], tl.float32)
+    if UNROLL:
+        for i in tl.static_range(N):
+            acc += tl.load(outs_ptr + i * stride_n + offs, eviction_policy=EVICT).to(tl.float32)
+    else:
+        for k in range(0, N // STEP):
+            for j in tl.static_range(STEP):
+                acc += tl.load(outs_ptr + (k * STEP + j) * stride_n + offs, eviction_policy=EVICT).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty))
+
+
+def stream(out, outs, config):
+    bt, bh, warps, step, unroll, evict = config
+    n, T = outs.shape[:2]
+    _stream_kernel[(T // bt * (H // bh),)](out, outs, outs.stride(0), N=n, NUM_HEADS=H, HEAD_DIM=D, BLOCK_T=bt,
+                                           BLOCK_H=bh, STEP=step, UNROLL=unroll, EVICT=evict, num_warps=warps)
+
+
+def gpu_us(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return timers.time_cudagraph(fn, 20)[0][1]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--points", default="16:8192,16:65536,128:1024,128:8192,256:512,256:8192",
+                    help="N:T pairs, comma-separated")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="stream configs (CONFIGS), comma-separated")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("scripts/n_stream.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    n_ = points.CEILING_ELEMS
+    a, b, c = (torch.ones(n_, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    ceiling = 6 * n_ / gpu_us(lambda: torch.add(a, b, out=c)) / 1e6  # TB/s
+    a = b = c = None
+    rows = [{"ceiling_tbps": ceiling}]
+    print(f"copy ceiling {ceiling:.3f} TB/s; % of it (GPU time us)")
+    for point in args.points.split(","):
+        n, T = (int(v) for v in point.split(":"))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        outs = torch.randn(n, T, H, D, generator=g, device="cuda", dtype=torch.bfloat16)
+        lses = torch.randn(n, H, T, generator=g, device="cuda") * 3 + 4
+        out = torch.empty(T, H, D, device="cuda", dtype=torch.bfloat16)
+        out_lse = torch.empty(H, T, device="cuda")
+        span_gb = outs.numel() * 2 / 1e9
+        timed = {}
+        for variant in ("plain", "lse"):
+            fn = functools.partial(triton_impl.merge_attn_states_n, out, outs, lses,
+                                   out_lse if variant == "lse" else None)
+            timed[f"merge {variant}"] = (gpu_us(fn), points.MergePoint(T, H, D, "bfloat16", variant, n).bytes)
+        for name in args.configs.split(","):
+            config = CONFIGS[name]
+            if config[4] and n > 128:  # unrolled beyond 128 partials: long compiles, nothing new
+                continue
+            timed[f"stream {name}"] = (gpu_us(functools.partial(stream, out, outs, config)),
+                                       (n + 1) * T * H * D * 2)
+        for what, (us, nbytes) in timed.items():
+            pct = 100 * nbytes / us / 1e6 / ceiling
+            row = dict(N=n, T=T, H=H, D=D, span_gb=round(span_gb, 2), what=what, us=round(us, 2), pct=round(pct, 1))
+            rows.append(row)
+            print(f"N={n:4d} T={T:6d} span {span_gb:6.1f} GB  {what:24s} {pct:6.1f}%  ({us:9.1f} us)", flush=True)
+        outs = lses = out = out_lse = None
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"argv": sys.argv[1:], "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
