@@ -66,9 +66,12 @@ N_LOOPS = {
     "triton": {"plain": (16, 16, 8), "lse": (16, 16, 8), "fused": (0, 4, 4)},
     "pallas": {"plain": (16, 16, 6), "lse": (16, 16, 6), "fused": (0, 4, 4)},
 }
-# The L2 eviction policy of the N-way merge's loads of the partials' output tiles, per framework ("" the default,
-# "evict_first": read once, first out of L2, ahead of the LSE tiles each pass reloads). No bit depends on it.
-N_OUTPUTS_EVICT = {"triton": "", "pallas": ""}
+# The L2 eviction policy of the N-way merge's loads of the partials' output tiles where its loops run at runtime
+# (N > constants.UNROLLED_PARTIALS), per framework: "evict_first" (read once, first out of L2, ahead of the LSE
+# tiles that each pass reloads) or "" (the default policy, always taken up to UNROLLED_PARTIALS). No bit depends on
+# it. Measured (docs/design.md, "Loops over many partials"): 5-9 points of the copy ceiling gained at N = 128 and
+# 256 (Triton; Pallas up to 5), 1-4 lost at N = 8 and 16.
+N_OUTPUTS_EVICT = {"triton": "evict_first", "pallas": "evict_first"}
 # The context-parallel rescale reads one partial's tile and writes one: it takes the N-way tile of two partials
 # (the 2-way merge's bytes per tile).
 RESCALE_TILE_PARTIALS = 2
@@ -155,6 +158,11 @@ def merge_grid(framework: str, num_tokens: int, num_heads: int, head_dim: int, v
 def n_loops(framework: str, variant: str) -> tuple[int, int, int]:
     """(max_chunk, exp_step, out_step) of the N-way loops of `variant` ("plain", "lse", "fused"; `N_LOOPS`)."""
     return N_LOOPS[framework][variant]
+
+
+def outputs_evict(framework: str, num_partials: int) -> str:
+    """The eviction policy of the N-way merge's output-tile loads at N = `num_partials` (`N_OUTPUTS_EVICT`)."""
+    return N_OUTPUTS_EVICT[framework] if num_partials > constants.UNROLLED_PARTIALS else ""
 
 
 def loop_steps(count: int, num_partials: int, step: int) -> int:

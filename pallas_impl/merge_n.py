@@ -53,7 +53,7 @@ def _merge_attn_states_n_kernel(
     t0, h0, t, t_mask, th_mask, thd_mask = _program_tile(num_tokens, num_heads, head_dim, block_t, block_h, block_d)
     last = num_partials - 1
 
-    evict = tiles.N_OUTPUTS_EVICT["pallas"] or None
+    evict = tiles.outputs_evict("pallas", num_partials) or None
 
     def tile(i):  # partial i's output tile
         return pltriton.load(outs_ref.at[jnp.asarray(i, jnp.int32), pl.ds(t0, block_t), pl.ds(h0, block_h),

@@ -19,8 +19,8 @@
 #   mosaic        the Mosaic GPU backend of pallas_impl: its tests, the full check on it, compute-sanitizer
 #   mosaic_speed  the Mosaic GPU kernels timed beside the Triton backend's, with a sweep of their launch choices
 #   tune_n        the N-way merge's launch sweeps (scripts/tune.py): N = 128 and 256 at T = 8192 (tiles,
-#                 N_LOOPS), the all-gather view at N = 8 and 16 beside the contiguous one in
-#                 both LSE layouts: tune_*.json tune_*.log
+#                 N_LOOPS, N_OUTPUTS_EVICT), then the full parity check (Pallas on its Triton backend):
+#                 tune_*.json tune_*.log check*
 #   verify        after a kernel or launch change: the full parity check on both Pallas backends, the N-way merge
 #                 at large N (scripts/wide_n.py speed), the committed N-way tiles at N = 8 and 16 in both views and
 #                 layouts (scripts/tune.py merge_n): check*.json check*.log wide_n_speed.* tune_*.json
@@ -135,25 +135,23 @@ if [ "$PLAN" = mosaic ] || [ "$PLAN" = mosaic_speed ]; then
     exit "$FAILED"
 fi
 if [ "$PLAN" = tune_n ]; then
-    # Tiles "bytes,fewest_tokens,warps/lo,hi/chunk,exp_step,out_step" (scripts/tune.py --tiles).
-    TUNE=("$PY" scripts/tune.py merge_n --heads 64 --dims 128)
-    for nt in 8:32768 16:8192; do
-        step "tune_${nt%%:*}" 75 $(( ${nt%%:*} == 8 ? 300 : 230 )) "$OUT/tune_${nt%%:*}.log" "${TUNE[@]}" \
-            --partials "${nt%%:*}" --tokens "${nt##*:}" --variants plain lse fused --lse-layout HT TH \
-            --partials-view contig gather --budget-s 55 --tiles 16384,8,4 16384,1,4 16384,4,4 32768,8,4 \
-            --json "$OUT/tune_${nt%%:*}.json"
-    done
-    step tune_128 120 110 "$OUT/tune_128.log" "${TUNE[@]}" --variants plain lse --partials 128 --tokens 8192 \
-        --budget-s 90 --tiles 16384,8,4/2048,4096/64,16,8 16384,8,4/2048,4096/16,16,6 16384,8,4/2048,4096/64,4,8 \
-        16384,8,4/2048,4096/16,16,8 16384,8,4/2048,4096/32,16,8 16384,8,4/1024,4096/16,16,8 \
-        16384,4,4/2048,4096/16,16,8 16384,8,4/2048,4096/16,32,8 16384,8,4/2048,4096/64,16,6 \
-        --json "$OUT/tune_128.json"
-    step tune_128th 45 60 "$OUT/tune_128th.log" "${TUNE[@]}" --variants plain lse --partials 128 --tokens 8192 \
-        --budget-s 30 --lse-layout TH --tiles 16384,1,4/2048,4096/16,16,8 16384,1,4/2048,4096/0,16,8 \
-        16384,1,4/2048,4096/64,16,8 --json "$OUT/tune_128th.json"
-    step tune_256 60 0 "$OUT/tune_256.log" "${TUNE[@]}" --variants plain lse --partials 256 --tokens 8192 \
-        --budget-s 40 --tiles 16384,8,4/2048,4096/64,16,8 16384,8,4/2048,4096/16,16,6 \
-        16384,8,4/2048,4096/16,16,8 --json "$OUT/tune_256.json"
+    # Tiles "bytes,fewest_tokens,warps/lo,hi/chunk,exp_step,out_step[+hint]" or "committed[+hint]" (scripts/tune.py
+    # --tiles; +normal: the default L2 policy for the output loads, +ef: evict_first). N = 128 and 256 at T = 8192:
+    # more tokens per partial's tile (with more warps), larger chunks of the maximum, shorter weighted-sum steps;
+    # then the fused variant and [T, H] LSEs with and without evict_first; then the full check.
+    TUNE=("$PY" scripts/tune.py merge_n --heads 64 --dims 128 --tokens 8192)
+    step tune_128 150 390 "$OUT/tune_128.log" "${TUNE[@]}" --variants plain lse --partials 128 --budget-s 130 \
+        --tiles committed committed+normal 16384,8,4/2048,4096/32,16,8 16384,8,4/2048,4096/32,16,6 \
+        16384,16,8/4096,4096/16,16,8 16384,16,8/4096,4096/32,16,6 16384,32,16/8192,8192/32,16,8 \
+        16384,8,4/2048,4096/32,16,4 --json "$OUT/tune_128.json"
+    step tune_256 100 280 "$OUT/tune_256.log" "${TUNE[@]}" --variants plain lse --partials 256 --budget-s 80 \
+        --tiles committed committed+normal 16384,8,4/2048,4096/32,16,6 16384,16,8/4096,4096/32,16,6 \
+        16384,32,16/8192,8192/32,16,8 --json "$OUT/tune_256.json"
+    step tune_fused 60 210 "$OUT/tune_fused.log" "${TUNE[@]}" --variants fused --partials 128 256 --budget-s 50 \
+        --tiles committed committed+normal --json "$OUT/tune_fused.json"
+    step tune_th 40 165 "$OUT/tune_th.log" "${TUNE[@]}" --variants plain lse --partials 128 --lse-layout TH \
+        --budget-s 30 --tiles committed committed+normal --json "$OUT/tune_th.json"
+    step check 100 5 "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json"
 fi
 if [ "$PLAN" = limits ]; then
     # What limits the N-way merge at large N: the merge beside a stream of the same bytes (scripts/n_stream.py) at

@@ -91,7 +91,7 @@ def main() -> None:
              qsl_ptr="*i32", cu_ptr="*i32"),
         dict(NUM_PARTIALS=N, NUM_HEADS=H, HEAD_DIM=D, BLOCK_T=bt, BLOCK_H=bh, BLOCK_D=bd, SCAN=tiles.SCAN,
              N_INTERPRET=0, LSE_BASE2=False, OUTPUT_LSE=True, FUSED_MASK=True, FP8_OUT=False, INTERPRET=False,
-             **tplans.n_way_loops("fused", N), OUT_EVICT=tiles.N_OUTPUTS_EVICT["triton"],
+             **tplans.n_way_loops("fused", N), OUT_EVICT=tiles.outputs_evict("triton", N),
              stride_out_d=1, stride_o_d=1, stride_olse_t=1, stride_lse_t=1),
         tiles.merge_num_warps("triton", "fused", N))
     ptx["pallas merge_n fused"] = po.pallas_ptx(

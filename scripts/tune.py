@@ -72,20 +72,21 @@ def layouts(args) -> list[tuple[str, str]]:
 
 COMMITTED = {k: copy.deepcopy(getattr(tiles, k)) for k in ("MERGE_TILES", "MERGE_N_TILES")}
 DEFAULT_KNOBS = {k: getattr(tiles, k) for k in ("N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT")}
+HINTS = {"ef": "evict_first", "normal": ""}  # +hint: N_OUTPUTS_EVICT of both frameworks
 
 
 def parse_tile(text: str) -> dict:
-    """"bytes,fewest_tokens,warps[/lo,hi[/chunk,exp_step,out_step]][+ef]": a tile, and for merge_n optionally the
-    bounds of one partial's tile (`N_TILE_BYTES`), the loops beyond UNROLLED_PARTIALS (`N_LOOPS`: max_chunk,
-    exp_step, out_step) and, with "+ef", "evict_first" loads of the partials' outputs (`N_OUTPUTS_EVICT`), for every
-    variant of both frameworks."""
+    """"bytes,fewest_tokens,warps[/lo,hi[/chunk,exp_step,out_step]][+hint]" or "committed[+hint]": a tile (or the
+    committed tables), and for merge_n optionally the bounds of one partial's tile (`N_TILE_BYTES`), the loops beyond
+    UNROLLED_PARTIALS (`N_LOOPS`: max_chunk, exp_step, out_step) and the policy of the partials' output loads there
+    (`N_OUTPUTS_EVICT`: +ef evict_first, +normal the default), for every variant of both frameworks."""
     text, _, hint = text.partition("+")
     parts = [None] if text == "committed" else [tuple(int(v) for v in p.split(",")) for p in text.split("/")]
     knobs = dict(DEFAULT_KNOBS)
     if hint:
-        if hint != "ef":
-            raise argparse.ArgumentTypeError(f"the only load hint is +ef (evict_first), got +{hint}")
-        knobs["N_OUTPUTS_EVICT"] = {fw: "evict_first" for fw in tiles.FRAMEWORKS}
+        if hint not in HINTS:
+            raise argparse.ArgumentTypeError(f"the load hints are {sorted(HINTS)}, got +{hint}")
+        knobs["N_OUTPUTS_EVICT"] = {fw: HINTS[hint] for fw in tiles.FRAMEWORKS}
     if len(parts) > 1:
         knobs["N_TILE_BYTES"] = parts[1]
     if len(parts) > 2:
@@ -257,7 +258,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiles", nargs="+", type=parse_tile, default=None,
                    help="bytes,fewest_tokens,warps; merge_n: optionally /lo,hi (N_TILE_BYTES) and "
                         "/chunk,exp_step,out_step (N_LOOPS); default: merge 8192,1,4 8192,8,4 "
-                        "16384,8,8 4096,1,2, merge_n the committed tables (\"committed\", with +ef: evict_first)")
+                        "16384,8,8 4096,1,2, merge_n the committed tables (\"committed\"; +ef / +normal: N_OUTPUTS_EVICT)")
     p.add_argument("--frameworks", nargs="+", choices=("triton", "pallas"), default=["triton", "pallas"],
                    help="merge_n: the frameworks timed")
     p.add_argument("--tokens", nargs="+", type=int, default=[32768, 131072])

@@ -222,7 +222,7 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
                             SCAN=tiles.SCAN, N_INTERPRET=_backend.n_interpret(num_requests + 1),
                             LSE_BASE2=base2, OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused, FP8_OUT=fp8,
                             INTERPRET=_backend.interpreting(),
-                            **plans.n_way_loops(variant, num_partials), OUT_EVICT=tiles.N_OUTPUTS_EVICT["triton"],
+                            **plans.n_way_loops(variant, num_partials), OUT_EVICT=tiles.outputs_evict("triton", num_partials),
                             num_warps=tiles.merge_num_warps("triton", variant, num_partials, lse_layout),
                             **_backend.PARITY_LAUNCH),
             state=launcher.launch_state(key))
