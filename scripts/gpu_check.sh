@@ -21,9 +21,9 @@
 #   tune_n        the N-way merge's launch sweeps (scripts/tune.py): N = 128 and 256 at T = 8192 (tiles,
 #                 N_LOOPS, N_OUTPUTS_EVICT), then the full parity check (Pallas on its Triton backend):
 #                 tune_*.json tune_*.log check*
-#   verify        after a kernel or launch change: the full parity check on both Pallas backends, the N-way merge
-#                 at large N (scripts/wide_n.py speed), the committed N-way tiles at N = 8 and 16 in both views and
-#                 layouts (scripts/tune.py merge_n): check*.json check*.log wide_n_speed.* tune_*.json
+#   verify        after a kernel or launch change: the full parity check (Pallas on its Triton backend; with
+#                 VERIFY_MOSAIC=1 on Mosaic GPU too), the N-way merge at large N (scripts/wide_n.py speed), the GPU
+#                 tests of the N-way merge and the loop (GPU_TESTS): check*.json check*.log wide_n_speed.* pytest.log
 #   limits        what limits the N-way merge at large N (scripts/n_stream.py: the merge beside a stream of its
 #                 bytes), the committed tables with evict_first output loads at N = 128 / 256 and in the
 #                 all-gather view at N = 8 and 16: n_stream.* tune_*.json gather_*.json
@@ -109,7 +109,7 @@ EOF
 # The full check in 8 processes (`scripts/check_shards.sh`): 72-83 s per Pallas backend on the H200 (session 6).
 export CHECK_SHARDS=${CHECK_SHARDS:-8}
 XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
-GPU_TESTS=${GPU_TESTS:-}  # PLAN=more: test files for its last step (default: every GPU test)
+GPU_TESTS=${GPU_TESTS:-}  # PLAN=more, verify: test files for their GPU tests step (default: every GPU test; verify: its own)
 
 if [ "$PLAN" = mosaic ] || [ "$PLAN" = mosaic_speed ]; then
     # The experimental Mosaic GPU backend of pallas_impl (docs/design.md, "Mosaic GPU backend"). PLAN=mosaic: the
@@ -173,16 +173,19 @@ if [ "$PLAN" = limits ]; then
     done
 fi
 if [ "$PLAN" = verify ]; then
-    step check 110 300 "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json"
-    step check_mosaic 110 200 "$OUT/check_mosaic.log" bash scripts/check_shards.sh "$OUT/check_mosaic.json" \
-        --pallas-backend mosaic_gpu
-    step wide_n_speed 130 80 "$OUT/wide_n_speed.log" "$PY" scripts/wide_n.py --part speed \
+    # GPU_TESTS (default: the N-way merge's and the loop's files) run after the N-way merge's speed; the Mosaic GPU
+    # check, last, when its kernels changed (VERIFY_MOSAIC=1).
+    step check 110 330 "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json"
+    step wide_n_speed 150 180 "$OUT/wide_n_speed.log" "$PY" scripts/wide_n.py --part speed \
         --json "$OUT/wide_n_speed.json"
-    for nt in 8:32768 16:8192; do
-        step "tune_${nt%%:*}" 40 $(( ${nt%%:*} == 8 ? 40 : 0 )) "$OUT/tune_${nt%%:*}.log" "$PY" scripts/tune.py \
-            merge_n --heads 64 --dims 128 --partials "${nt%%:*}" --tokens "${nt##*:}" --variants plain lse fused \
-            --lse-layout HT TH --partials-view contig gather --json "$OUT/tune_${nt%%:*}.json"
-    done
+    # shellcheck disable=SC2086
+    step pytest 150 $([ "${VERIFY_MOSAIC:-0}" = 1 ] && echo 100 || echo 0) "$OUT/pytest.log" "$PY" -m pytest -v -rfs \
+        -m gpu $XDIST ${GPU_TESTS:-tests/test_parity_loop.py tests/test_merge_limits.py tests/test_triton_merge_n.py \
+        tests/test_pallas_merge_n.py tests/test_op_merge_n.py}
+    if [ "${VERIFY_MOSAIC:-0}" = 1 ]; then
+        step check_mosaic 110 0 "$OUT/check_mosaic.log" bash scripts/check_shards.sh "$OUT/check_mosaic.json" \
+            --pallas-backend mosaic_gpu
+    fi
 fi
 if [ "$PLAN" = verify_tests ]; then
     # shellcheck disable=SC2086
