@@ -72,17 +72,12 @@ N_LOOPS = {
 # it. Measured (docs/design.md, "Loops over many partials"): 5-9 points of the copy ceiling gained at N = 128 and
 # 256 (Triton; Pallas up to 5), 1-4 lost at N = 8 and 16.
 N_OUTPUTS_EVICT = {"triton": "evict_first", "pallas": "evict_first"}
-# Triton's register limit per thread (its `maxnreg` launch option; 0: none) of the N-way merge where its loops run
-# at runtime (N > constants.UNROLLED_PARTIALS), per variant: fewer registers, more programs per SM, while the sm_90
-# compile spills nothing (`ptxas -v`). Pallas has no such option. No bit depends on it.
-N_MAX_REGISTERS = {"plain": 48, "lse": 56, "fused": 0}
 # The context-parallel rescale reads one partial's tile and writes one: it takes the N-way tile of two partials
 # (the 2-way merge's bytes per tile).
 RESCALE_TILE_PARTIALS = 2
 
 KNOBS = ("MASK_NUM_WARPS", "MASK_TILE_H", "ZERO_TILE_ELEMS", "MASK_TARGET_PROGRAMS", "MASK_ZERO_SPLIT",
-         "MASK_LSE_SPLIT", "MERGE_TILES", "MERGE_N_TILES", "N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT",
-         "N_MAX_REGISTERS")
+         "MASK_LSE_SPLIT", "MERGE_TILES", "MERGE_N_TILES", "N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT")
 
 
 def set_knobs(**values) -> dict:
@@ -168,13 +163,6 @@ def n_loops(framework: str, variant: str) -> tuple[int, int, int]:
 def outputs_evict(framework: str, num_partials: int) -> str:
     """The eviction policy of the N-way merge's output-tile loads at N = `num_partials` (`N_OUTPUTS_EVICT`)."""
     return N_OUTPUTS_EVICT[framework] if num_partials > constants.UNROLLED_PARTIALS else ""
-
-
-def max_registers(variant: str, num_partials: int) -> dict:
-    """The Triton launch option of the N-way merge's register limit at N = `num_partials` (`N_MAX_REGISTERS`):
-    {"maxnreg": n} or {}."""
-    limit = N_MAX_REGISTERS[variant] if num_partials > constants.UNROLLED_PARTIALS else 0
-    return {"maxnreg": limit} if limit else {}
 
 
 def loop_steps(count: int, num_partials: int, step: int) -> int:

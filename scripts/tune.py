@@ -71,31 +71,27 @@ def layouts(args) -> list[tuple[str, str]]:
 
 
 COMMITTED = {k: copy.deepcopy(getattr(tiles, k)) for k in ("MERGE_TILES", "MERGE_N_TILES")}
-DEFAULT_KNOBS = {k: getattr(tiles, k) for k in ("N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT", "N_MAX_REGISTERS")}
+DEFAULT_KNOBS = {k: getattr(tiles, k) for k in ("N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT")}
 HINTS = {"ef": "evict_first", "normal": ""}  # +hint: N_OUTPUTS_EVICT of both frameworks
 
 
 def parse_tile(text: str) -> dict:
     """"bytes,fewest_tokens,warps[/lo,hi[/chunk,exp_step,out_step]][+hint]" or "committed[+hint]": a tile (or the
     committed tables), and for merge_n optionally the bounds of one partial's tile (`N_TILE_BYTES`), the loops beyond
-    UNROLLED_PARTIALS (`N_LOOPS`: max_chunk, exp_step, out_step), the policy of the partials' output loads there
-    (`N_OUTPUTS_EVICT`: +ef evict_first, +normal the default) and Triton's register limit (`N_MAX_REGISTERS`: +rN,
-    +r0 none), for every variant of both frameworks."""
-    text, *hints = text.split("+")
+    UNROLLED_PARTIALS (`N_LOOPS`: max_chunk, exp_step, out_step) and the policy of the partials' output loads there
+    (`N_OUTPUTS_EVICT`: +ef evict_first, +normal the default), for every variant of both frameworks."""
+    text, _, hint = text.partition("+")
     parts = [None] if text == "committed" else [tuple(int(v) for v in p.split(",")) for p in text.split("/")]
     knobs = dict(DEFAULT_KNOBS)
-    for hint in hints:
-        if hint.startswith("r") and hint[1:].isdigit():  # +rN: Triton's register limit N (0: none)
-            knobs["N_MAX_REGISTERS"] = {v: int(hint[1:]) for v in ("plain", "lse", "fused")}
-        elif hint in HINTS:
-            knobs["N_OUTPUTS_EVICT"] = {fw: HINTS[hint] for fw in tiles.FRAMEWORKS}
-        else:
-            raise argparse.ArgumentTypeError(f"the hints are {sorted(HINTS)} and rN, got +{hint}")
+    if hint:
+        if hint not in HINTS:
+            raise argparse.ArgumentTypeError(f"the load hints are {sorted(HINTS)}, got +{hint}")
+        knobs["N_OUTPUTS_EVICT"] = {fw: HINTS[hint] for fw in tiles.FRAMEWORKS}
     if len(parts) > 1:
         knobs["N_TILE_BYTES"] = parts[1]
     if len(parts) > 2:
         knobs["N_LOOPS"] = {fw: {v: tuple(parts[2]) for v in ("plain", "lse", "fused")} for fw in tiles.FRAMEWORKS}
-    return dict(tile=parts[0], knobs=knobs, label="+".join((text, *hints)))
+    return dict(tile=parts[0], knobs=knobs, label=text + (f"+{hint}" if hint else ""))
 
 
 def set_merge_tiles(tile, table: str = "MERGE_TILES") -> None:

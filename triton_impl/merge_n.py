@@ -224,7 +224,6 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
                             INTERPRET=_backend.interpreting(),
                             **plans.n_way_loops(variant, num_partials), OUT_EVICT=tiles.outputs_evict("triton", num_partials),
                             num_warps=tiles.merge_num_warps("triton", variant, num_partials, lse_layout),
-                            **tiles.max_registers(variant, num_partials),
                             **_backend.PARITY_LAUNCH),
             state=launcher.launch_state(key))
     # A non-contiguous cu_seq_lens row is copied per call: no plan for it (its copy would be the launch's pointer).
