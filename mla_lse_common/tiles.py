@@ -69,8 +69,8 @@ N_LOOPS = {
 # The L2 eviction policy of the N-way merge's loads of the partials' output tiles where its loops run at runtime
 # (N > constants.UNROLLED_PARTIALS), per framework: "evict_first" (read once, first out of L2, ahead of the LSE
 # tiles that each pass reloads) or "" (the default policy, always taken up to UNROLLED_PARTIALS). No bit depends on
-# it. Measured (docs/design.md, "Loops over many partials"): 5-9 points of the copy ceiling gained at N = 128 and
-# 256 (Triton; Pallas up to 5), 1-4 lost at N = 8 and 16.
+# it. Measured on the H200: a gain at N = 128 and 256, a loss at N = 8 and 16 (docs/design.md, "evict_first beyond
+# 16 partials").
 N_OUTPUTS_EVICT = {"triton": "evict_first", "pallas": "evict_first"}
 # The context-parallel rescale reads one partial's tile and writes one: it takes the N-way tile of two partials
 # (the 2-way merge's bytes per tile).

@@ -160,15 +160,15 @@ if [ "$PLAN" = limits ]; then
     TUNE=("$PY" scripts/tune.py merge_n --heads 64 --dims 128)
     step n_stream 170 380 "$OUT/n_stream.log" "$PY" scripts/n_stream.py --json "$OUT/n_stream.json"
     step tune_128 110 270 "$OUT/tune_128.log" "${TUNE[@]}" --variants plain lse --partials 128 \
-        --tokens 1024 8192 --tiles committed committed+ef --json "$OUT/tune_128.json"
+        --tokens 1024 8192 --tiles committed+normal committed+ef --json "$OUT/tune_128.json"
     step tune_256 60 210 "$OUT/tune_256.log" "${TUNE[@]}" --variants plain lse --partials 256 --tokens 8192 \
-        --tiles committed committed+ef --json "$OUT/tune_256.json"
+        --tiles committed+normal committed+ef --json "$OUT/tune_256.json"
     step tune_16 40 170 "$OUT/tune_16.log" "${TUNE[@]}" --variants plain lse --partials 16 --tokens 8192 65536 \
-        --tiles committed committed+ef --json "$OUT/tune_16.json"
+        --tiles committed+normal committed+ef --json "$OUT/tune_16.json"
     for nt in 8:32768 16:8192; do
         step "gather_${nt%%:*}" 80 $(( ${nt%%:*} == 8 ? 85 : 0 )) "$OUT/gather_${nt%%:*}.log" "${TUNE[@]}" \
             --frameworks triton --partials "${nt%%:*}" --tokens "${nt##*:}" --variants plain lse fused \
-            --lse-layout HT TH --partials-view contig gather --tiles committed committed+ef \
+            --lse-layout HT TH --partials-view contig gather --tiles committed+normal committed+ef \
             --json "$OUT/gather_${nt%%:*}.json"
     done
 fi

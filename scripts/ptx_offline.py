@@ -80,6 +80,9 @@ def pallas_ptx(fn, args, num_warps: int) -> str:
         walk(module.operation)
         config = ir.DictAttr(calls[0].attributes["mhlo.backend_config"])
         ttir = str(ir.Module.parse(bytes(ir.StringAttr(config["ir"]).value_bytes)))
+    # jaxlib's Triton dialect prints a load's eviction policy in an older syntax than this Triton parses.
+    ttir = re.sub(r" evictionPolicy = (\w+) :", r" {cachePolicy = #tt.cache_policy<cache_modifier = none, "
+                  r"eviction_policy = \1>} :", ttir)
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"), "pallas_kernel.ttir")
     with open(path, "w") as f:
         f.write(ttir)

@@ -218,6 +218,8 @@ def test_loop_partition_of_both_frameworks():
     assert tiles.loop_steps(n, n + 1, 4) == n // 4
     assert tiles.max_chunks(n + 1, 4) == -(-n // 4) and tiles.max_chunks(n + 1, 0) == 0
     assert tiles.loop_steps(-1, n + 1, 4) == 0
+    for fw in tiles.FRAMEWORKS:  # the output loads' L2 policy: the default up to UNROLLED_PARTIALS, the table's beyond
+        assert tiles.outputs_evict(fw, n) == "" and tiles.outputs_evict(fw, n + 1) == tiles.N_OUTPUTS_EVICT[fw]
 
 
 # XLA:CPU compiles an unrolled loop and a while loop into different float code (docs/spec.md 5): bit for bit on a
