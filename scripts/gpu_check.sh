@@ -25,7 +25,8 @@
 #                 VERIFY_MOSAIC=1 on Mosaic GPU too), the N-way merge at large N (scripts/wide_n.py speed), the GPU
 #                 tests of the N-way merge and the loop (GPU_TESTS): check*.json check*.log wide_n_speed.* pytest.log
 #   limits        what limits the N-way merge at large N (scripts/n_stream.py: the merge beside a stream of its
-#                 bytes), the committed tables with evict_first output loads at N = 128 / 256 and in the
+#                 bytes and beside simplified three-pass merges, one tile or several per program with the passes
+#                 overlapped), the default L2 policy beside evict_first at N = 128 / 256 and in the
 #                 all-gather view at N = 8 and 16: n_stream.* tune_*.json gather_*.json
 #   verify_tests  the GPU tests (`pytest -m gpu -v -rf`: a timeout still names what ran and failed), then the
 #                 first-call compile times (wide_n.py compile): pytest.log wide_n_compile.*

@@ -7,11 +7,15 @@ For each (N, T) point (H = 64, D = 128 bf16) one process times, by CUDA-graph re
   - `merge_attn_states_n` of triton_impl, plain and with an output LSE (the committed launch tables);
   - `stream`: a diagnostic kernel that sums the N partials' tiles, out = o_0 + ... + o_{N-1} (no LSE, no weights),
     with the merge's grid order (head blocks fastest) and a tile, warps and loop of its own (`CONFIGS`): the bytes
-    of the merge's outputs read the same way, without the three passes over the LSEs.
+    of the merge's outputs read the same way, without the three passes over the LSEs;
+  - at N a multiple of 32, the merge's three passes simplified (`PASSES`): one tile per program as the merge; a
+    program of 2 or 4 tiles that computes the next tile's maximum and sum inside this tile's weighted sum (the same
+    operations in the same order per tile: the same bits, checked on a CPU); the weighted sum alone, its maximum
+    and sum given. How much of the gap to the stream an overlap of the passes would close.
 Reading the table: if the stream at a tile is no faster than the merge, the passes over the LSEs are not what limits
 it; if the stream at (N, T) falls with the bytes' span (N x T) at a fixed N, the access pattern is (address
-translation, DRAM pages), not the loops. The stream's sums are not the merge's bits; nothing here is a result of the
-project's kernels but their times.
+translation, DRAM pages), not the loops. The diagnostics' sums are not the merge's bits (no special values, no
+pass-through); nothing here is a result of the project's kernels but their times.
 """
 
 from __future__ import annotations
@@ -76,6 +80,92 @@ def stream(out, outs, config):
                                            BLOCK_H=bh, STEP=step, UNROLL=unroll, EVICT=evict, num_warps=warps)
 
 
+# The merge's three passes, simplified (no NaN/inf cleaning, no fused mask, no pass-through, plain LSE-free store),
+# with the merge's tile (8 tokens x 1 head, [H, T] LSEs, 4 warps): name -> (tiles per program, max chunk, sum step,
+# weighted-sum step, given). A program of `tiles` > 1 merges that many consecutive tiles and computes the next
+# tile's maximum and sum inside the current tile's weighted-sum loop (one chunk or one sum step per weighted-sum
+# step): the same operations in the same order per tile, their round trips overlapped with the stream. `given`:
+# the maximum and sum read from a tensor (the weighted sum alone: the floor of any such overlap).
+PASSES = {
+    "3 passes": (1, 32, 16, 8, False),
+    "3 passes, next tile's overlapped, 2 tiles": (2, 32, 16, 8, False),
+    "3 passes, next tile's overlapped, 4 tiles": (4, 32, 16, 8, False),
+    "weighted sum only (m, z given)": (1, 32, 16, 8, True),
+}
+
+
+@triton.jit
+def _tile(tile, stride_lse_h, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
+    t = (tile // NUM_HEADS) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tile % NUM_HEADS
+    o_offs = (t.to(tl.int64)[:, None] * (NUM_HEADS * HEAD_DIM) + h * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :])
+    return o_offs, h * stride_lse_h + t
+
+
+@triton.jit
+def _chunk(m, k, lses_ptr, stride_ln, lse_offs, CHUNK: tl.constexpr):
+    i = (k * CHUNK + tl.arange(0, CHUNK)).to(tl.int64)
+    return tl.maximum(m, tl.max(tl.load(lses_ptr + i[:, None] * stride_ln + lse_offs[None, :]), axis=0))
+
+
+@triton.jit
+def _sum_step(z, k, m, lses_ptr, stride_ln, lse_offs, EXP_STEP: tl.constexpr):
+    for j in tl.static_range(EXP_STEP):
+        z = z + tl.exp(tl.load(lses_ptr + (k * EXP_STEP + j) * stride_ln + lse_offs) - m)
+    return z
+
+
+@triton.jit
+def _passes_kernel(out_ptr, outs_ptr, lses_ptr, mz_ptr, stride_n, stride_ln, stride_lse_h, num_tiles,
+                   N: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+                   TILES: tl.constexpr, CHUNK: tl.constexpr, EXP_STEP: tl.constexpr, OUT_STEP: tl.constexpr,
+                   GIVEN: tl.constexpr, EVICT: tl.constexpr):
+    stride_n = tl.cast(stride_n, tl.int64)
+    stride_ln = tl.cast(stride_ln, tl.int64)
+    first = tl.program_id(0) * TILES
+    o_offs, lse_offs = _tile(first, stride_lse_h, NUM_HEADS, HEAD_DIM, BLOCK_T)
+    if GIVEN:
+        m = tl.load(mz_ptr + lse_offs)
+        z = tl.load(mz_ptr + num_tiles * BLOCK_T + lse_offs)
+    else:
+        m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+        for k in range(0, N // CHUNK):
+            m = _chunk(m, k, lses_ptr, stride_ln, lse_offs, CHUNK)
+        z = tl.zeros([BLOCK_T], tl.float32)
+        for k in range(0, N // EXP_STEP):
+            z = _sum_step(z, k, m, lses_ptr, stride_ln, lse_offs, EXP_STEP)
+    for i in range(0, TILES):
+        next_o, next_lse = _tile(tl.minimum(first + i + 1, num_tiles - 1), stride_lse_h, NUM_HEADS, HEAD_DIM,
+                                 BLOCK_T)
+        m_next = tl.full([BLOCK_T], float("-inf"), tl.float32)
+        z_next = tl.zeros([BLOCK_T], tl.float32)
+        out = tl.zeros([BLOCK_T, HEAD_DIM], tl.float32)
+        for k in range(0, N // OUT_STEP):
+            for j in tl.static_range(OUT_STEP):
+                p = k * OUT_STEP + j
+                w = tl.exp(tl.load(lses_ptr + p * stride_ln + lse_offs) - m) / z
+                out = out + tl.load(outs_ptr + p * stride_n + o_offs, eviction_policy=EVICT).to(tl.float32) * w[:, None]
+            if TILES > 1:  # the next tile's maximum, then its sum, one step per weighted-sum step
+                if k < N // CHUNK:
+                    m_next = _chunk(m_next, k, lses_ptr, stride_ln, next_lse, CHUNK)
+                elif k < N // CHUNK + N // EXP_STEP:
+                    z_next = _sum_step(z_next, k - N // CHUNK, m_next, lses_ptr, stride_ln, next_lse, EXP_STEP)
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty))
+        o_offs, lse_offs, m, z = next_o, next_lse, m_next, z_next
+
+
+def passes(out, outs, lses, mz, config, evict="evict_first"):
+    tiles_per_program, chunk, exp_step, out_step, given = config
+    n, T = outs.shape[:2]
+    num_tiles = T // 8 * H
+    assert n % chunk == 0 and n % exp_step == 0 and n % out_step == 0 and num_tiles % tiles_per_program == 0
+    assert tiles_per_program == 1 or n // out_step >= n // chunk + n // exp_step
+    _passes_kernel[(num_tiles // tiles_per_program,)](
+        out, outs, lses, mz, outs.stride(0), lses.stride(0), lses.stride(1), num_tiles, N=n, NUM_HEADS=H,
+        HEAD_DIM=D, BLOCK_T=8, TILES=tiles_per_program, CHUNK=chunk, EXP_STEP=exp_step, OUT_STEP=out_step,
+        GIVEN=given, EVICT=evict, num_warps=4)
+
+
 def gpu_us(fn) -> float:
     fn()
     torch.cuda.synchronize()
@@ -87,6 +177,7 @@ def main(argv=None) -> int:
     ap.add_argument("--points", default="16:8192,16:65536,128:1024,128:8192,256:512,256:8192",
                     help="N:T pairs, comma-separated")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="stream configs (CONFIGS), comma-separated")
+    ap.add_argument("--no-passes", action="store_true", help="skip the simplified three-pass merges (PASSES)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -117,11 +208,17 @@ def main(argv=None) -> int:
                 continue
             timed[f"stream {name}"] = (gpu_us(functools.partial(stream, out, outs, config)),
                                        (n + 1) * T * H * D * 2)
+        if not args.no_passes and n % 32 == 0:
+            mz = torch.ones(2, H, T, device="cuda")  # `given`'s maximum and sum: any values time the same
+            mz[0] = lses.max(0).values
+            for name, config in PASSES.items():
+                timed[name] = (gpu_us(functools.partial(passes, out, outs, lses, mz, config)),
+                               points.MergePoint(T, H, D, "bfloat16", "plain", n).bytes)
         for what, (us, nbytes) in timed.items():
             pct = 100 * nbytes / us / 1e6 / ceiling
             row = dict(N=n, T=T, H=H, D=D, span_gb=round(span_gb, 2), what=what, us=round(us, 2), pct=round(pct, 1))
             rows.append(row)
-            print(f"N={n:4d} T={T:6d} span {span_gb:6.1f} GB  {what:24s} {pct:6.1f}%  ({us:9.1f} us)", flush=True)
+            print(f"N={n:4d} T={T:6d} span {span_gb:6.1f} GB  {what:44s} {pct:6.1f}%  ({us:9.1f} us)", flush=True)
         outs = lses = out = out_lse = None
         torch.cuda.empty_cache()
     if args.json:
