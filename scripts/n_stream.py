@@ -90,6 +90,10 @@ PASSES = {
     "3 passes": (1, 32, 16, 8, False),
     "3 passes, next tile's overlapped, 2 tiles": (2, 32, 16, 8, False),
     "3 passes, next tile's overlapped, 4 tiles": (4, 32, 16, 8, False),
+    "3 passes, short steps": (1, 32, 8, 4, False),
+    "3 passes, short steps, overlapped, 2 tiles": (2, 32, 8, 4, False),
+    "3 passes, short steps, overlapped, 4 tiles": (4, 32, 8, 4, False),
+    "3 passes, short steps, chunks of 16, overlapped, 2 tiles": (2, 16, 8, 4, False),
     "weighted sum only (m, z given)": (1, 32, 16, 8, True),
 }
 
