@@ -5,10 +5,10 @@ cdiv(H, block_h),)`, head blocks fastest; a program merges a [block_t, block_h, 
 partial (`tiles.MERGE_N_TILES`). The loops over the N partials unroll at trace time up to N =
 `constants.UNROLLED_PARTIALS` and are runtime loops beyond (`lax.fori_loop`, an `scf.for` in the Triton IR;
 `_math.fold_partials`), so the compile time stays short at every N; the same operations in the same order either
-way. Three passes over the
-partials' LSE tiles (the largest LSE, the sum of the exponentials, the weighted sum of the outputs); an LSE
-tile is reloaded and its exponential recomputed in each pass, as in the Triton kernel. The fused mask finds
-each token's request once and reads each partial's own KV offsets.
+way. Three passes over the partials' LSE tiles (the largest LSE, the sum of the exponentials, the weighted sum of
+the outputs); an LSE tile is reloaded and its exponential recomputed in each pass, as in the Triton kernel, and
+beyond UNROLLED_PARTIALS the output tiles load with the L2 policy `evict_first` (`tiles.outputs_evict`). The fused
+mask finds each token's request once and reads each partial's own KV offsets.
 
 Float math (docs/spec.md 5), identical to the Triton kernel and, at N = 2, to `pallas_impl/merge.py`: f32,
 `jnp.exp` and `jnp.log`, no FMA contraction, no flush-to-zero, division with `/`,

@@ -258,7 +258,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiles", nargs="+", type=parse_tile, default=None,
                    help="bytes,fewest_tokens,warps; merge_n: optionally /lo,hi (N_TILE_BYTES) and "
                         "/chunk,exp_step,out_step (N_LOOPS); default: merge 8192,1,4 8192,8,4 "
-                        "16384,8,8 4096,1,2, merge_n the committed tables (\"committed\"; +ef / +normal: N_OUTPUTS_EVICT)")
+                        "16384,8,8 4096,1,2, merge_n the committed tables (\"committed\"; +ef / +normal: "
+                        "N_OUTPUTS_EVICT)")
     p.add_argument("--frameworks", nargs="+", choices=("triton", "pallas"), default=["triton", "pallas"],
                    help="merge_n: the frameworks timed")
     p.add_argument("--tokens", nargs="+", type=int, default=[32768, 131072])

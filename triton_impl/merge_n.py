@@ -7,7 +7,9 @@ Grid: `(cdiv(T, BLOCK_T) * cdiv(H, BLOCK_H),)`, head blocks fastest, as the 2-wa
 (`range`, which Triton does not unroll; `mla_lse_common.tiles`: `loop_steps`, `max_chunks`), so the compile time stays
 short at every N; each pass does the spec's operations in index order either way (docs/spec.md 8). Three passes over
 the partials' LSE tiles: the largest LSE, the sum of the exponentials, then the weighted sum of the outputs;
-an LSE tile is reloaded (from cache) and its exponential recomputed in each pass, which gives the same bits.
+an LSE tile is reloaded (from cache) and its exponential recomputed in each pass, which gives the same bits; beyond
+UNROLLED_PARTIALS the partials' output tiles load with the L2 policy `evict_first` (`tiles.outputs_evict`), so the
+LSE tiles stay cached between passes.
 The fused mask finds each token's request once, with the two-level 32-wide compare-and-sum of the mask
 kernel, and reads each partial's own KV offsets.
 
@@ -222,7 +224,8 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
                             SCAN=tiles.SCAN, N_INTERPRET=_backend.n_interpret(num_requests + 1),
                             LSE_BASE2=base2, OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused, FP8_OUT=fp8,
                             INTERPRET=_backend.interpreting(),
-                            **plans.n_way_loops(variant, num_partials), OUT_EVICT=tiles.outputs_evict("triton", num_partials),
+                            **plans.n_way_loops(variant, num_partials),
+                            OUT_EVICT=tiles.outputs_evict("triton", num_partials),
                             num_warps=tiles.merge_num_warps("triton", variant, num_partials, lse_layout),
                             **_backend.PARITY_LAUNCH),
             state=launcher.launch_state(key))
