@@ -86,6 +86,7 @@ def stream(out, outs, config):
 # tile's maximum and sum inside the current tile's weighted-sum loop (one chunk or one sum step per weighted-sum
 # step): the same operations in the same order per tile, their round trips overlapped with the stream. `given`:
 # the maximum and sum read from a tensor (the weighted sum alone: the floor of any such overlap).
+PASS_BLOCK_T = 8  # tokens of a tile (one head)
 PASSES = {
     "3 passes": (1, 32, 16, 8, False),
     "3 passes, next tile's overlapped, 2 tiles": (2, 32, 16, 8, False),
@@ -161,19 +162,17 @@ def _passes_kernel(out_ptr, outs_ptr, lses_ptr, mz_ptr, stride_n, stride_ln, str
 def passes(out, outs, lses, mz, config, evict="evict_first"):
     tiles_per_program, chunk, exp_step, out_step, given = config
     n, T = outs.shape[:2]
-    num_tiles = T // 8 * H
+    num_tiles = T // PASS_BLOCK_T * H
     assert n % chunk == 0 and n % exp_step == 0 and n % out_step == 0 and num_tiles % tiles_per_program == 0
     assert tiles_per_program == 1 or n // out_step >= n // chunk + n // exp_step
     _passes_kernel[(num_tiles // tiles_per_program,)](
         out, outs, lses, mz, outs.stride(0), lses.stride(0), lses.stride(1), num_tiles, N=n, NUM_HEADS=H,
-        HEAD_DIM=D, BLOCK_T=8, TILES=tiles_per_program, CHUNK=chunk, EXP_STEP=exp_step, OUT_STEP=out_step,
+        HEAD_DIM=D, BLOCK_T=PASS_BLOCK_T, TILES=tiles_per_program, CHUNK=chunk, EXP_STEP=exp_step, OUT_STEP=out_step,
         GIVEN=given, EVICT=evict, num_warps=4)
 
 
 def gpu_us(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    return timers.time_cudagraph(fn, 20)[0][1]
+    return timers.time_cudagraph(fn, 20)[0][1]  # p50; it compiles and warms up outside the capture
 
 
 def main(argv=None) -> int:
@@ -187,10 +186,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("scripts/n_stream.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    n_ = points.CEILING_ELEMS
-    a, b, c = (torch.ones(n_, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-    ceiling = 6 * n_ / gpu_us(lambda: torch.add(a, b, out=c)) / 1e6  # TB/s
-    a = b = c = None
+    ceiling = timers.torch_copy_ceiling_tbps()
     rows = [{"ceiling_tbps": ceiling}]
     print(f"copy ceiling {ceiling:.3f} TB/s; % of it (GPU time us)")
     for point in args.points.split(","):

@@ -120,14 +120,8 @@ def clear_caches() -> None:
     torch.cuda.synchronize()
 
 
-def ceiling_tbps() -> float:
-    n = points.CEILING_ELEMS
-    a, b, c = (torch.ones(n, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-    return 6 * n / gpu_us_triton(lambda: torch.add(a, b, out=c)) / 1e6
-
-
 def merge_sweep(args) -> list[dict]:
-    ceiling = ceiling_tbps()
+    ceiling = timers.torch_copy_ceiling_tbps()
     out = []
     for dtype, H, D, T, (layout, base) in itertools.product(args.dtypes, args.heads, args.dims, args.tokens,
                                                              layouts(args)):
@@ -173,7 +167,7 @@ def merge_sweep(args) -> list[dict]:
 
 
 def merge_n_sweep(args) -> list[dict]:
-    ceiling = ceiling_tbps()
+    ceiling = timers.torch_copy_ceiling_tbps()
     out = []
     for N, dtype, H, D, T, (layout, base), view in itertools.product(
             args.partials, args.dtypes, args.heads, args.dims, args.tokens, layouts(args), args.partials_view):

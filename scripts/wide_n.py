@@ -115,13 +115,9 @@ class _Triton:
 
     def ceiling_tbps(self):
         """The bench's add_2r1w ceiling: torch.add of 2 GiB bf16 tensors by CUDA-graph replay."""
-        from parity.tools.bench import points
+        from parity.tools.bench import timers
 
-        torch = self.torch
-        n = points.CEILING_ELEMS
-        a, b, c = (torch.ones(n, dtype=torch.bfloat16, device=self.dev) for _ in range(3))
-        us = self.gpu_us(lambda: torch.add(a, b, out=c))
-        return 3 * 2 * n / (us * 1e-6) / 1e12
+        return timers.torch_copy_ceiling_tbps(300)
 
     def free(self):
         self.torch.cuda.empty_cache()

@@ -81,6 +81,19 @@ def time_cudagraph(fn, rep_ms: float):
                "of the calls captured in the graph)"), None
 
 
+def torch_copy_ceiling_tbps(rep_ms: float = 20) -> float:
+    """The bench's add_2r1w ceiling for a script outside a bench run (`floors.ceilings` records it in one):
+    torch.add(a, b, out=c) of 2 GiB bf16 tensors on the current CUDA device, two reads and one write, by CUDA-graph
+    replay (p50), in TB/s."""
+    import torch
+
+    from parity.tools.bench.points import CEILING_ELEMS
+
+    a, b, c = (torch.ones(CEILING_ELEMS, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    us = time_cudagraph(lambda: torch.add(a, b, out=c), rep_ms)[0][1]
+    return 3 * 2 * CEILING_ELEMS / us / 1e6
+
+
 def time_do_bench(fn):
     """Launch-inclusive time of one call: `triton.testing.do_bench` (CUDA events around each of many
     back-to-back calls, L2 flushed in between), the method behind upstream's launch-inclusive figures."""
