@@ -25,9 +25,8 @@
 #                 VERIFY_MOSAIC=1 on Mosaic GPU too), the N-way merge at large N (scripts/wide_n.py speed), the GPU
 #                 tests of the N-way merge and the loop (GPU_TESTS): check*.json check*.log wide_n_speed.* pytest.log
 #   limits        what limits the N-way merge at large N (scripts/n_stream.py: the merge beside a stream of its
-#                 bytes and beside simplified three-pass merges, one tile or several per program with the passes
-#                 overlapped), the default L2 policy beside evict_first at N = 128 / 256 and in the
-#                 all-gather view at N = 8 and 16: n_stream.* tune_*.json gather_*.json
+#                 bytes and beside simplified three-pass merges, overlapped or split in two kernels), then the
+#                 all-gather view at N = 8 and 16 with larger tiles: n_stream.* gather_*.json
 #   verify_tests  the GPU tests (`pytest -m gpu -v -rf`: a timeout still names what ran and failed), then the
 #                 first-call compile times (wide_n.py compile): pytest.log wide_n_compile.*
 #   all           tests, bench, then more
@@ -155,21 +154,19 @@ if [ "$PLAN" = tune_n ]; then
     step check 100 5 "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json"
 fi
 if [ "$PLAN" = limits ]; then
-    # What limits the N-way merge at large N: the merge beside a stream of the same bytes (scripts/n_stream.py) at
-    # spans of 2 to 34 GB; the committed tables at N = 128 over two spans and with evict_first loads of the
-    # partials' outputs (both frameworks); the all-gather view at N = 8 and 16 with and without them.
+    # What limits the N-way merge at large N (scripts/n_stream.py): the merge beside a stream of the same bytes and
+    # beside simplified three-pass merges (the passes overlapped, or split into a maximum-and-sum kernel and a
+    # weighted-sum kernel); then the all-gather view at N = 8 and 16: the committed tiles (first and last: the
+    # spread) beside larger ones, plain and output LSE, both LSE layouts.
     TUNE=("$PY" scripts/tune.py merge_n --heads 64 --dims 128)
-    step n_stream 170 380 "$OUT/n_stream.log" "$PY" scripts/n_stream.py --json "$OUT/n_stream.json"
-    step tune_128 110 270 "$OUT/tune_128.log" "${TUNE[@]}" --variants plain lse --partials 128 \
-        --tokens 1024 8192 --tiles committed+normal committed+ef --json "$OUT/tune_128.json"
-    step tune_256 60 210 "$OUT/tune_256.log" "${TUNE[@]}" --variants plain lse --partials 256 --tokens 8192 \
-        --tiles committed+normal committed+ef --json "$OUT/tune_256.json"
-    step tune_16 40 170 "$OUT/tune_16.log" "${TUNE[@]}" --variants plain lse --partials 16 --tokens 8192 65536 \
-        --tiles committed+normal committed+ef --json "$OUT/tune_16.json"
+    step n_stream 230 190 "$OUT/n_stream.log" "$PY" scripts/n_stream.py --points 128:1024,128:8192,256:8192 \
+        --configs "8x1 w4 s8,8x1 w4 s8 ef" --json "$OUT/n_stream.json"
+    GATHER_TILES=(committed 32768,8,4/2048,4096 65536,8,4/2048,8192 65536,8,8/2048,8192 32768,16,8/2048,8192
+                  committed)
     for nt in 8:32768 16:8192; do
-        step "gather_${nt%%:*}" 80 $(( ${nt%%:*} == 8 ? 85 : 0 )) "$OUT/gather_${nt%%:*}.log" "${TUNE[@]}" \
-            --frameworks triton --partials "${nt%%:*}" --tokens "${nt##*:}" --variants plain lse fused \
-            --lse-layout HT TH --partials-view contig gather --tiles committed+normal committed+ef \
+        step "gather_${nt%%:*}" 100 $(( ${nt%%:*} == 8 ? 90 : 0 )) "$OUT/gather_${nt%%:*}.log" "${TUNE[@]}" \
+            --frameworks triton --partials "${nt%%:*}" --tokens "${nt##*:}" --variants plain lse \
+            --lse-layout HT TH --partials-view gather --budget-s 80 --tiles "${GATHER_TILES[@]}" \
             --json "$OUT/gather_${nt%%:*}.json"
     done
 fi

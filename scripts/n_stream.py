@@ -10,8 +10,10 @@ For each (N, T) point (H = 64, D = 128 bf16) one process times, by CUDA-graph re
     of the merge's outputs read the same way, without the three passes over the LSEs;
   - at N a multiple of 32, the merge's three passes simplified (`PASSES`): one tile per program as the merge; a
     program of 2 or 4 tiles that computes the next tile's maximum and sum inside this tile's weighted sum (the same
-    operations in the same order per tile: the same bits, checked on a CPU); the weighted sum alone, its maximum
-    and sum given. How much of the gap to the stream an overlap of the passes would close.
+    operations in the same order per tile: the same bits, checked on a CPU); two kernels, one computing every
+    tile's maximum and sum (the LSEs only: 1/64 of the outputs' bytes at D = 128 bf16), then the weighted sum
+    reading them (the same bits, checked on a CPU); the weighted sum alone, its maximum and sum given. How much of
+    the gap to the stream an overlap or a split of the passes would close.
 Reading the table: if the stream at a tile is no faster than the merge, the passes over the LSEs are not what limits
 it; if the stream at (N, T) falls with the bytes' span (N x T) at a fixed N, the access pattern is (address
 translation, DRAM pages), not the loops. The diagnostics' sums are not the merge's bits (no special values, no
@@ -82,20 +84,25 @@ def stream(out, outs, config):
 
 # The merge's three passes, simplified (no NaN/inf cleaning, no fused mask, no pass-through, plain LSE-free store),
 # with the merge's tile (8 tokens x 1 head, [H, T] LSEs, 4 warps): name -> (tiles per program, max chunk, sum step,
-# weighted-sum step, given). A program of `tiles` > 1 merges that many consecutive tiles and computes the next
+# weighted-sum step, mode). A program of `tiles` > 1 merges that many consecutive tiles and computes the next
 # tile's maximum and sum inside the current tile's weighted-sum loop (one chunk or one sum step per weighted-sum
-# step): the same operations in the same order per tile, their round trips overlapped with the stream. `given`:
-# the maximum and sum read from a tensor (the weighted sum alone: the floor of any such overlap).
+# step): the same operations in the same order per tile, their round trips overlapped with the stream. Mode
+# "split": a first kernel (`_mz_kernel`) computes every position's maximum and sum with the same loops and stores
+# them, the second reads them and runs the weighted sum; "given": the second kernel alone (its floor).
 PASS_BLOCK_T = 8  # tokens of a tile (one head)
+MZ_BLOCK = 256  # LSE positions of a `_mz_kernel` program
 PASSES = {
-    "3 passes": (1, 32, 16, 8, False),
-    "3 passes, next tile's overlapped, 2 tiles": (2, 32, 16, 8, False),
-    "3 passes, next tile's overlapped, 4 tiles": (4, 32, 16, 8, False),
-    "3 passes, short steps": (1, 32, 8, 4, False),
-    "3 passes, short steps, overlapped, 2 tiles": (2, 32, 8, 4, False),
-    "3 passes, short steps, overlapped, 4 tiles": (4, 32, 8, 4, False),
-    "3 passes, short steps, chunks of 16, overlapped, 2 tiles": (2, 16, 8, 4, False),
-    "weighted sum only (m, z given)": (1, 32, 16, 8, True),
+    "3 passes": (1, 32, 16, 8, ""),
+    "3 passes, next tile's overlapped, 2 tiles": (2, 32, 16, 8, ""),
+    "3 passes, next tile's overlapped, 4 tiles": (4, 32, 16, 8, ""),
+    "3 passes, short steps": (1, 32, 8, 4, ""),
+    "3 passes, short steps, overlapped, 2 tiles": (2, 32, 8, 4, ""),
+    "3 passes, short steps, overlapped, 4 tiles": (4, 32, 8, 4, ""),
+    "3 passes, short steps, chunks of 16, overlapped, 2 tiles": (2, 16, 8, 4, ""),
+    "2 kernels: m, z; weighted sum": (1, 32, 16, 8, "split"),
+    "2 kernels: m, z; weighted sum, chunks of 8": (1, 8, 16, 8, "split"),
+    "2 kernels: m, z; weighted sum, steps of 4": (1, 32, 16, 4, "split"),
+    "weighted sum only (m, z given)": (1, 32, 16, 8, "given"),
 }
 
 
@@ -121,10 +128,26 @@ def _sum_step(z, k, m, lses_ptr, stride_ln, lse_offs, EXP_STEP: tl.constexpr):
 
 
 @triton.jit
+def _mz_kernel(mz_ptr, lses_ptr, stride_ln, num_positions, N: tl.constexpr, BLOCK: tl.constexpr,
+               CHUNK: tl.constexpr, EXP_STEP: tl.constexpr):
+    """Every position's maximum, then its sum of exponentials, with `passes`' loops: mz[0] = m, mz[1] = z."""
+    stride_ln = tl.cast(stride_ln, tl.int64)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    for k in range(0, N // CHUNK):
+        m = _chunk(m, k, lses_ptr, stride_ln, offs, CHUNK)
+    z = tl.zeros([BLOCK], tl.float32)
+    for k in range(0, N // EXP_STEP):
+        z = _sum_step(z, k, m, lses_ptr, stride_ln, offs, EXP_STEP)
+    tl.store(mz_ptr + offs, m)
+    tl.store(mz_ptr + num_positions + offs, z)
+
+
+@triton.jit
 def _passes_kernel(out_ptr, outs_ptr, lses_ptr, mz_ptr, stride_n, stride_ln, stride_lse_h, num_tiles,
                    N: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
                    TILES: tl.constexpr, CHUNK: tl.constexpr, EXP_STEP: tl.constexpr, OUT_STEP: tl.constexpr,
-                   GIVEN: tl.constexpr, EVICT: tl.constexpr):
+                   GIVEN: tl.constexpr, EVICT: tl.constexpr):  # GIVEN: m, z read from mz
     stride_n = tl.cast(stride_n, tl.int64)
     stride_ln = tl.cast(stride_ln, tl.int64)
     first = tl.program_id(0) * TILES
@@ -160,15 +183,22 @@ def _passes_kernel(out_ptr, outs_ptr, lses_ptr, mz_ptr, stride_n, stride_ln, str
 
 
 def passes(out, outs, lses, mz, config, evict="evict_first"):
-    tiles_per_program, chunk, exp_step, out_step, given = config
+    """One `PASSES` config over contiguous [N, T, H, D] outputs and [N, H, T] LSEs; mz: f32[2, H, T] (mode
+    "given": read; "split": written by the first kernel)."""
+    tiles_per_program, chunk, exp_step, out_step, mode = config
     n, T = outs.shape[:2]
     num_tiles = T // PASS_BLOCK_T * H
     assert n % chunk == 0 and n % exp_step == 0 and n % out_step == 0 and num_tiles % tiles_per_program == 0
     assert tiles_per_program == 1 or n // out_step >= n // chunk + n // exp_step
+    if mode == "split":
+        block = min(MZ_BLOCK, T * H)
+        assert (T * H) % block == 0
+        _mz_kernel[(T * H // block,)](mz, lses, lses.stride(0), T * H, N=n, BLOCK=block, CHUNK=chunk,
+                                      EXP_STEP=exp_step, num_warps=4)
     _passes_kernel[(num_tiles // tiles_per_program,)](
         out, outs, lses, mz, outs.stride(0), lses.stride(0), lses.stride(1), num_tiles, N=n, NUM_HEADS=H,
         HEAD_DIM=D, BLOCK_T=PASS_BLOCK_T, TILES=tiles_per_program, CHUNK=chunk, EXP_STEP=exp_step, OUT_STEP=out_step,
-        GIVEN=given, EVICT=evict, num_warps=4)
+        GIVEN=mode != "", EVICT=evict, num_warps=4)
 
 
 def gpu_us(fn) -> float:

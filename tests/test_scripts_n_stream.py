@@ -1,6 +1,7 @@
 """scripts/n_stream.py's simplified three-pass merges (a GPU diagnostic, docs/design.md "What the large-N merge
 still waits for") measure what they claim: a program of several tiles that overlaps the next tile's maximum and sum
-with this tile's weighted sum gives the one-tile program's bits, and both are the float64 merge to f32 rounding.
+with this tile's weighted sum, and a split into a maximum-and-sum kernel and a weighted-sum kernel, give the one-tile
+program's bits, and all are the float64 merge to f32 rounding.
 Triton's interpreter on a CPU, compiled on a GPU."""
 
 import sys
@@ -31,9 +32,9 @@ def test_overlapped_passes_keep_the_bits_and_the_merge(small):
     want = (outs.double() * (e / e.sum(0)).permute(0, 2, 1)[..., None]).sum(0)
     mz = torch.stack([lses.max(0).values, e.sum(0).float()])
     got = {}
-    for tiles_per_program, given in ((1, False), (2, False), (4, False), (1, True)):
+    for tiles_per_program, mode in ((1, ""), (2, ""), (4, ""), (1, "split"), (1, "given")):
         out = torch.zeros_like(outs[0])
-        n_stream.passes(out, outs, lses, mz, (tiles_per_program, 8, 8, 2, given), evict="")
-        got[tiles_per_program, given] = out
+        n_stream.passes(out, outs, lses, mz.clone(), (tiles_per_program, 8, 8, 2, mode), evict="")
+        got[tiles_per_program, mode] = out
         assert (out.double() - want).abs().max().item() < 1e-5
-    assert torch.equal(got[1, False], got[2, False]) and torch.equal(got[1, False], got[4, False])
+    assert all(torch.equal(got[1, ""], got[key]) for key in ((2, ""), (4, ""), (1, "split")))
