@@ -72,12 +72,22 @@ N_LOOPS = {
 # it. Measured on the H200: a gain at N = 128 and 256, a loss at N = 8 and 16 (docs/design.md, "evict_first beyond
 # 16 partials").
 N_OUTPUTS_EVICT = {"triton": "evict_first", "pallas": "evict_first"}
+# Beyond N_SPLIT_ABOVE partials the N-way merge runs in two kernels (docs/design.md, "Two kernels beyond 16
+# partials"): the first computes every LSE position's maximum and sum over the partials' LSEs (their N_LOOPS
+# max_chunk and exp_step) and stores them, the second reads them and runs the weighted sum of the outputs (out_step):
+# the output bytes stream without the first two passes' round trips. The same operations in the same order per
+# position: no bit depends on it. The first kernel's program owns MAX_SUM_POSITIONS LSE positions (a run of tokens
+# of one head in [H, T], whole heads' rows in [T, H]) with MAX_SUM_WARPS warps.
+N_SPLIT_ABOVE = constants.UNROLLED_PARTIALS
+MAX_SUM_POSITIONS = 256
+MAX_SUM_WARPS = 4
 # The context-parallel rescale reads one partial's tile and writes one: it takes the N-way tile of two partials
 # (the 2-way merge's bytes per tile).
 RESCALE_TILE_PARTIALS = 2
 
 KNOBS = ("MASK_NUM_WARPS", "MASK_TILE_H", "ZERO_TILE_ELEMS", "MASK_TARGET_PROGRAMS", "MASK_ZERO_SPLIT",
-         "MASK_LSE_SPLIT", "MERGE_TILES", "MERGE_N_TILES", "N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT")
+         "MASK_LSE_SPLIT", "MERGE_TILES", "MERGE_N_TILES", "N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT",
+         "N_SPLIT_ABOVE", "MAX_SUM_POSITIONS", "MAX_SUM_WARPS")
 
 
 def set_knobs(**values) -> dict:
@@ -163,6 +173,24 @@ def n_loops(framework: str, variant: str) -> tuple[int, int, int]:
 def outputs_evict(framework: str, num_partials: int) -> str:
     """The eviction policy of the N-way merge's output-tile loads at N = `num_partials` (`N_OUTPUTS_EVICT`)."""
     return N_OUTPUTS_EVICT[framework] if num_partials > constants.UNROLLED_PARTIALS else ""
+
+
+def split_passes(num_partials: int) -> bool:
+    """Whether the N-way merge of `num_partials` partials runs in two kernels (`N_SPLIT_ABOVE`)."""
+    return num_partials > N_SPLIT_ABOVE
+
+
+def max_sum_tiles(num_heads: int, lse_layout: str) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_H) of a program of the split N-way merge's first kernel: MAX_SUM_POSITIONS LSE positions,
+    a run of tokens of one head in [H, T] layout, every head (up to the budget) of a few tokens in [T, H]."""
+    block_h = 1 if lse_layout == "HT" else min(next_pow2(num_heads), MAX_SUM_POSITIONS)
+    return max(1, MAX_SUM_POSITIONS // block_h), block_h
+
+
+def max_sum_grid(num_tokens: int, num_heads: int, lse_layout: str) -> tuple[int]:
+    """The first kernel's grid, head blocks fastest as the merges'."""
+    block_t, block_h = max_sum_tiles(num_heads, lse_layout)
+    return (cdiv(num_tokens, block_t) * cdiv(num_heads, block_h),)
 
 
 def loop_steps(count: int, num_partials: int, step: int) -> int:

@@ -58,8 +58,8 @@ def _load_lse(ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=()):
                            other=-jnp.inf)
 
 
-def _store_lse(ref, t0, h0, block_t, block_h, value, th_mask, lse_layout):
-    pltriton.store(ref.at[_lse_index(t0, h0, block_t, block_h, lse_layout)], value, mask=th_mask)
+def _store_lse(ref, t0, h0, block_t, block_h, value, th_mask, lse_layout, lead=()):
+    pltriton.store(ref.at[_lse_index(t0, h0, block_t, block_h, lse_layout, lead)], value, mask=th_mask)
 
 
 def _program_tile(num_tokens, num_heads, head_dim, block_t, block_h, block_d):
@@ -146,14 +146,20 @@ def _partial_lse_chunk(lses_ref, first, chunk, num_partials, t0, h0, block_t, bl
     return lse
 
 
+def _lse_where(*, t0, h0, block_t, block_h, th_mask, cu_ref, num_requests, req, in_req, lse_layout, fused_mask):
+    """Where a program's partial LSE tiles are (`_partial_lse`'s and `_partial_lse_chunk`'s keywords)."""
+    return dict(t0=t0, h0=h0, block_t=block_t, block_h=block_h, th_mask=th_mask, cu_ref=cu_ref,
+                cu_row=num_requests + 1, req=req, in_req=in_req, lse_layout=lse_layout, fused_mask=fused_mask)
+
+
 def _max_and_sum(lses_ref, num_partials, lse_base2, output_lse, *, t0, h0, block_t, block_h, th_mask, cu_ref,
                  num_requests, req, in_req, lse_layout, fused_mask):
     """(lse_i, m, all_empty, z) of the N-way weights (8.2, 8.3), as the Triton kernels' `_max_and_sum`:
     `_math.n_way_max_and_sum` over the program's LSE tiles (`_partial_lse`; for the maximum beyond
     UNROLLED_PARTIALS `_partial_lse_chunk`) with the variant's loops (`tiles.N_LOOPS`). `lse_i(i)`: partial i's
     tile, for the weights."""
-    where = dict(t0=t0, h0=h0, block_t=block_t, block_h=block_h, th_mask=th_mask, cu_ref=cu_ref,
-                 cu_row=num_requests + 1, req=req, in_req=in_req, lse_layout=lse_layout, fused_mask=fused_mask)
+    where = _lse_where(t0=t0, h0=h0, block_t=block_t, block_h=block_h, th_mask=th_mask, cu_ref=cu_ref,
+                       num_requests=num_requests, req=req, in_req=in_req, lse_layout=lse_layout, fused_mask=fused_mask)
     lse_i = functools.partial(_partial_lse, lses_ref, **where)
     chunk, exp_step, _ = tiles.n_loops("pallas", tiles.merge_variant(output_lse, fused_mask))
     lse_chunk = functools.partial(_partial_lse_chunk, lses_ref, chunk=max(chunk, 1), num_partials=num_partials,

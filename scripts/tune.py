@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 import pallas_impl  # noqa: E402
 import triton_impl  # noqa: E402
-from mla_lse_common import tiles  # noqa: E402
+from mla_lse_common import constants, tiles  # noqa: E402
 from parity.library import bridge
 from parity.harness import cases  # noqa: E402
 from parity.tools.bench import points, timers  # noqa: E402
@@ -71,27 +71,31 @@ def layouts(args) -> list[tuple[str, str]]:
 
 
 COMMITTED = {k: copy.deepcopy(getattr(tiles, k)) for k in ("MERGE_TILES", "MERGE_N_TILES")}
-DEFAULT_KNOBS = {k: getattr(tiles, k) for k in ("N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT")}
-HINTS = {"ef": "evict_first", "normal": ""}  # +hint: N_OUTPUTS_EVICT of both frameworks
+DEFAULT_KNOBS = {k: getattr(tiles, k) for k in ("N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT", "N_SPLIT_ABOVE")}
+# +hint: knobs of both frameworks; +ef / +normal: N_OUTPUTS_EVICT; +single: the N-way merge in one kernel at every N,
+# +split: in two beyond UNROLLED_PARTIALS (N_SPLIT_ABOVE)
+HINTS = {"ef": dict(N_OUTPUTS_EVICT={fw: "evict_first" for fw in tiles.FRAMEWORKS}),
+         "normal": dict(N_OUTPUTS_EVICT={fw: "" for fw in tiles.FRAMEWORKS}),
+         "single": dict(N_SPLIT_ABOVE=1 << 30), "split": dict(N_SPLIT_ABOVE=constants.UNROLLED_PARTIALS)}
 
 
 def parse_tile(text: str) -> dict:
-    """"bytes,fewest_tokens,warps[/lo,hi[/chunk,exp_step,out_step]][+hint]" or "committed[+hint]": a tile (or the
-    committed tables), and for merge_n optionally the bounds of one partial's tile (`N_TILE_BYTES`), the loops beyond
-    UNROLLED_PARTIALS (`N_LOOPS`: max_chunk, exp_step, out_step) and the policy of the partials' output loads there
-    (`N_OUTPUTS_EVICT`: +ef evict_first, +normal the default), for every variant of both frameworks."""
-    text, _, hint = text.partition("+")
+    """"bytes,fewest_tokens,warps[/lo,hi[/chunk,exp_step,out_step]][+hint...]" or "committed[+hint...]": a tile (or
+    the committed tables), and for merge_n optionally the bounds of one partial's tile (`N_TILE_BYTES`), the loops
+    beyond UNROLLED_PARTIALS (`N_LOOPS`: max_chunk, exp_step, out_step) and `HINTS` (the policy of the partials'
+    output loads there, one kernel or two), for every variant of both frameworks."""
+    text, *hints = text.split("+")
     parts = [None] if text == "committed" else [tuple(int(v) for v in p.split(",")) for p in text.split("/")]
     knobs = dict(DEFAULT_KNOBS)
-    if hint:
+    for hint in hints:
         if hint not in HINTS:
-            raise argparse.ArgumentTypeError(f"the load hints are {sorted(HINTS)}, got +{hint}")
-        knobs["N_OUTPUTS_EVICT"] = {fw: HINTS[hint] for fw in tiles.FRAMEWORKS}
+            raise argparse.ArgumentTypeError(f"the hints are {sorted(HINTS)}, got +{hint}")
+        knobs.update(HINTS[hint])
     if len(parts) > 1:
         knobs["N_TILE_BYTES"] = parts[1]
     if len(parts) > 2:
         knobs["N_LOOPS"] = {fw: {v: tuple(parts[2]) for v in ("plain", "lse", "fused")} for fw in tiles.FRAMEWORKS}
-    return dict(tile=parts[0], knobs=knobs, label=text + (f"+{hint}" if hint else ""))
+    return dict(tile=parts[0], knobs=knobs, label="+".join([text, *hints]))
 
 
 def set_merge_tiles(tile, table: str = "MERGE_TILES") -> None:

@@ -56,12 +56,15 @@ class CpPlan(NamedTuple):
     num_requests: int  # R of the fused mask, -1 without it
 
 
-def n_way_loops(variant: str, num_partials: int, *, weighted_sum: bool = True) -> dict:
-    """The constexprs of `_device._max_and_sum`'s loops (and, with weighted_sum, the N-way merge's weighted sum) for
-    N = `num_partials` partials of `variant`: `tiles.N_LOOPS` partitioned by `tiles.max_chunks` and `loop_steps`."""
+def n_way_loops(variant: str, num_partials: int, *, max_and_sum: bool = True, weighted_sum: bool = True) -> dict:
+    """The constexprs of `_device._max_and_sum`'s loops (unless max_and_sum=False) and of the N-way merge's weighted
+    sum (unless weighted_sum=False) for N = `num_partials` partials of `variant`: `tiles.N_LOOPS` partitioned by
+    `tiles.max_chunks` and `loop_steps`."""
     chunk, exp_step, out_step = tiles.n_loops("triton", variant)
-    loops = dict(LSE_STEPS=tiles.loop_steps(num_partials - 1, num_partials, exp_step), EXP_STEP=exp_step,
-                 MAX_CHUNKS=tiles.max_chunks(num_partials, chunk), MAX_CHUNK=max(chunk, 1))
+    loops = {}
+    if max_and_sum:
+        loops.update(LSE_STEPS=tiles.loop_steps(num_partials - 1, num_partials, exp_step), EXP_STEP=exp_step,
+                     MAX_CHUNKS=tiles.max_chunks(num_partials, chunk), MAX_CHUNK=max(chunk, 1))
     if weighted_sum:
         loops.update(OUT_STEPS=tiles.loop_steps(num_partials - 2, num_partials, out_step), OUT_STEP=out_step)
     return loops
