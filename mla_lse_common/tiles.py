@@ -74,12 +74,16 @@ N_LOOPS = {
 N_OUTPUTS_EVICT = {"triton": "evict_first", "pallas": "evict_first"}
 # Beyond N_SPLIT_ABOVE partials the N-way merge runs in two kernels (docs/design.md, "Two kernels beyond 16
 # partials"): the first computes every LSE position's maximum and sum over the partials' LSEs (their N_LOOPS
-# max_chunk and exp_step) and stores them, the second reads them and runs the weighted sum of the outputs (out_step):
-# the output bytes stream without the first two passes' round trips. The same operations in the same order per
-# position: no bit depends on it. The first kernel's program owns MAX_SUM_POSITIONS LSE positions (a run of tokens
-# of one head in [H, T], whole heads' rows in [T, H]) with MAX_SUM_WARPS warps.
+# max_chunk and exp_step) and, with N_SPLIT_WEIGHTS, every partial's weight, and stores them in the LSEs' layout; the
+# second reads them and runs the weighted sum of the outputs (out_step), without the first two passes' round trips
+# (and, given the weights, without an exponential or the fused mask's offsets per partial). The same operations in
+# the same order per position: no bit depends on it. A first-kernel program owns MAX_SUM_POSITIONS LSE positions
+# with MAX_SUM_WARPS warps: a run of tokens of one head in [H, T] layout (MAX_SUM_FUSED_HEADS heads with the fused
+# mask, whose offsets are read per token), whole heads' rows in [T, H].
 N_SPLIT_ABOVE = constants.UNROLLED_PARTIALS
+N_SPLIT_WEIGHTS = {"triton": True, "pallas": True}
 MAX_SUM_POSITIONS = 256
+MAX_SUM_FUSED_HEADS = 8
 MAX_SUM_WARPS = 4
 # The context-parallel rescale reads one partial's tile and writes one: it takes the N-way tile of two partials
 # (the 2-way merge's bytes per tile).
@@ -87,7 +91,7 @@ RESCALE_TILE_PARTIALS = 2
 
 KNOBS = ("MASK_NUM_WARPS", "MASK_TILE_H", "ZERO_TILE_ELEMS", "MASK_TARGET_PROGRAMS", "MASK_ZERO_SPLIT",
          "MASK_LSE_SPLIT", "MERGE_TILES", "MERGE_N_TILES", "N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT",
-         "N_SPLIT_ABOVE", "MAX_SUM_POSITIONS", "MAX_SUM_WARPS")
+         "N_SPLIT_ABOVE", "N_SPLIT_WEIGHTS", "MAX_SUM_POSITIONS", "MAX_SUM_FUSED_HEADS", "MAX_SUM_WARPS")
 
 
 def set_knobs(**values) -> dict:
@@ -180,16 +184,25 @@ def split_passes(num_partials: int) -> bool:
     return num_partials > N_SPLIT_ABOVE
 
 
-def max_sum_tiles(num_heads: int, lse_layout: str) -> tuple[int, int]:
+def split_weights(framework: str) -> bool:
+    """Whether the split merge's first kernel also stores the weights (`N_SPLIT_WEIGHTS`)."""
+    return N_SPLIT_WEIGHTS[framework]
+
+
+def max_sum_tiles(num_heads: int, lse_layout: str, fused: bool = False) -> tuple[int, int]:
     """(BLOCK_T, BLOCK_H) of a program of the split N-way merge's first kernel: MAX_SUM_POSITIONS LSE positions,
-    a run of tokens of one head in [H, T] layout, every head (up to the budget) of a few tokens in [T, H]."""
-    block_h = 1 if lse_layout == "HT" else min(next_pow2(num_heads), MAX_SUM_POSITIONS)
+    a run of tokens of one head (MAX_SUM_FUSED_HEADS heads when `fused`) in [H, T] layout, every head (up to the
+    budget) of a few tokens in [T, H]."""
+    if lse_layout == "HT":
+        block_h = min(next_pow2(num_heads), MAX_SUM_FUSED_HEADS) if fused else 1
+    else:
+        block_h = min(next_pow2(num_heads), MAX_SUM_POSITIONS)
     return max(1, MAX_SUM_POSITIONS // block_h), block_h
 
 
-def max_sum_grid(num_tokens: int, num_heads: int, lse_layout: str) -> tuple[int]:
+def max_sum_grid(num_tokens: int, num_heads: int, lse_layout: str, fused: bool = False) -> tuple[int]:
     """The first kernel's grid, head blocks fastest as the merges'."""
-    block_t, block_h = max_sum_tiles(num_heads, lse_layout)
+    block_t, block_h = max_sum_tiles(num_heads, lse_layout, fused)
     return (cdiv(num_tokens, block_t) * cdiv(num_heads, block_h),)
 
 

@@ -27,8 +27,9 @@
 #   limits        what limits the N-way merge at large N (scripts/n_stream.py: the merge beside a stream of its
 #                 bytes and beside simplified three-pass merges, overlapped or split in two kernels), then the
 #                 all-gather view at N = 8 and 16 with larger tiles: n_stream.* gather_*.json
-#   split         the N-way merge in two kernels beyond 16 partials beside one kernel (scripts/tune.py), the full
-#                 check, the N-way GPU tests, first calls: tune_*.json check* pytest.log wide_n_compile.*
+#   split         the N-way merge in two kernels beyond 16 partials (weights stored, or m and z only) beside one
+#                 kernel (scripts/tune.py), the full check, the N-way GPU tests, first calls: tune_*.json check*
+#                 pytest.log wide_n_compile.*
 #   verify_tests  the GPU tests (`pytest -m gpu -v -rf`: a timeout still names what ran and failed), then the
 #                 first-call compile times (wide_n.py compile): pytest.log wide_n_compile.*
 #   all           tests, bench, then more
@@ -173,22 +174,21 @@ if [ "$PLAN" = limits ]; then
     done
 fi
 if [ "$PLAN" = split ]; then
-    # The N-way merge in two kernels beyond UNROLLED_PARTIALS (committed) beside one kernel (+single), one process
-    # per step, both frameworks: N = 128 and 256 at T = 8192, both LSE layouts, plain / LSE / fused; the full check
-    # (Pallas on its Triton backend); the N-way and loop GPU tests; the first calls at N = 64 / 256; N = 32 / 64.
-    TUNE=("$PY" scripts/tune.py merge_n --heads 64 --dims 128 --tokens 8192)
-    step tune_ht 120 420 "$OUT/tune_ht.log" "${TUNE[@]}" --partials 128 256 --lse-layout HT \
-        --variants plain lse fused --budget-s 100 --tiles committed committed+single --json "$OUT/tune_ht.json"
-    step tune_th 100 320 "$OUT/tune_th.log" "${TUNE[@]}" --partials 128 256 --lse-layout TH \
-        --variants plain lse fused --budget-s 80 --tiles committed committed+single --json "$OUT/tune_th.json"
-    step check 110 210 "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json"
+    # The N-way merge in two kernels beyond UNROLLED_PARTIALS, its first kernel storing the weights (committed),
+    # or m and z only (+mz), beside one kernel (+single) and other loops, one process per step, both frameworks:
+    # N = 128 and 256 at T = 8192, both LSE layouts, plain / LSE / fused; the full check (Pallas on its Triton
+    # backend); the N-way GPU tests; the first calls at N = 64 / 256.
+    TUNE=("$PY" scripts/tune.py merge_n --heads 64 --dims 128 --tokens 8192 --partials 128 256 --variants plain lse fused)
+    step tune_ht 150 300 "$OUT/tune_ht.log" "${TUNE[@]}" --lse-layout HT --budget-s 130 --tiles committed \
+        committed+mz committed+single committed/committed/32,16,8 --json "$OUT/tune_ht.json"
+    step tune_th 90 220 "$OUT/tune_th.log" "${TUNE[@]}" --lse-layout TH --budget-s 75 \
+        --tiles committed committed+mz committed+single --json "$OUT/tune_th.json"
+    step check 110 110 "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json"
     # shellcheck disable=SC2086
-    step pytest 110 100 "$OUT/pytest.log" "$PY" -m pytest -q -rfs -m gpu $XDIST tests/test_merge_limits.py \
+    step pytest 80 60 "$OUT/pytest.log" "$PY" -m pytest -q -rfs -m gpu $XDIST tests/test_merge_limits.py \
         tests/test_triton_merge_n.py tests/test_pallas_merge_n.py tests/test_op_merge_n.py tests/test_kernels_agree.py
-    step wide_n_compile 90 40 "$OUT/wide_n_compile.log" "$PY" scripts/wide_n.py --part compile --ns 64,256 \
+    step wide_n_compile 70 0 "$OUT/wide_n_compile.log" "$PY" scripts/wide_n.py --part compile --ns 64,256 \
         --json "$OUT/wide_n_compile.json"
-    step tune_mid 40 0 "$OUT/tune_mid.log" "${TUNE[@]}" --partials 32 64 --variants plain lse --budget-s 30 \
-        --tiles committed committed+single --json "$OUT/tune_mid.json"
 fi
 if [ "$PLAN" = verify ]; then
     # GPU_TESTS (default: the N-way merge's and the loop's files) run after the N-way merge's speed; the Mosaic GPU

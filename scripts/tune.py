@@ -71,27 +71,31 @@ def layouts(args) -> list[tuple[str, str]]:
 
 
 COMMITTED = {k: copy.deepcopy(getattr(tiles, k)) for k in ("MERGE_TILES", "MERGE_N_TILES")}
-DEFAULT_KNOBS = {k: getattr(tiles, k) for k in ("N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT", "N_SPLIT_ABOVE")}
+DEFAULT_KNOBS = {k: getattr(tiles, k) for k in ("N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT", "N_SPLIT_ABOVE",
+                                              "N_SPLIT_WEIGHTS")}
 # +hint: knobs of both frameworks; +ef / +normal: N_OUTPUTS_EVICT; +single: the N-way merge in one kernel at every N,
-# +split: in two beyond UNROLLED_PARTIALS (N_SPLIT_ABOVE)
+# +split: in two beyond UNROLLED_PARTIALS (N_SPLIT_ABOVE); +mz / +w: its first kernel stores m and z only / the
+# weights too (N_SPLIT_WEIGHTS)
 HINTS = {"ef": dict(N_OUTPUTS_EVICT={fw: "evict_first" for fw in tiles.FRAMEWORKS}),
          "normal": dict(N_OUTPUTS_EVICT={fw: "" for fw in tiles.FRAMEWORKS}),
-         "single": dict(N_SPLIT_ABOVE=1 << 30), "split": dict(N_SPLIT_ABOVE=constants.UNROLLED_PARTIALS)}
+         "single": dict(N_SPLIT_ABOVE=1 << 30), "split": dict(N_SPLIT_ABOVE=constants.UNROLLED_PARTIALS),
+         "mz": dict(N_SPLIT_WEIGHTS={fw: False for fw in tiles.FRAMEWORKS}),
+         "w": dict(N_SPLIT_WEIGHTS={fw: True for fw in tiles.FRAMEWORKS})}
 
 
 def parse_tile(text: str) -> dict:
-    """"bytes,fewest_tokens,warps[/lo,hi[/chunk,exp_step,out_step]][+hint...]" or "committed[+hint...]": a tile (or
-    the committed tables), and for merge_n optionally the bounds of one partial's tile (`N_TILE_BYTES`), the loops
+    """"bytes,fewest_tokens,warps[/lo,hi[/chunk,exp_step,out_step]][+hint...]", "committed" in place of the tile or
+    of the bounds: a tile (or the committed tables), and for merge_n optionally the bounds of one partial's tile (`N_TILE_BYTES`), the loops
     beyond UNROLLED_PARTIALS (`N_LOOPS`: max_chunk, exp_step, out_step) and `HINTS` (the policy of the partials'
     output loads there, one kernel or two), for every variant of both frameworks."""
     text, *hints = text.split("+")
-    parts = [None] if text == "committed" else [tuple(int(v) for v in p.split(",")) for p in text.split("/")]
+    parts = [None if p == "committed" else tuple(int(v) for v in p.split(",")) for p in text.split("/")]
     knobs = dict(DEFAULT_KNOBS)
     for hint in hints:
         if hint not in HINTS:
             raise argparse.ArgumentTypeError(f"the hints are {sorted(HINTS)}, got +{hint}")
         knobs.update(HINTS[hint])
-    if len(parts) > 1:
+    if len(parts) > 1 and parts[1] is not None:
         knobs["N_TILE_BYTES"] = parts[1]
     if len(parts) > 2:
         knobs["N_LOOPS"] = {fw: {v: tuple(parts[2]) for v in ("plain", "lse", "fused")} for fw in tiles.FRAMEWORKS}

@@ -36,29 +36,53 @@ from triton_impl._device import (_copied_lse, _max_and_sum, _merged_lse, _partia
 
 
 @triton.jit
-def _store_max_and_sum(mz_ptr, stride_mz, mz_offs, th_mask, m, all_empty, z):
-    """m (-inf where every partial is empty) and z of `_max_and_sum` to planes 0 and 1 of the split merge's f32[2, ...]
-    buffer (the first kernel), for `_given_max_and_sum`."""
-    tl.store(mz_ptr + mz_offs, tl.where(all_empty, float("-inf"), m), mask=th_mask)
-    tl.store(mz_ptr + stride_mz + mz_offs, z, mask=th_mask)
+def _store_max_and_sum(wlse_ptr, stride_wlse_n, wlse_offs, th_mask, m, all_empty, z):
+    """m (-inf where every partial is empty) and z of `_max_and_sum` to planes 0 and 1 of the split merge's buffer
+    (its first kernel), for `_given_max_and_sum`."""
+    tl.store(wlse_ptr + wlse_offs, tl.where(all_empty, float("-inf"), m), mask=th_mask)
+    tl.store(wlse_ptr + stride_wlse_n + wlse_offs, z, mask=th_mask)
 
 
 @triton.jit
-def _given_max_and_sum(mz_ptr, stride_mz, mz_offs, th_mask):
+def _given_max_and_sum(wlse_ptr, stride_wlse_n, wlse_offs, th_mask):
     """(m, all_empty, z) of `_max_and_sum`, read back from the buffer `_store_max_and_sum` wrote: the same values."""
-    m = tl.load(mz_ptr + mz_offs, mask=th_mask, other=float("-inf"))
-    z = tl.load(mz_ptr + stride_mz + mz_offs, mask=th_mask, other=1.0)
+    m = tl.load(wlse_ptr + wlse_offs, mask=th_mask, other=float("-inf"))
+    z = tl.load(wlse_ptr + stride_wlse_n + wlse_offs, mask=th_mask, other=1.0)
     all_empty = m == float("-inf")
     return tl.where(all_empty, 0.0, m), all_empty, z
 
 
 @triton.jit
+def _weight(i, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, z, wlse_ptr,
+            stride_wlse_n, wlse_offs, LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr, INTERPRET: tl.constexpr,
+            GIVEN_W: tl.constexpr):
+    """w_i = e_i / z of partial i (8.3), or with GIVEN_W the split merge's first kernel's (plane 2 + i of its
+    buffer, `_store_weight`): the same bits."""
+    if GIVEN_W:
+        w = tl.load(wlse_ptr + (2 + i) * stride_wlse_n + wlse_offs, mask=th_mask, other=0.0)
+    else:
+        w = _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, LSE_BASE2,
+                         FUSED_MASK, INTERPRET) / z
+    return w
+
+
+@triton.jit
+def _store_weight(i, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, z, wlse_ptr,
+                  stride_wlse_n, wlse_offs, LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """w_i = e_i / z of partial i to plane 2 + i of the split merge's buffer (its first kernel)."""
+    tl.store(wlse_ptr + (2 + i) * stride_wlse_n + wlse_offs,
+             _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, LSE_BASE2,
+                          FUSED_MASK, INTERPRET) / z, mask=th_mask)
+
+
+@triton.jit
 def _out_step(out, i, outs_ptr, stride_o_n, o_offs, thd_mask, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr,
-              stride_cu_n, req, in_req, m, z, LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr,
-              INTERPRET: tl.constexpr, OUT_EVICT: tl.constexpr):
+              stride_cu_n, req, in_req, m, z, wlse_ptr, stride_wlse_n, wlse_offs, LSE_BASE2: tl.constexpr,
+              FUSED_MASK: tl.constexpr, INTERPRET: tl.constexpr, OUT_EVICT: tl.constexpr, GIVEN_W: tl.constexpr):
     """out + w_i * o_i, w_i = e_i / z: one step of the weighted sum (8.3)."""
-    w = _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, LSE_BASE2,
-                     FUSED_MASK, INTERPRET) / z
+    w = _weight(i, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, z, wlse_ptr,
+                stride_wlse_n, wlse_offs, LSE_BASE2, FUSED_MASK, INTERPRET, GIVEN_W)
     return out + _weighted(tl.load(outs_ptr + i * stride_o_n + o_offs, mask=thd_mask, other=0.0,
                                    eviction_policy=OUT_EVICT), w)
 
@@ -67,14 +91,14 @@ def _out_step(out, i, outs_ptr, stride_o_n, o_offs, thd_mask, lses_ptr, stride_l
 # partial stride, the offsets' partial stride and, in [H, T] layout, the LSE head strides). The other LSE strides
 # and the output strides (multiples of H * D) stay specialised: their divisibility lets the loads of every
 # partial's tile be 16 bytes wide.
-@_backend.jit_per_lse_layout(runtime=["num_tokens", "num_requests", "stride_mz", "stride_lse_n", "stride_cu_n"],
-                             lse_head_strides=["stride_mz_h", "stride_lse_h"])
-def _merge_n_max_and_sum_kernel(
-    mz_ptr,  # f32[2, H, T] ([2, T, H]) via (stride_mz, stride_mz_h, stride_mz_t): m, then z
+@_backend.jit_per_lse_layout(runtime=["num_tokens", "num_requests", "stride_wlse_n", "stride_lse_n", "stride_cu_n"],
+                             lse_head_strides=["stride_wlse_h", "stride_lse_h"])
+def _merge_n_weights_kernel(
+    wlse_ptr,  # f32[2 (+ N), H, T] ([.., T, H]) via (stride_wlse_n, stride_wlse_h, stride_wlse_t): m, z (, w_i)
     lses_ptr,  # f32[N, H, T] via (stride_lse_n, stride_lse_h, stride_lse_t)
     qsl_ptr,  # i32[R+1] query_start_loc; unused unless FUSED_MASK
     cu_ptr,  # i32[N, R+1] each partial's KV offsets via (stride_cu_n, 1); unused unless FUSED_MASK
-    stride_mz, stride_mz_h, stride_mz_t,
+    stride_wlse_n, stride_wlse_h, stride_wlse_t,
     stride_lse_n, stride_lse_h, stride_lse_t,
     stride_cu_n,
     num_tokens,  # T
@@ -82,24 +106,36 @@ def _merge_n_max_and_sum_kernel(
     NUM_PARTIALS: tl.constexpr, NUM_HEADS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     SCAN: tl.constexpr, N_INTERPRET: tl.constexpr, LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr,
     INTERPRET: tl.constexpr, LSE_STEPS: tl.constexpr, EXP_STEP: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-    MAX_CHUNK: tl.constexpr,
+    MAX_CHUNK: tl.constexpr, STORE_WEIGHTS: tl.constexpr, W_STEPS: tl.constexpr,
 ):
     """The first kernel of a split merge (`tiles.split_passes`): m and z of a [BLOCK_T, BLOCK_H] tile of LSE
-    positions (`tiles.max_sum_tiles`), as the merge kernel computes them, stored for its weighted sum."""
+    positions (`tiles.max_sum_tiles`) and, with STORE_WEIGHTS, every partial's weight w_i = e_i / z (W_STEPS
+    runtime steps of EXP_STEP partials, the rest unrolled), as the merge kernel computes them, stored for its
+    weighted sum."""
     t, t_mask, th_mask, _, t64, h64, _ = _program_tile(num_tokens, NUM_HEADS, 1, BLOCK_T, BLOCK_H, 1)
+    lse_offs = h64 * stride_lse_h + t64 * stride_lse_t
+    wlse_offs = h64 * stride_wlse_h + t64 * stride_wlse_t
     stride_lse_n = tl.cast(stride_lse_n, tl.int64)
     stride_cu_n = tl.cast(stride_cu_n, tl.int64)
+    stride_wlse_n = tl.cast(stride_wlse_n, tl.int64)
     req, in_req = _token_requests(qsl_ptr, t, t_mask, num_requests, SCAN, N_INTERPRET, FUSED_MASK)
-    m, all_empty, z = _max_and_sum(lses_ptr, stride_lse_n, h64 * stride_lse_h + t64 * stride_lse_t, th_mask, cu_ptr,
-                                   stride_cu_n, req, in_req, NUM_PARTIALS, LSE_BASE2, FUSED_MASK, INTERPRET, LSE_STEPS,
-                                   EXP_STEP, MAX_CHUNKS, MAX_CHUNK)
-    _store_max_and_sum(mz_ptr, tl.cast(stride_mz, tl.int64), h64 * stride_mz_h + t64 * stride_mz_t, th_mask, m,
-                       all_empty, z)
+    m, all_empty, z = _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
+                                   NUM_PARTIALS, LSE_BASE2, FUSED_MASK, INTERPRET, LSE_STEPS, EXP_STEP, MAX_CHUNKS,
+                                   MAX_CHUNK)
+    _store_max_and_sum(wlse_ptr, stride_wlse_n, wlse_offs, th_mask, m, all_empty, z)
+    if STORE_WEIGHTS:
+        for k in range(0, W_STEPS):
+            for j in tl.static_range(EXP_STEP):
+                _store_weight(k * EXP_STEP + j, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req,
+                              in_req, m, z, wlse_ptr, stride_wlse_n, wlse_offs, LSE_BASE2, FUSED_MASK, INTERPRET)
+        for i in tl.static_range(W_STEPS * EXP_STEP, NUM_PARTIALS):
+            _store_weight(i, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, z, wlse_ptr,
+                          stride_wlse_n, wlse_offs, LSE_BASE2, FUSED_MASK, INTERPRET)
 
 
 @_backend.jit_per_lse_layout(runtime=["num_tokens", "prefill_tokens_with_context", "num_requests", "stride_lse_n",
-                               "stride_cu_n", "stride_mz"], lse_head_strides=["stride_olse_h", "stride_lse_h",
-                                                                              "stride_mz_h"])
+                               "stride_cu_n", "stride_wlse_n"], lse_head_strides=["stride_olse_h", "stride_lse_h",
+                                                                              "stride_wlse_h"])
 def _merge_attn_states_n_kernel(
     out_ptr,  # dtype[T, H, D] (or fp8) via (stride_out_t, stride_out_h, stride_out_d)
     out_lse_ptr,  # f32[H, T] via (stride_olse_h, stride_olse_t); unused unless OUTPUT_LSE
@@ -108,13 +144,13 @@ def _merge_attn_states_n_kernel(
     scale_ptr,  # f32[1] output scale; unused unless FP8_OUT
     qsl_ptr,  # i32[R+1] query_start_loc; unused unless FUSED_MASK
     cu_ptr,  # i32[N, R+1] each partial's KV offsets via (stride_cu_n, 1); unused unless FUSED_MASK
-    mz_ptr,  # f32[2, H, T] ([2, T, H]): the first kernel's m and z; unused unless GIVEN_MZ
+    wlse_ptr,  # f32[2 (+ N), H, T] ([.., T, H]): the first kernel's m, z (, w_i); unused unless GIVEN_MZ
     stride_out_t, stride_out_h, stride_out_d,
     stride_o_n, stride_o_t, stride_o_h, stride_o_d,
     stride_olse_h, stride_olse_t,
     stride_lse_n, stride_lse_h, stride_lse_t,
     stride_cu_n,
-    stride_mz, stride_mz_h, stride_mz_t,
+    stride_wlse_n, stride_wlse_h, stride_wlse_t,
     num_tokens,  # T
     prefill_tokens_with_context,  # tokens at or past it copy the last partial (8.4); runtime value
     num_requests,  # R; runtime value
@@ -124,7 +160,7 @@ def _merge_attn_states_n_kernel(
     LSE_BASE2: tl.constexpr, OUTPUT_LSE: tl.constexpr, FUSED_MASK: tl.constexpr, FP8_OUT: tl.constexpr,
     INTERPRET: tl.constexpr, LSE_STEPS: tl.constexpr, OUT_STEPS: tl.constexpr, EXP_STEP: tl.constexpr,
     OUT_STEP: tl.constexpr, MAX_CHUNKS: tl.constexpr, MAX_CHUNK: tl.constexpr, OUT_EVICT: tl.constexpr,
-    GIVEN_MZ: tl.constexpr,
+    GIVEN_MZ: tl.constexpr, GIVEN_W: tl.constexpr,
 ):
     t, t_mask, th_mask, thd_mask, t64, h64, d64 = _program_tile(num_tokens, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H,
                                                                   BLOCK_D)
@@ -135,6 +171,8 @@ def _merge_attn_states_n_kernel(
     stride_o_n = tl.cast(stride_o_n, tl.int64)
     stride_lse_n = tl.cast(stride_lse_n, tl.int64)
     stride_cu_n = tl.cast(stride_cu_n, tl.int64)
+    wlse_offs = h64 * stride_wlse_h + t64 * stride_wlse_t
+    stride_wlse_n = tl.cast(stride_wlse_n, tl.int64)
 
     # The last partial: also the pass-through row and LSE (8.4). Its loads are issued first.
     b = tl.load(outs_ptr + last * stride_o_n + o_offs, mask=thd_mask, other=0.0, eviction_policy=OUT_EVICT)
@@ -143,29 +181,29 @@ def _merge_attn_states_n_kernel(
     # The request of each token, once for every partial; m and z (8.2, 8.3), or the first kernel's.
     req, in_req = _token_requests(qsl_ptr, t, t_mask, num_requests, SCAN, N_INTERPRET, FUSED_MASK)
     if GIVEN_MZ:
-        m, all_empty, z = _given_max_and_sum(mz_ptr, tl.cast(stride_mz, tl.int64),
-                                             h64 * stride_mz_h + t64 * stride_mz_t, th_mask)
+        m, all_empty, z = _given_max_and_sum(wlse_ptr, stride_wlse_n, wlse_offs, th_mask)
     else:
         m, all_empty, z = _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
                                        NUM_PARTIALS, LSE_BASE2, FUSED_MASK, INTERPRET, LSE_STEPS, EXP_STEP,
                                        MAX_CHUNKS, MAX_CHUNK)
     # out = sum_i w_i * o_i in index order, w_i = e_i / z.
-    w_last = _partial_exp(lses_ptr, stride_lse_n, last, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
-                          LSE_BASE2, FUSED_MASK, INTERPRET) / z
+    w_last = _weight(last, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, z, wlse_ptr,
+                     stride_wlse_n, wlse_offs, LSE_BASE2, FUSED_MASK, INTERPRET, GIVEN_W)
     if NUM_PARTIALS == 1:
         out = _weighted(b, w_last)
     else:
-        w = _partial_exp(lses_ptr, stride_lse_n, 0, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
-                         LSE_BASE2, FUSED_MASK, INTERPRET) / z
+        w = _weight(0, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, z, wlse_ptr,
+                    stride_wlse_n, wlse_offs, LSE_BASE2, FUSED_MASK, INTERPRET, GIVEN_W)
         out = _weighted(tl.load(outs_ptr + o_offs, mask=thd_mask, other=0.0, eviction_policy=OUT_EVICT), w)
         for k in range(0, OUT_STEPS):  # partials 1 .. N-2, in steps of OUT_STEP
             for j in tl.static_range(OUT_STEP):
-                out = _out_step(out, 1 + k * OUT_STEP + j, outs_ptr, stride_o_n, o_offs, thd_mask, lses_ptr, stride_lse_n,
-                                lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, z, LSE_BASE2, FUSED_MASK,
-                                INTERPRET, OUT_EVICT)
+                out = _out_step(out, 1 + k * OUT_STEP + j, outs_ptr, stride_o_n, o_offs, thd_mask, lses_ptr,
+                                stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, z, wlse_ptr,
+                                stride_wlse_n, wlse_offs, LSE_BASE2, FUSED_MASK, INTERPRET, OUT_EVICT, GIVEN_W)
         for i in tl.static_range(1 + OUT_STEPS * OUT_STEP, NUM_PARTIALS - 1):
             out = _out_step(out, i, outs_ptr, stride_o_n, o_offs, thd_mask, lses_ptr, stride_lse_n, lse_offs, th_mask,
-                            cu_ptr, stride_cu_n, req, in_req, m, z, LSE_BASE2, FUSED_MASK, INTERPRET, OUT_EVICT)
+                            cu_ptr, stride_cu_n, req, in_req, m, z, wlse_ptr, stride_wlse_n, wlse_offs, LSE_BASE2,
+                            FUSED_MASK, INTERPRET, OUT_EVICT, GIVEN_W)
         out = out + _weighted(b, w_last)
     out = tl.where(all_empty[:, :, None], 0.0, out)
     copy_t = t >= prefill_tokens_with_context  # 8.4
@@ -268,32 +306,34 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
         block_t, block_h, block_d = tiles.merge_tiles("triton", num_heads, head_dim, variant, itemsize, num_partials,
                                                       lse_layout)
         split = tiles.split_passes(num_partials)
-        # The split merge's f32[2, H, T] ([2, T, H]) buffer of m and z, allocated per call (`_launch`).
-        mz_strides = (num_heads * num_tokens, *((num_tokens, 1) if lse_layout == "HT" else (1, num_heads)))
+        weights = split and tiles.split_weights("triton")
+        # The split merge's f32[2 (+ N), H, T] ([.., T, H]) buffer: m, z (and the weights), allocated per call.
+        wlse_strides = (num_heads * num_tokens, *((num_tokens, 1) if lse_layout == "HT" else (1, num_heads)))
         cu_stride = cu_seq_lens.stride(0) if fused else 0
         shared = dict(NUM_PARTIALS=num_partials, NUM_HEADS=num_heads, SCAN=tiles.SCAN,
                       N_INTERPRET=_backend.n_interpret(num_requests + 1), LSE_BASE2=base2, FUSED_MASK=fused,
                       INTERPRET=_backend.interpreting(), **plans.n_way_loops(variant, num_partials, weighted_sum=False))
-        max_sum = None
+        first = None
         if split:
-            ms_block_t, ms_block_h = tiles.max_sum_tiles(num_heads, lse_layout)
-            max_sum = ((2, *lses.shape[1:]), plans.kernel_launch(
-                grid=tiles.max_sum_grid(num_tokens, num_heads, lse_layout),
-                ints=(*mz_strides, stride_lse_n, stride_lse_h, stride_lse_t, cu_stride, num_tokens, num_requests),
-                constexprs=dict(**shared, BLOCK_T=ms_block_t, BLOCK_H=ms_block_h, num_warps=tiles.MAX_SUM_WARPS,
-                                **_backend.PARITY_LAUNCH),
+            ms_block_t, ms_block_h = tiles.max_sum_tiles(num_heads, lse_layout, fused)
+            first = ((2 + num_partials * weights, *lses.shape[1:]), plans.kernel_launch(
+                grid=tiles.max_sum_grid(num_tokens, num_heads, lse_layout, fused),
+                ints=(*wlse_strides, stride_lse_n, stride_lse_h, stride_lse_t, cu_stride, num_tokens, num_requests),
+                constexprs=dict(**shared, BLOCK_T=ms_block_t, BLOCK_H=ms_block_h, STORE_WEIGHTS=weights,
+                                W_STEPS=tiles.loop_steps(num_partials, num_partials, shared["EXP_STEP"]),
+                                num_warps=tiles.MAX_SUM_WARPS, **_backend.PARITY_LAUNCH),
                 state=launcher.launch_state(key)))
-        launch = (max_sum, plans.merge_launch(
+        launch = (first, plans.merge_launch(
             grid=tiles.merge_grid("triton", num_tokens, num_heads, head_dim, variant, itemsize, num_partials,
                                   lse_layout),
             fused=fused,
             ints=(*output.stride(), *outputs.stride(), *olse_strides, stride_lse_n, stride_lse_h, stride_lse_t,
-                  cu_stride, *mz_strides, num_tokens),
+                  cu_stride, *wlse_strides, num_tokens),
             num_requests=num_requests,
             constexprs=dict(**shared, HEAD_DIM=head_dim, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
                             OUTPUT_LSE=output_lse is not None, FP8_OUT=fp8,
                             **plans.n_way_loops(variant, num_partials, max_and_sum=False),
-                            OUT_EVICT=tiles.outputs_evict("triton", num_partials), GIVEN_MZ=split,
+                            OUT_EVICT=tiles.outputs_evict("triton", num_partials), GIVEN_MZ=split, GIVEN_W=weights,
                             num_warps=tiles.merge_num_warps("triton", variant, num_partials, lse_layout),
                             **_backend.PARITY_LAUNCH),
             state=launcher.launch_state(key)))
@@ -307,7 +347,7 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
 
 def _launch(launch, output, output_lse, outputs, lses, output_scale, query_start_loc, cu_seq_lens,
             prefill_tokens, lse_layout) -> None:
-    """The kernel launches of a plan: `EMPTY`, or (max_sum, merge): the split merge's first kernel (None unless
+    """The kernel launches of a plan: `EMPTY`, or (first, merge): the split merge's first kernel (None unless
     `tiles.split_passes`: (its buffer's shape, its `plans.kernel_launch`)), then the merge's (grid, fused, the
     strides and T, R, the compile-time arguments, `launcher.launch`'s state)."""
     if launch is EMPTY:
@@ -315,16 +355,16 @@ def _launch(launch, output, output_lse, outputs, lses, output_scale, query_start
         if output_lse is not None:
             output_lse.fill_(float("-inf"))
         return
-    max_sum, (grid, fused, ints, num_requests, constexprs, state) = launch
+    first, (grid, fused, ints, num_requests, constexprs, state) = launch
     placeholder = lses  # for the pointers a variant does not read
     qsl, cu = (query_start_loc, cu_seq_lens) if fused else (placeholder, placeholder)
-    mz = placeholder
-    if max_sum is not None:
-        mz_shape, (ms_grid, ms_ints, ms_constexprs, ms_state) = max_sum
-        mz = torch.empty(mz_shape, dtype=torch.float32, device=lses.device)
-        launcher.launch(_merge_n_max_and_sum_kernel[lse_layout], ms_grid, (mz, lses, qsl, cu, *ms_ints),
-                        ms_constexprs, ms_state)
+    wlse = placeholder
+    if first is not None:
+        wlse_shape, (w_grid, w_ints, w_constexprs, w_state) = first
+        wlse = torch.empty(wlse_shape, dtype=torch.float32, device=lses.device)
+        launcher.launch(_merge_n_weights_kernel[lse_layout], w_grid, (wlse, lses, qsl, cu, *w_ints), w_constexprs,
+                        w_state)
     launcher.launch(_merge_attn_states_n_kernel[lse_layout], grid, (
         output, placeholder if output_lse is None else output_lse, outputs, lses,
-        placeholder if output_scale is None else output_scale, qsl, cu, mz, *ints, prefill_tokens, num_requests),
+        placeholder if output_scale is None else output_scale, qsl, cu, wlse, *ints, prefill_tokens, num_requests),
         constexprs, state)
