@@ -81,7 +81,10 @@ N_OUTPUTS_EVICT = {"triton": "evict_first", "pallas": "evict_first"}
 # with MAX_SUM_WARPS warps: a run of tokens of one head in [H, T] layout (MAX_SUM_FUSED_HEADS heads with the fused
 # mask, whose offsets are read per token), whole heads' rows in [T, H].
 N_SPLIT_ABOVE = constants.UNROLLED_PARTIALS
-N_SPLIT_WEIGHTS = {"triton": True, "pallas": True}
+# N_SPLIT_WEIGHTS per framework and variant, from the H200 sweeps (docs/results.md): the weights pay where the
+# weighted sum would otherwise read the fused mask's offsets per partial (Triton), m and z alone elsewhere.
+N_SPLIT_WEIGHTS = {"triton": {"plain": False, "lse": False, "fused": True},
+                   "pallas": {"plain": False, "lse": False, "fused": False}}
 MAX_SUM_POSITIONS = 256
 MAX_SUM_FUSED_HEADS = 8
 MAX_SUM_WARPS = 4
@@ -184,9 +187,9 @@ def split_passes(num_partials: int) -> bool:
     return num_partials > N_SPLIT_ABOVE
 
 
-def split_weights(framework: str) -> bool:
+def split_weights(framework: str, variant: str) -> bool:
     """Whether the split merge's first kernel also stores the weights (`N_SPLIT_WEIGHTS`)."""
-    return N_SPLIT_WEIGHTS[framework]
+    return N_SPLIT_WEIGHTS[framework][variant]
 
 
 def max_sum_tiles(num_heads: int, lse_layout: str, fused: bool = False) -> tuple[int, int]:

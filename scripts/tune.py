@@ -79,8 +79,8 @@ DEFAULT_KNOBS = {k: getattr(tiles, k) for k in ("N_TILE_BYTES", "N_LOOPS", "N_OU
 HINTS = {"ef": dict(N_OUTPUTS_EVICT={fw: "evict_first" for fw in tiles.FRAMEWORKS}),
          "normal": dict(N_OUTPUTS_EVICT={fw: "" for fw in tiles.FRAMEWORKS}),
          "single": dict(N_SPLIT_ABOVE=1 << 30), "split": dict(N_SPLIT_ABOVE=constants.UNROLLED_PARTIALS),
-         "mz": dict(N_SPLIT_WEIGHTS={fw: False for fw in tiles.FRAMEWORKS}),
-         "w": dict(N_SPLIT_WEIGHTS={fw: True for fw in tiles.FRAMEWORKS})}
+         "mz": dict(N_SPLIT_WEIGHTS={fw: dict.fromkeys(("plain", "lse", "fused"), False) for fw in tiles.FRAMEWORKS}),
+         "w": dict(N_SPLIT_WEIGHTS={fw: dict.fromkeys(("plain", "lse", "fused"), True) for fw in tiles.FRAMEWORKS})}
 
 
 def parse_tile(text: str) -> dict:
