@@ -63,7 +63,7 @@ N_TILE_BYTES = (2048, 4096)  # (fewest, most) bytes of one partial's tile in the
 # many partials"): larger chunks and steps cost registers, and so occupancy; the fused variant (its offsets read
 # per partial) ran best one partial at a time.
 N_LOOPS = {
-    "triton": {"plain": (32, 16, 6), "lse": (16, 16, 8), "fused": (0, 4, 4)},
+    "triton": {"plain": (32, 16, 6), "lse": (16, 16, 6), "fused": (0, 4, 4)},
     "pallas": {"plain": (16, 16, 6), "lse": (16, 16, 6), "fused": (0, 4, 4)},
 }
 # The L2 eviction policy of the N-way merge's loads of the partials' output tiles where its loops run at runtime
