@@ -52,6 +52,8 @@ def entry_points(device, T=16, H=64, D=128, N=4, R=4, dtype=torch.bfloat16):
     cu = torch.tensor([0, 10, 10, 30, 40], dtype=torch.int32, device=device)
     fp8, scale = torch.empty(T, H, D, dtype=torch.float8_e4m3fn, device=device), torch.ones(1, device=device)
     outs, lses, cus = o(N, T, H, D), o(N, H, T, dt=torch.float32), cu.repeat(N, 1)
+    wide = 32  # beyond UNROLLED_PARTIALS: the merge in two kernels (tiles.split_passes)
+    outs_w, lses_w = o(wide, T, H, D), o(wide, H, T, dt=torch.float32)
     ops = torch.ops.mla_lse_merge
     scaled = torch.empty(2, T, H // 2, D, dtype=torch.float32, device=device)
     cp_args = (out, p, plse, None, None, None, None, None)
@@ -78,6 +80,7 @@ def entry_points(device, T=16, H=64, D=128, N=4, R=4, dtype=torch.bfloat16):
         f"merge_n N={N}": lambda: fn.merge_attn_states_n(out, outs, lses),
         f"merge_n N={N} fused": lambda: fn.merge_attn_states_n(out, outs, lses, olse, query_start_loc=qsl,
                                                                cu_seq_lens=cus),
+        f"merge_n N={wide} (two kernels)": lambda: fn.merge_attn_states_n(out, outs_w, lses_w, olse),
         "cp_merge local (checks + rescale)": cp_local,
         "op mask": lambda: ops.mask_empty_context_lse(plse, qsl, cu),
         "op merge output LSE": lambda: ops.merge_attn_states(out, p, plse, s, slse, olse),

@@ -88,11 +88,12 @@ def main() -> None:
     ptx["triton merge_n fused"] = po.triton_ptx(
         tmerge_n._merge_attn_states_n_kernel["HT"],
         dict(out_ptr="*bf16", out_lse_ptr="*fp32", outs_ptr="*bf16", lses_ptr="*fp32", scale_ptr="*fp32",
-             qsl_ptr="*i32", cu_ptr="*i32"),
+             qsl_ptr="*i32", cu_ptr="*i32", wlse_ptr="*fp32"),
         dict(NUM_PARTIALS=N, NUM_HEADS=H, HEAD_DIM=D, BLOCK_T=bt, BLOCK_H=bh, BLOCK_D=bd, SCAN=tiles.SCAN,
              N_INTERPRET=0, LSE_BASE2=False, OUTPUT_LSE=True, FUSED_MASK=True, FP8_OUT=False, INTERPRET=False,
              **tplans.n_way_loops("fused", N), OUT_EVICT=tiles.outputs_evict("triton", N),
-             stride_out_d=1, stride_o_d=1, stride_olse_t=1, stride_lse_t=1),
+             GIVEN_MZ=False, GIVEN_W=False, stride_out_d=1, stride_o_d=1, stride_olse_t=1, stride_lse_t=1,
+             stride_wlse_t=1),
         tiles.merge_num_warps("triton", "fused", N))
     ptx["pallas merge_n fused"] = po.pallas_ptx(
         lambda o, l, q, cu: pmerge_n._merge_n_jit(o, l, None, q, cu, None, return_lse=True, out_dtype=BF16,

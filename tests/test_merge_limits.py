@@ -243,6 +243,54 @@ def test_unrolled_and_runtime_loops_give_the_same_bits(impl, max_chunk, runtime_
         np.testing.assert_array_equal(x.view(BITS[x.dtype.itemsize]), y.view(BITS[y.dtype.itemsize]))
 
 
+@pytest.fixture
+def one_kernel(monkeypatch):
+    """`set(split, weights)`: the N-way merge beyond N_SPLIT_ABOVE partials in two kernels (the first storing the
+    weights or m and z only) or, split=False, in one at every N; fresh plan and compile caches."""
+    from mla_lse_common import tiles
+    from pallas_impl import merge_n as pallas_merge_n
+    from triton_impl import _plans as triton_plans
+
+    def fresh():
+        monkeypatch.setattr(triton_plans, "PLANS", {})
+        pallas_merge_n._PLANS.clear()
+        jax.clear_caches()
+
+    split_above = tiles.N_SPLIT_ABOVE
+
+    def set_split(split, weights=False):
+        monkeypatch.setattr(tiles, "N_SPLIT_ABOVE", split_above if split else 1 << 30)
+        monkeypatch.setattr(tiles, "N_SPLIT_WEIGHTS", {fw: dict.fromkeys(per_fw, weights)
+                                                       for fw, per_fw in tiles.N_SPLIT_WEIGHTS.items()})
+        fresh()
+
+    yield set_split
+    monkeypatch.undo()
+    fresh()
+
+
+@pytest.mark.parametrize("weights", [False, True], ids=["m_z", "weights"])
+@pytest.mark.parametrize("lse_layout,base,fused", [("HT", math.e, False), ("TH", 2, False), ("HT", 2, True),
+                                                   ("TH", math.e, True)])
+@pytest.mark.parametrize("impl", ["triton", pytest.param("pallas", marks=pytest.mark.gpu)])  # XLA:CPU: see above
+def test_two_kernels_give_the_one_kernel_bits(impl, lse_layout, base, fused, weights, one_kernel):
+    """docs/design.md, "Two kernels beyond 16 partials": the first kernel computes each position's m and z (and
+    the weights) with the merge's own code and loops; the weighted sum that reads them gives the bits of the
+    merge in one kernel, pass-through rows, empty partials and the fused mask included."""
+    from mla_lse_common import tiles
+
+    n = tiles.N_SPLIT_ABOVE + 5
+    outputs, lses, cu = _partials(n, "bfloat16", seed=11, num_tokens=5)
+    kw = dict(cu=cu if fused else None, ptwc=4, base=base, lse_layout=lse_layout, out_dtype="float32")
+    one_kernel(False)
+    want = _merge_n(impl, outputs, lses, **kw)
+    one_kernel(True, weights)
+    got = _merge_n(impl, outputs, lses, **kw)
+    assert tiles.split_passes(n)
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(x.view(BITS[x.dtype.itemsize]), y.view(BITS[y.dtype.itemsize]))
+
+
 # -- output dtypes independent of the partials' ------------------------------------------------------------
 
 IN_DTYPES = ("float32", "float16", "bfloat16")
