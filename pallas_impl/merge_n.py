@@ -7,8 +7,11 @@ partial (`tiles.MERGE_N_TILES`). The loops over the N partials unroll at trace t
 `_math.fold_partials`), so the compile time stays short at every N; the same operations in the same order either
 way. Three passes over the partials' LSE tiles (the largest LSE, the sum of the exponentials, the weighted sum of
 the outputs); an LSE tile is reloaded and its exponential recomputed in each pass, as in the Triton kernel, and
-beyond UNROLLED_PARTIALS the output tiles load with the L2 policy `evict_first` (`tiles.outputs_evict`). The fused
-mask finds each token's request once and reads each partial's own KV offsets.
+beyond UNROLLED_PARTIALS the output tiles load with the L2 policy `evict_first` (`tiles.outputs_evict`). Beyond
+N_SPLIT_ABOVE (`tiles.split_passes`) the merge is two `pallas_call`s, as in Triton: the first
+(`_merge_n_weights_kernel`) stores m and z (and, `tiles.split_weights`, every weight) in an f32 buffer, the merge
+kernel reads them (given_mz, given_w): the same bits. The fused mask finds each token's request once and reads each
+partial's own KV offsets.
 
 Float math (docs/spec.md 5), identical to the Triton kernel and, at N = 2, to `pallas_impl/merge.py`: f32,
 `jnp.exp` and `jnp.log`, no FMA contraction, no flush-to-zero, division with `/`,
