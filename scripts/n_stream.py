@@ -128,17 +128,25 @@ def _sum_step(z, k, m, lses_ptr, stride_ln, lse_offs, EXP_STEP: tl.constexpr):
 
 
 @triton.jit
-def _mz_kernel(mz_ptr, lses_ptr, stride_ln, num_positions, N: tl.constexpr, BLOCK: tl.constexpr,
-               CHUNK: tl.constexpr, EXP_STEP: tl.constexpr):
-    """Every position's maximum, then its sum of exponentials, with `passes`' loops: mz[0] = m, mz[1] = z."""
-    stride_ln = tl.cast(stride_ln, tl.int64)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def _max_and_sum(lses_ptr, stride_ln, offs, N: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                 EXP_STEP: tl.constexpr):
+    """(m, z) of BLOCK positions: the maximum in chunks, then the sum of exponentials in steps."""
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     for k in range(0, N // CHUNK):
         m = _chunk(m, k, lses_ptr, stride_ln, offs, CHUNK)
     z = tl.zeros([BLOCK], tl.float32)
     for k in range(0, N // EXP_STEP):
         z = _sum_step(z, k, m, lses_ptr, stride_ln, offs, EXP_STEP)
+    return m, z
+
+
+@triton.jit
+def _mz_kernel(mz_ptr, lses_ptr, stride_ln, num_positions, N: tl.constexpr, BLOCK: tl.constexpr,
+               CHUNK: tl.constexpr, EXP_STEP: tl.constexpr):
+    """Every position's maximum, then its sum of exponentials, with `passes`' loops: mz[0] = m, mz[1] = z."""
+    stride_ln = tl.cast(stride_ln, tl.int64)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m, z = _max_and_sum(lses_ptr, stride_ln, offs, N, BLOCK, CHUNK, EXP_STEP)
     tl.store(mz_ptr + offs, m)
     tl.store(mz_ptr + num_positions + offs, z)
 
@@ -156,12 +164,7 @@ def _passes_kernel(out_ptr, outs_ptr, lses_ptr, mz_ptr, stride_n, stride_ln, str
         m = tl.load(mz_ptr + lse_offs)
         z = tl.load(mz_ptr + num_tiles * BLOCK_T + lse_offs)
     else:
-        m = tl.full([BLOCK_T], float("-inf"), tl.float32)
-        for k in range(0, N // CHUNK):
-            m = _chunk(m, k, lses_ptr, stride_ln, lse_offs, CHUNK)
-        z = tl.zeros([BLOCK_T], tl.float32)
-        for k in range(0, N // EXP_STEP):
-            z = _sum_step(z, k, m, lses_ptr, stride_ln, lse_offs, EXP_STEP)
+        m, z = _max_and_sum(lses_ptr, stride_ln, lse_offs, N, BLOCK_T, CHUNK, EXP_STEP)
     for i in range(0, TILES):
         next_o, next_lse = _tile(tl.minimum(first + i + 1, num_tiles - 1), stride_lse_h, NUM_HEADS, HEAD_DIM,
                                  BLOCK_T)
