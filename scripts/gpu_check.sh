@@ -27,9 +27,9 @@
 #   limits        what limits the N-way merge at large N (scripts/n_stream.py: the merge beside a stream of its
 #                 bytes and beside simplified three-pass merges, overlapped or split in two kernels), then the
 #                 all-gather view at N = 8 and 16 with larger tiles: n_stream.* gather_*.json
-#   split         the N-way merge in two kernels beyond 16 partials (weights stored, or m and z only) beside one
-#                 kernel (scripts/tune.py), the full check, the N-way GPU tests, first calls: tune_*.json check*
-#                 pytest.log wide_n_compile.*
+#   split         the N-way merge in two kernels beyond 16 partials: the fused first kernel's tile, stored weights,
+#                 Triton's loops (scripts/tune.py), the full check, the N-way GPU tests, the host cost: tune_*.json
+#                 check* pytest.log host_cost.log
 #   verify_tests  the GPU tests (`pytest -m gpu -v -rf`: a timeout still names what ran and failed), then the
 #                 first-call compile times (wide_n.py compile): pytest.log wide_n_compile.*
 #   all           tests, bench, then more
@@ -174,21 +174,22 @@ if [ "$PLAN" = limits ]; then
     done
 fi
 if [ "$PLAN" = split ]; then
-    # The N-way merge in two kernels beyond UNROLLED_PARTIALS, its first kernel storing the weights (committed),
-    # or m and z only (+mz), beside one kernel (+single) and other loops, one process per step, both frameworks:
-    # N = 128 and 256 at T = 8192, both LSE layouts, plain / LSE / fused; the full check (Pallas on its Triton
-    # backend); the N-way GPU tests; the first calls at N = 64 / 256.
-    TUNE=("$PY" scripts/tune.py merge_n --heads 64 --dims 128 --tokens 8192 --partials 128 256 --variants plain lse fused)
-    step tune_ht 150 300 "$OUT/tune_ht.log" "${TUNE[@]}" --lse-layout HT --budget-s 130 --tiles committed \
-        committed+mz committed+single committed/committed/32,16,8 --json "$OUT/tune_ht.json"
-    step tune_th 90 220 "$OUT/tune_th.log" "${TUNE[@]}" --lse-layout TH --budget-s 75 \
-        --tiles committed committed+mz committed+single --json "$OUT/tune_th.json"
-    step check 110 110 "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json"
+    # The N-way merge in two kernels beyond UNROLLED_PARTIALS (docs/design.md, "Two kernels beyond 16 partials"):
+    # the fused variant's first-kernel tile in [H, T] layout (+fhH: H heads of 256 / H tokens; 32 x 8 takes 128-144
+    # registers per thread in the offline sm_90 compile, 16 x 16 and 8 x 32 56-72) and its stored weights, Triton's
+    # output-LSE and [T, H] loops, at N = 128 / 256, T = 8192, one process per step; the full check (Pallas on its
+    # Triton backend); the N-way GPU tests; the host cost of every entry point (a merge of 32 partials among them).
+    TUNE=("$PY" scripts/tune.py merge_n --heads 64 --dims 128 --tokens 8192 --partials 128 256)
+    step tune_fused 120 330 "$OUT/tune_fused.log" "${TUNE[@]}" --variants fused --budget-s 100 --tiles committed \
+        committed+fh4 committed+fh16 committed+fh32 committed+fh64 committed+w committed+mz --json "$OUT/tune_fused.json"
+    step tune_lse 90 240 "$OUT/tune_lse.log" "${TUNE[@]}" --frameworks triton --variants lse fused --lse-layout HT TH \
+        --budget-s 75 --tiles committed committed/committed/16,16,4 committed/committed/32,16,8 committed/committed/0,8,8 \
+        --json "$OUT/tune_lse.json"
+    step check 110 130 "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json"
     # shellcheck disable=SC2086
     step pytest 80 60 "$OUT/pytest.log" "$PY" -m pytest -q -rfs -m gpu $XDIST tests/test_merge_limits.py \
         tests/test_triton_merge_n.py tests/test_pallas_merge_n.py tests/test_op_merge_n.py tests/test_kernels_agree.py
-    step wide_n_compile 70 0 "$OUT/wide_n_compile.log" "$PY" scripts/wide_n.py --part compile --ns 64,256 \
-        --json "$OUT/wide_n_compile.json"
+    step host_cost 60 0 "$OUT/host_cost.log" "$PY" scripts/host_cost.py
 fi
 if [ "$PLAN" = verify ]; then
     # GPU_TESTS (default: the N-way merge's and the loop's files) run after the N-way merge's speed; the Mosaic GPU

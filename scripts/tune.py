@@ -72,15 +72,17 @@ def layouts(args) -> list[tuple[str, str]]:
 
 COMMITTED = {k: copy.deepcopy(getattr(tiles, k)) for k in ("MERGE_TILES", "MERGE_N_TILES")}
 DEFAULT_KNOBS = {k: getattr(tiles, k) for k in ("N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT", "N_SPLIT_ABOVE",
-                                              "N_SPLIT_WEIGHTS")}
+                                              "N_SPLIT_WEIGHTS", "MAX_SUM_FUSED_HEADS")}
 # +hint: knobs of both frameworks; +ef / +normal: N_OUTPUTS_EVICT; +single: the N-way merge in one kernel at every N,
 # +split: in two beyond UNROLLED_PARTIALS (N_SPLIT_ABOVE); +mz / +w: its first kernel stores m and z only / the
-# weights too (N_SPLIT_WEIGHTS)
+# weights too (N_SPLIT_WEIGHTS); +fhH: H heads per first-kernel program of the fused variant in [H, T] layout
+# (MAX_SUM_FUSED_HEADS)
 HINTS = {"ef": dict(N_OUTPUTS_EVICT={fw: "evict_first" for fw in tiles.FRAMEWORKS}),
          "normal": dict(N_OUTPUTS_EVICT={fw: "" for fw in tiles.FRAMEWORKS}),
          "single": dict(N_SPLIT_ABOVE=1 << 30), "split": dict(N_SPLIT_ABOVE=constants.UNROLLED_PARTIALS),
          "mz": dict(N_SPLIT_WEIGHTS={fw: dict.fromkeys(("plain", "lse", "fused"), False) for fw in tiles.FRAMEWORKS}),
-         "w": dict(N_SPLIT_WEIGHTS={fw: dict.fromkeys(("plain", "lse", "fused"), True) for fw in tiles.FRAMEWORKS})}
+         "w": dict(N_SPLIT_WEIGHTS={fw: dict.fromkeys(("plain", "lse", "fused"), True) for fw in tiles.FRAMEWORKS}),
+         **{f"fh{h}": dict(MAX_SUM_FUSED_HEADS=h) for h in (4, 16, 32, 64)}}
 
 
 def parse_tile(text: str) -> dict:
