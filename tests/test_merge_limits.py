@@ -2,6 +2,7 @@
 independent of the partials', and the exact identities of base-2 LSEs, in each implementation (Triton, Pallas,
 the jnp path) against the float64 reference or exact bits. Tiny T, H, D: the interpreters stay fast."""
 
+import itertools
 import math
 
 import ml_dtypes
@@ -220,6 +221,14 @@ def test_loop_partition_of_both_frameworks():
     assert tiles.loop_steps(-1, n + 1, 4) == 0
     for fw in tiles.FRAMEWORKS:  # the output loads' L2 policy: the default up to UNROLLED_PARTIALS, the table's beyond
         assert tiles.outputs_evict(fw, n) == "" and tiles.outputs_evict(fw, n + 1) == tiles.N_OUTPUTS_EVICT[fw]
+    # Two kernels only where the loops run at runtime; a first-kernel program owns MAX_SUM_POSITIONS positions, one
+    # head's run of tokens in [H, T] layout without the fused mask, and its grid covers every position once.
+    assert not tiles.split_passes(n) and tiles.split_passes(n + 1)
+    for heads, layout, fused in itertools.product((1, 3, 64, 512), ("HT", "TH"), (False, True)):
+        block_t, block_h = tiles.max_sum_tiles(heads, layout, fused)
+        assert block_t * block_h == tiles.MAX_SUM_POSITIONS and (block_h == 1 or layout == "TH" or fused)
+        (programs,) = tiles.max_sum_grid(1000, heads, layout, fused)
+        assert programs == -(-1000 // block_t) * -(-heads // block_h)
 
 
 # XLA:CPU compiles an unrolled loop and a while loop into different float code (docs/spec.md 5): bit for bit on a
