@@ -52,10 +52,10 @@ def _lse_index(t0, h0, block_t, block_h, lse_layout, lead=()):
     return (*lead, pl.ds(t0, block_t), pl.ds(h0, block_h))
 
 
-def _load_lse(ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=()):
-    """f32[block_t, block_h] tile of an LSE of either layout."""
+def _load_lse(ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=(), other=-jnp.inf):
+    """f32[block_t, block_h] tile of an LSE of either layout (`other` where th_mask is false)."""
     return pltriton.load(ref.at[_lse_index(t0, h0, block_t, block_h, lse_layout, lead)], mask=th_mask,
-                           other=-jnp.inf)
+                           other=other)
 
 
 def _store_lse(ref, t0, h0, block_t, block_h, value, th_mask, lse_layout, lead=()):

@@ -34,7 +34,7 @@ from pallas_impl import _math, jnp_fallback
 from pallas_impl import _plans as plans
 from pallas_impl import _sharding as sharding
 from pallas_impl._backend import pltriton
-from pallas_impl._device import (_copied_lse, _load_lse, _lse_index, _lse_where, _max_and_sum, _merged_lse, _partial_lse,
+from pallas_impl._device import (_copied_lse, _load_lse, _lse_where, _max_and_sum, _merged_lse, _partial_lse,
                                  _program_tile, _store_lse, _store_output, _token_requests, _weighted)
 
 
@@ -49,8 +49,7 @@ def _store_max_and_sum(wlse_ref, t0, h0, block_t, block_h, th_mask, lse_layout, 
 def _given_max_and_sum(wlse_ref, t0, h0, block_t, block_h, th_mask, lse_layout):
     """(m, all_empty, z) of `_max_and_sum`, read back from the buffer `_store_max_and_sum` wrote: the same values."""
     m = _load_lse(wlse_ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=(jnp.int32(0),))
-    z = pltriton.load(wlse_ref.at[_lse_index(t0, h0, block_t, block_h, lse_layout, (jnp.int32(1),))], mask=th_mask,
-                      other=1.0)
+    z = _load_lse(wlse_ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=(jnp.int32(1),), other=1.0)
     all_empty = m == -jnp.inf
     return jnp.where(all_empty, 0.0, m), all_empty, z
 
@@ -125,8 +124,8 @@ def _merge_attn_states_n_kernel(
 
     def weight(i):  # w_i = e_i / z, or the first kernel's (plane 2 + i of its buffer): the same bits
         if given_w:
-            return pltriton.load(wlse_ref.at[_lse_index(t0, h0, block_t, block_h, lse_layout,
-                                                        (jnp.asarray(2 + i, jnp.int32),))], mask=th_mask, other=0.0)
+            return _load_lse(wlse_ref, t0, h0, block_t, block_h, th_mask, lse_layout,
+                             lead=(jnp.asarray(2 + i, jnp.int32),), other=0.0)
         return _math.exp_base(lse_i(i) - m, lse_base2) / z
 
     # out = sum_i w_i * o_i in index order.

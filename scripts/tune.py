@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 import pallas_impl  # noqa: E402
 import triton_impl  # noqa: E402
-from mla_lse_common import constants, tiles  # noqa: E402
+from mla_lse_common import tiles  # noqa: E402
 from parity.library import bridge
 from parity.harness import cases  # noqa: E402
 from parity.tools.bench import points, timers  # noqa: E402
@@ -73,13 +73,13 @@ def layouts(args) -> list[tuple[str, str]]:
 COMMITTED = {k: copy.deepcopy(getattr(tiles, k)) for k in ("MERGE_TILES", "MERGE_N_TILES")}
 DEFAULT_KNOBS = {k: getattr(tiles, k) for k in ("N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT", "N_SPLIT_ABOVE",
                                               "N_SPLIT_WEIGHTS", "MAX_SUM_FUSED_HEADS")}
-# +hint: knobs of both frameworks; +ef / +normal: N_OUTPUTS_EVICT; +single: the N-way merge in one kernel at every N,
-# +split: in two beyond UNROLLED_PARTIALS (N_SPLIT_ABOVE); +mz / +w: its first kernel stores m and z only / the
-# weights too (N_SPLIT_WEIGHTS); +fhH: H heads per first-kernel program of the fused variant in [H, T] layout
+# +hint: knobs of both frameworks; +ef / +normal: N_OUTPUTS_EVICT; +single: the N-way merge in one kernel at every N
+# (N_SPLIT_ABOVE; without it, two beyond UNROLLED_PARTIALS); +mz / +w: the first of two kernels stores m and z
+# only / the weights too (N_SPLIT_WEIGHTS); +fhH: H heads per first-kernel program of the fused variant in [H, T] layout
 # (MAX_SUM_FUSED_HEADS)
 HINTS = {"ef": dict(N_OUTPUTS_EVICT={fw: "evict_first" for fw in tiles.FRAMEWORKS}),
          "normal": dict(N_OUTPUTS_EVICT={fw: "" for fw in tiles.FRAMEWORKS}),
-         "single": dict(N_SPLIT_ABOVE=1 << 30), "split": dict(N_SPLIT_ABOVE=constants.UNROLLED_PARTIALS),
+         "single": dict(N_SPLIT_ABOVE=1 << 30),
          "mz": dict(N_SPLIT_WEIGHTS={fw: dict.fromkeys(("plain", "lse", "fused"), False) for fw in tiles.FRAMEWORKS}),
          "w": dict(N_SPLIT_WEIGHTS={fw: dict.fromkeys(("plain", "lse", "fused"), True) for fw in tiles.FRAMEWORKS}),
          **{f"fh{h}": dict(MAX_SUM_FUSED_HEADS=h) for h in (4, 16, 32, 64)}}
@@ -87,9 +87,9 @@ HINTS = {"ef": dict(N_OUTPUTS_EVICT={fw: "evict_first" for fw in tiles.FRAMEWORK
 
 def parse_tile(text: str) -> dict:
     """"bytes,fewest_tokens,warps[/lo,hi[/chunk,exp_step,out_step]][+hint...]", "committed" in place of the tile or
-    of the bounds: a tile (or the committed tables), and for merge_n optionally the bounds of one partial's tile (`N_TILE_BYTES`), the loops
-    beyond UNROLLED_PARTIALS (`N_LOOPS`: max_chunk, exp_step, out_step) and `HINTS` (the policy of the partials'
-    output loads there, one kernel or two), for every variant of both frameworks."""
+    of the bounds: a tile (or the committed tables), and for merge_n optionally the bounds of one partial's tile
+    (`N_TILE_BYTES`), the loops beyond UNROLLED_PARTIALS (`N_LOOPS`: max_chunk, exp_step, out_step) and `HINTS` (the
+    policy of the partials' output loads there, one kernel or two, ...), for every variant of both frameworks."""
     text, *hints = text.split("+")
     parts = [None if p == "committed" else tuple(int(v) for v in p.split(",")) for p in text.split("/")]
     knobs = dict(DEFAULT_KNOBS)

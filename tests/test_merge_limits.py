@@ -183,29 +183,32 @@ def test_n2_gives_the_two_way_bits_with_another_out_dtype(impl, base):
             np.testing.assert_array_equal(x.view(BITS[x.dtype.itemsize]), y.view(BITS[y.dtype.itemsize]))
 
 
+def _fresh_caches(monkeypatch):
+    """Empty launch-plan and compile caches, so a changed launch table takes effect."""
+    from pallas_impl import merge_n as pallas_merge_n
+    from triton_impl import _plans as triton_plans
+
+    monkeypatch.setattr(triton_plans, "PLANS", {})
+    pallas_merge_n._PLANS.clear()
+    jax.clear_caches()
+
+
 @pytest.fixture
 def runtime_loops(monkeypatch):
     """Every N-way loop over the partials a runtime loop (no unrolling; the maximum in loads of `max_chunk` LSE
     tiles, 0: one partial at a time), with fresh plan and compile caches."""
     from mla_lse_common import constants, tiles
-    from pallas_impl import merge_n as pallas_merge_n
-    from triton_impl import _plans as triton_plans
-
-    def fresh():
-        monkeypatch.setattr(triton_plans, "PLANS", {})
-        pallas_merge_n._PLANS.clear()
-        jax.clear_caches()
 
     def runtime(max_chunk=None):
         monkeypatch.setattr(constants, "UNROLLED_PARTIALS", 0)
         if max_chunk is not None:
             monkeypatch.setattr(tiles, "N_LOOPS", {fw: {v: (max_chunk, *loops[1:]) for v, loops in per_fw.items()}
                                                    for fw, per_fw in tiles.N_LOOPS.items()})
-        fresh()
+        _fresh_caches(monkeypatch)
 
     yield runtime
     monkeypatch.undo()
-    fresh()
+    _fresh_caches(monkeypatch)
 
 
 def test_loop_partition_of_both_frameworks():
@@ -257,13 +260,6 @@ def one_kernel(monkeypatch):
     """`set(split, weights)`: the N-way merge beyond N_SPLIT_ABOVE partials in two kernels (the first storing the
     weights or m and z only) or, split=False, in one at every N; fresh plan and compile caches."""
     from mla_lse_common import tiles
-    from pallas_impl import merge_n as pallas_merge_n
-    from triton_impl import _plans as triton_plans
-
-    def fresh():
-        monkeypatch.setattr(triton_plans, "PLANS", {})
-        pallas_merge_n._PLANS.clear()
-        jax.clear_caches()
 
     split_above = tiles.N_SPLIT_ABOVE
 
@@ -271,11 +267,11 @@ def one_kernel(monkeypatch):
         monkeypatch.setattr(tiles, "N_SPLIT_ABOVE", split_above if split else 1 << 30)
         monkeypatch.setattr(tiles, "N_SPLIT_WEIGHTS", {fw: dict.fromkeys(per_fw, weights)
                                                        for fw, per_fw in tiles.N_SPLIT_WEIGHTS.items()})
-        fresh()
+        _fresh_caches(monkeypatch)
 
     yield set_split
     monkeypatch.undo()
-    fresh()
+    _fresh_caches(monkeypatch)
 
 
 @pytest.mark.parametrize("weights", [False, True], ids=["m_z", "weights"])

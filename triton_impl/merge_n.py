@@ -133,8 +133,8 @@ def _merge_n_weights_kernel(
                 _store_weight(k * EXP_STEP + j, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req,
                               in_req, m, z, wlse_ptr, stride_wlse_n, wlse_offs, LSE_BASE2, FUSED_MASK, INTERPRET)
         for i in tl.static_range(W_STEPS * EXP_STEP, NUM_PARTIALS):
-            _store_weight(i, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, z, wlse_ptr,
-                          stride_wlse_n, wlse_offs, LSE_BASE2, FUSED_MASK, INTERPRET)
+            _store_weight(i, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, z,
+                          wlse_ptr, stride_wlse_n, wlse_offs, LSE_BASE2, FUSED_MASK, INTERPRET)
 
 
 @_backend.jit_per_lse_layout(runtime=["num_tokens", "prefill_tokens_with_context", "num_requests", "stride_lse_n",
