@@ -26,10 +26,13 @@ import argparse
 import copy
 import functools
 import gc
+import glob
 import itertools
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -61,6 +64,38 @@ def gpu_us_jax(call, sync, n: int = 20) -> float:
     return got[0][1] if got else float("nan")
 
 
+def kernels_triton(fn, n: int = 10) -> dict:
+    """{kernel name: mean device time per call (us)} of `fn`'s kernels, from torch.profiler over n calls."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: round(e.device_time_total / n, 2) for e in prof.key_averages() if e.device_time_total > 0}
+
+
+def kernels_jax(call, sync, n: int = 10) -> dict:
+    """{kernel name: mean device time per call (us)} of a JAX call's kernels, from the profiler's events."""
+    call()
+    sync()
+    log_dir = tempfile.mkdtemp(prefix="tune_trace_")
+    try:
+        jax.profiler.start_trace(log_dir)
+        for _ in range(n):
+            call()
+        sync()
+        jax.profiler.stop_trace()
+        files = sorted(glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True))
+        events = timers.gpu_kernel_events(jax.profiler.ProfileData.from_file(files[-1])) if files else []
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    out = {}
+    for _, dur_ns, name in events:
+        out[name] = out.get(name, 0.0) + dur_ns / 1e3 / n
+    return {k: round(v, 2) for k, v in out.items()}
+
+
 def lse_shape(layout: str, H: int, T: int) -> tuple[int, int]:
     return (H, T) if layout == "HT" else (T, H)
 
@@ -76,13 +111,16 @@ DEFAULT_KNOBS = {k: getattr(tiles, k) for k in ("N_TILE_BYTES", "N_LOOPS", "N_OU
 # +hint: knobs of both frameworks; +ef / +normal: N_OUTPUTS_EVICT; +single: the N-way merge in one kernel at every N
 # (N_SPLIT_ABOVE; without it, two beyond UNROLLED_PARTIALS); +mz / +w: the first of two kernels stores m and z
 # only / the weights too (N_SPLIT_WEIGHTS); +fhH: H heads per first-kernel program of the fused variant in [H, T] layout
-# (MAX_SUM_FUSED_HEADS)
+# (MAX_SUM_FUSED_HEADS); +psP / +mwW: P LSE positions / W warps per first-kernel program (MAX_SUM_POSITIONS,
+# MAX_SUM_WARPS)
 HINTS = {"ef": dict(N_OUTPUTS_EVICT={fw: "evict_first" for fw in tiles.FRAMEWORKS}),
          "normal": dict(N_OUTPUTS_EVICT={fw: "" for fw in tiles.FRAMEWORKS}),
          "single": dict(N_SPLIT_ABOVE=1 << 30),
          "mz": dict(N_SPLIT_WEIGHTS={fw: dict.fromkeys(("plain", "lse", "fused"), False) for fw in tiles.FRAMEWORKS}),
          "w": dict(N_SPLIT_WEIGHTS={fw: dict.fromkeys(("plain", "lse", "fused"), True) for fw in tiles.FRAMEWORKS}),
-         **{f"fh{h}": dict(MAX_SUM_FUSED_HEADS=h) for h in (4, 16, 32, 64)}}
+         **{f"fh{h}": dict(MAX_SUM_FUSED_HEADS=h) for h in (4, 16, 32, 64)},
+         **{f"ps{p}": dict(MAX_SUM_POSITIONS=p) for p in (128, 512, 1024)},
+         **{f"mw{w}": dict(MAX_SUM_WARPS=w) for w in (2, 8)}}
 
 
 def parse_tile(text: str) -> dict:
@@ -205,8 +243,11 @@ def merge_n_sweep(args) -> list[dict]:
                    "block": list(tiles.merge_tiles("triton", H, D, "lse", tdt.itemsize, N, layout))}
             for variant in args.variants:
                 kw = offs if variant == "fused" else {}
-                us = gpu_us_triton(functools.partial(triton_impl.merge_attn_states_n, out_t, o, lse,
-                                                     None if variant == "plain" else olse, **kw, **lay))
+                tcall = functools.partial(triton_impl.merge_attn_states_n, out_t, o, lse,
+                                          None if variant == "plain" else olse, **kw, **lay)
+                us = gpu_us_triton(tcall)
+                if args.kernels:
+                    row[f"triton_{variant}_kernels"] = kernels_triton(tcall)
                 pus = float("nan")
                 if jo is not None and "pallas" in args.frameworks:
                     f = jax.jit(functools.partial(pallas_impl.merge_attn_states_n, return_lse=variant != "plain",
@@ -217,6 +258,8 @@ def merge_n_sweep(args) -> list[dict]:
                         last[0] = f(jo, jl, **jkw)
 
                     pus = gpu_us_jax(call, lambda: jax.block_until_ready(last[0]))
+                    if args.kernels:
+                        row[f"pallas_{variant}_kernels"] = kernels_jax(call, lambda: jax.block_until_ready(last[0]))
                 nbytes = points.MergePoint(T, H, D, dtype, variant, N).bytes
                 for impl, t_us in (("triton", us), ("pallas", pus)):
                     row[f"{impl}_{variant}_us"] = round(t_us, 2)
@@ -280,6 +323,8 @@ def main(argv=None) -> int:
     p.add_argument("--lse-base", nargs="+", choices=("e", "2"), default=["e"], help="merge, merge_n: LSE bases")
     p.add_argument("--partials-view", nargs="+", choices=points.VIEWS, default=["contig"],
                    help="merge_n: partials contiguous [N, T, H, D] or the [T, N, H, D] all-gather view (Triton only)")
+    p.add_argument("--kernels", action="store_true",
+                   help="merge_n: also each kernel's device time per call (profilers; the split merge's two)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     args.deadline = time.monotonic() + args.budget_s
