@@ -134,7 +134,8 @@ def merge_tiles(framework: str, num_heads: int, head_dim: int, variant: str = "p
     heads, then more tokens, up to the byte budget of one `itemsize`-byte input tile: `MERGE_TILES` for the 2-way
     merge (num_partials=0), else `partial_tile_bytes` of `MERGE_N_TILES` for `lse_layout`."""
     if num_partials:
-        total, min_block_t, floor_block_t, _ = MERGE_N_TILES[framework][variant][lse_layout]
+        total, min_block_t, floor_block_t, _ = MERGE_N_TILES[framework][tile_variant(framework, variant,
+                                                                                      num_partials)][lse_layout]
         tile_bytes = partial_tile_bytes(total, num_partials)
         if tile_bytes == N_TILE_BYTES[0]:
             min_block_t = floor_block_t
@@ -157,8 +158,17 @@ def partial_tile_bytes(total: int, num_partials: int) -> int:
 
 def merge_num_warps(framework: str, variant: str, num_partials: int = 0, lse_layout: str = "HT") -> int:
     if num_partials:
-        return MERGE_N_TILES[framework][variant][lse_layout][3]
+        return MERGE_N_TILES[framework][tile_variant(framework, variant, num_partials)][lse_layout][3]
     return MERGE_TILES[framework][variant][2]
+
+
+def tile_variant(framework: str, variant: str, num_partials: int) -> str:
+    """The variant whose `MERGE_N_TILES` entry an N-way merge of `variant` takes: its own, but beyond N_SPLIT_ABOVE
+    with the weights stored (`split_weights`) the fused merge's weighted sum reads neither LSEs nor offsets per
+    partial and takes the output-LSE merge's tile."""
+    if variant == "fused" and split_passes(num_partials) and split_weights(framework, variant):
+        return "lse"
+    return variant
 
 
 def merge_variant(output_lse: bool, fused: bool) -> str:

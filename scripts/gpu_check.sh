@@ -28,8 +28,8 @@
 #                 bytes and beside simplified three-pass merges, overlapped or split in two kernels), then the
 #                 all-gather view at N = 8 and 16 with larger tiles: n_stream.* gather_*.json
 #   split         the N-way merge in two kernels beyond 16 partials (scripts/tune.py --kernels: each kernel's
-#                 time): the fused variant's tiles, the first kernel's tiles and warps, stored weights, Triton's
-#                 loops; the host cost: tune_*.json host_cost.log
+#                 time): the first kernel's positions per program, the fused merge's stored weights and tile, both
+#                 frameworks; the full check; the N-way GPU tests: tune_*.json check* pytest.log
 #   verify_tests  the GPU tests (`pytest -m gpu -v -rf`: a timeout still names what ran and failed), then the
 #                 first-call compile times (wide_n.py compile): pytest.log wide_n_compile.*
 #   all           tests, bench, then more
@@ -175,22 +175,22 @@ if [ "$PLAN" = limits ]; then
 fi
 if [ "$PLAN" = split ]; then
     # The N-way merge in two kernels beyond UNROLLED_PARTIALS (docs/design.md, "Two kernels beyond 16 partials"),
-    # N = 128 / 256, T = 8192, every step with each kernel's device time (--kernels): the fused variant's tiles in
-    # both LSE layouts (the plain variant's tile: with the weights given, its weighted sum reads no offsets) and its
-    # first kernel's [H, T] tile (+fhH) and stored weights (+w); the first kernel's positions and warps per program
-    # (+psP, +mwW) under the plain and output-LSE merges; Triton's output-LSE loops; the host cost of every entry point
-    # (a merge of 32 partials among them).
+    # N = 128 / 256, T = 8192, with each kernel's device time (--kernels: one framework per process): Pallas's
+    # merges with 512 LSE positions per first-kernel program (+ps512) and its fused merge with the weights stored
+    # (+w: then the output-LSE merge's tile, `tiles.tile_variant`), in both LSE layouts; Triton's plain and fused
+    # merges (the fused one on the output-LSE merge's tile) with +ps512; then the full check (Pallas on its Triton
+    # backend) and the N-way GPU tests.
     TUNE=("$PY" scripts/tune.py merge_n --heads 64 --dims 128 --tokens 8192 --partials 128 256 --kernels)
-    step tune_fused 130 330 "$OUT/tune_fused.log" "${TUNE[@]}" --variants fused --budget-s 110 --tiles committed \
-        16384,8,4 committed+fh4 committed+w 16384,8,4+w --json "$OUT/tune_fused.json"
-    step tune_fused_th 60 270 "$OUT/tune_fused_th.log" "${TUNE[@]}" --variants fused --lse-layout TH --budget-s 45 \
-        --tiles committed 16384,1,4 --json "$OUT/tune_fused_th.json"
-    step tune_first 130 140 "$OUT/tune_first.log" "${TUNE[@]}" --variants plain lse --budget-s 110 --tiles committed \
-        committed+ps512 committed+ps1024 committed+ps128 committed+mw8 --json "$OUT/tune_first.json"
-    step tune_lse 80 45 "$OUT/tune_lse.log" "${TUNE[@]}" --frameworks triton --variants lse --lse-layout HT TH \
-        --budget-s 60 --tiles committed committed/committed/16,16,4 committed/committed/32,16,8 \
-        --json "$OUT/tune_lse.json"
-    step host_cost 45 0 "$OUT/host_cost.log" "$PY" scripts/host_cost.py
+    step tune_pallas 130 390 "$OUT/tune_pallas.log" "${TUNE[@]}" --frameworks pallas --variants plain lse fused \
+        --budget-s 110 --tiles committed committed+ps512 committed+w 16384,8,4+w --json "$OUT/tune_pallas.json"
+    step tune_pallas_th 70 320 "$OUT/tune_pallas_th.log" "${TUNE[@]}" --frameworks pallas --variants lse fused \
+        --lse-layout TH --budget-s 55 --tiles committed committed+ps512 committed+w --json "$OUT/tune_pallas_th.json"
+    step tune_triton 80 240 "$OUT/tune_triton.log" "${TUNE[@]}" --frameworks triton --variants plain fused \
+        --lse-layout HT TH --budget-s 65 --tiles committed committed+ps512 --json "$OUT/tune_triton.json"
+    step check 110 110 "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json"
+    # shellcheck disable=SC2086
+    step pytest 100 0 "$OUT/pytest.log" "$PY" -m pytest -q -rfs -m gpu $XDIST tests/test_merge_limits.py \
+        tests/test_triton_merge_n.py tests/test_pallas_merge_n.py tests/test_op_merge_n.py tests/test_kernels_agree.py
 fi
 if [ "$PLAN" = verify ]; then
     # GPU_TESTS (default: the N-way merge's and the loop's files) run after the N-way merge's speed; the Mosaic GPU

@@ -245,8 +245,8 @@ def merge_n_sweep(args) -> list[dict]:
                 kw = offs if variant == "fused" else {}
                 tcall = functools.partial(triton_impl.merge_attn_states_n, out_t, o, lse,
                                           None if variant == "plain" else olse, **kw, **lay)
-                us = gpu_us_triton(tcall)
-                if args.kernels:
+                us = gpu_us_triton(tcall) if "triton" in args.frameworks else float("nan")
+                if args.kernels and "triton" in args.frameworks:
                     row[f"triton_{variant}_kernels"] = kernels_triton(tcall)
                 pus = float("nan")
                 if jo is not None and "pallas" in args.frameworks:
@@ -308,7 +308,7 @@ def main(argv=None) -> int:
                         "16384,8,8 4096,1,2, merge_n the committed tables (\"committed\"; +ef / +normal: "
                         "N_OUTPUTS_EVICT)")
     p.add_argument("--frameworks", nargs="+", choices=("triton", "pallas"), default=["triton", "pallas"],
-                   help="merge_n: the frameworks timed")
+                   help="merge_n: the frameworks timed (Pallas's arrays are made from Triton's either way)")
     p.add_argument("--tokens", nargs="+", type=int, default=[32768, 131072])
     p.add_argument("--partials", nargs="+", type=int, default=[4, 8], help="merge_n: N")
     p.add_argument("--variants", nargs="+", default=["plain", "lse", "fused"], help="merge_n: variants timed")
@@ -324,9 +324,13 @@ def main(argv=None) -> int:
     p.add_argument("--partials-view", nargs="+", choices=points.VIEWS, default=["contig"],
                    help="merge_n: partials contiguous [N, T, H, D] or the [T, N, H, D] all-gather view (Triton only)")
     p.add_argument("--kernels", action="store_true",
-                   help="merge_n: also each kernel's device time per call (profilers; the split merge's two)")
+                   help="merge_n: also each kernel's device time per call (the split merge's two), from the "
+                        "framework's profiler; one framework per process")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.kernels and len(args.frameworks) > 1:
+        p.error("--kernels profiles one framework per process (torch's and JAX's profilers share CUPTI): "
+                "pass --frameworks triton or --frameworks pallas")
     args.deadline = time.monotonic() + args.budget_s
     if args.tiles is None:
         args.tiles = [parse_tile(t) for t in (("committed",) if args.what == "merge_n" else
