@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU run: versions, the GPU tests, the full parity check, the demos, the benchmark and the sweeps.
 #
-#   OUT=/some/dir [PLAN=all|tests|bench|more|mosaic|mosaic_speed|tune_n|limits|split|verify|verify_tests] bash scripts/gpu_check.sh
+#   OUT=/some/dir [PLAN=all|tests|bench|more|mosaic|mosaic_speed|tune_n|limits|split|fused_first|verify|verify_tests] bash scripts/gpu_check.sh
 #
 # PLAN picks the steps; each plan but "all" fits one 10-minute call (DEADLINE_S, default 560 s; "all": 1500 s):
 #   tests         the GPU-marked tests (`pytest -m gpu`; the CPU tests are CI's) and the full parity check on
@@ -21,6 +21,8 @@
 #   tune_n        the N-way merge's launch sweeps (scripts/tune.py): N = 128 and 256 at T = 8192 (tiles,
 #                 N_LOOPS, N_OUTPUTS_EVICT), then the full parity check (Pallas on its Triton backend):
 #                 tune_*.json tune_*.log check*
+#   fused_first   the fused N-way merge's first kernel in [H, T] layout: heads per program (scripts/tune.py
+#                 +fhH --kernels), both frameworks: fused_*.json
 #   verify        after a kernel or launch change: the full parity check (Pallas on its Triton backend; with
 #                 VERIFY_MOSAIC=1 on Mosaic GPU too), the N-way merge at large N (scripts/wide_n.py speed), the GPU
 #                 tests of the N-way merge and the loop (GPU_TESTS): check*.json check*.log wide_n_speed.* pytest.log
@@ -191,6 +193,17 @@ if [ "$PLAN" = split ]; then
     # shellcheck disable=SC2086
     step pytest 100 0 "$OUT/pytest.log" "$PY" -m pytest -q -rfs -m gpu $XDIST tests/test_merge_limits.py \
         tests/test_triton_merge_n.py tests/test_pallas_merge_n.py tests/test_op_merge_n.py tests/test_kernels_agree.py
+fi
+if [ "$PLAN" = fused_first ]; then
+    # The fused N-way merge's first kernel in [H, T] layout (the slowest of the split merge's kernels there: its
+    # per-token offset reads): MAX_SUM_FUSED_HEADS heads x 256 / H tokens per program (+fhH), each kernel's time,
+    # one framework per process; N = 128 / 256, T = 8192.
+    TUNE=("$PY" scripts/tune.py merge_n --heads 64 --dims 128 --tokens 8192 --partials 128 256 --kernels
+          --variants fused --tiles committed committed+fh16 committed+fh32 committed+fh64)
+    step fused_triton 100 110 "$OUT/fused_triton.log" "${TUNE[@]}" --frameworks triton --budget-s 80 \
+        --json "$OUT/fused_triton.json"
+    step fused_pallas 100 0 "$OUT/fused_pallas.log" "${TUNE[@]}" --frameworks pallas --budget-s 80 \
+        --json "$OUT/fused_pallas.json"
 fi
 if [ "$PLAN" = verify ]; then
     # GPU_TESTS (default: the N-way merge's and the loop's files) run after the N-way merge's speed; the Mosaic GPU
