@@ -78,15 +78,16 @@ N_OUTPUTS_EVICT = {"triton": "evict_first", "pallas": "evict_first"}
 # second reads them and runs the weighted sum of the outputs (out_step), without the first two passes' round trips
 # (and, given the weights, without an exponential or the fused mask's offsets per partial). The same operations in
 # the same order per position: no bit depends on it. A first-kernel program owns MAX_SUM_POSITIONS LSE positions
-# with MAX_SUM_WARPS warps: a run of tokens of one head in [H, T] layout (MAX_SUM_FUSED_HEADS heads with the fused
-# mask, whose offsets are read per token), whole heads' rows in [T, H].
+# with MAX_SUM_WARPS warps: a run of tokens of one head in [H, T] layout (with the fused mask, whose offsets are
+# read per token, MAX_SUM_FUSED_HEADS heads per framework: the H200 sweeps' best, docs/results.md), whole heads'
+# rows in [T, H].
 N_SPLIT_ABOVE = constants.UNROLLED_PARTIALS
 # N_SPLIT_WEIGHTS per framework and variant, from the H200 sweeps (docs/results.md): the weights pay where the
 # weighted sum would otherwise read the fused mask's offsets per partial (Triton), m and z alone elsewhere.
 N_SPLIT_WEIGHTS = {"triton": {"plain": False, "lse": False, "fused": True},
                    "pallas": {"plain": False, "lse": False, "fused": False}}
 MAX_SUM_POSITIONS = 256
-MAX_SUM_FUSED_HEADS = 8
+MAX_SUM_FUSED_HEADS = {"triton": 8, "pallas": 16}
 MAX_SUM_WARPS = 4
 # The context-parallel rescale reads one partial's tile and writes one: it takes the N-way tile of two partials
 # (the 2-way merge's bytes per tile).
@@ -202,20 +203,21 @@ def split_weights(framework: str, variant: str) -> bool:
     return N_SPLIT_WEIGHTS[framework][variant]
 
 
-def max_sum_tiles(num_heads: int, lse_layout: str, fused: bool = False) -> tuple[int, int]:
+def max_sum_tiles(framework: str, num_heads: int, lse_layout: str, fused: bool = False) -> tuple[int, int]:
     """(BLOCK_T, BLOCK_H) of a program of the split N-way merge's first kernel: MAX_SUM_POSITIONS LSE positions,
     a run of tokens of one head (MAX_SUM_FUSED_HEADS heads when `fused`) in [H, T] layout, every head (up to the
     budget) of a few tokens in [T, H]."""
     if lse_layout == "HT":
-        block_h = min(next_pow2(num_heads), MAX_SUM_FUSED_HEADS) if fused else 1
+        block_h = min(next_pow2(num_heads), MAX_SUM_FUSED_HEADS[framework]) if fused else 1
     else:
         block_h = min(next_pow2(num_heads), MAX_SUM_POSITIONS)
     return max(1, MAX_SUM_POSITIONS // block_h), block_h
 
 
-def max_sum_grid(num_tokens: int, num_heads: int, lse_layout: str, fused: bool = False) -> tuple[int]:
+def max_sum_grid(framework: str, num_tokens: int, num_heads: int, lse_layout: str,
+                 fused: bool = False) -> tuple[int]:
     """The first kernel's grid, head blocks fastest as the merges'."""
-    block_t, block_h = max_sum_tiles(num_heads, lse_layout, fused)
+    block_t, block_h = max_sum_tiles(framework, num_heads, lse_layout, fused)
     return (cdiv(num_tokens, block_t) * cdiv(num_heads, block_h),)
 
 

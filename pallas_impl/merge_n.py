@@ -176,14 +176,14 @@ def _merge_n_jit(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pref
     weights = split and tiles.split_weights("pallas", variant)
     wlse = jnp.zeros((1,), jnp.float32)  # unused unless split
     if split:  # the first kernel: every LSE position's m and z (and the weights)
-        ms_block_t, ms_block_h = tiles.max_sum_tiles(num_heads, lse_layout, fused)
+        ms_block_t, ms_block_h = tiles.max_sum_tiles("pallas", num_heads, lse_layout, fused)
         wlse = pl.pallas_call(
             functools.partial(_merge_n_weights_kernel, num_partials=num_partials, num_tokens=num_tokens,
                               num_heads=num_heads, num_requests=num_requests, block_t=ms_block_t, block_h=ms_block_h,
                               lse_layout=lse_layout, lse_base2=lse_base2, output_lse=return_lse, fused_mask=fused,
                               store_weights=weights),
             out_shape=sharding.out_struct((2 + num_partials * weights, *lse_shape), jnp.float32, lses),
-            grid=tiles.max_sum_grid(num_tokens, num_heads, lse_layout, fused),
+            grid=tiles.max_sum_grid("pallas", num_tokens, num_heads, lse_layout, fused),
             interpret=interpret,
             compiler_params=_backend.compiler_params(num_warps=tiles.MAX_SUM_WARPS),
             name="merge_attn_states_n_weights",

@@ -118,7 +118,7 @@ HINTS = {"ef": dict(N_OUTPUTS_EVICT={fw: "evict_first" for fw in tiles.FRAMEWORK
          "single": dict(N_SPLIT_ABOVE=1 << 30),
          "mz": dict(N_SPLIT_WEIGHTS={fw: dict.fromkeys(("plain", "lse", "fused"), False) for fw in tiles.FRAMEWORKS}),
          "w": dict(N_SPLIT_WEIGHTS={fw: dict.fromkeys(("plain", "lse", "fused"), True) for fw in tiles.FRAMEWORKS}),
-         **{f"fh{h}": dict(MAX_SUM_FUSED_HEADS=h) for h in (4, 16, 32, 64)},
+         **{f"fh{h}": dict(MAX_SUM_FUSED_HEADS=dict.fromkeys(tiles.FRAMEWORKS, h)) for h in (4, 8, 16, 32, 64)},
          **{f"ps{p}": dict(MAX_SUM_POSITIONS=p) for p in (128, 512, 1024)},
          **{f"mw{w}": dict(MAX_SUM_WARPS=w) for w in (2, 8)}}
 

@@ -227,10 +227,10 @@ def test_loop_partition_of_both_frameworks():
     # Two kernels only where the loops run at runtime; a first-kernel program owns MAX_SUM_POSITIONS positions, one
     # head's run of tokens in [H, T] layout without the fused mask, and its grid covers every position once.
     assert not tiles.split_passes(n) and tiles.split_passes(n + 1)
-    for heads, layout, fused in itertools.product((1, 3, 64, 512), ("HT", "TH"), (False, True)):
-        block_t, block_h = tiles.max_sum_tiles(heads, layout, fused)
+    for fw, heads, layout, fused in itertools.product(tiles.FRAMEWORKS, (1, 3, 64, 512), ("HT", "TH"), (False, True)):
+        block_t, block_h = tiles.max_sum_tiles(fw, heads, layout, fused)
         assert block_t * block_h == tiles.MAX_SUM_POSITIONS and (block_h == 1 or layout == "TH" or fused)
-        (programs,) = tiles.max_sum_grid(1000, heads, layout, fused)
+        (programs,) = tiles.max_sum_grid(fw, 1000, heads, layout, fused)
         assert programs == -(-1000 // block_t) * -(-heads // block_h)
 
 

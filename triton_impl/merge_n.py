@@ -319,9 +319,9 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
                       INTERPRET=_backend.interpreting(), **plans.n_way_loops(variant, num_partials, weighted_sum=False))
         first = None
         if split:
-            ms_block_t, ms_block_h = tiles.max_sum_tiles(num_heads, lse_layout, fused)
+            ms_block_t, ms_block_h = tiles.max_sum_tiles("triton", num_heads, lse_layout, fused)
             first = ((2 + num_partials * weights, *lses.shape[1:]), plans.kernel_launch(
-                grid=tiles.max_sum_grid(num_tokens, num_heads, lse_layout, fused),
+                grid=tiles.max_sum_grid("triton", num_tokens, num_heads, lse_layout, fused),
                 ints=(*wlse_strides, stride_lse_n, stride_lse_h, stride_lse_t, cu_stride, num_tokens, num_requests),
                 constexprs=dict(**shared, BLOCK_T=ms_block_t, BLOCK_H=ms_block_h, STORE_WEIGHTS=weights,
                                 W_STEPS=tiles.loop_steps(num_partials, num_partials, shared["EXP_STEP"]),
