@@ -28,7 +28,8 @@ from mla_lse_common import constants  # noqa: E402
 from triton_impl import cp_merge, mask, merge, merge_n  # noqa: E402
 
 KERNELS = [(mask, "_mask_empty_context_lse_kernel"), (merge, "_merge_attn_states_kernel"),
-           (merge_n, "_merge_attn_states_n_kernel"), (cp_merge, "_cp_rescale_kernel")]
+           (merge_n, "_merge_attn_states_n_kernel"), (merge_n, "_merge_n_weights_kernel"),
+           (cp_merge, "_cp_rescale_kernel")]
 
 
 @triton.jit
