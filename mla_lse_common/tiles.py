@@ -44,7 +44,8 @@ MERGE_TILES = {
 # of two) within N_TILE_BYTES: a program's loads stay about the same as N grows, and never below one 16-byte vector
 # per thread of 4 warps. A tile at the floor (N >= 8 at these totals) with [H, T] LSEs takes 8 tokens of one head:
 # its LSE tile is one 32-byte run of tokens, not 8 heads' scattered words; a larger tile keeps heads first, which
-# the sweeps preferred (`scripts/tune.py merge_n`; docs/design.md, "N-way tiles").
+# the sweeps preferred (`scripts/tune.py merge_n`; docs/design.md, "N-way tiles"). Beyond N_SPLIT_ABOVE with the
+# weights stored, the fused merge takes the output-LSE entry (`tile_variant`).
 MERGE_N_TILES = {
     "triton": {"plain": {"HT": (16384, 1, 8, 4), "TH": (16384, 1, 1, 4)},
                "lse": {"HT": (16384, 1, 8, 4), "TH": (16384, 1, 1, 4)},
