@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU run: versions, the GPU tests, the full parity check, the demos, the benchmark and the sweeps.
 #
-#   OUT=/some/dir [PLAN=all|tests|bench|more|mosaic|mosaic_speed|tune_n|limits|split|fused_first|verify|verify_tests] bash scripts/gpu_check.sh
+#   OUT=/some/dir [PLAN=all|tests|bench|more|mosaic|mosaic_speed|tune_n|limits|split|fused_first|warps|verify|verify_tests] bash scripts/gpu_check.sh
 #
 # PLAN picks the steps; each plan but "all" fits one 10-minute call (DEADLINE_S, default 560 s; "all": 1500 s):
 #   tests         the GPU-marked tests (`pytest -m gpu`; the CPU tests are CI's) and the full parity check on
@@ -23,6 +23,8 @@
 #                 tune_*.json tune_*.log check*
 #   fused_first   the fused N-way merge's first kernel in [H, T] layout: heads per program (scripts/tune.py
 #                 +fhH --kernels), both frameworks: fused_*.json
+#   warps         the N-way merge's tiles with 2 warps at large N and in the all-gather view: warps_*.json
+#                 gather_*.json
 #   verify        after a kernel or launch change: the full parity check (Pallas on its Triton backend; with
 #                 VERIFY_MOSAIC=1 on Mosaic GPU too), the N-way merge at large N (scripts/wide_n.py speed), the GPU
 #                 tests of the N-way merge and the loop (GPU_TESTS): check*.json check*.log wide_n_speed.* pytest.log
@@ -204,6 +206,25 @@ if [ "$PLAN" = fused_first ]; then
         --json "$OUT/fused_triton.json"
     step fused_pallas 100 0 "$OUT/fused_pallas.log" "${TUNE[@]}" --frameworks pallas --budget-s 80 \
         --json "$OUT/fused_pallas.json"
+fi
+if [ "$PLAN" = warps ]; then
+    # The N-way merge's tiles with 2 warps (16 B -> 32 B per thread and partial): N = 128 / 256 at T = 8192 (the
+    # committed tiles first and last: the spread), both frameworks, both LSE layouts; then the all-gather view at
+    # N = 8 / 16 (Triton, output LSE).
+    TUNE=("$PY" scripts/tune.py merge_n --heads 64 --dims 128)
+    step warps_ht 110 250 "$OUT/warps_ht.log" "${TUNE[@]}" --frameworks triton --tokens 8192 --partials 128 256 \
+        --variants plain lse fused --budget-s 90 --tiles committed 16384,8,2 committed --json "$OUT/warps_ht.json"
+    step warps_th 80 170 "$OUT/warps_th.log" "${TUNE[@]}" --frameworks triton --tokens 8192 --partials 128 256 \
+        --variants lse fused --lse-layout TH --budget-s 60 --tiles committed 16384,1,2 committed \
+        --json "$OUT/warps_th.json"
+    step warps_pallas 90 80 "$OUT/warps_pallas.log" "${TUNE[@]}" --frameworks pallas --tokens 8192 \
+        --partials 128 256 --variants plain lse --budget-s 70 --tiles committed 16384,8,2 committed \
+        --json "$OUT/warps_pallas.json"
+    for nt in 8:32768 16:8192; do
+        step "gather_${nt%%:*}" 40 $(( ${nt%%:*} == 8 ? 40 : 0 )) "$OUT/gather_${nt%%:*}.log" "${TUNE[@]}" \
+            --frameworks triton --partials "${nt%%:*}" --tokens "${nt##*:}" --variants lse --partials-view gather \
+            --budget-s 30 --tiles committed 16384,8,2 committed --json "$OUT/gather_${nt%%:*}.json"
+    done
 fi
 if [ "$PLAN" = verify ]; then
     # GPU_TESTS (default: the N-way merge's and the loop's files) run after the N-way merge's speed; the Mosaic GPU
