@@ -45,14 +45,17 @@ MERGE_TILES = {
 # per thread of 4 warps. A tile at the floor (N >= 8 at these totals) with [H, T] LSEs takes 8 tokens of one head:
 # its LSE tile is one 32-byte run of tokens, not 8 heads' scattered words; a larger tile keeps heads first, which
 # the sweeps preferred (`scripts/tune.py merge_n`; docs/design.md, "N-way tiles"). Beyond N_SPLIT_ABOVE with the
-# weights stored, the fused merge takes the output-LSE entry (`tile_variant`).
+# weights stored, the fused merge's weighted sum (its LSEs and offsets no longer read per partial) takes the
+# "weighted" entry (`tile_variant`): the output-LSE merge's tile with 2 warps, the best of the H200 sweeps there.
 MERGE_N_TILES = {
     "triton": {"plain": {"HT": (16384, 1, 8, 4), "TH": (16384, 1, 1, 4)},
                "lse": {"HT": (16384, 1, 8, 4), "TH": (16384, 1, 1, 4)},
-               "fused": {"HT": (32768, 4, 4, 4), "TH": (32768, 4, 4, 4)}},
+               "fused": {"HT": (32768, 4, 4, 4), "TH": (32768, 4, 4, 4)},
+               "weighted": {"HT": (16384, 1, 8, 2), "TH": (16384, 1, 1, 2)}},
     "pallas": {"plain": {"HT": (16384, 4, 8, 4), "TH": (16384, 4, 4, 4)},
                "lse": {"HT": (16384, 4, 8, 4), "TH": (16384, 4, 4, 4)},
-               "fused": {"HT": (16384, 4, 4, 4), "TH": (16384, 4, 4, 4)}},
+               "fused": {"HT": (16384, 4, 4, 4), "TH": (16384, 4, 4, 4)},
+               "weighted": {"HT": (16384, 1, 8, 2), "TH": (16384, 1, 1, 2)}},
 }
 N_TILE_BYTES = (2048, 4096)  # (fewest, most) bytes of one partial's tile in the N-way merge
 # The N-way loops beyond N = constants.UNROLLED_PARTIALS (docs/spec.md 8, "Any N"; docs/design.md, "Loops over
@@ -165,11 +168,11 @@ def merge_num_warps(framework: str, variant: str, num_partials: int = 0, lse_lay
 
 
 def tile_variant(framework: str, variant: str, num_partials: int) -> str:
-    """The variant whose `MERGE_N_TILES` entry an N-way merge of `variant` takes: its own, but beyond N_SPLIT_ABOVE
-    with the weights stored (`split_weights`) the fused merge's weighted sum reads neither LSEs nor offsets per
-    partial and takes the output-LSE merge's tile."""
+    """The `MERGE_N_TILES` entry an N-way merge of `variant` takes: its own, but beyond N_SPLIT_ABOVE with the
+    weights stored (`split_weights`) the fused merge's weighted sum reads neither LSEs nor offsets per partial and
+    takes "weighted"."""
     if variant == "fused" and split_passes(num_partials) and split_weights(framework, variant):
-        return "lse"
+        return "weighted"
     return variant
 
 
