@@ -227,6 +227,11 @@ def test_loop_partition_of_both_frameworks():
     # Two kernels only where the loops run at runtime; a first-kernel program owns MAX_SUM_POSITIONS positions, one
     # head's run of tokens in [H, T] layout without the fused mask, and its grid covers every position once.
     assert not tiles.split_passes(n) and tiles.split_passes(n + 1)
+    for fw, layout in itertools.product(tiles.FRAMEWORKS, ("HT", "TH")):  # the fused weighted sum given the weights
+        given = "weighted" if tiles.split_weights(fw, "fused") else "fused"
+        assert tiles.tile_variant(fw, "fused", n) == "fused" and tiles.tile_variant(fw, "fused", n + 1) == given
+        assert tiles.merge_num_warps(fw, "fused", n + 1, layout) == tiles.MERGE_N_TILES[fw][given][layout][3]
+        assert all(tiles.tile_variant(fw, v, n + 1) == v for v in ("plain", "lse"))
     for fw, heads, layout, fused in itertools.product(tiles.FRAMEWORKS, (1, 3, 64, 512), ("HT", "TH"), (False, True)):
         block_t, block_h = tiles.max_sum_tiles(fw, heads, layout, fused)
         assert block_t * block_h == tiles.MAX_SUM_POSITIONS and (block_h == 1 or layout == "TH" or fused)
