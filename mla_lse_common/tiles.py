@@ -46,7 +46,8 @@ MERGE_TILES = {
 # its LSE tile is one 32-byte run of tokens, not 8 heads' scattered words; a larger tile keeps heads first, which
 # the sweeps preferred (`scripts/tune.py merge_n`; docs/design.md, "N-way tiles"). Beyond N_SPLIT_ABOVE with the
 # weights stored, the fused merge's weighted sum (its LSEs and offsets no longer read per partial) takes the
-# "weighted" entry (`tile_variant`): the output-LSE merge's tile with 2 warps, the best of the H200 sweeps there.
+# "weighted" entry (`tile_variant`): the output-LSE merge's tile with 2 warps, the best of the H200 sweeps there
+# (Pallas's entry is unused while its fused merge stores no weights, N_SPLIT_WEIGHTS).
 MERGE_N_TILES = {
     "triton": {"plain": {"HT": (16384, 1, 8, 4), "TH": (16384, 1, 1, 4)},
                "lse": {"HT": (16384, 1, 8, 4), "TH": (16384, 1, 1, 4)},

@@ -182,7 +182,7 @@ def test_merge_agrees_bitwise_gpu(case):
 @pytest.mark.parametrize("framework", tiles.FRAMEWORKS)
 @pytest.mark.parametrize("num_heads", [1, 3, 5, 64])
 def test_n_way_tiles_are_powers_of_two_within_budget(framework, num_heads):
-    for variant, itemsize, layout in itertools.product(("plain", "lse", "fused"), (2, 4), ("HT", "TH")):
+    for variant, itemsize, layout in itertools.product(("plain", "lse", "fused", "weighted"), (2, 4), ("HT", "TH")):
         total, _, _, num_warps = tiles.MERGE_N_TILES[framework][variant][layout]
         for num_partials, head_dim in itertools.product((1, 2, 3, 4, 8, 16, 64), (32, 64, 80, 128, 512)):
             tile_bytes = tiles.partial_tile_bytes(total, num_partials)
@@ -199,7 +199,7 @@ def test_n_way_tiles_are_powers_of_two_within_budget(framework, num_heads):
 @pytest.mark.parametrize("framework", tiles.FRAMEWORKS)
 def test_n_way_tiles_shrink_as_partials_grow(framework):
     """A program's N input tiles share one budget: 4 partials get half the bytes of 2, down to the floor."""
-    for variant, layout in itertools.product(("plain", "lse", "fused"), ("HT", "TH")):
+    for variant, layout in itertools.product(("plain", "lse", "fused", "weighted"), ("HT", "TH")):
         total = tiles.MERGE_N_TILES[framework][variant][layout][0]
         sizes = [tiles.partial_tile_bytes(total, n) for n in (1, 2, 4, 8, 16, 64)]
         assert sizes == sorted(sizes, reverse=True) and sizes[-1] == tiles.N_TILE_BYTES[0]
