@@ -26,13 +26,10 @@ import argparse
 import copy
 import functools
 import gc
-import glob
 import itertools
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -77,21 +74,8 @@ def kernels_triton(fn, n: int = 10) -> dict:
 
 def kernels_jax(call, sync, n: int = 10) -> dict:
     """{kernel name: mean device time per call (us)} of a JAX call's kernels, from the profiler's events."""
-    call()
-    sync()
-    log_dir = tempfile.mkdtemp(prefix="tune_trace_")
-    try:
-        jax.profiler.start_trace(log_dir)
-        for _ in range(n):
-            call()
-        sync()
-        jax.profiler.stop_trace()
-        files = sorted(glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True))
-        events = timers.gpu_kernel_events(jax.profiler.ProfileData.from_file(files[-1])) if files else []
-    finally:
-        shutil.rmtree(log_dir, ignore_errors=True)
     out = {}
-    for _, dur_ns, name in events:
+    for _, dur_ns, name in timers.jax_kernel_events(call, sync, n):
         out[name] = out.get(name, 0.0) + dur_ns / 1e3 / n
     return {k: round(v, 2) for k, v in out.items()}
 

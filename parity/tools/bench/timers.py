@@ -159,8 +159,8 @@ def per_call_us(events, n: int):
     return (mean, mean, mean), f"{len(events)} events for {n} calls: mean only"
 
 
-def time_jax_profiler(call, sync, n: int):
-    """JAX GPU time from the profiler's kernel durations over `n` back-to-back calls; None without GPU events."""
+def jax_kernel_events(call, sync, n: int) -> list[tuple[float, float, str]]:
+    """`gpu_kernel_events` of `n` back-to-back calls under the JAX profiler (one warm-up call first, outside it)."""
     import jax
 
     call()
@@ -180,11 +180,14 @@ def time_jax_profiler(call, sync, n: int):
         finally:
             jax.profiler.stop_trace()
         files = sorted(glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True))
-        if not files:
-            return None
-        got = per_call_us(gpu_kernel_events(jax.profiler.ProfileData.from_file(files[-1])), n)
+        return gpu_kernel_events(jax.profiler.ProfileData.from_file(files[-1])) if files else []
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def time_jax_profiler(call, sync, n: int):
+    """JAX GPU time from the profiler's kernel durations over `n` back-to-back calls; None without GPU events."""
+    got = per_call_us(jax_kernel_events(call, sync, n), n)
     if got is None:
         return None
     q, note = got
