@@ -77,6 +77,13 @@ N_LOOPS = {
 # it. Measured on the H200: a gain at N = 128 and 256, a loss at N = 8 and 16 (docs/design.md, "evict_first beyond
 # 16 partials").
 N_OUTPUTS_EVICT = {"triton": "evict_first", "pallas": "evict_first"}
+# The weighted sum's loads in flight where its loop runs at runtime (N > constants.UNROLLED_PARTIALS), per
+# framework and variant: the loop's steps whose loads are issued ahead of the step being summed, plus one (1: each
+# step's loads wait for the previous step's sum). Triton pipelines the loop (`tl.range(num_stages=...)`: the loads
+# of the next stages go to shared memory asynchronously); Pallas, whose lowering has no per-loop stages, carries
+# the next step's output tiles in registers through the loop (2: one step ahead, the most it takes). The same
+# operations in the same order: no bit depends on it.
+N_OUT_STAGES = {"triton": {"plain": 1, "lse": 1, "fused": 1}, "pallas": {"plain": 1, "lse": 1, "fused": 1}}
 # Beyond N_SPLIT_ABOVE partials the N-way merge runs in two kernels (docs/design.md, "Two kernels beyond 16
 # partials"): the first computes every LSE position's maximum and sum over the partials' LSEs (their N_LOOPS
 # max_chunk and exp_step) and, with N_SPLIT_WEIGHTS, every partial's weight, and stores them in the LSEs' layout; the
@@ -99,7 +106,7 @@ MAX_SUM_WARPS = 4
 RESCALE_TILE_PARTIALS = 2
 
 KNOBS = ("MASK_NUM_WARPS", "MASK_TILE_H", "ZERO_TILE_ELEMS", "MASK_TARGET_PROGRAMS", "MASK_ZERO_SPLIT",
-         "MASK_LSE_SPLIT", "MERGE_TILES", "MERGE_N_TILES", "N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT",
+         "MASK_LSE_SPLIT", "MERGE_TILES", "MERGE_N_TILES", "N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT", "N_OUT_STAGES",
          "N_SPLIT_ABOVE", "N_SPLIT_WEIGHTS", "MAX_SUM_POSITIONS", "MAX_SUM_FUSED_HEADS", "MAX_SUM_WARPS")
 
 
@@ -196,6 +203,12 @@ def n_loops(framework: str, variant: str) -> tuple[int, int, int]:
 def outputs_evict(framework: str, num_partials: int) -> str:
     """The eviction policy of the N-way merge's output-tile loads at N = `num_partials` (`N_OUTPUTS_EVICT`)."""
     return N_OUTPUTS_EVICT[framework] if num_partials > constants.UNROLLED_PARTIALS else ""
+
+
+def out_stages(framework: str, variant: str, num_partials: int) -> int:
+    """The stages of the N-way weighted sum's runtime loop at N = `num_partials` (`N_OUT_STAGES`; 1 where the loop
+    unrolls)."""
+    return N_OUT_STAGES[framework][variant] if num_partials > constants.UNROLLED_PARTIALS else 1
 
 
 def split_passes(num_partials: int) -> bool:

@@ -33,6 +33,36 @@ def fold_partials(lo: int, hi: int, body, init, num_partials: int, step: int, *,
     return x
 
 
+def fold_prefetched(lo: int, hi: int, load, body, init, num_partials: int, step: int, stages: int):
+    """`fold_partials` of `body(i, load(i), x)`; with stages >= 2 (`tiles.out_stages`) its runtime loop issues the
+    loads of step k + 1 before the bodies of step k and carries them to the next iteration (the first step's loads
+    before the loop, the last step's bodies after it): the same operations in the same order, with one step's loads
+    always in flight. Pallas' Triton lowering has no per-loop stages; the Triton kernels pipeline the same loop
+    (`tl.range(num_stages=...)`)."""
+    steps = tiles.loop_steps(hi - lo, num_partials, step)
+    if stages < 2 or steps < 2:
+        return fold_partials(lo, hi, lambda i, x: body(i, load(i), x), init, num_partials, step)
+
+    def loads(k):
+        return tuple(load(lo + k * step + j) for j in range(step))
+
+    def bodies(k, got, x):
+        for j in range(step):
+            x = body(lo + k * step + j, got[j], x)
+        return x
+
+    def one_step(k, carry):
+        x, got = carry
+        ahead = loads(k + 1)
+        return bodies(k, got, x), ahead
+
+    x, got = jax.lax.fori_loop(0, steps - 1, one_step, (init, loads(0)))
+    x = bodies(steps - 1, got, x)
+    for i in range(lo + steps * step, hi):
+        x = body(i, load(i), x)
+    return x
+
+
 def clean_lse(x):
     """An LSE tile as the merges read it (docs/spec.md 4.1): +inf and NaN as -inf. No base conversion: a base-2
     LSE stays base 2 and the merge works in base 2 (`exp_base`, `merged_lse`), so an identity stays exact."""

@@ -120,7 +120,8 @@ def _merge_attn_states_n_kernel(
         m, all_empty, z = _given_max_and_sum(wlse_ref, t0, h0, block_t, block_h, th_mask, lse_layout)
     else:
         lse_i, m, all_empty, z = _max_and_sum(lses_ref, num_partials, lse_base2, output_lse, **tile_where)
-    out_step = tiles.n_loops("pallas", tiles.merge_variant(output_lse, fused_mask))[2]
+    variant = tiles.merge_variant(output_lse, fused_mask)
+    out_step = tiles.n_loops("pallas", variant)[2]
 
     def weight(i):  # w_i = e_i / z, or the first kernel's (plane 2 + i of its buffer): the same bits
         if given_w:
@@ -134,10 +135,10 @@ def _merge_attn_states_n_kernel(
         out = _weighted(b, w_last)
     else:
         out = _weighted(tile(0), weight(0))
-        out = _math.fold_partials(  # unrolled or a runtime loop, as in n_way_max_and_sum
-            1, num_partials - 1,
-            lambda i, out: out + _weighted(tile(i), weight(i)), out,
-            num_partials, out_step)
+        out = _math.fold_prefetched(  # unrolled or a runtime loop, as in n_way_max_and_sum
+            1, num_partials - 1, tile,
+            lambda i, o_i, out: out + _weighted(o_i, weight(i)), out,
+            num_partials, out_step, tiles.out_stages("pallas", variant, num_partials))
         out = out + _weighted(b, w_last)
     out = jnp.where(all_empty[:, :, None], 0.0, out)
     copy_t = t >= ptwc_ref[0]  # 8.4

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU run: versions, the GPU tests, the full parity check, the demos, the benchmark and the sweeps.
 #
-#   OUT=/some/dir [PLAN=all|tests|bench|more|mosaic|mosaic_speed|tune_n|limits|split|fused_first|warps|verify|verify_tests] bash scripts/gpu_check.sh
+#   OUT=/some/dir [PLAN=all|tests|bench|more|mosaic|mosaic_speed|tune_n|limits|split|fused_first|warps|stages|verify|verify_tests] bash scripts/gpu_check.sh
 #
 # PLAN picks the steps; each plan but "all" fits one 10-minute call (DEADLINE_S, default 560 s; "all": 1500 s):
 #   tests         the GPU-marked tests (`pytest -m gpu`; the CPU tests are CI's) and the full parity check on
@@ -25,6 +25,8 @@
 #                 +fhH --kernels), both frameworks: fused_*.json
 #   warps         the N-way merge's tiles with 2 warps at large N and in the all-gather view: warps_*.json
 #                 gather_*.json
+#   stages        the N-way weighted sum's loads in flight at large N (tiles.N_OUT_STAGES; scripts/tune.py +osS),
+#                 both frameworks, both LSE layouts, then the bits of the loops' tests, compiled st_*.json pytest.log
 #   verify        after a kernel or launch change: the full parity check (Pallas on its Triton backend; with
 #                 VERIFY_MOSAIC=1 on Mosaic GPU too), the N-way merge at large N (scripts/wide_n.py speed), the GPU
 #                 tests of the N-way merge and the loop (GPU_TESTS): check*.json check*.log wide_n_speed.* pytest.log
@@ -224,6 +226,24 @@ if [ "$PLAN" = warps ]; then
             --frameworks triton --partials "${nt%%:*}" --tokens "${nt##*:}" --variants lse --partials-view gather \
             --budget-s 30 --tiles committed 16384,8,2 committed --json "$OUT/gather_${nt%%:*}.json"
     done
+fi
+if [ "$PLAN" = stages ]; then
+    # The weighted sum's loads in flight beyond UNROLLED_PARTIALS (tiles.N_OUT_STAGES, +osS): Triton's pipelined
+    # loop with 2-4 stages, Pallas' tiles carried one step ahead (+os2), N = 128 / 256 at T = 8192, the committed
+    # tables first and last (the spread), one framework per process; then the bits of the loops' tests, compiled
+    TUNE=("$PY" scripts/tune.py merge_n --heads 64 --dims 128 --tokens 8192 --partials 128 256)
+    step st_triton 130 330 "$OUT/st_triton.log" "${TUNE[@]}" --frameworks triton --variants plain lse fused \
+        --budget-s 110 --tiles committed committed+os2 committed+os3 committed+os4 committed \
+        --json "$OUT/st_triton.json"
+    step st_triton_th 70 260 "$OUT/st_triton_th.log" "${TUNE[@]}" --frameworks triton --variants lse fused \
+        --lse-layout TH --budget-s 55 --tiles committed committed+os3 committed --json "$OUT/st_triton_th.json"
+    step st_pallas 110 150 "$OUT/st_pallas.log" "${TUNE[@]}" --frameworks pallas --variants plain lse fused \
+        --budget-s 90 --tiles committed committed+os2 committed --json "$OUT/st_pallas.json"
+    step st_pallas_th 70 80 "$OUT/st_pallas_th.log" "${TUNE[@]}" --frameworks pallas --variants lse fused \
+        --lse-layout TH --budget-s 55 --tiles committed committed+os2 committed --json "$OUT/st_pallas_th.json"
+    # Not -m gpu: the Triton cases of these tests (unmarked: the interpreter on a CPU) run compiled here.
+    step pytest 80 0 "$OUT/pytest.log" "$PY" -m pytest -q -rfs tests/test_merge_limits.py \
+        -k "pipelined or unrolled or two_kernels"
 fi
 if [ "$PLAN" = verify ]; then
     # GPU_TESTS (default: the N-way merge's and the loop's files) run after the N-way merge's speed; the Mosaic GPU

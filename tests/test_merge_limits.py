@@ -301,6 +301,48 @@ def test_two_kernels_give_the_one_kernel_bits(impl, lse_layout, base, fused, wei
         np.testing.assert_array_equal(x.view(BITS[x.dtype.itemsize]), y.view(BITS[y.dtype.itemsize]))
 
 
+@pytest.fixture
+def out_stages(monkeypatch):
+    """`set(stages)`: the N-way weighted sum's runtime loop with `stages` stages in both frameworks (Pallas: 2 at
+    most, `tiles.N_OUT_STAGES`), in steps of 4 partials; fresh plan and compile caches."""
+    from mla_lse_common import tiles
+
+    def set_stages(stages):
+        monkeypatch.setattr(tiles, "N_LOOPS", {fw: {v: (*loops[:2], 4) for v, loops in per_fw.items()}
+                                               for fw, per_fw in tiles.N_LOOPS.items()})
+        monkeypatch.setattr(tiles, "N_OUT_STAGES", {fw: dict.fromkeys(per_fw, min(stages, 2) if fw == "pallas"
+                                                                      else stages)
+                                                    for fw, per_fw in tiles.N_OUT_STAGES.items()})
+        _fresh_caches(monkeypatch)
+
+    yield set_stages
+    monkeypatch.undo()
+    _fresh_caches(monkeypatch)
+
+
+@pytest.mark.parametrize("lse_layout,base,fused", [("HT", math.e, False), ("TH", 2, False), ("HT", 2, True)])
+@pytest.mark.parametrize("impl", ["triton", "pallas"])
+def test_pipelined_weighted_sum_gives_the_same_bits(impl, lse_layout, base, fused, out_stages):
+    """docs/design.md, "The weighted sum's loads in flight": the weighted sum's loop with the next steps' loads
+    issued ahead (Triton's pipelined loop; Pallas' tiles carried one step ahead) gives the bits of the loop without,
+    pass-through rows, empty partials and the fused mask included. N = 21: partials 1 .. 19 in 4 runtime steps of 4
+    and 3 unrolled (on a CPU the Triton interpreter runs the same loop either way; Pallas interprets each loop)."""
+    from mla_lse_common import tiles
+
+    n = tiles.N_SPLIT_ABOVE + 5
+    outputs, lses, cu = _partials(n, "bfloat16", seed=12)
+    lses[4, 0, 1] = np.inf
+    kw = dict(cu=cu if fused else None, ptwc=2, base=base, lse_layout=lse_layout, out_dtype="float32")
+    out_stages(1)
+    want = _merge_n(impl, outputs, lses, **kw)
+    out_stages(3)
+    assert tiles.loop_steps(n - 2, n, 4) == 4 and tiles.out_stages(impl, tiles.merge_variant(True, fused), n) > 1
+    got = _merge_n(impl, outputs, lses, **kw)
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(x.view(BITS[x.dtype.itemsize]), y.view(BITS[y.dtype.itemsize]))
+    _assert_n_way(got, outputs, lses, **kw)
+
+
 # -- output dtypes independent of the partials' ------------------------------------------------------------
 
 IN_DTYPES = ("float32", "float16", "bfloat16")

@@ -59,14 +59,15 @@ class CpPlan(NamedTuple):
 def n_way_loops(variant: str, num_partials: int, *, max_and_sum: bool = True, weighted_sum: bool = True) -> dict:
     """The constexprs of `_device._max_and_sum`'s loops (unless max_and_sum=False) and of the N-way merge's weighted
     sum (unless weighted_sum=False) for N = `num_partials` partials of `variant`: `tiles.N_LOOPS` partitioned by
-    `tiles.max_chunks` and `loop_steps`."""
+    `tiles.max_chunks` and `loop_steps`, and the weighted sum's `tiles.out_stages`."""
     chunk, exp_step, out_step = tiles.n_loops("triton", variant)
     loops = {}
     if max_and_sum:
         loops.update(LSE_STEPS=tiles.loop_steps(num_partials - 1, num_partials, exp_step), EXP_STEP=exp_step,
                      MAX_CHUNKS=tiles.max_chunks(num_partials, chunk), MAX_CHUNK=max(chunk, 1))
     if weighted_sum:
-        loops.update(OUT_STEPS=tiles.loop_steps(num_partials - 2, num_partials, out_step), OUT_STEP=out_step)
+        loops.update(OUT_STEPS=tiles.loop_steps(num_partials - 2, num_partials, out_step), OUT_STEP=out_step,
+                     OUT_STAGES=tiles.out_stages("triton", variant, num_partials))
     return loops
 
 

@@ -164,7 +164,7 @@ def _merge_attn_states_n_kernel(
     LSE_BASE2: tl.constexpr, OUTPUT_LSE: tl.constexpr, FUSED_MASK: tl.constexpr, FP8_OUT: tl.constexpr,
     INTERPRET: tl.constexpr, LSE_STEPS: tl.constexpr, OUT_STEPS: tl.constexpr, EXP_STEP: tl.constexpr,
     OUT_STEP: tl.constexpr, MAX_CHUNKS: tl.constexpr, MAX_CHUNK: tl.constexpr, OUT_EVICT: tl.constexpr,
-    GIVEN_MZ: tl.constexpr, GIVEN_W: tl.constexpr,
+    GIVEN_MZ: tl.constexpr, GIVEN_W: tl.constexpr, OUT_STAGES: tl.constexpr,
 ):
     t, t_mask, th_mask, thd_mask, t64, h64, d64 = _program_tile(num_tokens, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H,
                                                                   BLOCK_D)
@@ -199,7 +199,7 @@ def _merge_attn_states_n_kernel(
         w = _weight(0, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, z, wlse_ptr,
                     stride_wlse_n, wlse_offs, LSE_BASE2, FUSED_MASK, INTERPRET, GIVEN_W)
         out = _weighted(tl.load(outs_ptr + o_offs, mask=thd_mask, other=0.0, eviction_policy=OUT_EVICT), w)
-        for k in range(0, OUT_STEPS):  # partials 1 .. N-2, in steps of OUT_STEP
+        for k in tl.range(0, OUT_STEPS, num_stages=OUT_STAGES):  # partials 1 .. N-2, in steps of OUT_STEP
             for j in tl.static_range(OUT_STEP):
                 out = _out_step(out, 1 + k * OUT_STEP + j, outs_ptr, stride_o_n, o_offs, thd_mask, lses_ptr,
                                 stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, z, wlse_ptr,
