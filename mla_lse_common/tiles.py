@@ -83,7 +83,7 @@ N_OUTPUTS_EVICT = {"triton": "evict_first", "pallas": "evict_first"}
 # of the next stages go to shared memory asynchronously); Pallas, whose lowering has no per-loop stages, carries
 # the next step's output tiles in registers through the loop (2: one step ahead, the most it takes). The same
 # operations in the same order: no bit depends on it.
-N_OUT_STAGES = {"triton": {"plain": 1, "lse": 1, "fused": 1}, "pallas": {"plain": 1, "lse": 1, "fused": 1}}
+N_OUT_STAGES = {"triton": {"plain": 3, "lse": 3, "fused": 2}, "pallas": {"plain": 2, "lse": 2, "fused": 1}}
 # Beyond N_SPLIT_ABOVE partials the N-way merge runs in two kernels (docs/design.md, "Two kernels beyond 16
 # partials"): the first computes every LSE position's maximum and sum over the partials' LSEs (their N_LOOPS
 # max_chunk and exp_step) and, with N_SPLIT_WEIGHTS, every partial's weight, and stores them in the LSEs' layout; the

@@ -228,22 +228,29 @@ if [ "$PLAN" = warps ]; then
     done
 fi
 if [ "$PLAN" = stages ]; then
-    # The weighted sum's loads in flight beyond UNROLLED_PARTIALS (tiles.N_OUT_STAGES, +osS): Triton's pipelined
-    # loop with 2-4 stages, Pallas' tiles carried one step ahead (+os2), N = 128 / 256 at T = 8192, the committed
-    # tables first and last (the spread), one framework per process; then the bits of the loops' tests, compiled
+    # The weighted sum's loads in flight beyond UNROLLED_PARTIALS (tiles.N_OUT_STAGES, +osS) with the tables' other
+    # choices, N = 128 / 256 at T = 8192, the committed tables first and last (the spread), one framework per
+    # process: Pallas's fused merge with the weights stored (+w) and its tiles carried ahead (+os2), its plain and
+    # output-LSE merges' weighted-sum steps (4, 8) with them; Triton's fused merge with 4 warps and 3 stages. Then
+    # the bits of the loops' tests, compiled.
     TUNE=("$PY" scripts/tune.py merge_n --heads 64 --dims 128 --tokens 8192 --partials 128 256)
-    step st_triton 130 330 "$OUT/st_triton.log" "${TUNE[@]}" --frameworks triton --variants plain lse fused \
-        --budget-s 110 --tiles committed committed+os2 committed+os3 committed+os4 committed \
-        --json "$OUT/st_triton.json"
-    step st_triton_th 70 260 "$OUT/st_triton_th.log" "${TUNE[@]}" --frameworks triton --variants lse fused \
-        --lse-layout TH --budget-s 55 --tiles committed committed+os3 committed --json "$OUT/st_triton_th.json"
-    step st_pallas 110 150 "$OUT/st_pallas.log" "${TUNE[@]}" --frameworks pallas --variants plain lse fused \
-        --budget-s 90 --tiles committed committed+os2 committed --json "$OUT/st_pallas.json"
-    step st_pallas_th 70 80 "$OUT/st_pallas_th.log" "${TUNE[@]}" --frameworks pallas --variants lse fused \
-        --lse-layout TH --budget-s 55 --tiles committed committed+os2 committed --json "$OUT/st_pallas_th.json"
-    # Not -m gpu: the Triton cases of these tests (unmarked: the interpreter on a CPU) run compiled here.
-    step pytest 80 0 "$OUT/pytest.log" "$PY" -m pytest -q -rfs tests/test_merge_limits.py \
-        -k "pipelined or unrolled or two_kernels"
+    step st_pallas_fused 100 380 "$OUT/st_pallas_fused.log" "${TUNE[@]}" --frameworks pallas --variants fused \
+        --budget-s 80 --tiles committed committed+os2 committed+w committed+w+os2 16384,8,4+w+os2 committed \
+        --json "$OUT/st_pallas_fused.json"
+    step st_pallas_fused_th 80 300 "$OUT/st_pallas_fused_th.log" "${TUNE[@]}" --frameworks pallas --variants fused \
+        --lse-layout TH --budget-s 65 --tiles committed committed+os2 committed+w+os2 16384,1,4+w+os2 committed \
+        --json "$OUT/st_pallas_fused_th.json"
+    step st_pallas 80 220 "$OUT/st_pallas.log" "${TUNE[@]}" --frameworks pallas --variants plain lse \
+        --budget-s 65 --tiles committed committed/committed/16,16,4 committed/committed/16,16,8 committed+os1 \
+        committed --json "$OUT/st_pallas.json"
+    step st_triton_fused 80 140 "$OUT/st_triton_fused.log" "${TUNE[@]}" --frameworks triton --variants fused \
+        --budget-s 65 --tiles committed committed+os3 16384,8,4 16384,8,4+os3 committed \
+        --json "$OUT/st_triton_fused.json"
+    step st_triton_fused_th 60 80 "$OUT/st_triton_fused_th.log" "${TUNE[@]}" --frameworks triton --variants fused \
+        --lse-layout TH --budget-s 45 --tiles committed 16384,1,4 16384,1,4+os3 committed \
+        --json "$OUT/st_triton_fused_th.json"
+    # Not -m gpu: the Triton cases of this test (unmarked: the interpreter on a CPU) run compiled here.
+    step pytest 80 0 "$OUT/pytest.log" "$PY" -m pytest -q -rfs tests/test_merge_limits.py -k pipelined
 fi
 if [ "$PLAN" = verify ]; then
     # GPU_TESTS (default: the N-way merge's and the loop's files) run after the N-way merge's speed; the Mosaic GPU
