@@ -81,7 +81,7 @@ N_OUTPUTS_EVICT = {"triton": "evict_first", "pallas": "evict_first"}
 # framework and variant: the loop's steps whose loads are issued ahead of the step being summed, plus one (1: each
 # step's loads wait for the previous step's sum). Triton pipelines the loop (`tl.range(num_stages=...)`: the loads
 # of the next stages go to shared memory asynchronously); Pallas, whose lowering has no per-loop stages, carries
-# the next step's output tiles in registers through the loop (2: one step ahead, the most it takes). The same
+# the next step's output tiles in registers through the loop (any value above 1: one step ahead). The same
 # operations in the same order: no bit depends on it.
 N_OUT_STAGES = {"triton": {"plain": 3, "lse": 3, "fused": 2}, "pallas": {"plain": 2, "lse": 2, "fused": 1}}
 # Beyond N_SPLIT_ABOVE partials the N-way merge runs in two kernels (docs/design.md, "Two kernels beyond 16
@@ -106,8 +106,9 @@ MAX_SUM_WARPS = 4
 RESCALE_TILE_PARTIALS = 2
 
 KNOBS = ("MASK_NUM_WARPS", "MASK_TILE_H", "ZERO_TILE_ELEMS", "MASK_TARGET_PROGRAMS", "MASK_ZERO_SPLIT",
-         "MASK_LSE_SPLIT", "MERGE_TILES", "MERGE_N_TILES", "N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT", "N_OUT_STAGES",
-         "N_SPLIT_ABOVE", "N_SPLIT_WEIGHTS", "MAX_SUM_POSITIONS", "MAX_SUM_FUSED_HEADS", "MAX_SUM_WARPS")
+         "MASK_LSE_SPLIT", "MERGE_TILES", "MERGE_N_TILES", "N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT",
+         "N_OUT_STAGES", "N_SPLIT_ABOVE", "N_SPLIT_WEIGHTS", "MAX_SUM_POSITIONS", "MAX_SUM_FUSED_HEADS",
+         "MAX_SUM_WARPS")
 
 
 def set_knobs(**values) -> dict:

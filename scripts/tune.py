@@ -98,7 +98,8 @@ DEFAULT_KNOBS = {k: getattr(tiles, k) for k in ("N_TILE_BYTES", "N_LOOPS", "N_OU
 # (N_SPLIT_ABOVE; without it, two beyond UNROLLED_PARTIALS); +mz / +w: the first of two kernels stores m and z
 # only / the weights too (N_SPLIT_WEIGHTS); +fhH: H heads per first-kernel program of the fused variant in [H, T] layout
 # (MAX_SUM_FUSED_HEADS); +psP / +mwW: P LSE positions / W warps per first-kernel program (MAX_SUM_POSITIONS,
-# MAX_SUM_WARPS); +osS: S stages of the weighted sum's runtime loop (N_OUT_STAGES; Pallas takes 2 at most)
+# MAX_SUM_WARPS); +osS: S stages of the weighted sum's runtime loop (N_OUT_STAGES; Pallas: any S > 1 is one step
+# ahead)
 HINTS = {"ef": dict(N_OUTPUTS_EVICT={fw: "evict_first" for fw in tiles.FRAMEWORKS}),
          "normal": dict(N_OUTPUTS_EVICT={fw: "" for fw in tiles.FRAMEWORKS}),
          "single": dict(N_SPLIT_ABOVE=1 << 30),
@@ -107,8 +108,8 @@ HINTS = {"ef": dict(N_OUTPUTS_EVICT={fw: "evict_first" for fw in tiles.FRAMEWORK
          **{f"fh{h}": dict(MAX_SUM_FUSED_HEADS=dict.fromkeys(tiles.FRAMEWORKS, h)) for h in (4, 8, 16, 32, 64)},
          **{f"ps{p}": dict(MAX_SUM_POSITIONS=p) for p in (128, 512, 1024)},
          **{f"mw{w}": dict(MAX_SUM_WARPS=w) for w in (2, 8)},
-         **{f"os{n}": dict(N_OUT_STAGES={fw: dict.fromkeys(("plain", "lse", "fused"), min(n, 2) if fw == "pallas" else n)
-                                         for fw in tiles.FRAMEWORKS}) for n in (1, 2, 3, 4)}}
+         **{f"os{n}": dict(N_OUT_STAGES={fw: dict.fromkeys(("plain", "lse", "fused"), n) for fw in tiles.FRAMEWORKS})
+            for n in (1, 2, 3, 4)}}
 
 
 def parse_tile(text: str) -> dict:

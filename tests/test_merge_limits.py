@@ -303,15 +303,15 @@ def test_two_kernels_give_the_one_kernel_bits(impl, lse_layout, base, fused, wei
 
 @pytest.fixture
 def out_stages(monkeypatch):
-    """`set(stages)`: the N-way weighted sum's runtime loop with `stages` stages in both frameworks (Pallas: 2 at
-    most, `tiles.N_OUT_STAGES`), in steps of 4 partials; fresh plan and compile caches."""
+    """`set(stages)`: the N-way weighted sum's runtime loop with `stages` stages in both frameworks
+    (`tiles.N_OUT_STAGES`; in Pallas any value above 1 is one step ahead), in steps of 4 partials; fresh plan and
+    compile caches."""
     from mla_lse_common import tiles
 
     def set_stages(stages):
         monkeypatch.setattr(tiles, "N_LOOPS", {fw: {v: (*loops[:2], 4) for v, loops in per_fw.items()}
                                                for fw, per_fw in tiles.N_LOOPS.items()})
-        monkeypatch.setattr(tiles, "N_OUT_STAGES", {fw: dict.fromkeys(per_fw, min(stages, 2) if fw == "pallas"
-                                                                      else stages)
+        monkeypatch.setattr(tiles, "N_OUT_STAGES", {fw: dict.fromkeys(per_fw, stages)
                                                     for fw, per_fw in tiles.N_OUT_STAGES.items()})
         _fresh_caches(monkeypatch)
 

@@ -9,7 +9,9 @@ short at every N; each pass does the spec's operations in index order either way
 the partials' LSE tiles: the largest LSE, the sum of the exponentials, then the weighted sum of the outputs;
 an LSE tile is reloaded (from cache) and its exponential recomputed in each pass, which gives the same bits; beyond
 UNROLLED_PARTIALS the partials' output tiles load with the L2 policy `evict_first` (`tiles.outputs_evict`), so the
-LSE tiles stay cached between passes. Beyond N_SPLIT_ABOVE (`tiles.split_passes`) the merge is two launches: the
+LSE tiles stay cached between passes, and the weighted sum's loop is pipelined (`tl.range(num_stages=OUT_STAGES)`,
+`tiles.out_stages`: the next steps' loads in flight while this step sums). Beyond N_SPLIT_ABOVE
+(`tiles.split_passes`) the merge is two launches: the
 first (`_merge_n_weights_kernel`) runs the first two passes over 256 LSE positions per program and stores m and z
 (and, `tiles.split_weights`, every weight) in an f32 buffer; the merge kernel reads them (GIVEN_MZ, GIVEN_W) and
 streams the outputs without the passes' round trips: the same bits (docs/design.md, "Two kernels beyond 16
