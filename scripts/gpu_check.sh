@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU run: versions, the GPU tests, the full parity check, the demos, the benchmark and the sweeps.
 #
-#   OUT=/some/dir [PLAN=all|tests|bench|more|mosaic|mosaic_speed|tune_n|limits|split|fused_first|warps|stages|verify|verify_tests] bash scripts/gpu_check.sh
+#   OUT=/some/dir [PLAN=all|tests|bench|more|mosaic|mosaic_speed|tune_n|limits|split|fused_first|warps|stages|loops|verify|verify_tests] bash scripts/gpu_check.sh
 #
 # PLAN picks the steps; each plan but "all" fits one 10-minute call (DEADLINE_S, default 560 s; "all": 1500 s):
 #   tests         the GPU-marked tests (`pytest -m gpu`; the CPU tests are CI's) and the full parity check on
@@ -27,6 +27,9 @@
 #                 gather_*.json
 #   stages        the N-way weighted sum's loads in flight at large N (tiles.N_OUT_STAGES; scripts/tune.py +osS),
 #                 both frameworks, both LSE layouts, then the bits of the loops' tests, compiled st_*.json pytest.log
+#   loops         the fused N-way merge's loops beyond 16 partials (its first kernel's maximum chunk and sum
+#                 steps, tiles.N_LOOPS) with and without the weights stored, each kernel's time (--kernels), both
+#                 frameworks, both LSE layouts: lp_*.json
 #   verify        after a kernel or launch change: the full parity check (Pallas on its Triton backend; with
 #                 VERIFY_MOSAIC=1 on Mosaic GPU too), the N-way merge at large N (scripts/wide_n.py speed), the GPU
 #                 tests of the N-way merge and the loop (GPU_TESTS): check*.json check*.log wide_n_speed.* pytest.log
@@ -251,6 +254,24 @@ if [ "$PLAN" = stages ]; then
         --json "$OUT/st_triton_fused_th.json"
     # Not -m gpu: the Triton cases of this test (unmarked: the interpreter on a CPU) run compiled here.
     step pytest 80 0 "$OUT/pytest.log" "$PY" -m pytest -q -rfs tests/test_merge_limits.py -k pipelined
+fi
+if [ "$PLAN" = loops ]; then
+    # The fused merge's first kernel runs its passes over the partials one partial (maximum) or exp_step (sum,
+    # weights) at a time (tiles.N_LOOPS "fused"): its loads wait on each step. Chunks and steps of 8-32 with the
+    # weights stored (+w) and without, one framework per process, the committed tables first and last, each
+    # kernel's time; N = 128 / 256 at T = 8192.
+    TUNE=("$PY" scripts/tune.py merge_n --heads 64 --dims 128 --tokens 8192 --partials 128 256 --kernels
+          --variants fused)
+    step lp_pallas 170 250 "$OUT/lp_pallas.log" "${TUNE[@]}" --frameworks pallas --budget-s 150 --tiles committed \
+        16384,8,4+w+os2 16384,8,4/committed/16,16,4+w+os2 16384,8,4/committed/16,8,4+w+os2 \
+        16384,8,4/committed/32,16,4+w+os2 16384,8,4/committed/16,16,4+w+os2+fh8 committed/committed/16,16,4+os2 \
+        committed/committed/16,16,4 committed --json "$OUT/lp_pallas.json"
+    step lp_pallas_th 100 150 "$OUT/lp_pallas_th.log" "${TUNE[@]}" --frameworks pallas --lse-layout TH \
+        --budget-s 80 --tiles committed 16384,1,4+w+os2 16384,1,4/committed/16,16,4+w+os2 \
+        16384,1,4/committed/16,8,4+w+os2 committed/committed/16,16,4 committed --json "$OUT/lp_pallas_th.json"
+    step lp_triton 130 0 "$OUT/lp_triton.log" "${TUNE[@]}" --frameworks triton --lse-layout HT TH --budget-s 110 \
+        --tiles committed committed/committed/16,16,4 committed/committed/16,8,4 committed/committed/32,16,4 \
+        committed --json "$OUT/lp_triton.json"
 fi
 if [ "$PLAN" = verify ]; then
     # GPU_TESTS (default: the N-way merge's and the loop's files) run after the N-way merge's speed; the Mosaic GPU
