@@ -46,8 +46,8 @@ MERGE_TILES = {
 # its LSE tile is one 32-byte run of tokens, not 8 heads' scattered words; a larger tile keeps heads first, which
 # the sweeps preferred (`scripts/tune.py merge_n`; docs/design.md, "N-way tiles"). Beyond N_SPLIT_ABOVE with the
 # weights stored, the fused merge's weighted sum (its LSEs and offsets no longer read per partial) takes the
-# "weighted" entry (`tile_variant`): the output-LSE merge's tile with 2 warps, the best of the H200 sweeps there
-# (Pallas's entry is unused while its fused merge stores no weights, N_SPLIT_WEIGHTS).
+# "weighted" entry (`tile_variant`): the output-LSE merge's tile with 2 warps (Triton) or, with [T, H] LSEs, 4
+# (Pallas), the best of the H200 sweeps there (Pallas's [H, T] entry is unused: no weights there, N_SPLIT_WEIGHTS).
 MERGE_N_TILES = {
     "triton": {"plain": {"HT": (16384, 1, 8, 4), "TH": (16384, 1, 1, 4)},
                "lse": {"HT": (16384, 1, 8, 4), "TH": (16384, 1, 1, 4)},
@@ -56,7 +56,7 @@ MERGE_N_TILES = {
     "pallas": {"plain": {"HT": (16384, 4, 8, 4), "TH": (16384, 4, 4, 4)},
                "lse": {"HT": (16384, 4, 8, 4), "TH": (16384, 4, 4, 4)},
                "fused": {"HT": (16384, 4, 4, 4), "TH": (16384, 4, 4, 4)},
-               "weighted": {"HT": (16384, 1, 8, 2), "TH": (16384, 1, 1, 2)}},
+               "weighted": {"HT": (16384, 1, 8, 2), "TH": (16384, 1, 1, 4)}},
 }
 N_TILE_BYTES = (2048, 4096)  # (fewest, most) bytes of one partial's tile in the N-way merge
 # The N-way loops beyond N = constants.UNROLLED_PARTIALS (docs/spec.md 8, "Any N"; docs/design.md, "Loops over
@@ -83,7 +83,7 @@ N_OUTPUTS_EVICT = {"triton": "evict_first", "pallas": "evict_first"}
 # of the next stages go to shared memory asynchronously); Pallas, whose lowering has no per-loop stages, carries
 # the next step's output tiles in registers through the loop (any value above 1: one step ahead). The same
 # operations in the same order: no bit depends on it.
-N_OUT_STAGES = {"triton": {"plain": 3, "lse": 3, "fused": 2}, "pallas": {"plain": 2, "lse": 2, "fused": 1}}
+N_OUT_STAGES = {"triton": {"plain": 3, "lse": 3, "fused": 2}, "pallas": {"plain": 2, "lse": 2, "fused": 2}}
 # Beyond N_SPLIT_ABOVE partials the N-way merge runs in two kernels (docs/design.md, "Two kernels beyond 16
 # partials"): the first computes every LSE position's maximum and sum over the partials' LSEs (their N_LOOPS
 # max_chunk and exp_step) and, with N_SPLIT_WEIGHTS, every partial's weight, and stores them in the LSEs' layout; the
@@ -94,10 +94,14 @@ N_OUT_STAGES = {"triton": {"plain": 3, "lse": 3, "fused": 2}, "pallas": {"plain"
 # read per token, MAX_SUM_FUSED_HEADS heads per framework: the H200 sweeps' best, docs/results.md), whole heads'
 # rows in [T, H].
 N_SPLIT_ABOVE = constants.UNROLLED_PARTIALS
-# N_SPLIT_WEIGHTS per framework and variant, from the H200 sweeps (docs/results.md): the weights pay where the
-# weighted sum would otherwise read the fused mask's offsets per partial (Triton), m and z alone elsewhere.
-N_SPLIT_WEIGHTS = {"triton": {"plain": False, "lse": False, "fused": True},
-                   "pallas": {"plain": False, "lse": False, "fused": False}}
+# N_SPLIT_WEIGHTS per framework, variant and LSE layout, from the H200 sweeps (docs/results.md): the weights pay
+# where the weighted sum would otherwise read the fused mask's offsets per partial (Triton in both layouts, Pallas
+# with [T, H] LSEs; Pallas's first kernel stores them in [H, T] layout at twice the cost, which ate the gain), m and
+# z alone elsewhere.
+N_SPLIT_WEIGHTS = {"triton": {"plain": {"HT": False, "TH": False}, "lse": {"HT": False, "TH": False},
+                              "fused": {"HT": True, "TH": True}},
+                   "pallas": {"plain": {"HT": False, "TH": False}, "lse": {"HT": False, "TH": False},
+                              "fused": {"HT": False, "TH": True}}}
 MAX_SUM_POSITIONS = 256
 MAX_SUM_FUSED_HEADS = {"triton": 8, "pallas": 16}
 MAX_SUM_WARPS = 4
@@ -148,8 +152,8 @@ def merge_tiles(framework: str, num_heads: int, head_dim: int, variant: str = "p
     heads, then more tokens, up to the byte budget of one `itemsize`-byte input tile: `MERGE_TILES` for the 2-way
     merge (num_partials=0), else `partial_tile_bytes` of `MERGE_N_TILES` for `lse_layout`."""
     if num_partials:
-        total, min_block_t, floor_block_t, _ = MERGE_N_TILES[framework][tile_variant(framework, variant,
-                                                                                      num_partials)][lse_layout]
+        total, min_block_t, floor_block_t, _ = MERGE_N_TILES[framework][tile_variant(
+            framework, variant, num_partials, lse_layout)][lse_layout]
         tile_bytes = partial_tile_bytes(total, num_partials)
         if tile_bytes == N_TILE_BYTES[0]:
             min_block_t = floor_block_t
@@ -172,15 +176,15 @@ def partial_tile_bytes(total: int, num_partials: int) -> int:
 
 def merge_num_warps(framework: str, variant: str, num_partials: int = 0, lse_layout: str = "HT") -> int:
     if num_partials:
-        return MERGE_N_TILES[framework][tile_variant(framework, variant, num_partials)][lse_layout][3]
+        return MERGE_N_TILES[framework][tile_variant(framework, variant, num_partials, lse_layout)][lse_layout][3]
     return MERGE_TILES[framework][variant][2]
 
 
-def tile_variant(framework: str, variant: str, num_partials: int) -> str:
+def tile_variant(framework: str, variant: str, num_partials: int, lse_layout: str = "HT") -> str:
     """The `MERGE_N_TILES` entry an N-way merge of `variant` takes: its own, but beyond N_SPLIT_ABOVE with the
     weights stored (`split_weights`) the fused merge's weighted sum reads neither LSEs nor offsets per partial and
     takes "weighted"."""
-    if variant == "fused" and split_passes(num_partials) and split_weights(framework, variant):
+    if variant == "fused" and split_passes(num_partials) and split_weights(framework, variant, lse_layout):
         return "weighted"
     return variant
 
@@ -217,9 +221,9 @@ def split_passes(num_partials: int) -> bool:
     return num_partials > N_SPLIT_ABOVE
 
 
-def split_weights(framework: str, variant: str) -> bool:
+def split_weights(framework: str, variant: str, lse_layout: str) -> bool:
     """Whether the split merge's first kernel also stores the weights (`N_SPLIT_WEIGHTS`)."""
-    return N_SPLIT_WEIGHTS[framework][variant]
+    return N_SPLIT_WEIGHTS[framework][variant][lse_layout]
 
 
 def max_sum_tiles(framework: str, num_heads: int, lse_layout: str, fused: bool = False) -> tuple[int, int]:

@@ -174,7 +174,7 @@ def _merge_n_jit(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pref
     qsl = query_start_loc if fused else dummy_i32
     cu = cu_seq_lens.reshape(-1) if fused else dummy_i32
     split = tiles.split_passes(num_partials)
-    weights = split and tiles.split_weights("pallas", variant)
+    weights = split and tiles.split_weights("pallas", variant, lse_layout)
     wlse = jnp.zeros((1,), jnp.float32)  # unused unless split
     if split:  # the first kernel: every LSE position's m and z (and the weights)
         ms_block_t, ms_block_h = tiles.max_sum_tiles("pallas", num_heads, lse_layout, fused)

@@ -278,7 +278,7 @@ if [ "$PLAN" = verify ]; then
     # check, last, when its kernels changed (VERIFY_MOSAIC=1).
     # The check's reserve scales with DEADLINE_S (330 s of the default 560), so a shorter call still runs it.
     step check 110 $(( DEADLINE_S * 330 / 560 )) "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json"
-    step wide_n_speed 150 180 "$OUT/wide_n_speed.log" "$PY" scripts/wide_n.py --part speed \
+    step wide_n_speed 190 180 "$OUT/wide_n_speed.log" "$PY" scripts/wide_n.py --part speed \
         --json "$OUT/wide_n_speed.json"
     # shellcheck disable=SC2086
     step pytest 150 $([ "${VERIFY_MOSAIC:-0}" = 1 ] && echo 100 || echo 0) "$OUT/pytest.log" "$PY" -m pytest -v -rfs \

@@ -103,8 +103,10 @@ DEFAULT_KNOBS = {k: getattr(tiles, k) for k in ("N_TILE_BYTES", "N_LOOPS", "N_OU
 HINTS = {"ef": dict(N_OUTPUTS_EVICT={fw: "evict_first" for fw in tiles.FRAMEWORKS}),
          "normal": dict(N_OUTPUTS_EVICT={fw: "" for fw in tiles.FRAMEWORKS}),
          "single": dict(N_SPLIT_ABOVE=1 << 30),
-         "mz": dict(N_SPLIT_WEIGHTS={fw: dict.fromkeys(("plain", "lse", "fused"), False) for fw in tiles.FRAMEWORKS}),
-         "w": dict(N_SPLIT_WEIGHTS={fw: dict.fromkeys(("plain", "lse", "fused"), True) for fw in tiles.FRAMEWORKS}),
+         "mz": dict(N_SPLIT_WEIGHTS={fw: {v: dict.fromkeys(("HT", "TH"), False) for v in ("plain", "lse", "fused")}
+                                   for fw in tiles.FRAMEWORKS}),
+         "w": dict(N_SPLIT_WEIGHTS={fw: {v: dict.fromkeys(("HT", "TH"), True) for v in ("plain", "lse", "fused")}
+                                   for fw in tiles.FRAMEWORKS}),
          **{f"fh{h}": dict(MAX_SUM_FUSED_HEADS=dict.fromkeys(tiles.FRAMEWORKS, h)) for h in (4, 8, 16, 32, 64)},
          **{f"ps{p}": dict(MAX_SUM_POSITIONS=p) for p in (128, 512, 1024)},
          **{f"mw{w}": dict(MAX_SUM_WARPS=w) for w in (2, 8)},

@@ -44,12 +44,13 @@ VARIANTS = {
     "lse": dict(lse=True),
     "fused": dict(lse=True, fused=True),
     "th": dict(lse=True, layout="TH"),
+    "fused_th": dict(lse=True, fused=True, layout="TH"),
     "base2": dict(lse=True, base=2),
     "fp8": dict(lse=False, fp8=True),
     "pass_through": dict(lse=True, ptwc=True),
     "fp32_to_bf16": dict(lse=True, in_dtype="float32", out_dtype="bfloat16"),
 }
-SPEED_VARIANTS = ("plain", "lse", "fused", "th")
+SPEED_VARIANTS = ("plain", "lse", "fused", "th", "fused_th")
 REQUEST_LEN = 128  # tokens per request of the fused mask's offsets
 
 

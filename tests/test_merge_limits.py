@@ -228,10 +228,11 @@ def test_loop_partition_of_both_frameworks():
     # head's run of tokens in [H, T] layout without the fused mask, and its grid covers every position once.
     assert not tiles.split_passes(n) and tiles.split_passes(n + 1)
     for fw, layout in itertools.product(tiles.FRAMEWORKS, ("HT", "TH")):  # the fused weighted sum given the weights
-        given = "weighted" if tiles.split_weights(fw, "fused") else "fused"
-        assert tiles.tile_variant(fw, "fused", n) == "fused" and tiles.tile_variant(fw, "fused", n + 1) == given
+        given = "weighted" if tiles.split_weights(fw, "fused", layout) else "fused"
+        assert tiles.tile_variant(fw, "fused", n, layout) == "fused"
+        assert tiles.tile_variant(fw, "fused", n + 1, layout) == given
         assert tiles.merge_num_warps(fw, "fused", n + 1, layout) == tiles.MERGE_N_TILES[fw][given][layout][3]
-        assert all(tiles.tile_variant(fw, v, n + 1) == v for v in ("plain", "lse"))
+        assert all(tiles.tile_variant(fw, v, n + 1, layout) == v for v in ("plain", "lse"))
     for fw, heads, layout, fused in itertools.product(tiles.FRAMEWORKS, (1, 3, 64, 512), ("HT", "TH"), (False, True)):
         block_t, block_h = tiles.max_sum_tiles(fw, heads, layout, fused)
         assert block_t * block_h == tiles.MAX_SUM_POSITIONS and (block_h == 1 or layout == "TH" or fused)
@@ -270,8 +271,9 @@ def one_kernel(monkeypatch):
 
     def set_split(split, weights=False):
         monkeypatch.setattr(tiles, "N_SPLIT_ABOVE", split_above if split else 1 << 30)
-        monkeypatch.setattr(tiles, "N_SPLIT_WEIGHTS", {fw: dict.fromkeys(per_fw, weights)
-                                                       for fw, per_fw in tiles.N_SPLIT_WEIGHTS.items()})
+        monkeypatch.setattr(tiles, "N_SPLIT_WEIGHTS", {
+            fw: {v: dict.fromkeys(per_v, weights) for v, per_v in per_fw.items()}
+            for fw, per_fw in tiles.N_SPLIT_WEIGHTS.items()})
         _fresh_caches(monkeypatch)
 
     yield set_split

@@ -312,7 +312,7 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
         block_t, block_h, block_d = tiles.merge_tiles("triton", num_heads, head_dim, variant, itemsize, num_partials,
                                                       lse_layout)
         split = tiles.split_passes(num_partials)
-        weights = split and tiles.split_weights("triton", variant)
+        weights = split and tiles.split_weights("triton", variant, lse_layout)
         # The split merge's f32[2 (+ N), H, T] ([.., T, H]) buffer: m, z (and the weights), allocated per call.
         wlse_strides = (num_heads * num_tokens, *((num_tokens, 1) if lse_layout == "HT" else (1, num_heads)))
         cu_stride = cu_seq_lens.stride(0) if fused else 0
