@@ -229,7 +229,8 @@ def merge_n_sweep(args) -> list[dict]:
             if time.monotonic() > args.deadline:
                 break
             set_merge_tiles(tile, "MERGE_N_TILES")
-            row = {"N": N, "dtype": dtype, "T": T, "H": H, "D": D, "lse_layout": layout, "lse_base": base,
+            row = {"N": N, "dtype": dtype, "T": T, "H": H, "D": D, "request_len": args.request_len,
+                   "lse_layout": layout, "lse_base": base,
                    "partials_view": view, "tile": tile["label"],
                    "block": list(tiles.merge_tiles("triton", H, D, "lse", tdt.itemsize, N, layout))}
             for variant in args.variants:
@@ -314,6 +315,8 @@ def main(argv=None) -> int:
     p.add_argument("--lse-base", nargs="+", choices=("e", "2"), default=["e"], help="merge, merge_n: LSE bases")
     p.add_argument("--partials-view", nargs="+", choices=points.VIEWS, default=["contig"],
                    help="merge_n: partials contiguous [N, T, H, D] or the [T, N, H, D] all-gather view (Triton only)")
+    p.add_argument("--request-len", type=int, default=points.FUSED_REQUEST_LEN,
+                   help="merge, merge_n: tokens per request of the fused variant's offsets (R = T / it)")
     p.add_argument("--kernels", action="store_true",
                    help="merge_n: also each kernel's device time per call (the split merge's two), from the "
                         "framework's profiler; one framework per process")
@@ -323,6 +326,7 @@ def main(argv=None) -> int:
         p.error("--kernels profiles one framework per process (torch's and JAX's profilers share CUPTI): "
                 "pass --frameworks triton or --frameworks pallas")
     args.deadline = time.monotonic() + args.budget_s
+    points.FUSED_REQUEST_LEN = args.request_len  # read by MergePoint.fused_case
     if args.tiles is None:
         args.tiles = [parse_tile(t) for t in (("committed",) if args.what == "merge_n" else
                                               ("8192,1,4", "8192,8,4", "16384,8,8", "4096,1,2"))]
