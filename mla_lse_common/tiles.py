@@ -180,7 +180,7 @@ def merge_num_warps(framework: str, variant: str, num_partials: int = 0, lse_lay
     return MERGE_TILES[framework][variant][2]
 
 
-def tile_variant(framework: str, variant: str, num_partials: int, lse_layout: str = "HT") -> str:
+def tile_variant(framework: str, variant: str, num_partials: int, lse_layout: str) -> str:
     """The `MERGE_N_TILES` entry an N-way merge of `variant` takes: its own, but beyond N_SPLIT_ABOVE with the
     weights stored (`split_weights`) the fused merge's weighted sum reads neither LSEs nor offsets per partial and
     takes "weighted"."""
