@@ -46,8 +46,8 @@ MERGE_TILES = {
 # its LSE tile is one 32-byte run of tokens, not 8 heads' scattered words; a larger tile keeps heads first, which
 # the sweeps preferred (`scripts/tune.py merge_n`; docs/design.md, "N-way tiles"). Beyond N_SPLIT_ABOVE with the
 # weights stored, the fused merge's weighted sum (its LSEs and offsets no longer read per partial) takes the
-# "weighted" entry (`tile_variant`): the output-LSE merge's tile with 2 warps (Triton) or, with [T, H] LSEs, 4
-# (Pallas), the best of the H200 sweeps there (Pallas's [H, T] entry is unused: no weights there, N_SPLIT_WEIGHTS).
+# "weighted" entry (`tile_variant`), keyed by the split buffer's layout (`split_layout`): the output-LSE merge's
+# tile with 2 warps (Triton) or, in [T, H] order, 4 (Pallas), the best of the H200 sweeps there.
 MERGE_N_TILES = {
     "triton": {"plain": {"HT": (16384, 1, 8, 4), "TH": (16384, 1, 1, 4)},
                "lse": {"HT": (16384, 1, 8, 4), "TH": (16384, 1, 1, 4)},
@@ -77,6 +77,11 @@ N_LOOPS = {
 # it. Measured on the H200: a gain at N = 128 and 256, a loss at N = 8 and 16 (docs/design.md, "evict_first beyond
 # 16 partials").
 N_OUTPUTS_EVICT = {"triton": "evict_first", "pallas": "evict_first"}
+# Whether the N-way merge's kernel of `variant` issues, where its loops unroll (N <= constants.UNROLLED_PARTIALS),
+# an L2 prefetch of every partial's output tile before its first load, so that the loads its maximum and sum hold
+# back find them in L2 (per framework; Triton's compiled kernels only: the `prefetch.global.L2` instruction of PTX,
+# which neither Triton's interpreter nor Pallas's lowering has). No bit depends on it.
+N_PREFETCH = {"triton": {"plain": False, "lse": False, "fused": False}}
 # The weighted sum's loads in flight where its loop runs at runtime (N > constants.UNROLLED_PARTIALS), per
 # framework and variant: the loop's steps whose loads are issued ahead of the step being summed, plus one (1: each
 # step's loads wait for the previous step's sum). Triton pipelines the loop (`tl.range(num_stages=...)`: the loads
@@ -102,6 +107,11 @@ N_SPLIT_WEIGHTS = {"triton": {"plain": {"HT": False, "TH": False}, "lse": {"HT":
                               "fused": {"HT": True, "TH": True}},
                    "pallas": {"plain": {"HT": False, "TH": False}, "lse": {"HT": False, "TH": False},
                               "fused": {"HT": False, "TH": True}}}
+# The layout of the split buffer where the weights are stored with [H, T] LSEs, per framework: "HT" (the LSEs') or
+# "TH" (token-major, the output tiles' order: the weighted sum then takes the [T, H] "weighted" tile, reading each
+# partial's weights of a token's heads as one run, and the LSEs only for the pass-through row). With [T, H] LSEs,
+# or with m and z alone, the buffer is in the LSEs' layout. The same values either way: no bit depends on it.
+N_SPLIT_WEIGHTS_LAYOUT = {"triton": "HT", "pallas": "HT"}
 MAX_SUM_POSITIONS = 256
 MAX_SUM_FUSED_HEADS = {"triton": 8, "pallas": 16}
 MAX_SUM_WARPS = 4
@@ -111,8 +121,8 @@ RESCALE_TILE_PARTIALS = 2
 
 KNOBS = ("MASK_NUM_WARPS", "MASK_TILE_H", "ZERO_TILE_ELEMS", "MASK_TARGET_PROGRAMS", "MASK_ZERO_SPLIT",
          "MASK_LSE_SPLIT", "MERGE_TILES", "MERGE_N_TILES", "N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT",
-         "N_OUT_STAGES", "N_SPLIT_ABOVE", "N_SPLIT_WEIGHTS", "MAX_SUM_POSITIONS", "MAX_SUM_FUSED_HEADS",
-         "MAX_SUM_WARPS")
+         "N_PREFETCH", "N_OUT_STAGES", "N_SPLIT_ABOVE", "N_SPLIT_WEIGHTS", "N_SPLIT_WEIGHTS_LAYOUT",
+         "MAX_SUM_POSITIONS", "MAX_SUM_FUSED_HEADS", "MAX_SUM_WARPS")
 
 
 def set_knobs(**values) -> dict:
@@ -152,8 +162,7 @@ def merge_tiles(framework: str, num_heads: int, head_dim: int, variant: str = "p
     heads, then more tokens, up to the byte budget of one `itemsize`-byte input tile: `MERGE_TILES` for the 2-way
     merge (num_partials=0), else `partial_tile_bytes` of `MERGE_N_TILES` for `lse_layout`."""
     if num_partials:
-        total, min_block_t, floor_block_t, _ = MERGE_N_TILES[framework][tile_variant(
-            framework, variant, num_partials, lse_layout)][lse_layout]
+        total, min_block_t, floor_block_t, _ = n_tile(framework, variant, num_partials, lse_layout)
         tile_bytes = partial_tile_bytes(total, num_partials)
         if tile_bytes == N_TILE_BYTES[0]:
             min_block_t = floor_block_t
@@ -176,7 +185,7 @@ def partial_tile_bytes(total: int, num_partials: int) -> int:
 
 def merge_num_warps(framework: str, variant: str, num_partials: int = 0, lse_layout: str = "HT") -> int:
     if num_partials:
-        return MERGE_N_TILES[framework][tile_variant(framework, variant, num_partials, lse_layout)][lse_layout][3]
+        return n_tile(framework, variant, num_partials, lse_layout)[3]
     return MERGE_TILES[framework][variant][2]
 
 
@@ -187,6 +196,14 @@ def tile_variant(framework: str, variant: str, num_partials: int, lse_layout: st
     if variant == "fused" and split_passes(num_partials) and split_weights(framework, variant, lse_layout):
         return "weighted"
     return variant
+
+
+def n_tile(framework: str, variant: str, num_partials: int, lse_layout: str) -> tuple[int, int, int, int]:
+    """The `MERGE_N_TILES` entry of an N-way merge: its `tile_variant`'s, for the LSEs' layout or, for "weighted"
+    (whose weighted sum reads the split buffer, not the LSEs, per partial), for the buffer's (`split_layout`)."""
+    entry = tile_variant(framework, variant, num_partials, lse_layout)
+    layout = split_layout(framework, variant, lse_layout) if entry == "weighted" else lse_layout
+    return MERGE_N_TILES[framework][entry][layout]
 
 
 def merge_variant(output_lse: bool, fused: bool) -> str:
@@ -210,6 +227,11 @@ def outputs_evict(framework: str, num_partials: int) -> str:
     return N_OUTPUTS_EVICT[framework] if num_partials > constants.UNROLLED_PARTIALS else ""
 
 
+def prefetch(framework: str, variant: str, num_partials: int) -> bool:
+    """Whether the N-way merge of `variant` at N = `num_partials` prefetches the output tiles to L2 (`N_PREFETCH`)."""
+    return num_partials <= constants.UNROLLED_PARTIALS and N_PREFETCH.get(framework, {}).get(variant, False)
+
+
 def out_stages(framework: str, variant: str, num_partials: int) -> int:
     """The stages of the N-way weighted sum's runtime loop at N = `num_partials` (`N_OUT_STAGES`; 1 where the loop
     unrolls)."""
@@ -224,6 +246,14 @@ def split_passes(num_partials: int) -> bool:
 def split_weights(framework: str, variant: str, lse_layout: str) -> bool:
     """Whether the split merge's first kernel also stores the weights (`N_SPLIT_WEIGHTS`)."""
     return N_SPLIT_WEIGHTS[framework][variant][lse_layout]
+
+
+def split_layout(framework: str, variant: str, lse_layout: str) -> str:
+    """The layout of the split merge's buffer ("HT" or "TH"): `N_SPLIT_WEIGHTS_LAYOUT` where the weights are stored
+    with [H, T] LSEs, else the LSEs'."""
+    if lse_layout == "HT" and split_weights(framework, variant, lse_layout):
+        return N_SPLIT_WEIGHTS_LAYOUT[framework]
+    return lse_layout
 
 
 def max_sum_tiles(framework: str, num_heads: int, lse_layout: str, fused: bool = False) -> tuple[int, int]:

@@ -38,18 +38,18 @@ from pallas_impl._device import (_copied_lse, _load_lse, _lse_where, _max_and_su
                                  _program_tile, _store_lse, _store_output, _token_requests, _weighted)
 
 
-def _store_max_and_sum(wlse_ref, t0, h0, block_t, block_h, th_mask, lse_layout, m, all_empty, z):
+def _store_max_and_sum(wlse_ref, t0, h0, block_t, block_h, th_mask, w_layout, m, all_empty, z):
     """m (-inf where every partial is empty) and z of `_max_and_sum` to planes 0 and 1 of the split merge's buffer
-    (its first kernel), for `_given_max_and_sum`."""
-    _store_lse(wlse_ref, t0, h0, block_t, block_h, jnp.where(all_empty, -jnp.inf, m), th_mask, lse_layout,
+    (its first kernel; `w_layout`: the buffer's layout, `tiles.split_layout`), for `_given_max_and_sum`."""
+    _store_lse(wlse_ref, t0, h0, block_t, block_h, jnp.where(all_empty, -jnp.inf, m), th_mask, w_layout,
                lead=(jnp.int32(0),))
-    _store_lse(wlse_ref, t0, h0, block_t, block_h, z, th_mask, lse_layout, lead=(jnp.int32(1),))
+    _store_lse(wlse_ref, t0, h0, block_t, block_h, z, th_mask, w_layout, lead=(jnp.int32(1),))
 
 
-def _given_max_and_sum(wlse_ref, t0, h0, block_t, block_h, th_mask, lse_layout):
+def _given_max_and_sum(wlse_ref, t0, h0, block_t, block_h, th_mask, w_layout):
     """(m, all_empty, z) of `_max_and_sum`, read back from the buffer `_store_max_and_sum` wrote: the same values."""
-    m = _load_lse(wlse_ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=(jnp.int32(0),))
-    z = _load_lse(wlse_ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=(jnp.int32(1),), other=1.0)
+    m = _load_lse(wlse_ref, t0, h0, block_t, block_h, th_mask, w_layout, lead=(jnp.int32(0),))
+    z = _load_lse(wlse_ref, t0, h0, block_t, block_h, th_mask, w_layout, lead=(jnp.int32(1),), other=1.0)
     all_empty = m == -jnp.inf
     return jnp.where(all_empty, 0.0, m), all_empty, z
 
@@ -58,9 +58,9 @@ def _merge_n_weights_kernel(
     lses_ref,  # f32[N, H, T] or f32[N, T, H]
     qsl_ref,  # i32[R+1] query_start_loc; unused unless fused_mask
     cu_ref,  # i32[N * (R+1)] each partial's KV offsets, flattened; unused unless fused_mask
-    wlse_ref,  # output: f32[2 (+ N), H, T] or f32[2 (+ N), T, H]: m, z (, w_i)
+    wlse_ref,  # output: f32[2 (+ N), H, T] or f32[2 (+ N), T, H] (w_layout): m, z (, w_i)
     *, num_partials: int, num_tokens: int, num_heads: int, num_requests: int, block_t: int, block_h: int,
-    lse_layout: str, lse_base2: bool, output_lse: bool, fused_mask: bool, store_weights: bool,
+    lse_layout: str, w_layout: str, lse_base2: bool, output_lse: bool, fused_mask: bool, store_weights: bool,
 ):
     """The first kernel of a split merge (`tiles.split_passes`): m and z of a [block_t, block_h] tile of LSE
     positions (`tiles.max_sum_tiles`) and, with store_weights, every partial's weight w_i = e_i / z (runtime steps
@@ -71,11 +71,11 @@ def _merge_n_weights_kernel(
         lses_ref, num_partials, lse_base2, output_lse, t0=t0, h0=h0, block_t=block_t, block_h=block_h,
         th_mask=th_mask, cu_ref=cu_ref, num_requests=num_requests, req=req, in_req=in_req, lse_layout=lse_layout,
         fused_mask=fused_mask)
-    _store_max_and_sum(wlse_ref, t0, h0, block_t, block_h, th_mask, lse_layout, m, all_empty, z)
+    _store_max_and_sum(wlse_ref, t0, h0, block_t, block_h, th_mask, w_layout, m, all_empty, z)
     if store_weights:
         def store_weight(i, carry):
             _store_lse(wlse_ref, t0, h0, block_t, block_h, _math.exp_base(lse_i(i) - m, lse_base2) / z, th_mask,
-                       lse_layout, lead=(jnp.asarray(2 + i, jnp.int32),))
+                       w_layout, lead=(jnp.asarray(2 + i, jnp.int32),))
             return carry
 
         exp_step = tiles.n_loops("pallas", tiles.merge_variant(output_lse, fused_mask))[1]
@@ -89,15 +89,16 @@ def _merge_attn_states_n_kernel(
     scale_ref,  # f32[1] output scale; unused unless fp8_out
     qsl_ref,  # i32[R+1] query_start_loc; unused unless fused_mask
     cu_ref,  # i32[N * (R+1)] each partial's KV offsets, flattened; unused unless fused_mask
-    wlse_ref,  # f32[2 (+ N), H, T] or f32[2 (+ N), T, H]: the first kernel's m, z (, w_i); unused unless given_mz
+    wlse_ref,  # f32[2 (+ N), H, T] or f32[2 (+ N), T, H] (w_layout): the first kernel's m, z (, w_i); unused unless
+    # given_mz
     ptwc_ref,  # i32[1] prefill_tokens_with_context: tokens at or past it copy the last partial (8.4)
     # outputs
     out_ref,  # out_dtype[T, H, D]
     *out_lse_ref,  # f32 LSE of the merge, when output_lse
     num_partials: int, num_tokens: int, num_heads: int, head_dim: int, num_requests: int,
     block_t: int, block_h: int, block_d: int,
-    lse_layout: str, lse_base2: bool, output_lse: bool, fused_mask: bool, fp8_out: bool, given_mz: bool,
-    given_w: bool,
+    lse_layout: str, w_layout: str, lse_base2: bool, output_lse: bool, fused_mask: bool, fp8_out: bool,
+    given_mz: bool, given_w: bool,
 ):
     t0, h0, t, t_mask, th_mask, thd_mask = _program_tile(num_tokens, num_heads, head_dim, block_t, block_h, block_d)
     last = num_partials - 1
@@ -117,7 +118,7 @@ def _merge_attn_states_n_kernel(
                       num_requests=num_requests, req=req, in_req=in_req, lse_layout=lse_layout, fused_mask=fused_mask)
     if given_mz:  # 8.2, 8.3: the first kernel's m and z
         lse_i = functools.partial(_partial_lse, lses_ref, **_lse_where(**tile_where))
-        m, all_empty, z = _given_max_and_sum(wlse_ref, t0, h0, block_t, block_h, th_mask, lse_layout)
+        m, all_empty, z = _given_max_and_sum(wlse_ref, t0, h0, block_t, block_h, th_mask, w_layout)
     else:
         lse_i, m, all_empty, z = _max_and_sum(lses_ref, num_partials, lse_base2, output_lse, **tile_where)
     variant = tiles.merge_variant(output_lse, fused_mask)
@@ -125,7 +126,7 @@ def _merge_attn_states_n_kernel(
 
     def weight(i):  # w_i = e_i / z, or the first kernel's (plane 2 + i of its buffer): the same bits
         if given_w:
-            return _load_lse(wlse_ref, t0, h0, block_t, block_h, th_mask, lse_layout,
+            return _load_lse(wlse_ref, t0, h0, block_t, block_h, th_mask, w_layout,
                              lead=(jnp.asarray(2 + i, jnp.int32),), other=0.0)
         return _math.exp_base(lse_i(i) - m, lse_base2) / z
 
@@ -175,15 +176,17 @@ def _merge_n_jit(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pref
     cu = cu_seq_lens.reshape(-1) if fused else dummy_i32
     split = tiles.split_passes(num_partials)
     weights = split and tiles.split_weights("pallas", variant, lse_layout)
+    w_layout = tiles.split_layout("pallas", variant, lse_layout)
+    w_shape = lse_shape if w_layout == lse_layout else lse_shape[::-1]
     wlse = jnp.zeros((1,), jnp.float32)  # unused unless split
     if split:  # the first kernel: every LSE position's m and z (and the weights)
         ms_block_t, ms_block_h = tiles.max_sum_tiles("pallas", num_heads, lse_layout, fused)
         wlse = pl.pallas_call(
             functools.partial(_merge_n_weights_kernel, num_partials=num_partials, num_tokens=num_tokens,
                               num_heads=num_heads, num_requests=num_requests, block_t=ms_block_t, block_h=ms_block_h,
-                              lse_layout=lse_layout, lse_base2=lse_base2, output_lse=return_lse, fused_mask=fused,
-                              store_weights=weights),
-            out_shape=sharding.out_struct((2 + num_partials * weights, *lse_shape), jnp.float32, lses),
+                              lse_layout=lse_layout, w_layout=w_layout, lse_base2=lse_base2, output_lse=return_lse,
+                              fused_mask=fused, store_weights=weights),
+            out_shape=sharding.out_struct((2 + num_partials * weights, *w_shape), jnp.float32, lses),
             grid=tiles.max_sum_grid("pallas", num_tokens, num_heads, lse_layout, fused),
             interpret=interpret,
             compiler_params=_backend.compiler_params(num_warps=tiles.MAX_SUM_WARPS),
@@ -192,8 +195,8 @@ def _merge_n_jit(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pref
     kernel = functools.partial(
         _merge_attn_states_n_kernel, num_partials=num_partials, num_tokens=num_tokens, num_heads=num_heads,
         head_dim=head_dim, num_requests=num_requests, block_t=block_t, block_h=block_h, block_d=block_d,
-        lse_layout=lse_layout, lse_base2=lse_base2, output_lse=return_lse, fused_mask=fused, fp8_out=fp8,
-        given_mz=split, given_w=weights)
+        lse_layout=lse_layout, w_layout=w_layout, lse_base2=lse_base2, output_lse=return_lse, fused_mask=fused,
+        fp8_out=fp8, given_mz=split, given_w=weights)
     out_shape = [sharding.out_struct(outputs.shape[1:], out_dtype, outputs, lses)]
     if return_lse:
         out_shape.append(sharding.out_struct(lse_shape, jnp.float32, outputs, lses))

@@ -231,8 +231,14 @@ def test_loop_partition_of_both_frameworks():
         given = "weighted" if tiles.split_weights(fw, "fused", layout) else "fused"
         assert tiles.tile_variant(fw, "fused", n, layout) == "fused"
         assert tiles.tile_variant(fw, "fused", n + 1, layout) == given
-        assert tiles.merge_num_warps(fw, "fused", n + 1, layout) == tiles.MERGE_N_TILES[fw][given][layout][3]
-        assert all(tiles.tile_variant(fw, v, n + 1, layout) == v for v in ("plain", "lse"))
+        # The split buffer: [T, H] with [T, H] LSEs, the table's layout with [H, T] LSEs and the weights stored, else
+        # the LSEs'; the "weighted" tile follows the buffer it reads.
+        buffer = tiles.N_SPLIT_WEIGHTS_LAYOUT[fw] if given == "weighted" and layout == "HT" else layout
+        assert tiles.split_layout(fw, "fused", layout) == buffer
+        assert tiles.merge_num_warps(fw, "fused", n + 1, layout) == tiles.MERGE_N_TILES[fw][given][
+            buffer if given == "weighted" else layout][3]
+        assert all(tiles.tile_variant(fw, v, n + 1, layout) == v and tiles.split_layout(fw, v, layout) == layout
+                   for v in ("plain", "lse"))
     for fw, heads, layout, fused in itertools.product(tiles.FRAMEWORKS, (1, 3, 64, 512), ("HT", "TH"), (False, True)):
         block_t, block_h = tiles.max_sum_tiles(fw, heads, layout, fused)
         assert block_t * block_h == tiles.MAX_SUM_POSITIONS and (block_h == 1 or layout == "TH" or fused)
@@ -263,17 +269,19 @@ def test_unrolled_and_runtime_loops_give_the_same_bits(impl, max_chunk, runtime_
 
 @pytest.fixture
 def one_kernel(monkeypatch):
-    """`set(split, weights)`: the N-way merge beyond N_SPLIT_ABOVE partials in two kernels (the first storing the
-    weights or m and z only) or, split=False, in one at every N; fresh plan and compile caches."""
+    """`set(split, weights)`: the N-way merge beyond N_SPLIT_ABOVE partials in two kernels (the first storing m and
+    z only, weights=None, or the weights too, in a buffer of layout `weights` with [H, T] LSEs) or, split=False, in
+    one at every N; fresh plan and compile caches."""
     from mla_lse_common import tiles
 
     split_above = tiles.N_SPLIT_ABOVE
 
-    def set_split(split, weights=False):
+    def set_split(split, weights=None):
         monkeypatch.setattr(tiles, "N_SPLIT_ABOVE", split_above if split else 1 << 30)
         monkeypatch.setattr(tiles, "N_SPLIT_WEIGHTS", {
-            fw: {v: dict.fromkeys(per_v, weights) for v, per_v in per_fw.items()}
+            fw: {v: dict.fromkeys(per_v, weights is not None) for v, per_v in per_fw.items()}
             for fw, per_fw in tiles.N_SPLIT_WEIGHTS.items()})
+        monkeypatch.setattr(tiles, "N_SPLIT_WEIGHTS_LAYOUT", dict.fromkeys(tiles.FRAMEWORKS, weights or "HT"))
         _fresh_caches(monkeypatch)
 
     yield set_split
@@ -281,14 +289,15 @@ def one_kernel(monkeypatch):
     _fresh_caches(monkeypatch)
 
 
-@pytest.mark.parametrize("weights", [False, True], ids=["m_z", "weights"])
+@pytest.mark.parametrize("weights", [None, "HT", "TH"], ids=["m_z", "weights", "weights_th"])
 @pytest.mark.parametrize("lse_layout,base,fused", [("HT", math.e, False), ("TH", 2, False), ("HT", 2, True),
                                                    ("TH", math.e, True)])
 @pytest.mark.parametrize("impl", ["triton", pytest.param("pallas", marks=pytest.mark.gpu)])  # XLA:CPU: see above
 def test_two_kernels_give_the_one_kernel_bits(impl, lse_layout, base, fused, weights, one_kernel):
     """docs/design.md, "Two kernels beyond 16 partials": the first kernel computes each position's m and z (and
-    the weights) with the merge's own code and loops; the weighted sum that reads them gives the bits of the
-    merge in one kernel, pass-through rows, empty partials and the fused mask included."""
+    the weights, with [H, T] LSEs in either layout of its buffer) with the merge's own code and loops; the weighted
+    sum that reads them gives the bits of the merge in one kernel, pass-through rows, empty partials and the fused
+    mask included."""
     from mla_lse_common import tiles
 
     n = tiles.N_SPLIT_ABOVE + 5
@@ -299,6 +308,7 @@ def test_two_kernels_give_the_one_kernel_bits(impl, lse_layout, base, fused, wei
     one_kernel(True, weights)
     got = _merge_n(impl, outputs, lses, **kw)
     assert tiles.split_passes(n)
+    assert tiles.split_layout(impl, "fused", lse_layout) == (weights if weights and lse_layout == "HT" else lse_layout)
     for x, y in zip(got, want):
         np.testing.assert_array_equal(x.view(BITS[x.dtype.itemsize]), y.view(BITS[y.dtype.itemsize]))
 
@@ -343,6 +353,27 @@ def test_pipelined_weighted_sum_gives_the_same_bits(impl, lse_layout, base, fuse
     for x, y in zip(got, want):
         np.testing.assert_array_equal(x.view(BITS[x.dtype.itemsize]), y.view(BITS[y.dtype.itemsize]))
     _assert_n_way(got, outputs, lses, **kw)
+
+
+@pytest.mark.gpu  # the interpreter issues no prefetch: on a CPU both calls would run the same code
+@pytest.mark.parametrize("lse_layout,base,fused", [("HT", math.e, False), ("TH", 2, False), ("HT", 2, True)])
+def test_l2_prefetch_gives_the_same_bits(lse_layout, base, fused, monkeypatch):
+    """`tiles.N_PREFETCH`: the Triton merge up to 16 partials with every output tile prefetched to L2 gives the bits
+    of the merge without, pass-through rows, empty partials, a partial last token block and the fused mask
+    included."""
+    from mla_lse_common import tiles
+    from triton_impl import merge_n as triton_merge_n
+
+    outputs, lses, cu = _partials(8, "bfloat16", seed=13)
+    lses[2, 0, 3] = np.inf
+    kw = dict(cu=cu if fused else None, ptwc=2, base=base, lse_layout=lse_layout, out_dtype="float32")
+    want = _merge_n("triton", outputs, lses, **kw)
+    monkeypatch.setattr(tiles, "N_PREFETCH", {"triton": dict.fromkeys(("plain", "lse", "fused"), True)})
+    _fresh_caches(monkeypatch)
+    assert triton_merge_n._prefetch_constexprs("lse", 8, 128, 2)["PREFETCH_N"] == 8
+    got = _merge_n("triton", outputs, lses, **kw)
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(x.view(BITS[x.dtype.itemsize]), y.view(BITS[y.dtype.itemsize]))
 
 
 # -- output dtypes independent of the partials' ------------------------------------------------------------
