@@ -47,7 +47,8 @@ MERGE_TILES = {
 # the sweeps preferred (`scripts/tune.py merge_n`; docs/design.md, "N-way tiles"). Beyond N_SPLIT_ABOVE with the
 # weights stored, the fused merge's weighted sum (its LSEs and offsets no longer read per partial) takes the
 # "weighted" entry (`tile_variant`), keyed by the split buffer's layout (`split_layout`): the output-LSE merge's
-# tile with 2 warps (Triton) or, in [T, H] order, 4 (Pallas), the best of the H200 sweeps there.
+# tile with 2 warps (Triton) or, in [T, H] order, 4 (Pallas), the best of the H200 sweeps there (Pallas's [H, T]
+# entry is unused: its buffer is [T, H], N_SPLIT_WEIGHTS_LAYOUT).
 MERGE_N_TILES = {
     "triton": {"plain": {"HT": (16384, 1, 8, 4), "TH": (16384, 1, 1, 4)},
                "lse": {"HT": (16384, 1, 8, 4), "TH": (16384, 1, 1, 4)},
@@ -77,11 +78,6 @@ N_LOOPS = {
 # it. Measured on the H200: a gain at N = 128 and 256, a loss at N = 8 and 16 (docs/design.md, "evict_first beyond
 # 16 partials").
 N_OUTPUTS_EVICT = {"triton": "evict_first", "pallas": "evict_first"}
-# Whether the N-way merge's kernel of `variant` issues, where its loops unroll (N <= constants.UNROLLED_PARTIALS),
-# an L2 prefetch of every partial's output tile before its first load, so that the loads its maximum and sum hold
-# back find them in L2 (per framework; Triton's compiled kernels only: the `prefetch.global.L2` instruction of PTX,
-# which neither Triton's interpreter nor Pallas's lowering has). No bit depends on it.
-N_PREFETCH = {"triton": {"plain": False, "lse": False, "fused": False}}
 # The weighted sum's loads in flight where its loop runs at runtime (N > constants.UNROLLED_PARTIALS), per
 # framework and variant: the loop's steps whose loads are issued ahead of the step being summed, plus one (1: each
 # step's loads wait for the previous step's sum). Triton pipelines the loop (`tl.range(num_stages=...)`: the loads
@@ -100,18 +96,19 @@ N_OUT_STAGES = {"triton": {"plain": 3, "lse": 3, "fused": 2}, "pallas": {"plain"
 # rows in [T, H].
 N_SPLIT_ABOVE = constants.UNROLLED_PARTIALS
 # N_SPLIT_WEIGHTS per framework, variant and LSE layout, from the H200 sweeps (docs/results.md): the weights pay
-# where the weighted sum would otherwise read the fused mask's offsets per partial (Triton in both layouts, Pallas
-# with [T, H] LSEs; Pallas's first kernel stores them in [H, T] layout at twice the cost, which ate the gain), m and
-# z alone elsewhere.
+# where the weighted sum would otherwise read the fused mask's offsets per partial (both frameworks in both layouts;
+# Pallas's with [H, T] LSEs only in a [T, H] buffer, N_SPLIT_WEIGHTS_LAYOUT), m and z alone elsewhere.
 N_SPLIT_WEIGHTS = {"triton": {"plain": {"HT": False, "TH": False}, "lse": {"HT": False, "TH": False},
                               "fused": {"HT": True, "TH": True}},
                    "pallas": {"plain": {"HT": False, "TH": False}, "lse": {"HT": False, "TH": False},
-                              "fused": {"HT": False, "TH": True}}}
+                              "fused": {"HT": True, "TH": True}}}
 # The layout of the split buffer where the weights are stored with [H, T] LSEs, per framework: "HT" (the LSEs') or
 # "TH" (token-major, the output tiles' order: the weighted sum then takes the [T, H] "weighted" tile, reading each
 # partial's weights of a token's heads as one run, and the LSEs only for the pass-through row). With [T, H] LSEs,
-# or with m and z alone, the buffer is in the LSEs' layout. The same values either way: no bit depends on it.
-N_SPLIT_WEIGHTS_LAYOUT = {"triton": "HT", "pallas": "HT"}
+# or with m and z alone, the buffer is in the LSEs' layout. The same values either way: no bit depends on it. From
+# the H200 sweeps (docs/results.md): Pallas's merge kernel with [H, T] LSEs runs as fast as with [T, H] ones given
+# a [T, H] buffer; Triton's first kernel stores a [T, H] buffer from its [H, T] tile at 3.5-4x the cost.
+N_SPLIT_WEIGHTS_LAYOUT = {"triton": "HT", "pallas": "TH"}
 MAX_SUM_POSITIONS = 256
 MAX_SUM_FUSED_HEADS = {"triton": 8, "pallas": 16}
 MAX_SUM_WARPS = 4
@@ -121,7 +118,7 @@ RESCALE_TILE_PARTIALS = 2
 
 KNOBS = ("MASK_NUM_WARPS", "MASK_TILE_H", "ZERO_TILE_ELEMS", "MASK_TARGET_PROGRAMS", "MASK_ZERO_SPLIT",
          "MASK_LSE_SPLIT", "MERGE_TILES", "MERGE_N_TILES", "N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT",
-         "N_PREFETCH", "N_OUT_STAGES", "N_SPLIT_ABOVE", "N_SPLIT_WEIGHTS", "N_SPLIT_WEIGHTS_LAYOUT",
+         "N_OUT_STAGES", "N_SPLIT_ABOVE", "N_SPLIT_WEIGHTS", "N_SPLIT_WEIGHTS_LAYOUT",
          "MAX_SUM_POSITIONS", "MAX_SUM_FUSED_HEADS", "MAX_SUM_WARPS")
 
 
@@ -225,11 +222,6 @@ def n_loops(framework: str, variant: str) -> tuple[int, int, int]:
 def outputs_evict(framework: str, num_partials: int) -> str:
     """The eviction policy of the N-way merge's output-tile loads at N = `num_partials` (`N_OUTPUTS_EVICT`)."""
     return N_OUTPUTS_EVICT[framework] if num_partials > constants.UNROLLED_PARTIALS else ""
-
-
-def prefetch(framework: str, variant: str, num_partials: int) -> bool:
-    """Whether the N-way merge of `variant` at N = `num_partials` prefetches the output tiles to L2 (`N_PREFETCH`)."""
-    return num_partials <= constants.UNROLLED_PARTIALS and N_PREFETCH.get(framework, {}).get(variant, False)
 
 
 def out_stages(framework: str, variant: str, num_partials: int) -> int:

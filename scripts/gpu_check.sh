@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU run: versions, the GPU tests, the full parity check, the demos, the benchmark and the sweeps.
 #
-#   OUT=/some/dir [PLAN=all|tests|bench|more|mosaic|mosaic_speed|tune_n|limits|split|fused_first|warps|stages|loops|buffer_prefetch|verify|verify_tests] bash scripts/gpu_check.sh
+#   OUT=/some/dir [PLAN=all|tests|bench|more|mosaic|mosaic_speed|tune_n|limits|split|fused_first|warps|stages|loops|buffer|verify|verify_tests] bash scripts/gpu_check.sh
 #
 # PLAN picks the steps; each plan but "all" fits one 10-minute call (DEADLINE_S, default 560 s; "all": 1500 s):
 #   tests         the GPU-marked tests (`pytest -m gpu`; the CPU tests are CI's) and the full parity check on
@@ -30,9 +30,8 @@
 #   loops         the fused N-way merge's loops beyond 16 partials (its first kernel's maximum chunk and sum
 #                 steps, tiles.N_LOOPS) with and without the weights stored, each kernel's time (--kernels), both
 #                 frameworks, both LSE layouts: lp_*.json
-#   buffer_prefetch  the fused N-way merge with [H, T] LSEs given its weights in a [T, H] buffer (both frameworks,
-#                 N = 128 / 256), and the L2 prefetch of the output tiles up to 16 partials (Triton, N = 8 / 16,
-#                 the all-gather view and contiguous), then their bits tests: bp_*.json pf_*.json pytest.log
+#   buffer        the fused N-way merge with [H, T] LSEs given its weights in a [T, H] buffer (both frameworks,
+#                 N = 128 / 256), then the split merge's bits tests: bp_*.json pytest.log
 #   verify        after a kernel or launch change: the full parity check (Pallas on its Triton backend; with
 #                 VERIFY_MOSAIC=1 on Mosaic GPU too), the N-way merge at large N (scripts/wide_n.py speed), the GPU
 #                 tests of the N-way merge and the loop (GPU_TESTS): check*.json check*.log wide_n_speed.* pytest.log
@@ -276,24 +275,17 @@ if [ "$PLAN" = loops ]; then
         --tiles committed committed/committed/16,16,4 committed/committed/16,8,4 committed/committed/32,16,4 \
         committed --json "$OUT/lp_triton.json"
 fi
-if [ "$PLAN" = buffer_prefetch ]; then
+if [ "$PLAN" = buffer ]; then
     # The fused N-way merge with [H, T] LSEs given the weights in a [T, H] buffer (+w+wth; Pallas, then Triton's
-    # stored weights moved there, +wth), N = 128 / 256 at T = 8192, each kernel's time; the L2 prefetch of the
-    # output tiles up to 16 partials (+pf, Triton) at N = 8 / 16 in the all-gather view and contiguous, both LSE
-    # layouts. The committed tables first and last (the spread); then the bits of both (pytest -k).
+    # stored weights moved there, +wth), N = 128 / 256 at T = 8192, each kernel's time, the committed tables first
+    # and last (the spread); then the split merge's bits tests.
     TUNE=("$PY" scripts/tune.py merge_n --heads 64 --dims 128)
     step bp_pallas 150 350 "$OUT/bp_pallas.log" "${TUNE[@]}" --frameworks pallas --tokens 8192 --partials 128 256 \
         --variants fused --kernels --budget-s 130 --tiles committed committed+w+wth committed+w+wth+fh8 \
         committed+w+wth committed --json "$OUT/bp_pallas.json"
     step bp_triton 80 270 "$OUT/bp_triton.log" "${TUNE[@]}" --frameworks triton --tokens 8192 --partials 128 256 \
         --variants fused --kernels --budget-s 60 --tiles committed committed+wth committed --json "$OUT/bp_triton.json"
-    for nt in 8:32768 16:8192; do
-        step "pf_${nt%%:*}" 110 $(( ${nt%%:*} == 8 ? 160 : 50 )) "$OUT/pf_${nt%%:*}.log" "${TUNE[@]}" \
-            --frameworks triton --partials "${nt%%:*}" --tokens "${nt##*:}" --variants plain lse \
-            --partials-view gather contig --lse-layout HT TH --budget-s 90 \
-            --tiles committed committed+pf committed committed+pf --json "$OUT/pf_${nt%%:*}.json"
-    done
-    step pytest 50 0 "$OUT/pytest.log" "$PY" -m pytest -q -rfs tests/test_merge_limits.py -k "prefetch or two_kernels"
+    step pytest 120 0 "$OUT/pytest.log" "$PY" -m pytest -q -rfs tests/test_merge_limits.py -k two_kernels
 fi
 if [ "$PLAN" = verify ]; then
     # GPU_TESTS (default: the N-way merge's and the loop's files) run after the N-way merge's speed; the Mosaic GPU

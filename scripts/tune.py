@@ -93,15 +93,14 @@ COMMITTED = {k: copy.deepcopy(getattr(tiles, k)) for k in ("MERGE_TILES", "MERGE
 # Every knob a tile or hint sets, so each tile starts from the committed values (a hint's knob does not outlive it).
 DEFAULT_KNOBS = {k: getattr(tiles, k) for k in ("N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT", "N_OUT_STAGES",
                                               "N_SPLIT_ABOVE", "N_SPLIT_WEIGHTS", "N_SPLIT_WEIGHTS_LAYOUT",
-                                              "N_PREFETCH", "MAX_SUM_POSITIONS", "MAX_SUM_FUSED_HEADS",
-                                              "MAX_SUM_WARPS")}
+                                              "MAX_SUM_POSITIONS", "MAX_SUM_FUSED_HEADS", "MAX_SUM_WARPS")}
 # +hint: knobs of both frameworks; +ef / +normal: N_OUTPUTS_EVICT; +single: the N-way merge in one kernel at every N
 # (N_SPLIT_ABOVE; without it, two beyond UNROLLED_PARTIALS); +mz / +w: the first of two kernels stores m and z
 # only / the weights too (N_SPLIT_WEIGHTS); +wth: the stored weights in a [T, H] buffer with [H, T] LSEs
-# (N_SPLIT_WEIGHTS_LAYOUT); +pf: the L2 prefetch of the output tiles up to 16 partials (N_PREFETCH, Triton); +fhH: H
-# heads per first-kernel program of the fused variant in [H, T] layout (MAX_SUM_FUSED_HEADS); +psP / +mwW: P LSE
-# positions / W warps per first-kernel program (MAX_SUM_POSITIONS, MAX_SUM_WARPS); +osS: S stages of the weighted
-# sum's runtime loop (N_OUT_STAGES; Pallas: any S > 1 is one step ahead)
+# (N_SPLIT_WEIGHTS_LAYOUT); +fhH: H heads per first-kernel program of the fused variant in [H, T] layout
+# (MAX_SUM_FUSED_HEADS); +psP / +mwW: P LSE positions / W warps per first-kernel program (MAX_SUM_POSITIONS,
+# MAX_SUM_WARPS); +osS: S stages of the weighted sum's runtime loop (N_OUT_STAGES; Pallas: any S > 1 is one step
+# ahead)
 HINTS = {"ef": dict(N_OUTPUTS_EVICT={fw: "evict_first" for fw in tiles.FRAMEWORKS}),
          "normal": dict(N_OUTPUTS_EVICT={fw: "" for fw in tiles.FRAMEWORKS}),
          "single": dict(N_SPLIT_ABOVE=1 << 30),
@@ -110,7 +109,6 @@ HINTS = {"ef": dict(N_OUTPUTS_EVICT={fw: "evict_first" for fw in tiles.FRAMEWORK
          "w": dict(N_SPLIT_WEIGHTS={fw: {v: dict.fromkeys(("HT", "TH"), True) for v in ("plain", "lse", "fused")}
                                    for fw in tiles.FRAMEWORKS}),
          "wth": dict(N_SPLIT_WEIGHTS_LAYOUT=dict.fromkeys(tiles.FRAMEWORKS, "TH")),
-         "pf": dict(N_PREFETCH={"triton": dict.fromkeys(("plain", "lse", "fused"), True)}),
          **{f"fh{h}": dict(MAX_SUM_FUSED_HEADS=dict.fromkeys(tiles.FRAMEWORKS, h)) for h in (4, 8, 16, 32, 64)},
          **{f"ps{p}": dict(MAX_SUM_POSITIONS=p) for p in (128, 512, 1024)},
          **{f"mw{w}": dict(MAX_SUM_WARPS=w) for w in (2, 8)},

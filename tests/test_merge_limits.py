@@ -355,27 +355,6 @@ def test_pipelined_weighted_sum_gives_the_same_bits(impl, lse_layout, base, fuse
     _assert_n_way(got, outputs, lses, **kw)
 
 
-@pytest.mark.gpu  # the interpreter issues no prefetch: on a CPU both calls would run the same code
-@pytest.mark.parametrize("lse_layout,base,fused", [("HT", math.e, False), ("TH", 2, False), ("HT", 2, True)])
-def test_l2_prefetch_gives_the_same_bits(lse_layout, base, fused, monkeypatch):
-    """`tiles.N_PREFETCH`: the Triton merge up to 16 partials with every output tile prefetched to L2 gives the bits
-    of the merge without, pass-through rows, empty partials, a partial last token block and the fused mask
-    included."""
-    from mla_lse_common import tiles
-    from triton_impl import merge_n as triton_merge_n
-
-    outputs, lses, cu = _partials(8, "bfloat16", seed=13)
-    lses[2, 0, 3] = np.inf
-    kw = dict(cu=cu if fused else None, ptwc=2, base=base, lse_layout=lse_layout, out_dtype="float32")
-    want = _merge_n("triton", outputs, lses, **kw)
-    monkeypatch.setattr(tiles, "N_PREFETCH", {"triton": dict.fromkeys(("plain", "lse", "fused"), True)})
-    _fresh_caches(monkeypatch)
-    assert triton_merge_n._prefetch_constexprs("lse", 8, 128, 2)["PREFETCH_N"] == 8
-    got = _merge_n("triton", outputs, lses, **kw)
-    for x, y in zip(got, want):
-        np.testing.assert_array_equal(x.view(BITS[x.dtype.itemsize]), y.view(BITS[y.dtype.itemsize]))
-
-
 # -- output dtypes independent of the partials' ------------------------------------------------------------
 
 IN_DTYPES = ("float32", "float16", "bfloat16")

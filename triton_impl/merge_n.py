@@ -93,22 +93,6 @@ def _out_step(out, i, outs_ptr, stride_o_n, o_offs, thd_mask, lses_ptr, stride_l
                                    eviction_policy=OUT_EVICT), w)
 
 
-@triton.jit
-def _prefetch_outputs(outs_ptr, stride_o_n, stride_o_t, stride_o_h, stride_o_d, t64, h64, th_mask,
-                      NUM_PARTIALS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                      PREFETCH_N: tl.constexpr, PREFETCH_LINES: tl.constexpr):
-    """An L2 prefetch (PTX `prefetch.global.L2`) of each 128-byte line of every partial's output tile
-    (`tiles.prefetch`): PREFETCH_N (N, padded to a power of two) x the tile's rows x PREFETCH_LINES lines of a row.
-    A prefetch reads nothing into registers and writes nothing: no bit depends on it. Lines outside the tile
-    prefetch the buffer's first line instead, which is in bounds."""
-    n = tl.arange(0, PREFETCH_N).to(tl.int64)[:, None, None, None]
-    line = (tl.arange(0, PREFETCH_LINES) * (BLOCK_D // PREFETCH_LINES)).to(tl.int64)[None, None, None, :]
-    ptrs = outs_ptr + n * stride_o_n + (t64 * stride_o_t + h64 * stride_o_h)[None, :, :, None] + line * stride_o_d
-    live = (n < NUM_PARTIALS) & th_mask[None, :, :, None] & (line < HEAD_DIM)
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [tl.where(live, ptrs, outs_ptr)],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
 # Runtime values, never specialised: token counts, offsets, and the strides that follow T or R (the LSE
 # partial stride, the offsets' partial stride and, in [H, T] layout, the LSE head strides). The other LSE strides
 # and the output strides (multiples of H * D) stay specialised: their divisibility lets the loads of every
@@ -182,8 +166,7 @@ def _merge_attn_states_n_kernel(
     LSE_BASE2: tl.constexpr, OUTPUT_LSE: tl.constexpr, FUSED_MASK: tl.constexpr, FP8_OUT: tl.constexpr,
     INTERPRET: tl.constexpr, LSE_STEPS: tl.constexpr, OUT_STEPS: tl.constexpr, EXP_STEP: tl.constexpr,
     OUT_STEP: tl.constexpr, MAX_CHUNKS: tl.constexpr, MAX_CHUNK: tl.constexpr, OUT_EVICT: tl.constexpr,
-    GIVEN_MZ: tl.constexpr, GIVEN_W: tl.constexpr, OUT_STAGES: tl.constexpr, PREFETCH_N: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr,
+    GIVEN_MZ: tl.constexpr, GIVEN_W: tl.constexpr, OUT_STAGES: tl.constexpr,
 ):
     t, t_mask, th_mask, thd_mask, t64, h64, d64 = _program_tile(num_tokens, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H,
                                                                   BLOCK_D)
@@ -197,9 +180,6 @@ def _merge_attn_states_n_kernel(
     wlse_offs = h64 * stride_wlse_h + t64 * stride_wlse_t
     stride_wlse_n = tl.cast(stride_wlse_n, tl.int64)
 
-    if PREFETCH_N:  # tiles.prefetch
-        _prefetch_outputs(outs_ptr, stride_o_n, stride_o_t, stride_o_h, stride_o_d, t64, h64, th_mask, NUM_PARTIALS,
-                          HEAD_DIM, BLOCK_D, PREFETCH_N, PREFETCH_LINES)
     # The last partial: also the pass-through row and LSE (8.4). Its loads are issued first.
     b = tl.load(outs_ptr + last * stride_o_n + o_offs, mask=thd_mask, other=0.0, eviction_policy=OUT_EVICT)
     last_raw = tl.load(lses_ptr + last * stride_lse_n + lse_offs, mask=th_mask, other=float("-inf"))
@@ -363,7 +343,6 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
                             OUTPUT_LSE=output_lse is not None, FP8_OUT=fp8,
                             **plans.n_way_loops(variant, num_partials, max_and_sum=False),
                             OUT_EVICT=tiles.outputs_evict("triton", num_partials), GIVEN_MZ=split, GIVEN_W=weights,
-                            **_prefetch_constexprs(variant, num_partials, block_d, itemsize),
                             num_warps=tiles.merge_num_warps("triton", variant, num_partials, lse_layout),
                             **_backend.PARITY_LAUNCH),
             state=launcher.launch_state(key)))
@@ -373,14 +352,6 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
     if launch is not None:
         _launch(launch, output, output_lse, outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens,
                 lse_layout)
-
-
-def _prefetch_constexprs(variant, num_partials, block_d, itemsize) -> dict:
-    """PREFETCH_N (0: no prefetch; `tiles.prefetch`, never under the interpreter) and PREFETCH_LINES (128-byte
-    lines of a tile row) of the merge kernel."""
-    on = tiles.prefetch("triton", variant, num_partials) and not _backend.interpreting()
-    return dict(PREFETCH_N=tiles.next_pow2(num_partials) if on else 0,
-                PREFETCH_LINES=max(1, block_d * itemsize // 128))
 
 
 def _launch(launch, output, output_lse, outputs, lses, output_scale, query_start_loc, cu_seq_lens,
