@@ -197,9 +197,10 @@ def tile_variant(framework: str, variant: str, num_partials: int, lse_layout: st
 
 def n_tile(framework: str, variant: str, num_partials: int, lse_layout: str) -> tuple[int, int, int, int]:
     """The `MERGE_N_TILES` entry of an N-way merge: its `tile_variant`'s, for the LSEs' layout or, for "weighted"
-    (whose weighted sum reads the split buffer, not the LSEs, per partial), for the buffer's (`split_layout`)."""
+    (the fused merge's weighted sum given the weights: it reads the split buffer, not the LSEs, per partial), for
+    the buffer's (`split_layout` of the fused merge)."""
     entry = tile_variant(framework, variant, num_partials, lse_layout)
-    layout = split_layout(framework, variant, lse_layout) if entry == "weighted" else lse_layout
+    layout = split_layout(framework, "fused", lse_layout) if entry == "weighted" else lse_layout
     return MERGE_N_TILES[framework][entry][layout]
 
 
