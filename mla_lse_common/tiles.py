@@ -85,6 +85,10 @@ N_OUTPUTS_EVICT = {"triton": "evict_first", "pallas": "evict_first"}
 # the next step's output tiles in registers through the loop (any value above 1: one step ahead). The same
 # operations in the same order: no bit depends on it.
 N_OUT_STAGES = {"triton": {"plain": 3, "lse": 3, "fused": 2}, "pallas": {"plain": 2, "lse": 2, "fused": 2}}
+# Where the N-way loops unroll (N <= constants.UNROLLED_PARTIALS), per framework and variant: how many of the
+# partials' output tiles, from partial 0 (never the last partial's, which always loads first), load before the maximum and the sum of the exponentials instead of in the weighted sum, so their
+# reads are in flight while the LSE passes run. Only the loads move: no bit depends on it.
+N_EARLY_OUTPUTS = {"triton": {"plain": 0, "lse": 0, "fused": 0}, "pallas": {"plain": 0, "lse": 0, "fused": 0}}
 # Beyond N_SPLIT_ABOVE partials the N-way merge runs in two kernels (docs/design.md, "Two kernels beyond 16
 # partials"): the first computes every LSE position's maximum and sum over the partials' LSEs (their N_LOOPS
 # max_chunk and exp_step) and, with N_SPLIT_WEIGHTS, every partial's weight, and stores them in the LSEs' layout; the
@@ -118,7 +122,7 @@ RESCALE_TILE_PARTIALS = 2
 
 KNOBS = ("MASK_NUM_WARPS", "MASK_TILE_H", "ZERO_TILE_ELEMS", "MASK_TARGET_PROGRAMS", "MASK_ZERO_SPLIT",
          "MASK_LSE_SPLIT", "MERGE_TILES", "MERGE_N_TILES", "N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT",
-         "N_OUT_STAGES", "N_SPLIT_ABOVE", "N_SPLIT_WEIGHTS", "N_SPLIT_WEIGHTS_LAYOUT",
+         "N_OUT_STAGES", "N_EARLY_OUTPUTS", "N_SPLIT_ABOVE", "N_SPLIT_WEIGHTS", "N_SPLIT_WEIGHTS_LAYOUT",
          "MAX_SUM_POSITIONS", "MAX_SUM_FUSED_HEADS", "MAX_SUM_WARPS")
 
 
@@ -229,6 +233,14 @@ def out_stages(framework: str, variant: str, num_partials: int) -> int:
     """The stages of the N-way weighted sum's runtime loop at N = `num_partials` (`N_OUT_STAGES`; 1 where the loop
     unrolls)."""
     return N_OUT_STAGES[framework][variant] if num_partials > constants.UNROLLED_PARTIALS else 1
+
+
+def early_outputs(framework: str, variant: str, num_partials: int) -> int:
+    """How many output tiles (partials 0, 1, ..) the N-way merge of `num_partials` partials loads before its LSE
+    passes (`N_EARLY_OUTPUTS`; 0 where its loops run at runtime)."""
+    if num_partials > constants.UNROLLED_PARTIALS:
+        return 0
+    return max(0, min(N_EARLY_OUTPUTS[framework][variant], num_partials - 1))
 
 
 def split_passes(num_partials: int) -> bool:

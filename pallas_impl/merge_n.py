@@ -112,6 +112,9 @@ def _merge_attn_states_n_kernel(
     # The last partial: also the pass-through row and LSE (8.4). Its loads are issued first.
     b = tile(last)
     last_raw = _load_lse(lses_ref, t0, h0, block_t, block_h, th_mask, lse_layout, lead=(jnp.int32(last),))
+    variant = tiles.merge_variant(output_lse, fused_mask)
+    # Partials 0 .. k - 1: their output tiles load now, in flight through the LSE passes (`tiles.early_outputs`).
+    early = [tile(i) for i in range(tiles.early_outputs("pallas", variant, num_partials))]
 
     req, in_req = _token_requests(qsl_ref, t, t_mask, num_requests, fused_mask)  # once for every partial
     tile_where = dict(t0=t0, h0=h0, block_t=block_t, block_h=block_h, th_mask=th_mask, cu_ref=cu_ref,
@@ -121,7 +124,6 @@ def _merge_attn_states_n_kernel(
         m, all_empty, z = _given_max_and_sum(wlse_ref, t0, h0, block_t, block_h, th_mask, w_layout)
     else:
         lse_i, m, all_empty, z = _max_and_sum(lses_ref, num_partials, lse_base2, output_lse, **tile_where)
-    variant = tiles.merge_variant(output_lse, fused_mask)
     out_step = tiles.n_loops("pallas", variant)[2]
 
     def weight(i):  # w_i = e_i / z, or the first kernel's (plane 2 + i of its buffer): the same bits
@@ -135,9 +137,12 @@ def _merge_attn_states_n_kernel(
     if num_partials == 1:
         out = _weighted(b, w_last)
     else:
-        out = _weighted(tile(0), weight(0))
+        def output_tile(i):  # an early tile, or its load now (i is traced only where no tile is early)
+            return early[i] if early and i < len(early) else tile(i)
+
+        out = _weighted(output_tile(0), weight(0))
         out = _math.fold_prefetched(  # unrolled or a runtime loop, as in n_way_max_and_sum
-            1, num_partials - 1, tile,
+            1, num_partials - 1, output_tile,
             lambda i, o_i, out: out + _weighted(o_i, weight(i)), out,
             num_partials, out_step, tiles.out_stages("pallas", variant, num_partials))
         out = out + _weighted(b, w_last)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU run: versions, the GPU tests, the full parity check, the demos, the benchmark and the sweeps.
 #
-#   OUT=/some/dir [PLAN=all|tests|bench|more|mosaic|mosaic_speed|tune_n|limits|split|fused_first|warps|stages|loops|buffer|verify|verify_tests] bash scripts/gpu_check.sh
+#   OUT=/some/dir [PLAN=all|tests|bench|more|mosaic|mosaic_speed|tune_n|limits|split|fused_first|warps|stages|loops|buffer|early|verify|verify_tests] bash scripts/gpu_check.sh
 #
 # PLAN picks the steps; each plan but "all" fits one 10-minute call (DEADLINE_S, default 560 s; "all": 1500 s):
 #   tests         the GPU-marked tests (`pytest -m gpu`; the CPU tests are CI's) and the full parity check on
@@ -32,6 +32,10 @@
 #                 frameworks, both LSE layouts: lp_*.json
 #   buffer        the fused N-way merge with [H, T] LSEs given its weights in a [T, H] buffer (both frameworks,
 #                 N = 128 / 256), then the split merge's bits tests: bp_*.json pytest.log
+#   early         the N-way merge's first output tiles loaded before its LSE passes (tiles.N_EARLY_OUTPUTS,
+#                 +eoK) in the all-gather view and contiguous at N = 8 / 16; Pallas's fused first kernel's tile in
+#                 [H, T] layout (+psP, +fhH, +mwW) at N = 128 / 256; then the early tiles' bits tests: eo_*.json
+#                 fk_*.json pytest.log
 #   verify        after a kernel or launch change: the full parity check (Pallas on its Triton backend; with
 #                 VERIFY_MOSAIC=1 on Mosaic GPU too), the N-way merge at large N (scripts/wide_n.py speed), the GPU
 #                 tests of the N-way merge and the loop (GPU_TESTS): check*.json check*.log wide_n_speed.* pytest.log
@@ -286,6 +290,21 @@ if [ "$PLAN" = buffer ]; then
     step bp_triton 80 270 "$OUT/bp_triton.log" "${TUNE[@]}" --frameworks triton --tokens 8192 --partials 128 256 \
         --variants fused --kernels --budget-s 60 --tiles committed committed+wth committed --json "$OUT/bp_triton.json"
     step pytest 120 0 "$OUT/pytest.log" "$PY" -m pytest -q -rfs tests/test_merge_limits.py -k two_kernels
+fi
+if [ "$PLAN" = early ]; then
+    # The committed tables first and last in each step (the spread of one process).
+    TUNE=("$PY" scripts/tune.py merge_n --heads 64 --dims 128)
+    EARLY_TILES=(committed committed+eo16 committed+eo1 committed+eo3 committed)
+    for nt in 8:32768 16:8192; do
+        step "eo_gather_${nt%%:*}" 100 $(( ${nt%%:*} == 8 ? 350 : 250 )) "$OUT/eo_gather_${nt%%:*}.log" "${TUNE[@]}" \
+            --frameworks triton --partials "${nt%%:*}" --tokens "${nt##*:}" --variants lse \
+            --lse-layout HT TH --partials-view gather contig --budget-s 85 --tiles "${EARLY_TILES[@]}" \
+            --json "$OUT/eo_gather_${nt%%:*}.json"
+    done
+    step fk_pallas 190 60 "$OUT/fk_pallas.log" "${TUNE[@]}" --frameworks pallas --tokens 8192 --partials 128 256 \
+        --variants fused --kernels --budget-s 170 --tiles committed committed+ps512 committed+ps512+fh32 \
+        committed+ps1024+fh32 committed+ps1024+fh64 committed+ps1024+fh32+mw8 committed --json "$OUT/fk_pallas.json"
+    step pytest 60 0 "$OUT/pytest.log" "$PY" -m pytest -q -rfs tests/test_merge_limits.py -k early
 fi
 if [ "$PLAN" = verify ]; then
     # GPU_TESTS (default: the N-way merge's and the loop's files) run after the N-way merge's speed; the Mosaic GPU

@@ -92,8 +92,8 @@ def main() -> None:
         dict(NUM_PARTIALS=N, NUM_HEADS=H, HEAD_DIM=D, BLOCK_T=bt, BLOCK_H=bh, BLOCK_D=bd, SCAN=tiles.SCAN,
              N_INTERPRET=0, LSE_BASE2=False, OUTPUT_LSE=True, FUSED_MASK=True, FP8_OUT=False, INTERPRET=False,
              **tplans.n_way_loops("fused", N), OUT_EVICT=tiles.outputs_evict("triton", N),
-             GIVEN_MZ=False, GIVEN_W=False, stride_out_d=1, stride_o_d=1, stride_olse_t=1, stride_lse_t=1,
-             stride_wlse_t=1),
+             GIVEN_MZ=False, GIVEN_W=False, EARLY_OUTPUTS=tiles.early_outputs("triton", "fused", N), stride_out_d=1,
+             stride_o_d=1, stride_olse_t=1, stride_lse_t=1, stride_wlse_t=1),
         tiles.merge_num_warps("triton", "fused", N))
     ptx["pallas merge_n fused"] = po.pallas_ptx(
         lambda o, l, q, cu: pmerge_n._merge_n_jit(o, l, None, q, cu, None, return_lse=True, out_dtype=BF16,

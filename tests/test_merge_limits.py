@@ -355,6 +355,30 @@ def test_pipelined_weighted_sum_gives_the_same_bits(impl, lse_layout, base, fuse
     _assert_n_way(got, outputs, lses, **kw)
 
 
+@pytest.mark.parametrize("n,lse_layout,base,fused", [(2, "HT", math.e, False), (4, "TH", 2, True),
+                                                     (9, "HT", math.e, True)])
+@pytest.mark.parametrize("impl", ["triton", "pallas"])
+def test_early_output_tiles_give_the_same_bits(impl, n, lse_layout, base, fused, monkeypatch):
+    """`tiles.N_EARLY_OUTPUTS`: the first output tiles loaded before the LSE passes give the bits of the merge that
+    loads each in its weighted-sum step, some or every tile but the last (at N = 2 only partial 0 can be early),
+    pass-through rows, empty partials and the fused mask included."""
+    from mla_lse_common import tiles
+
+    outputs, lses, cu = _partials(n, "bfloat16", seed=13)
+    kw = dict(cu=cu if fused else None, ptwc=2, base=base, lse_layout=lse_layout, out_dtype="float32")
+    want = _merge_n(impl, outputs, lses, **kw)
+    for early in (1, 3, n):
+        monkeypatch.setattr(tiles, "N_EARLY_OUTPUTS", {fw: dict.fromkeys(per_fw, early)
+                                                       for fw, per_fw in tiles.N_EARLY_OUTPUTS.items()})
+        _fresh_caches(monkeypatch)
+        assert tiles.early_outputs(impl, tiles.merge_variant(True, fused), n) == min(early, n - 1)
+        got = _merge_n(impl, outputs, lses, **kw)
+        for x, y in zip(got, want):
+            np.testing.assert_array_equal(x.view(BITS[x.dtype.itemsize]), y.view(BITS[y.dtype.itemsize]))
+    monkeypatch.undo()
+    _fresh_caches(monkeypatch)
+
+
 # -- output dtypes independent of the partials' ------------------------------------------------------------
 
 IN_DTYPES = ("float32", "float16", "bfloat16")

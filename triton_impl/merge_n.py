@@ -166,7 +166,7 @@ def _merge_attn_states_n_kernel(
     LSE_BASE2: tl.constexpr, OUTPUT_LSE: tl.constexpr, FUSED_MASK: tl.constexpr, FP8_OUT: tl.constexpr,
     INTERPRET: tl.constexpr, LSE_STEPS: tl.constexpr, OUT_STEPS: tl.constexpr, EXP_STEP: tl.constexpr,
     OUT_STEP: tl.constexpr, MAX_CHUNKS: tl.constexpr, MAX_CHUNK: tl.constexpr, OUT_EVICT: tl.constexpr,
-    GIVEN_MZ: tl.constexpr, GIVEN_W: tl.constexpr, OUT_STAGES: tl.constexpr,
+    GIVEN_MZ: tl.constexpr, GIVEN_W: tl.constexpr, OUT_STAGES: tl.constexpr, EARLY_OUTPUTS: tl.constexpr,
 ):
     t, t_mask, th_mask, thd_mask, t64, h64, d64 = _program_tile(num_tokens, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H,
                                                                   BLOCK_D)
@@ -183,6 +183,12 @@ def _merge_attn_states_n_kernel(
     # The last partial: also the pass-through row and LSE (8.4). Its loads are issued first.
     b = tl.load(outs_ptr + last * stride_o_n + o_offs, mask=thd_mask, other=0.0, eviction_policy=OUT_EVICT)
     last_raw = tl.load(lses_ptr + last * stride_lse_n + lse_offs, mask=th_mask, other=float("-inf"))
+    # Partials 0 .. EARLY_OUTPUTS - 1: their output tiles load now, in flight through the LSE passes
+    # (`tiles.early_outputs`: never the last; 0 where the loops run at runtime).
+    early = ()
+    for i in tl.static_range(EARLY_OUTPUTS):
+        early = early + (tl.load(outs_ptr + i * stride_o_n + o_offs, mask=thd_mask, other=0.0,
+                                 eviction_policy=OUT_EVICT),)
 
     # The request of each token, once for every partial; m and z (8.2, 8.3), or the first kernel's.
     req, in_req = _token_requests(qsl_ptr, t, t_mask, num_requests, SCAN, N_INTERPRET, FUSED_MASK)
@@ -200,16 +206,24 @@ def _merge_attn_states_n_kernel(
     else:
         w = _weight(0, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, z, wlse_ptr,
                     stride_wlse_n, wlse_offs, LSE_BASE2, FUSED_MASK, INTERPRET, GIVEN_W)
-        out = _weighted(tl.load(outs_ptr + o_offs, mask=thd_mask, other=0.0, eviction_policy=OUT_EVICT), w)
+        if EARLY_OUTPUTS >= 1:
+            out = _weighted(early[0], w)
+        else:
+            out = _weighted(tl.load(outs_ptr + o_offs, mask=thd_mask, other=0.0, eviction_policy=OUT_EVICT), w)
         for k in tl.range(0, OUT_STEPS, num_stages=OUT_STAGES):  # partials 1 .. N-2, in steps of OUT_STEP
             for j in tl.static_range(OUT_STEP):
                 out = _out_step(out, 1 + k * OUT_STEP + j, outs_ptr, stride_o_n, o_offs, thd_mask, lses_ptr,
                                 stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, z, wlse_ptr,
                                 stride_wlse_n, wlse_offs, LSE_BASE2, FUSED_MASK, INTERPRET, OUT_EVICT, GIVEN_W)
         for i in tl.static_range(1 + OUT_STEPS * OUT_STEP, NUM_PARTIALS - 1):
-            out = _out_step(out, i, outs_ptr, stride_o_n, o_offs, thd_mask, lses_ptr, stride_lse_n, lse_offs, th_mask,
-                            cu_ptr, stride_cu_n, req, in_req, m, z, wlse_ptr, stride_wlse_n, wlse_offs, LSE_BASE2,
-                            FUSED_MASK, INTERPRET, OUT_EVICT, GIVEN_W)
+            if i < EARLY_OUTPUTS:
+                out = out + _weighted(early[i], _weight(i, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr,
+                                                       stride_cu_n, req, in_req, m, z, wlse_ptr, stride_wlse_n,
+                                                       wlse_offs, LSE_BASE2, FUSED_MASK, INTERPRET, GIVEN_W))
+            else:
+                out = _out_step(out, i, outs_ptr, stride_o_n, o_offs, thd_mask, lses_ptr, stride_lse_n, lse_offs,
+                                th_mask, cu_ptr, stride_cu_n, req, in_req, m, z, wlse_ptr, stride_wlse_n, wlse_offs,
+                                LSE_BASE2, FUSED_MASK, INTERPRET, OUT_EVICT, GIVEN_W)
         out = out + _weighted(b, w_last)
     out = tl.where(all_empty[:, :, None], 0.0, out)
     copy_t = t >= prefill_tokens_with_context  # 8.4
@@ -343,6 +357,7 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
                             OUTPUT_LSE=output_lse is not None, FP8_OUT=fp8,
                             **plans.n_way_loops(variant, num_partials, max_and_sum=False),
                             OUT_EVICT=tiles.outputs_evict("triton", num_partials), GIVEN_MZ=split, GIVEN_W=weights,
+                            EARLY_OUTPUTS=tiles.early_outputs("triton", variant, num_partials),
                             num_warps=tiles.merge_num_warps("triton", variant, num_partials, lse_layout),
                             **_backend.PARITY_LAUNCH),
             state=launcher.launch_state(key)))
