@@ -33,9 +33,9 @@
 #   buffer        the fused N-way merge with [H, T] LSEs given its weights in a [T, H] buffer (both frameworks,
 #                 N = 128 / 256), then the split merge's bits tests: bp_*.json pytest.log
 #   early         the N-way merge's first output tiles loaded before its LSE passes (tiles.N_EARLY_OUTPUTS,
-#                 +eoK) in the all-gather view and contiguous at N = 8 / 16; Pallas's fused first kernel's tile in
+#                 +eoK) in the all-gather view and contiguous at N = 8 / 16 (Pallas: contiguous); Pallas's fused first kernel's tile in
 #                 [H, T] layout (+psP, +fhH, +mwW) at N = 128 / 256; then the early tiles' bits tests: eo_*.json
-#                 fk_*.json pytest.log
+#                 fk_*.json pytest.log (EARLY_TILES, FK_TILES, EARLY_NS "N:T ..." override the sweeps)
 #   verify        after a kernel or launch change: the full parity check (Pallas on its Triton backend; with
 #                 VERIFY_MOSAIC=1 on Mosaic GPU too), the N-way merge at large N (scripts/wide_n.py speed), the GPU
 #                 tests of the N-way merge and the loop (GPU_TESTS): check*.json check*.log wide_n_speed.* pytest.log
@@ -294,16 +294,22 @@ fi
 if [ "$PLAN" = early ]; then
     # The committed tables first and last in each step (the spread of one process).
     TUNE=("$PY" scripts/tune.py merge_n --heads 64 --dims 128)
-    EARLY_TILES=(committed committed+eo16 committed+eo1 committed+eo3 committed)
-    for nt in 8:32768 16:8192; do
+    # shellcheck disable=SC2206
+    EARLY_TILES=(${EARLY_TILES:-committed committed+eo16 committed+eo1 committed+eo3 committed})
+    # shellcheck disable=SC2206
+    FK_TILES=(${FK_TILES:-committed committed+ps512 committed+ps512+fh32 committed+ps1024+fh32 committed+ps1024+fh64 \
+        committed+ps1024+fh32+mw8 committed})
+    for nt in ${EARLY_NS:-8:32768 16:8192}; do
         step "eo_gather_${nt%%:*}" 100 $(( ${nt%%:*} == 8 ? 350 : 250 )) "$OUT/eo_gather_${nt%%:*}.log" "${TUNE[@]}" \
             --frameworks triton --partials "${nt%%:*}" --tokens "${nt##*:}" --variants lse \
             --lse-layout HT TH --partials-view gather contig --budget-s 85 --tiles "${EARLY_TILES[@]}" \
             --json "$OUT/eo_gather_${nt%%:*}.json"
     done
+    step eo_pallas 60 250 "$OUT/eo_pallas.log" "${TUNE[@]}" --frameworks pallas --partials 8 16 --tokens 8192 \
+        --variants plain lse --lse-layout HT TH --budget-s 50 --tiles committed committed+eo16 committed \
+        --json "$OUT/eo_pallas.json"
     step fk_pallas 190 60 "$OUT/fk_pallas.log" "${TUNE[@]}" --frameworks pallas --tokens 8192 --partials 128 256 \
-        --variants fused --kernels --budget-s 170 --tiles committed committed+ps512 committed+ps512+fh32 \
-        committed+ps1024+fh32 committed+ps1024+fh64 committed+ps1024+fh32+mw8 committed --json "$OUT/fk_pallas.json"
+        --variants fused --kernels --budget-s 170 --tiles "${FK_TILES[@]}" --json "$OUT/fk_pallas.json"
     step pytest 60 0 "$OUT/pytest.log" "$PY" -m pytest -q -rfs tests/test_merge_limits.py -k early
 fi
 if [ "$PLAN" = verify ]; then

@@ -111,12 +111,12 @@ HINTS = {"ef": dict(N_OUTPUTS_EVICT={fw: "evict_first" for fw in tiles.FRAMEWORK
                                    for fw in tiles.FRAMEWORKS}),
          "wth": dict(N_SPLIT_WEIGHTS_LAYOUT=dict.fromkeys(tiles.FRAMEWORKS, "TH")),
          **{f"fh{h}": dict(MAX_SUM_FUSED_HEADS=dict.fromkeys(tiles.FRAMEWORKS, h)) for h in (4, 8, 16, 32, 64)},
-         **{f"ps{p}": dict(MAX_SUM_POSITIONS=p) for p in (128, 512, 1024)},
-         **{f"mw{w}": dict(MAX_SUM_WARPS=w) for w in (2, 8)},
+         **{f"ps{p}": dict(MAX_SUM_POSITIONS=p) for p in (128, 512, 1024, 2048, 4096)},
+         **{f"mw{w}": dict(MAX_SUM_WARPS=w) for w in (2, 8, 16)},
          **{f"os{n}": dict(N_OUT_STAGES={fw: dict.fromkeys(("plain", "lse", "fused"), n) for fw in tiles.FRAMEWORKS})
             for n in (1, 2, 3, 4)},
          **{f"eo{k}": dict(N_EARLY_OUTPUTS={fw: dict.fromkeys(("plain", "lse", "fused"), k) for fw in tiles.FRAMEWORKS})
-            for k in (1, 2, 3, 4, 8, 16)}}
+            for k in (1, 2, 3, 4, 5, 6, 8, 12, 16)}}
 
 
 def parse_tile(text: str) -> dict:
