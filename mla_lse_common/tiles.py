@@ -86,18 +86,25 @@ N_OUTPUTS_EVICT = {"triton": "evict_first", "pallas": "evict_first"}
 # operations in the same order: no bit depends on it.
 N_OUT_STAGES = {"triton": {"plain": 3, "lse": 3, "fused": 2}, "pallas": {"plain": 2, "lse": 2, "fused": 2}}
 # Where the N-way loops unroll (N <= constants.UNROLLED_PARTIALS), per framework and variant: how many of the
-# partials' output tiles, from partial 0 (never the last partial's, which always loads first), load before the maximum and the sum of the exponentials instead of in the weighted sum, so their
-# reads are in flight while the LSE passes run. Only the loads move: no bit depends on it.
-N_EARLY_OUTPUTS = {"triton": {"plain": 0, "lse": 0, "fused": 0}, "pallas": {"plain": 0, "lse": 0, "fused": 0}}
+# partials' output tiles, from partial 0, load before the maximum and the sum of the exponentials instead of in the
+# weighted sum, so that their reads are in flight while the LSE passes run: {N: count}, the entry of the largest N
+# at or below the merge's (none: 0), capped at N - 1 (the last partial's tile always loads first). Only the loads
+# move: no bit depends on it. From the H200 sweeps (docs/results.md, "Early output tiles"): Triton's output-LSE
+# merge, whose loads Triton otherwise issues after every exponential, gains 1-3 points with 2 early tiles at N = 8,
+# 4 at N = 12 and all at N = 16; the count's best is not monotonic in N (all 7 at N = 8 lose 6 points, 2 at N = 16
+# lose 5), so the table names the measured N. Elsewhere none measured better (Pallas: within 0.3 points or worse).
+N_EARLY_OUTPUTS = {"triton": {"plain": {}, "lse": {8: 2, 12: 4, 16: 16}, "fused": {}},
+                   "pallas": {"plain": {}, "lse": {}, "fused": {}}}
 # Beyond N_SPLIT_ABOVE partials the N-way merge runs in two kernels (docs/design.md, "Two kernels beyond 16
 # partials"): the first computes every LSE position's maximum and sum over the partials' LSEs (their N_LOOPS
 # max_chunk and exp_step) and, with N_SPLIT_WEIGHTS, every partial's weight, and stores them in the LSEs' layout; the
 # second reads them and runs the weighted sum of the outputs (out_step), without the first two passes' round trips
 # (and, given the weights, without an exponential or the fused mask's offsets per partial). The same operations in
 # the same order per position: no bit depends on it. A first-kernel program owns MAX_SUM_POSITIONS LSE positions
-# with MAX_SUM_WARPS warps: a run of tokens of one head in [H, T] layout (with the fused mask, whose offsets are
-# read per token, MAX_SUM_FUSED_HEADS heads per framework: the H200 sweeps' best, docs/results.md), whole heads'
-# rows in [T, H].
+# with MAX_SUM_WARPS warps: a run of tokens of one head in [H, T] layout, whole heads' rows in [T, H]. With the fused
+# mask (its offsets read per token) and [H, T] LSEs, per framework, MAX_SUM_FUSED_POSITIONS positions of
+# MAX_SUM_FUSED_HEADS heads with MAX_SUM_FUSED_WARPS warps: the H200 sweeps' best (docs/results.md; Pallas's
+# tile, 32 heads x 32 tokens, reads and stores its [T, H] buffer of weights in 128-byte runs).
 N_SPLIT_ABOVE = constants.UNROLLED_PARTIALS
 # N_SPLIT_WEIGHTS per framework, variant and LSE layout, from the H200 sweeps (docs/results.md): the weights pay
 # where the weighted sum would otherwise read the fused mask's offsets per partial (both frameworks in both layouts;
@@ -114,8 +121,10 @@ N_SPLIT_WEIGHTS = {"triton": {"plain": {"HT": False, "TH": False}, "lse": {"HT":
 # a [T, H] buffer; Triton's first kernel stores a [T, H] buffer from its [H, T] tile at 3.5-4x the cost.
 N_SPLIT_WEIGHTS_LAYOUT = {"triton": "HT", "pallas": "TH"}
 MAX_SUM_POSITIONS = 256
-MAX_SUM_FUSED_HEADS = {"triton": 8, "pallas": 16}
 MAX_SUM_WARPS = 4
+MAX_SUM_FUSED_HEADS = {"triton": 8, "pallas": 32}
+MAX_SUM_FUSED_POSITIONS = {"triton": 256, "pallas": 1024}
+MAX_SUM_FUSED_WARPS = {"triton": 4, "pallas": 8}
 # The context-parallel rescale reads one partial's tile and writes one: it takes the N-way tile of two partials
 # (the 2-way merge's bytes per tile).
 RESCALE_TILE_PARTIALS = 2
@@ -123,7 +132,8 @@ RESCALE_TILE_PARTIALS = 2
 KNOBS = ("MASK_NUM_WARPS", "MASK_TILE_H", "ZERO_TILE_ELEMS", "MASK_TARGET_PROGRAMS", "MASK_ZERO_SPLIT",
          "MASK_LSE_SPLIT", "MERGE_TILES", "MERGE_N_TILES", "N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT",
          "N_OUT_STAGES", "N_EARLY_OUTPUTS", "N_SPLIT_ABOVE", "N_SPLIT_WEIGHTS", "N_SPLIT_WEIGHTS_LAYOUT",
-         "MAX_SUM_POSITIONS", "MAX_SUM_FUSED_HEADS", "MAX_SUM_WARPS")
+         "MAX_SUM_POSITIONS", "MAX_SUM_WARPS", "MAX_SUM_FUSED_HEADS", "MAX_SUM_FUSED_POSITIONS",
+         "MAX_SUM_FUSED_WARPS")
 
 
 def set_knobs(**values) -> dict:
@@ -240,7 +250,9 @@ def early_outputs(framework: str, variant: str, num_partials: int) -> int:
     passes (`N_EARLY_OUTPUTS`; 0 where its loops run at runtime)."""
     if num_partials > constants.UNROLLED_PARTIALS:
         return 0
-    return max(0, min(N_EARLY_OUTPUTS[framework][variant], num_partials - 1))
+    counts = N_EARLY_OUTPUTS[framework][variant]
+    at = [n for n in counts if n <= num_partials]
+    return max(0, min(counts[max(at)], num_partials - 1)) if at else 0
 
 
 def split_passes(num_partials: int) -> bool:
@@ -263,13 +275,18 @@ def split_layout(framework: str, variant: str, lse_layout: str) -> str:
 
 def max_sum_tiles(framework: str, num_heads: int, lse_layout: str, fused: bool = False) -> tuple[int, int]:
     """(BLOCK_T, BLOCK_H) of a program of the split N-way merge's first kernel: MAX_SUM_POSITIONS LSE positions,
-    a run of tokens of one head (MAX_SUM_FUSED_HEADS heads when `fused`) in [H, T] layout, every head (up to the
-    budget) of a few tokens in [T, H]."""
-    if lse_layout == "HT":
-        block_h = min(next_pow2(num_heads), MAX_SUM_FUSED_HEADS[framework]) if fused else 1
-    else:
-        block_h = min(next_pow2(num_heads), MAX_SUM_POSITIONS)
+    a run of tokens of one head in [H, T] layout (fused: MAX_SUM_FUSED_POSITIONS of MAX_SUM_FUSED_HEADS heads),
+    every head (up to the budget) of a few tokens in [T, H]."""
+    if lse_layout == "HT" and fused:
+        block_h = min(next_pow2(num_heads), MAX_SUM_FUSED_HEADS[framework])
+        return max(1, MAX_SUM_FUSED_POSITIONS[framework] // block_h), block_h
+    block_h = 1 if lse_layout == "HT" else min(next_pow2(num_heads), MAX_SUM_POSITIONS)
     return max(1, MAX_SUM_POSITIONS // block_h), block_h
+
+
+def max_sum_warps(framework: str, lse_layout: str, fused: bool = False) -> int:
+    """The warps of a program of the split N-way merge's first kernel (`max_sum_tiles`)."""
+    return MAX_SUM_FUSED_WARPS[framework] if lse_layout == "HT" and fused else MAX_SUM_WARPS
 
 
 def max_sum_grid(framework: str, num_tokens: int, num_heads: int, lse_layout: str,

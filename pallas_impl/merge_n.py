@@ -194,7 +194,8 @@ def _merge_n_jit(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pref
             out_shape=sharding.out_struct((2 + num_partials * weights, *w_shape), jnp.float32, lses),
             grid=tiles.max_sum_grid("pallas", num_tokens, num_heads, lse_layout, fused),
             interpret=interpret,
-            compiler_params=_backend.compiler_params(num_warps=tiles.MAX_SUM_WARPS),
+            compiler_params=_backend.compiler_params(
+                num_warps=tiles.max_sum_warps("pallas", lse_layout, fused)),
             name="merge_attn_states_n_weights",
         )(lses, qsl, cu)
     kernel = functools.partial(

@@ -93,15 +93,17 @@ COMMITTED = {k: copy.deepcopy(getattr(tiles, k)) for k in ("MERGE_TILES", "MERGE
 # Every knob a tile or hint sets, so each tile starts from the committed values (a hint's knob does not outlive it).
 DEFAULT_KNOBS = {k: getattr(tiles, k) for k in ("N_TILE_BYTES", "N_LOOPS", "N_OUTPUTS_EVICT", "N_OUT_STAGES",
                                               "N_EARLY_OUTPUTS", "N_SPLIT_ABOVE", "N_SPLIT_WEIGHTS",
-                                              "N_SPLIT_WEIGHTS_LAYOUT", "MAX_SUM_POSITIONS", "MAX_SUM_FUSED_HEADS",
-                                              "MAX_SUM_WARPS")}
+                                              "N_SPLIT_WEIGHTS_LAYOUT", "MAX_SUM_POSITIONS", "MAX_SUM_WARPS",
+                                              "MAX_SUM_FUSED_HEADS", "MAX_SUM_FUSED_POSITIONS",
+                                              "MAX_SUM_FUSED_WARPS")}
 # +hint: knobs of both frameworks; +ef / +normal: N_OUTPUTS_EVICT; +single: the N-way merge in one kernel at every N
 # (N_SPLIT_ABOVE; without it, two beyond UNROLLED_PARTIALS); +mz / +w: the first of two kernels stores m and z
 # only / the weights too (N_SPLIT_WEIGHTS); +wth: the stored weights in a [T, H] buffer with [H, T] LSEs
 # (N_SPLIT_WEIGHTS_LAYOUT); +fhH: H heads per first-kernel program of the fused variant in [H, T] layout
-# (MAX_SUM_FUSED_HEADS); +psP / +mwW: P LSE positions / W warps per first-kernel program (MAX_SUM_POSITIONS,
-# MAX_SUM_WARPS); +osS: S stages of the weighted sum's runtime loop (N_OUT_STAGES; Pallas: any S > 1 is one step
-# ahead); +eoK: K output tiles loaded before the LSE passes where the loops unroll (N_EARLY_OUTPUTS; capped at N - 1)
+# (MAX_SUM_FUSED_HEADS); +psP / +mwW: P LSE positions / W warps per first-kernel program, every variant's
+# (MAX_SUM_POSITIONS and MAX_SUM_FUSED_POSITIONS, MAX_SUM_WARPS and MAX_SUM_FUSED_WARPS); +osS: S stages of the weighted sum's runtime loop (N_OUT_STAGES; Pallas: any S > 1 is one step
+# ahead); +eoK: K output tiles loaded before the LSE passes at every N where the loops unroll (N_EARLY_OUTPUTS; capped
+# at N - 1)
 HINTS = {"ef": dict(N_OUTPUTS_EVICT={fw: "evict_first" for fw in tiles.FRAMEWORKS}),
          "normal": dict(N_OUTPUTS_EVICT={fw: "" for fw in tiles.FRAMEWORKS}),
          "single": dict(N_SPLIT_ABOVE=1 << 30),
@@ -111,12 +113,15 @@ HINTS = {"ef": dict(N_OUTPUTS_EVICT={fw: "evict_first" for fw in tiles.FRAMEWORK
                                    for fw in tiles.FRAMEWORKS}),
          "wth": dict(N_SPLIT_WEIGHTS_LAYOUT=dict.fromkeys(tiles.FRAMEWORKS, "TH")),
          **{f"fh{h}": dict(MAX_SUM_FUSED_HEADS=dict.fromkeys(tiles.FRAMEWORKS, h)) for h in (4, 8, 16, 32, 64)},
-         **{f"ps{p}": dict(MAX_SUM_POSITIONS=p) for p in (128, 512, 1024, 2048, 4096)},
-         **{f"mw{w}": dict(MAX_SUM_WARPS=w) for w in (2, 8, 16)},
+         **{f"ps{p}": dict(MAX_SUM_POSITIONS=p, MAX_SUM_FUSED_POSITIONS=dict.fromkeys(tiles.FRAMEWORKS, p))
+            for p in (128, 256, 512, 1024, 2048, 4096)},
+         **{f"mw{w}": dict(MAX_SUM_WARPS=w, MAX_SUM_FUSED_WARPS=dict.fromkeys(tiles.FRAMEWORKS, w))
+            for w in (2, 4, 8, 16)},
          **{f"os{n}": dict(N_OUT_STAGES={fw: dict.fromkeys(("plain", "lse", "fused"), n) for fw in tiles.FRAMEWORKS})
             for n in (1, 2, 3, 4)},
-         **{f"eo{k}": dict(N_EARLY_OUTPUTS={fw: dict.fromkeys(("plain", "lse", "fused"), k) for fw in tiles.FRAMEWORKS})
-            for k in (1, 2, 3, 4, 5, 6, 8, 12, 16)}}
+         **{f"eo{k}": dict(N_EARLY_OUTPUTS={fw: {v: {1: k} for v in ("plain", "lse", "fused")}
+                                            for fw in tiles.FRAMEWORKS})
+            for k in (0, 1, 2, 3, 4, 5, 6, 8, 12, 16)}}
 
 
 def parse_tile(text: str) -> dict:

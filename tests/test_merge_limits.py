@@ -241,7 +241,13 @@ def test_loop_partition_of_both_frameworks():
                    for v in ("plain", "lse"))
     for fw, heads, layout, fused in itertools.product(tiles.FRAMEWORKS, (1, 3, 64, 512), ("HT", "TH"), (False, True)):
         block_t, block_h = tiles.max_sum_tiles(fw, heads, layout, fused)
-        assert block_t * block_h == tiles.MAX_SUM_POSITIONS and (block_h == 1 or layout == "TH" or fused)
+        fused_ht = fused and layout == "HT"
+        positions = tiles.MAX_SUM_FUSED_POSITIONS[fw] if fused_ht else tiles.MAX_SUM_POSITIONS
+        assert block_t * block_h == positions and (block_h == 1 or layout == "TH" or fused)
+        assert block_h == (min(tiles.next_pow2(heads), tiles.MAX_SUM_FUSED_HEADS[fw]) if fused_ht else
+                           1 if layout == "HT" else min(tiles.next_pow2(heads), positions))
+        assert tiles.max_sum_warps(fw, layout, fused) == (tiles.MAX_SUM_FUSED_WARPS[fw] if fused_ht else
+                                                         tiles.MAX_SUM_WARPS)
         (programs,) = tiles.max_sum_grid(fw, 1000, heads, layout, fused)
         assert programs == -(-1000 // block_t) * -(-heads // block_h)
 
@@ -355,6 +361,21 @@ def test_pipelined_weighted_sum_gives_the_same_bits(impl, lse_layout, base, fuse
     _assert_n_way(got, outputs, lses, **kw)
 
 
+def test_early_output_counts(monkeypatch):
+    """`tiles.early_outputs`: the entry of the largest N at or below the merge's, capped at N - 1 (never the last
+    partial), none where the loops run at runtime; every committed count in range."""
+    from mla_lse_common import constants, tiles
+
+    n_max = constants.UNROLLED_PARTIALS
+    for fw, variant, n in itertools.product(tiles.FRAMEWORKS, ("plain", "lse", "fused"), range(1, 2 * n_max + 1)):
+        early = tiles.early_outputs(fw, variant, n)
+        assert 0 <= early < max(n, 1) and (early == 0 or n <= n_max)
+    monkeypatch.setitem(tiles.N_EARLY_OUTPUTS, "triton", {"plain": {}, "lse": {3: 2, 8: n_max}, "fused": {}})
+    got = [tiles.early_outputs("triton", "lse", n) for n in (1, 2, 3, 7, 8, 9, n_max, n_max + 1)]
+    assert got == [0, 0, 2, 2, 7, 8, n_max - 1, 0]
+    assert tiles.early_outputs("triton", "plain", 8) == 0
+
+
 @pytest.mark.parametrize("n,lse_layout,base,fused", [(2, "HT", math.e, False), (4, "TH", 2, True),
                                                      (9, "HT", math.e, True)])
 @pytest.mark.parametrize("impl", ["triton", "pallas"])
@@ -366,9 +387,12 @@ def test_early_output_tiles_give_the_same_bits(impl, n, lse_layout, base, fused,
 
     outputs, lses, cu = _partials(n, "bfloat16", seed=13)
     kw = dict(cu=cu if fused else None, ptwc=2, base=base, lse_layout=lse_layout, out_dtype="float32")
+    monkeypatch.setattr(tiles, "N_EARLY_OUTPUTS", {fw: {v: {} for v in per_fw}
+                                                   for fw, per_fw in tiles.N_EARLY_OUTPUTS.items()})
+    _fresh_caches(monkeypatch)
     want = _merge_n(impl, outputs, lses, **kw)
     for early in (1, 3, n):
-        monkeypatch.setattr(tiles, "N_EARLY_OUTPUTS", {fw: dict.fromkeys(per_fw, early)
+        monkeypatch.setattr(tiles, "N_EARLY_OUTPUTS", {fw: {v: {1: early} for v in per_fw}
                                                        for fw, per_fw in tiles.N_EARLY_OUTPUTS.items()})
         _fresh_caches(monkeypatch)
         assert tiles.early_outputs(impl, tiles.merge_variant(True, fused), n) == min(early, n - 1)

@@ -344,7 +344,8 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
                 ints=(*wlse_strides, stride_lse_n, stride_lse_h, stride_lse_t, cu_stride, num_tokens, num_requests),
                 constexprs=dict(**shared, BLOCK_T=ms_block_t, BLOCK_H=ms_block_h, STORE_WEIGHTS=weights,
                                 W_STEPS=tiles.loop_steps(num_partials, num_partials, shared["EXP_STEP"]),
-                                num_warps=tiles.MAX_SUM_WARPS, **_backend.PARITY_LAUNCH),
+                                num_warps=tiles.max_sum_warps("triton", lse_layout, fused),
+                                **_backend.PARITY_LAUNCH),
                 state=launcher.launch_state(key)))
         launch = (first, plans.merge_launch(
             grid=tiles.merge_grid("triton", num_tokens, num_heads, head_dim, variant, itemsize, num_partials,
