@@ -89,7 +89,7 @@ def test_smoke_json_schema(smoke_run):
         want |= {("mask", "triton-op", "lse", m, lay) for m in ("eager", "latency") for lay in ("HT", "TH")}
     assert got == want
     assert {s["point"] for s in doc["skipped"] if s.get("impl") == "pallas"} == {
-        f"merge_n T=256 H=2 D=64 N=3 bfloat16 lse {lay} gather" for lay in ("HT/e", "TH/2")}
+        f"merge_n T={bench.points.SMOKE_T} H=2 D=64 N=3 bfloat16 lse {lay} gather" for lay in ("HT/e", "TH/2")}
     assert {r["T"] for r in recs if r["metric"] == "host" and r["op"] != "ceiling"} == {bench.HOST_T}
     assert all(r["T"] != bench.HOST_T for r in recs if r["metric"] != "host" and r["op"] != "ceiling")
     # Effective bandwidth is the stated bytes over the p50 time.

@@ -49,20 +49,21 @@ LAYOUTS = ("HT/e", "HT/2", "TH/e", "TH/2")  # lse_layout / lse_base
 VIEWS = ("contig", "gather")
 HEAD_DIMS = (64, 128, 256, 512)  # 512: the MLA latent
 FUSED_REQUEST_LEN = 128
-LAYOUT_T, LAYOUT_H, LAYOUT_N = 32768, 64, 4  # the layout section's fixed axes (smoke: 256, 2, 3)
+LAYOUT_T, LAYOUT_H, LAYOUT_N = 32768, 64, 4  # the layout section's fixed axes (smoke: SMOKE_T, 2, 3)
+SMOKE_T = 64  # the smoke grid's tokens: plumbing only, each interpreted program costs
 
 # Grids per mode: (T values, H values, D values, dtypes, merge variants, mask variants).
 GRIDS = {
     "full": ((2048, 32768, 131072), (16, 64, 128), (128, 512), ("bfloat16", "float32"), MERGE_VARIANTS,
              MASK_VARIANTS),
     "quick": ((2048, 32768, 131072), (64,), (128,), ("bfloat16",), MERGE_VARIANTS, MASK_VARIANTS),
-    "smoke": ((256,), (2,), (64,), ("bfloat16",), MERGE_VARIANTS, ("lse",)),
+    "smoke": ((SMOKE_T,), (2,), (64,), ("bfloat16",), MERGE_VARIANTS, ("lse",)),
 }
 # N-way points per mode: (N values, T values, variants); H = 64, D = 128, bf16.
 N_GRIDS = {
     "full": ((2, 4, 8), (2048, 32768, 131072), N_WAY_VARIANTS),
     "quick": ((2, 4, 8), (32768, 131072), N_WAY_VARIANTS),
-    "smoke": ((3,), (256,), N_WAY_VARIANTS),
+    "smoke": ((3,), (SMOKE_T,), N_WAY_VARIANTS),
 }
 # The layout section per mode: (layouts, head dims, N-way partials views, 2-way variants); 2-way points at every
 # layout x D x variant, N-way points (N = LAYOUT_N, variant lse) at every layout x D x view; plus the mask in
@@ -182,11 +183,11 @@ def merge_points(mode: str) -> list[MergePoint]:
 def layout_points(mode: str, layouts=None, head_dims=None, views=None) -> list[MergePoint]:
     """The layout section of `mode` (`LAYOUT_GRIDS`; `layouts`, `head_dims`, `views` override its axes): bf16
     2-way points at every layout x D x variant and N-way lse points at every layout x D x view, at
-    T = LAYOUT_T, H = LAYOUT_H, N = LAYOUT_N (smoke: 256, 2, 3). Points already in `merge_points` are left out."""
+    T = LAYOUT_T, H = LAYOUT_H, N = LAYOUT_N (smoke: SMOKE_T, 2, 3). Points already in `merge_points` are left out."""
     d_layouts, d_dims, d_views, variants = LAYOUT_GRIDS[mode]
     layouts = [parse_layout(s) for s in (layouts or d_layouts)]
     head_dims, views = tuple(head_dims or d_dims), tuple(views or d_views)
-    T, H, N = (256, 2, 3) if mode == "smoke" else (LAYOUT_T, LAYOUT_H, LAYOUT_N)
+    T, H, N = (SMOKE_T, 2, 3) if mode == "smoke" else (LAYOUT_T, LAYOUT_H, LAYOUT_N)
     main = set(merge_points(mode))
     pts = [MergePoint(T, H, d, "bfloat16", v, 0, lay, base) for d in head_dims for lay, base in layouts
            for v in variants]
