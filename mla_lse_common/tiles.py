@@ -91,8 +91,9 @@ N_OUT_STAGES = {"triton": {"plain": 3, "lse": 3, "fused": 2}, "pallas": {"plain"
 # at or below the merge's (none: 0), capped at N - 1 (the last partial's tile always loads first). Only the loads
 # move: no bit depends on it. From the H200 sweeps (docs/results.md, "Early output tiles"): Triton's output-LSE
 # merge, whose loads Triton otherwise issues after every exponential, gains 1-3 points with 2 early tiles at N = 8,
-# 4 at N = 12 and all at N = 16; the count's best is not monotonic in N (all 7 at N = 8 lose 6 points, 2 at N = 16
-# lose 5), so the table names the measured N. Elsewhere none measured better (Pallas: within 0.3 points or worse).
+# 4 at N = 12 and all at N = 16; the count's best is not monotonic in N (all 7 at N = 8 lose 6 points, 2 or 4 at
+# N = 16 up to 9 in one layout), so the table names the measured N. Elsewhere none measured better (Triton at
+# N = 4; Pallas at N = 8 and 16: within 0.3 points or worse).
 N_EARLY_OUTPUTS = {"triton": {"plain": {}, "lse": {8: 2, 12: 4, 16: 16}, "fused": {}},
                    "pallas": {"plain": {}, "lse": {}, "fused": {}}}
 # Beyond N_SPLIT_ABOVE partials the N-way merge runs in two kernels (docs/design.md, "Two kernels beyond 16
