@@ -64,10 +64,10 @@ def _method(path: str) -> str:
 # torch: N ranks on torch.distributed
 
 
-def _torch_rank(rank: int, world: int, group, config: dict, behavior: str, interleave: int, device: str) -> dict:
-    """One rank: its attention partial over its KV shard, then every path's combine. Returns numpy
-    (context out [T, H_own, Dv], context lse [H_own, T]) per path (H_own: all heads, or this rank's for
-    reduce_scatter)."""
+def _torch_rank(rank: int, world: int, group, config: dict, behaviors: tuple, interleave: int, device: str) -> dict:
+    """One rank, for each empty behaviour: its attention partial over its KV shard, then every path's combine.
+    Returns {behaviour: {path: numpy (context out [T, H_own, Dv], context lse [H_own, T])}} (H_own: all heads, or
+    this rank's for reduce_scatter)."""
     import torch
 
     from parity.library import bridge
@@ -82,17 +82,21 @@ def _torch_rank(rank: int, world: int, group, config: dict, behavior: str, inter
         return torch.from_numpy(np.ascontiguousarray(x)).to(device)
 
     q, ctx_k, ctx_v = up(batch.q), up(batch.ctx_k), up(batch.ctx_v)
-    out, lse = attention_torch(q, ctx_k[up(idx)], ctx_v[up(idx)], batch.query_start_loc, cu_host, causal=False,
-                               empty_behavior=behavior, scale=batch.scale)
     qsl, cu = up(batch.query_start_loc), up(cu_host)
     results = {}
-    for path in CP_PATHS:
-        r = a.bind_cp_merge(out, lse, group, method=_method(path), **_offsets_for(path, qsl, cu))()
-        results[path] = (bridge.to_numpy(r["out"]), bridge.to_numpy(r["lse"]))
+    for behavior in behaviors:
+        out, lse = attention_torch(q, ctx_k[up(idx)], ctx_v[up(idx)], batch.query_start_loc, cu_host, causal=False,
+                                   empty_behavior=behavior, scale=batch.scale)
+        results[behavior] = {}
+        for path in CP_PATHS:
+            r = a.bind_cp_merge(out, lse, group, method=_method(path), **_offsets_for(path, qsl, cu))()
+            results[behavior][path] = (bridge.to_numpy(r["out"]), bridge.to_numpy(r["lse"]))
     return results
 
 
-def _cp_torch(batch_config: dict, world: int, behavior: str, interleave: int) -> tuple[dict, str]:
+def _cp_torch(batch_config: dict, world: int, behaviors: tuple, interleave: int) -> tuple[dict, str]:
+    """Every behaviour's combined results ({behaviour: {path: (out, lse)}}) from one launch of `world` ranks, and
+    where they ran."""
     import torch
 
     from parity.tools import ranks
@@ -100,18 +104,21 @@ def _cp_torch(batch_config: dict, world: int, behavior: str, interleave: int) ->
     use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= world
     device, backend = ("cuda", "nccl") if use_nccl else ("cpu", "gloo")
     # CPU ranks (also on a machine with fewer GPUs than ranks) run Triton's interpreter (ranks.run_ranks).
-    got = ranks.run_ranks(_torch_rank, world, batch_config, behavior, interleave, device, backend=backend)
+    got = ranks.run_ranks(_torch_rank, world, batch_config, tuple(behaviors), interleave, device, backend=backend)
     for r, res in enumerate(got):
         if res[0] != "ok":
             raise RuntimeError(f"CP rank {r} failed: {res[1]}\n{res[2]}")
     per_rank = [res[1] for res in got]
     results = {}
-    for path in CP_PATHS:
-        if _method(path) == "gather":
-            results[path] = per_rank[0][path]  # every rank holds the same result
-        else:  # rank r holds heads [r * H / N, (r + 1) * H / N)
-            results[path] = (np.concatenate([p[path][0] for p in per_rank], axis=1),
-                             np.concatenate([p[path][1] for p in per_rank], axis=0))
+    for behavior in behaviors:
+        results[behavior] = {}
+        for path in CP_PATHS:
+            if _method(path) == "gather":
+                results[behavior][path] = per_rank[0][behavior][path]  # every rank holds the same result
+            else:  # rank r holds heads [r * H / N, (r + 1) * H / N)
+                results[behavior][path] = (
+                    np.concatenate([p[behavior][path][0] for p in per_rank], axis=1),
+                    np.concatenate([p[behavior][path][1] for p in per_rank], axis=0))
     return results, f"{world} {backend} ranks ({device})"
 
 
@@ -226,10 +233,13 @@ def run_cp_demo(*, cp: int = 4, interleave: int = 1, framework: str = "both", si
                 prefill_tokens_with_context=batch.prefill_tokens_with_context())
     rows = []
     for fw in (FRAMEWORKS if framework == "both" else (framework,)):
+        if fw == "torch":  # one launch of the ranks for every behaviour
+            with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+                torch_combined, torch_where = _cp_torch(config, cp, tuple(EMPTY_BEHAVIORS), interleave)
         for behavior in EMPTY_BEHAVIORS:
             with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
                 if fw == "torch":
-                    combined, where = _cp_torch(config, cp, behavior, interleave)
+                    combined, where = torch_combined[behavior], torch_where
                 else:
                     combined, where = _cp_jax(batch, cp, behavior, interleave, jax_impl)
                 for path in CP_PATHS:
