@@ -376,8 +376,8 @@ def test_early_output_counts(monkeypatch):
     assert tiles.early_outputs("triton", "plain", 8) == 0
 
 
-@pytest.mark.parametrize("n,lse_layout,base,fused", [(2, "HT", math.e, False), (4, "TH", 2, True),
-                                                     (9, "HT", math.e, True)])
+@pytest.mark.parametrize("n,lse_layout,base,fused", [(2, "HT", math.e, False), (5, "TH", 2, True),
+                                                     (5, "HT", math.e, True)])
 @pytest.mark.parametrize("impl", ["triton", "pallas"])
 def test_early_output_tiles_give_the_same_bits(impl, n, lse_layout, base, fused, monkeypatch):
     """`tiles.N_EARLY_OUTPUTS`: the first output tiles loaded before the LSE passes give the bits of the merge that
@@ -391,7 +391,7 @@ def test_early_output_tiles_give_the_same_bits(impl, n, lse_layout, base, fused,
                                                    for fw, per_fw in tiles.N_EARLY_OUTPUTS.items()})
     _fresh_caches(monkeypatch)
     want = _merge_n(impl, outputs, lses, **kw)
-    for early in (1, 3, n):
+    for early in sorted({1, n - 1, n}):  # one, all but the last (the cap), past the cap
         monkeypatch.setattr(tiles, "N_EARLY_OUTPUTS", {fw: {v: {1: early} for v in per_fw}
                                                        for fw, per_fw in tiles.N_EARLY_OUTPUTS.items()})
         _fresh_caches(monkeypatch)
