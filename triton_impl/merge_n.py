@@ -7,8 +7,9 @@ Grid: `(cdiv(T, BLOCK_T) * cdiv(H, BLOCK_H),)`, head blocks fastest, as the 2-wa
 (`range`, which Triton does not unroll; `mla_lse_common.tiles`: `loop_steps`, `max_chunks`), so the compile time stays
 short at every N; each pass does the spec's operations in index order either way (docs/spec.md 8). Three passes over
 the partials' LSE tiles: the largest LSE, the sum of the exponentials, then the weighted sum of the outputs;
-an LSE tile is reloaded (from cache) and its exponential recomputed in each pass, which gives the same bits; beyond
-UNROLLED_PARTIALS the partials' output tiles load with the L2 policy `evict_first` (`tiles.outputs_evict`), so the
+an LSE tile is reloaded (from cache) and its exponential recomputed in each pass, which gives the same bits; up to
+UNROLLED_PARTIALS the first output tiles may load before the passes (`tiles.early_outputs`), in flight while they
+run; beyond UNROLLED_PARTIALS the partials' output tiles load with the L2 policy `evict_first` (`tiles.outputs_evict`), so the
 LSE tiles stay cached between passes, and the weighted sum's loop is pipelined (`tl.range(num_stages=OUT_STAGES)`,
 `tiles.out_stages`: the next steps' loads in flight while this step sums). Beyond N_SPLIT_ABOVE
 (`tiles.split_passes`) the merge is two launches: the
