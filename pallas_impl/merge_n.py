@@ -9,7 +9,8 @@ way. Three passes over the partials' LSE tiles (the largest LSE, the sum of the 
 the outputs); an LSE tile is reloaded and its exponential recomputed in each pass, as in the Triton kernel; up to
 UNROLLED_PARTIALS the first output tiles may load before the passes (`tiles.early_outputs`), and beyond the output
 tiles load with the L2 policy `evict_first` (`tiles.outputs_evict`). Beyond N_SPLIT_ABOVE (`tiles.split_passes`)
-the merge is two `pallas_call`s, as in Triton: the first (`_merge_n_weights_kernel`) stores m and z (and, `tiles.split_weights`, every weight) in an f32 buffer, the merge
+the merge is two `pallas_call`s, as in Triton: the first (`_merge_n_weights_kernel`) stores m and z (and,
+`tiles.split_weights`, every weight) in an f32 buffer, the merge
 kernel reads them (given_mz, given_w): the same bits. The fused mask finds each token's request once and reads each
 partial's own KV offsets.
 
