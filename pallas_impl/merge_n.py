@@ -1,18 +1,17 @@
 """N-way attention-state merge (docs/spec.md section 8): the Pallas GPU kernel and its functional wrapper.
 
-The same algorithm as `triton_impl/merge_n.py`, statement by statement. Grid: `(cdiv(T, block_t) *
-cdiv(H, block_h),)`, head blocks fastest; a program merges a [block_t, block_h, block_d] tile of every
-partial (`tiles.MERGE_N_TILES`). The loops over the N partials unroll at trace time up to N =
-`constants.UNROLLED_PARTIALS` and are runtime loops beyond (`lax.fori_loop`, an `scf.for` in the Triton IR;
-`_math.fold_partials`), so the compile time stays short at every N; the same operations in the same order either
-way. Three passes over the partials' LSE tiles (the largest LSE, the sum of the exponentials, the weighted sum of
-the outputs); an LSE tile is reloaded and its exponential recomputed in each pass, as in the Triton kernel; up to
-UNROLLED_PARTIALS the first output tiles may load before the passes (`tiles.early_outputs`), and beyond the output
-tiles load with the L2 policy `evict_first` (`tiles.outputs_evict`). Beyond N_SPLIT_ABOVE (`tiles.split_passes`)
-the merge is two `pallas_call`s, as in Triton: the first (`_merge_n_weights_kernel`) stores m and z (and,
-`tiles.split_weights`, every weight) in an f32 buffer, the merge
-kernel reads them (given_mz, given_w): the same bits. The fused mask finds each token's request once and reads each
-partial's own KV offsets.
+The same algorithm as `triton_impl/merge_n.py`, statement by statement. Grid: `(cdiv(T, block_t) * cdiv(H,
+block_h),)`, head blocks fastest; a program merges a [block_t, block_h, block_d] tile of every partial
+(`tiles.MERGE_N_TILES`). The loops over the N partials unroll at trace time up to N = `constants.UNROLLED_PARTIALS`
+and are runtime loops beyond (`lax.fori_loop`, an `scf.for` in the Triton IR; `_math.fold_partials`), so the compile
+time stays short at every N; the same operations in the same order either way. Three passes over the partials' LSE
+tiles (the largest LSE, the sum of the exponentials, the weighted sum of the outputs); an LSE tile is reloaded and
+its exponential recomputed in each pass, as in the Triton kernel; up to UNROLLED_PARTIALS the first output tiles may
+load before the passes (`tiles.early_outputs`), and beyond the output tiles load with the L2 policy `evict_first`
+(`tiles.outputs_evict`). Beyond N_SPLIT_ABOVE (`tiles.split_passes`) the merge is two `pallas_call`s, as in Triton:
+the first (`_merge_n_weights_kernel`) stores m and z (and, `tiles.split_weights`, every weight) in an f32 buffer,
+the merge kernel reads them (given_mz, given_w): the same bits. The fused mask finds each token's request once and
+reads each partial's own KV offsets.
 
 Float math (docs/spec.md 5), identical to the Triton kernel and, at N = 2, to `pallas_impl/merge.py`: f32,
 `jnp.exp` and `jnp.log`, no FMA contraction, no flush-to-zero, division with `/`,
