@@ -33,9 +33,10 @@
 #   buffer        the fused N-way merge with [H, T] LSEs given its weights in a [T, H] buffer (both frameworks,
 #                 N = 128 / 256), then the split merge's bits tests: bp_*.json pytest.log
 #   early         the N-way merge's first output tiles loaded before its LSE passes (tiles.N_EARLY_OUTPUTS,
-#                 +eoK) in the all-gather view and contiguous at N = 8 / 16 (Pallas: contiguous); Pallas's fused first kernel's tile in
-#                 [H, T] layout (+psP, +fhH, +mwW) at N = 128 / 256; then the early tiles' bits tests: eo_*.json
-#                 fk_*.json pytest.log (EARLY_TILES, FK_TILES, EARLY_NS "N:T ..." override the sweeps)
+#                 +eoK) in the all-gather view and contiguous at N = 8 / 16 (Pallas: contiguous); Pallas's fused
+#                 first kernel's program in [H, T] layout (+psP, +fhH, +mwW) at N = 128 / 256; then the early
+#                 tiles' bits tests: eo_*.json fk_*.json pytest.log (EARLY_TILES, FK_TILES, EARLY_NS "N:T ..."
+#                 override the sweeps)
 #   verify        after a kernel or launch change: the full parity check (Pallas on its Triton backend; with
 #                 VERIFY_MOSAIC=1 on Mosaic GPU too), the N-way merge at large N (scripts/wide_n.py speed), the GPU
 #                 tests of the N-way merge and the loop (GPU_TESTS): check*.json check*.log wide_n_speed.* pytest.log

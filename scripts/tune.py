@@ -101,9 +101,9 @@ DEFAULT_KNOBS = {k: getattr(tiles, k) for k in ("N_TILE_BYTES", "N_LOOPS", "N_OU
 # only / the weights too (N_SPLIT_WEIGHTS); +wth: the stored weights in a [T, H] buffer with [H, T] LSEs
 # (N_SPLIT_WEIGHTS_LAYOUT); +fhH: H heads per first-kernel program of the fused variant in [H, T] layout
 # (MAX_SUM_FUSED_HEADS); +psP / +mwW: P LSE positions / W warps per first-kernel program, every variant's
-# (MAX_SUM_POSITIONS and MAX_SUM_FUSED_POSITIONS, MAX_SUM_WARPS and MAX_SUM_FUSED_WARPS); +osS: S stages of the weighted sum's runtime loop (N_OUT_STAGES; Pallas: any S > 1 is one step
-# ahead); +eoK: K output tiles loaded before the LSE passes at every N where the loops unroll (N_EARLY_OUTPUTS; capped
-# at N - 1)
+# (MAX_SUM_POSITIONS and MAX_SUM_FUSED_POSITIONS, MAX_SUM_WARPS and MAX_SUM_FUSED_WARPS); +osS: S stages of the
+# weighted sum's runtime loop (N_OUT_STAGES; Pallas: any S > 1 is one step ahead); +eoK: K output tiles loaded
+# before the LSE passes at every N where the loops unroll (N_EARLY_OUTPUTS; capped at N - 1)
 HINTS = {"ef": dict(N_OUTPUTS_EVICT={fw: "evict_first" for fw in tiles.FRAMEWORKS}),
          "normal": dict(N_OUTPUTS_EVICT={fw: "" for fw in tiles.FRAMEWORKS}),
          "single": dict(N_SPLIT_ABOVE=1 << 30),

@@ -412,7 +412,7 @@ def test_cli_cross_exits_1_on_a_parity_failure(tmp_path):
     assert res.returncode == 1 and "i 0: got 0x" in res.stdout
 
 
-def test_cli_cross_usage_errors_name_the_flag(tmp_path, capsys):
+def test_cli_cross_usage_errors_name_the_flag(tmp_path, capsys, monkeypatch):
     """Each bad flag: exit status 2 and one line naming it on stderr, no traceback (in process: `cli.main`, what
     `python -m parity` runs; the shell path is the tests above)."""
     from parity import cli
@@ -430,16 +430,12 @@ def test_cli_cross_usage_errors_name_the_flag(tmp_path, capsys):
         (["--torch", good, "--jax", good, "--inputs", str(tmp_path / "missing.npz")], "error: --inputs "),
         (["--torch", good, "--jax", good, "--inputs", str(truncated)], "not a readable .npz"),
     ]
-    cwd = os.getcwd()
-    os.chdir(ROOT)  # the MODULE:FUNCTION paths are the repository's, as from its root
-    try:
-        for argv, message in cases:
-            rc = cli.main(["cross", *argv])
-            err = capsys.readouterr().err
-            assert rc == 2 and message in err, (argv, err)
-            assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    finally:
-        os.chdir(cwd)
+    monkeypatch.chdir(ROOT)  # the MODULE:FUNCTION paths are the repository's, as from its root
+    for argv, message in cases:
+        rc = cli.main(["cross", *argv])
+        err = capsys.readouterr().err
+        assert rc == 2 and message in err, (argv, err)
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("block, expect", [(0, ("cross_check rmsnorm", "req 4 token 31", "audit out: reference")),
