@@ -153,11 +153,12 @@ def _lse_where(*, t0, h0, block_t, block_h, th_mask, cu_ref, num_requests, req, 
 
 
 def _max_and_sum(lses_ref, num_partials, lse_base2, output_lse, *, t0, h0, block_t, block_h, th_mask, cu_ref,
-                 num_requests, req, in_req, lse_layout, fused_mask):
+                 num_requests, req, in_req, lse_layout, fused_mask, store_exp=None):
     """(lse_i, m, all_empty, z) of the N-way weights (8.2, 8.3), as the Triton kernels' `_max_and_sum`:
     `_math.n_way_max_and_sum` over the program's LSE tiles (`_partial_lse`; for the maximum beyond
     UNROLLED_PARTIALS `_partial_lse_chunk`) with the variant's loops (`tiles.N_LOOPS`). `lse_i(i)`: partial i's
-    tile, for the weights."""
+    tile, for the weights. `store_exp(i, e_i)`: called with every exponential of the sum (the split merge's first
+    kernel)."""
     where = _lse_where(t0=t0, h0=h0, block_t=block_t, block_h=block_h, th_mask=th_mask, cu_ref=cu_ref,
                        num_requests=num_requests, req=req, in_req=in_req, lse_layout=lse_layout, fused_mask=fused_mask)
     lse_i = functools.partial(_partial_lse, lses_ref, **where)
@@ -165,7 +166,7 @@ def _max_and_sum(lses_ref, num_partials, lse_base2, output_lse, *, t0, h0, block
     lse_chunk = functools.partial(_partial_lse_chunk, lses_ref, chunk=max(chunk, 1), num_partials=num_partials,
                                   **where)
     m, all_empty, _, z = _math.n_way_max_and_sum(lse_i, num_partials, lse_base2, lse_chunk=lse_chunk, chunk=chunk,
-                                                 exp_step=exp_step)
+                                                 exp_step=exp_step, store_e=store_exp)
     return lse_i, m, all_empty, z
 
 

@@ -99,7 +99,7 @@ def two_way_weights(p, s, lse_base2: bool):
 
 
 def n_way_max_and_sum(lse_i, num_partials: int, lse_base2: bool, *, unroll: bool = False, lse_chunk=None,
-                      chunk: int = 0, exp_step: int = 4):
+                      chunk: int = 0, exp_step: int = 4, store_e=None):
     """(m, all_empty, e, z) of N LSE tiles (in their base) whose empty rows are -inf (docs/spec.md 8.2, 8.3): the
     maximum, 0 where all are empty; e_i = exp(lse_i - m) (base 2: exp((lse_i - m) * ln2)); z their sum in index
     order.
@@ -111,7 +111,8 @@ def n_way_max_and_sum(lse_i, num_partials: int, lse_base2: bool, *, unroll: bool
     `lse_chunk(first)`: the [chunk, ...] tiles of partials first, first + 1, ... (-inf past N), given by a kernel
     whose maximum beyond UNROLLED_PARTIALS reads them in one load each (`tiles.max_chunks`; a maximum is exact in
     any order), as the Triton kernels' `_chunk_max`; without it, or with chunk = 0, the maximum runs in index order.
-    The runtime loops take steps of `exp_step` partials (`tiles.N_LOOPS`).
+    The runtime loops take steps of `exp_step` partials (`tiles.N_LOOPS`). `store_e(i, e_i)`, if given, is called
+    with every e_i as the sum takes it (the split merge's first kernel stores them for the weighted sum).
     """
     chunks = 0 if unroll or lse_chunk is None else tiles.max_chunks(num_partials, chunk)
     if chunks:
@@ -122,13 +123,18 @@ def n_way_max_and_sum(lse_i, num_partials: int, lse_base2: bool, *, unroll: bool
                           exp_step, unroll=unroll)
     all_empty = m == -jnp.inf
     m = jnp.where(all_empty, 0.0, m)
-    e = [exp_base(lse_i(0) - m, lse_base2)]
+    def exp_i(i):
+        e_i = exp_base(lse_i(i) - m, lse_base2)
+        if store_e is not None:
+            store_e(i, e_i)
+        return e_i
+
+    e = [exp_i(0)]
     if unroll or not tiles.loop_steps(num_partials - 1, num_partials, exp_step):
         z = e[0]
         for i in range(1, num_partials):
-            e.append(exp_base(lse_i(i) - m, lse_base2))
+            e.append(exp_i(i))
             z = z + e[i]
         return m, all_empty, e, z
-    z = fold_partials(1, num_partials, lambda i, z: z + exp_base(lse_i(i) - m, lse_base2), e[0], num_partials,
-                      exp_step)
+    z = fold_partials(1, num_partials, lambda i, z: z + exp_i(i), e[0], num_partials, exp_step)
     return m, all_empty, None, z

@@ -9,9 +9,9 @@ tiles (the largest LSE, the sum of the exponentials, the weighted sum of the out
 its exponential recomputed in each pass, as in the Triton kernel; up to UNROLLED_PARTIALS the first output tiles may
 load before the passes (`tiles.early_outputs`), and beyond the output tiles load with the L2 policy `evict_first`
 (`tiles.outputs_evict`). Beyond N_SPLIT_ABOVE (`tiles.split_passes`) the merge is two `pallas_call`s, as in Triton:
-the first (`_merge_n_weights_kernel`) stores m and z (and, `tiles.split_weights`, every weight) in an f32 buffer,
-the merge kernel reads them (given_mz, given_w): the same bits. The fused mask finds each token's request once and
-reads each partial's own KV offsets.
+the first (`_merge_n_weights_kernel`) stores m and z (and, `tiles.split_weights`, every partial's exponential e_i,
+its weight's numerator) in an f32 buffer, the merge kernel reads them (given_mz, given_w): the same bits. The
+fused mask finds each token's request once and reads each partial's own KV offsets.
 
 Float math (docs/spec.md 5), identical to the Triton kernel and, at N = 2, to `pallas_impl/merge.py`: f32,
 `jnp.exp` and `jnp.log`, no FMA contraction, no flush-to-zero, division with `/`,
@@ -58,28 +58,24 @@ def _merge_n_weights_kernel(
     lses_ref,  # f32[N, H, T] or f32[N, T, H]
     qsl_ref,  # i32[R+1] query_start_loc; unused unless fused_mask
     cu_ref,  # i32[N * (R+1)] each partial's KV offsets, flattened; unused unless fused_mask
-    wlse_ref,  # output: f32[2 (+ N), H, T] or f32[2 (+ N), T, H] (w_layout): m, z (, w_i)
+    wlse_ref,  # output: f32[2 (+ N), H, T] or f32[2 (+ N), T, H] (w_layout): m, z (, e_i)
     *, num_partials: int, num_tokens: int, num_heads: int, num_requests: int, block_t: int, block_h: int,
     lse_layout: str, w_layout: str, lse_base2: bool, output_lse: bool, fused_mask: bool, store_weights: bool,
 ):
     """The first kernel of a split merge (`tiles.split_passes`): m and z of a [block_t, block_h] tile of LSE
-    positions (`tiles.max_sum_tiles`) and, with store_weights, every partial's weight w_i = e_i / z (runtime steps
-    of exp_step partials, the rest unrolled), as the merge kernel computes them, stored for its weighted sum."""
+    positions (`tiles.max_sum_tiles`) and, with store_weights, every partial's exponential e_i (the numerator of
+    its weight w_i = e_i / z), stored as the sum takes it, for the merge kernel's weighted sum."""
     t0, h0, t, t_mask, th_mask, _ = _program_tile(num_tokens, num_heads, 1, block_t, block_h, 1)
     req, in_req = _token_requests(qsl_ref, t, t_mask, num_requests, fused_mask)
-    lse_i, m, all_empty, z = _max_and_sum(
+
+    def store_exp(i, e_i):  # plane 2 + i of the buffer
+        _store_lse(wlse_ref, t0, h0, block_t, block_h, e_i, th_mask, w_layout, lead=(jnp.asarray(2 + i, jnp.int32),))
+
+    _, m, all_empty, z = _max_and_sum(
         lses_ref, num_partials, lse_base2, output_lse, t0=t0, h0=h0, block_t=block_t, block_h=block_h,
         th_mask=th_mask, cu_ref=cu_ref, num_requests=num_requests, req=req, in_req=in_req, lse_layout=lse_layout,
-        fused_mask=fused_mask)
+        fused_mask=fused_mask, store_exp=store_exp if store_weights else None)
     _store_max_and_sum(wlse_ref, t0, h0, block_t, block_h, th_mask, w_layout, m, all_empty, z)
-    if store_weights:
-        def store_weight(i, carry):
-            _store_lse(wlse_ref, t0, h0, block_t, block_h, _math.exp_base(lse_i(i) - m, lse_base2) / z, th_mask,
-                       w_layout, lead=(jnp.asarray(2 + i, jnp.int32),))
-            return carry
-
-        exp_step = tiles.n_loops("pallas", tiles.merge_variant(output_lse, fused_mask))[1]
-        _math.fold_partials(0, num_partials, store_weight, jnp.int32(0), num_partials, exp_step)
 
 
 def _merge_attn_states_n_kernel(
@@ -89,7 +85,7 @@ def _merge_attn_states_n_kernel(
     scale_ref,  # f32[1] output scale; unused unless fp8_out
     qsl_ref,  # i32[R+1] query_start_loc; unused unless fused_mask
     cu_ref,  # i32[N * (R+1)] each partial's KV offsets, flattened; unused unless fused_mask
-    wlse_ref,  # f32[2 (+ N), H, T] or f32[2 (+ N), T, H] (w_layout): the first kernel's m, z (, w_i); unused unless
+    wlse_ref,  # f32[2 (+ N), H, T] or f32[2 (+ N), T, H] (w_layout): the first kernel's m, z (, e_i); unused unless
     # given_mz
     ptwc_ref,  # i32[1] prefill_tokens_with_context: tokens at or past it copy the last partial (8.4)
     # outputs
@@ -126,11 +122,13 @@ def _merge_attn_states_n_kernel(
         lse_i, m, all_empty, z = _max_and_sum(lses_ref, num_partials, lse_base2, output_lse, **tile_where)
     out_step = tiles.n_loops("pallas", variant)[2]
 
-    def weight(i):  # w_i = e_i / z, or the first kernel's (plane 2 + i of its buffer): the same bits
+    def weight(i):  # w_i = e_i / z, e_i given by the first kernel (plane 2 + i of its buffer) or computed: same bits
         if given_w:
-            return _load_lse(wlse_ref, t0, h0, block_t, block_h, th_mask, w_layout,
-                             lead=(jnp.asarray(2 + i, jnp.int32),), other=0.0)
-        return _math.exp_base(lse_i(i) - m, lse_base2) / z
+            e_i = _load_lse(wlse_ref, t0, h0, block_t, block_h, th_mask, w_layout,
+                            lead=(jnp.asarray(2 + i, jnp.int32),), other=0.0)
+        else:
+            e_i = _math.exp_base(lse_i(i) - m, lse_base2)
+        return e_i / z
 
     # out = sum_i w_i * o_i in index order.
     w_last = weight(last)
@@ -184,7 +182,7 @@ def _merge_n_jit(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pref
     w_layout = tiles.split_layout("pallas", variant, lse_layout)
     w_shape = lse_shape if w_layout == lse_layout else lse_shape[::-1]
     wlse = jnp.zeros((1,), jnp.float32)  # unused unless split
-    if split:  # the first kernel: every LSE position's m and z (and the weights)
+    if split:  # the first kernel: every LSE position's m and z (and the exponentials)
         ms_block_t, ms_block_h = tiles.max_sum_tiles("pallas", num_heads, lse_layout, fused)
         wlse = pl.pallas_call(
             functools.partial(_merge_n_weights_kernel, num_partials=num_partials, num_tokens=num_tokens,

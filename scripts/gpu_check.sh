@@ -38,8 +38,9 @@
 #                 tiles' bits tests: eo_*.json fk_*.json pytest.log (EARLY_TILES, FK_TILES, EARLY_NS "N:T ..."
 #                 override the sweeps)
 #   verify        after a kernel or launch change: the full parity check (Pallas on its Triton backend; with
-#                 VERIFY_MOSAIC=1 on Mosaic GPU too), the N-way merge at large N (scripts/wide_n.py speed), the GPU
-#                 tests of the N-way merge and the loop (GPU_TESTS): check*.json check*.log wide_n_speed.* pytest.log
+#                 VERIFY_MOSAIC=1 on Mosaic GPU too), the N-way merge at large N (scripts/wide_n.py speed; with
+#                 VERIFY_KERNELS=1 each kernel of the split fused merge), the GPU tests of the N-way merge and the
+#                 loop (GPU_TESTS): check*.json check*.log wide_n_speed.* kernels_* pytest.log
 #   limits        what limits the N-way merge at large N (scripts/n_stream.py: the merge beside a stream of its
 #                 bytes and beside simplified three-pass merges, overlapped or split in two kernels), then the
 #                 all-gather view at N = 8 and 16 with larger tiles: n_stream.* gather_*.json
@@ -318,8 +319,18 @@ if [ "$PLAN" = verify ]; then
     # check, last, when its kernels changed (VERIFY_MOSAIC=1).
     # The check's reserve scales with DEADLINE_S (330 s of the default 560), so a shorter call still runs it.
     step check 110 $(( DEADLINE_S * 330 / 560 )) "$OUT/check.log" bash scripts/check_shards.sh "$OUT/check_full.json"
-    step wide_n_speed 190 180 "$OUT/wide_n_speed.log" "$PY" scripts/wide_n.py --part speed \
-        --json "$OUT/wide_n_speed.json"
+    step wide_n_speed 190 $(( ${VERIFY_KERNELS:-0} == 1 ? 260 : 180 )) "$OUT/wide_n_speed.log" "$PY" \
+        scripts/wide_n.py --part speed --json "$OUT/wide_n_speed.json"
+    if [ "${VERIFY_KERNELS:-0}" = 1 ]; then
+        # Each kernel of the split fused merge (--kernels), N = 128 / 256, T = 8192, both LSE layouts, the committed
+        # tables twice (the spread), one framework per process.
+        for fw in triton pallas; do
+            step "kernels_$fw" 60 $([ $fw = triton ] && echo 200 || echo 140) "$OUT/kernels_$fw.log" "$PY" \
+                scripts/tune.py merge_n --heads 64 --dims 128 --tokens 8192 --partials 128 256 --variants fused \
+                --lse-layout HT TH --kernels --frameworks $fw --budget-s 45 --tiles committed committed \
+                --json "$OUT/kernels_$fw.json"
+        done
+    fi
     # shellcheck disable=SC2086
     step pytest 150 $([ "${VERIFY_MOSAIC:-0}" = 1 ] && echo 100 || echo 0) "$OUT/pytest.log" "$PY" -m pytest -v -rfs \
         -m gpu $XDIST ${GPU_TESTS:-tests/test_parity_loop.py tests/test_merge_limits.py tests/test_triton_merge_n.py \

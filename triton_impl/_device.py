@@ -206,16 +206,17 @@ def _chunk_max(m, first, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stri
 
 
 @triton.jit
-def _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
-                 NUM_PARTIALS: tl.constexpr, LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr,
+def _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, e_ptr, stride_e_n,
+                 e_offs, NUM_PARTIALS: tl.constexpr, LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr,
                  INTERPRET: tl.constexpr, LSE_STEPS: tl.constexpr, EXP_STEP: tl.constexpr,
-                 MAX_CHUNKS: tl.constexpr, MAX_CHUNK: tl.constexpr):
+                 MAX_CHUNKS: tl.constexpr, MAX_CHUNK: tl.constexpr, STORE_EXPS: tl.constexpr):
     """(m, all_empty, z) of the N-way weights (8.2, 8.3): the largest LSE (0 where every partial is empty) and
     z = e_0 + ... + e_{N-1} in index order. Up to N = UNROLLED_PARTIALS every loop unrolls (LSE_STEPS = MAX_CHUNKS
     = 0). Beyond, the maximum over partials 1 .. N-1 takes MAX_CHUNKS runtime steps of MAX_CHUNK partials (one load
     each, `_chunk_max`) or, with MAX_CHUNKS = 0, steps of EXP_STEP partials as the sum: LSE_STEPS runtime steps
     (`range`, each step unrolled), then the rest unrolled (`tl.static_range`); `tiles.max_chunks`,
-    `tiles.loop_steps`. The same bits either way."""
+    `tiles.loop_steps`. The same bits either way. With STORE_EXPS every e_i of the sum is stored to
+    e_ptr + i * stride_e_n + e_offs (the split merge's first kernel, `_sum_step`)."""
     m = _partial_lse(lses_ptr, lse_offs, th_mask, cu_ptr, req, in_req, FUSED_MASK)
     if MAX_CHUNKS > 0:
         for k in range(0, MAX_CHUNKS):
@@ -231,16 +232,31 @@ def _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n,
                           FUSED_MASK)
     all_empty = m == float("-inf")
     m = tl.where(all_empty, 0.0, m)
-    z = _partial_exp(lses_ptr, stride_lse_n, 0, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, LSE_BASE2,
-                     FUSED_MASK, INTERPRET)
+    z = _sum_step(0.0, 0, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, e_ptr,
+                  stride_e_n, e_offs, LSE_BASE2, FUSED_MASK, INTERPRET, STORE_EXPS, True)
     for k in range(0, LSE_STEPS):
         for j in tl.static_range(EXP_STEP):
-            z = z + _partial_exp(lses_ptr, stride_lse_n, 1 + k * EXP_STEP + j, lse_offs, th_mask, cu_ptr, stride_cu_n,
-                                 req, in_req, m, LSE_BASE2, FUSED_MASK, INTERPRET)
+            z = _sum_step(z, 1 + k * EXP_STEP + j, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req,
+                          in_req, m, e_ptr, stride_e_n, e_offs, LSE_BASE2, FUSED_MASK, INTERPRET, STORE_EXPS, False)
     for i in tl.static_range(1 + LSE_STEPS * EXP_STEP, NUM_PARTIALS):
-        z = z + _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
-                             LSE_BASE2, FUSED_MASK, INTERPRET)
+        z = _sum_step(z, i, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, e_ptr,
+                      stride_e_n, e_offs, LSE_BASE2, FUSED_MASK, INTERPRET, STORE_EXPS, False)
     return m, all_empty, z
+
+
+@triton.jit
+def _sum_step(z, i, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, e_ptr, stride_e_n,
+              e_offs, LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr, INTERPRET: tl.constexpr,
+              STORE_EXPS: tl.constexpr, FIRST: tl.constexpr):
+    """z + e_i (FIRST: e_0, the sum's start): one step of the sum of the exponentials (8.3); with STORE_EXPS e_i is
+    also stored (at e_ptr + i * stride_e_n + e_offs)."""
+    e = _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, LSE_BASE2,
+                     FUSED_MASK, INTERPRET)
+    if STORE_EXPS:
+        tl.store(e_ptr + i * stride_e_n + e_offs, e, mask=th_mask)
+    if FIRST:
+        return e
+    return z + e
 
 
 @triton.jit

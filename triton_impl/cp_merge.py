@@ -73,8 +73,8 @@ def _cp_rescale_kernel(
     # The N-way merge's weights (8.2, 8.3), for partial `rank` only.
     req, in_req = _token_requests(qsl_ptr, t, t_mask, num_requests, SCAN, N_INTERPRET, FUSED_MASK)
     m, all_empty, z = _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
-                                   NUM_PARTIALS, LSE_BASE2, FUSED_MASK, INTERPRET, LSE_STEPS, EXP_STEP, MAX_CHUNKS,
-                                   MAX_CHUNK)
+                                   lses_ptr, 0, lse_offs, NUM_PARTIALS, LSE_BASE2, FUSED_MASK, INTERPRET, LSE_STEPS,
+                                   EXP_STEP, MAX_CHUNKS, MAX_CHUNK, False)
     w = _partial_exp(lses_ptr, stride_lse_n, rank, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m,
                      LSE_BASE2, FUSED_MASK, INTERPRET) / z
     scaled = _weighted(o, w)

@@ -6,17 +6,17 @@ Grid: `(cdiv(T, BLOCK_T) * cdiv(H, BLOCK_H),)`, head blocks fastest, as the 2-wa
 (`tl.static_range`) up to N = UNROLLED_PARTIALS and beyond run in runtime steps of a few partials
 (`range`, which Triton does not unroll; `mla_lse_common.tiles`: `loop_steps`, `max_chunks`), so the compile time stays
 short at every N; each pass does the spec's operations in index order either way (docs/spec.md 8). Three passes over
-the partials' LSE tiles: the largest LSE, the sum of the exponentials, then the weighted sum of the outputs;
-an LSE tile is reloaded (from cache) and its exponential recomputed in each pass, which gives the same bits; up to
+the partials' LSE tiles: the largest LSE, the sum of the exponentials, then the weighted sum of the outputs; an LSE
+tile is reloaded (from cache) and its exponential recomputed in each pass, which gives the same bits; up to
 UNROLLED_PARTIALS the first output tiles may load before the passes (`tiles.early_outputs`), in flight while they
-run; beyond UNROLLED_PARTIALS the partials' output tiles load with the L2 policy `evict_first` (`tiles.outputs_evict`), so the
-LSE tiles stay cached between passes, and the weighted sum's loop is pipelined (`tl.range(num_stages=OUT_STAGES)`,
-`tiles.out_stages`: the next steps' loads in flight while this step sums). Beyond N_SPLIT_ABOVE
-(`tiles.split_passes`) the merge is two launches: the
-first (`_merge_n_weights_kernel`) runs the first two passes over 256 LSE positions per program and stores m and z
-(and, `tiles.split_weights`, every weight) in an f32 buffer; the merge kernel reads them (GIVEN_MZ, GIVEN_W) and
-streams the outputs without the passes' round trips: the same bits (docs/design.md, "Two kernels beyond 16
-partials").
+run; beyond UNROLLED_PARTIALS the partials' output tiles load with the L2 policy `evict_first`
+(`tiles.outputs_evict`), so the LSE tiles stay cached between passes, and the weighted sum's loop is pipelined
+(`tl.range(num_stages=OUT_STAGES)`, `tiles.out_stages`: the next steps' loads in flight while this step sums).
+Beyond N_SPLIT_ABOVE (`tiles.split_passes`) the merge is two launches: the first (`_merge_n_weights_kernel`) runs
+the first two passes over a tile of LSE positions per program (`tiles.max_sum_tiles`) and stores m and z (and,
+`tiles.split_weights`, every partial's exponential e_i, its weight's numerator, as the sum takes it) in an f32
+buffer; the merge kernel reads them (GIVEN_MZ, GIVEN_W) and streams the outputs without the passes' round trips:
+the same bits (docs/design.md, "Two kernels beyond 16 partials").
 The fused mask finds each token's request once, with the two-level 32-wide compare-and-sum of the mask
 kernel, and reads each partial's own KV offsets.
 
@@ -63,24 +63,14 @@ def _given_max_and_sum(wlse_ptr, stride_wlse_n, wlse_offs, th_mask):
 def _weight(i, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, z, wlse_ptr,
             stride_wlse_n, wlse_offs, LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr, INTERPRET: tl.constexpr,
             GIVEN_W: tl.constexpr):
-    """w_i = e_i / z of partial i (8.3), or with GIVEN_W the split merge's first kernel's (plane 2 + i of its
-    buffer, `_store_weight`): the same bits."""
+    """w_i = e_i / z of partial i (8.3), e_i computed or, with GIVEN_W, the split merge's first kernel's (plane
+    2 + i of its buffer): the same bits."""
     if GIVEN_W:
-        w = tl.load(wlse_ptr + (2 + i) * stride_wlse_n + wlse_offs, mask=th_mask, other=0.0)
+        e = tl.load(wlse_ptr + (2 + i) * stride_wlse_n + wlse_offs, mask=th_mask, other=0.0)
     else:
-        w = _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, LSE_BASE2,
-                         FUSED_MASK, INTERPRET) / z
-    return w
-
-
-@triton.jit
-def _store_weight(i, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, z, wlse_ptr,
-                  stride_wlse_n, wlse_offs, LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr,
-                  INTERPRET: tl.constexpr):
-    """w_i = e_i / z of partial i to plane 2 + i of the split merge's buffer (its first kernel)."""
-    tl.store(wlse_ptr + (2 + i) * stride_wlse_n + wlse_offs,
-             _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, LSE_BASE2,
-                          FUSED_MASK, INTERPRET) / z, mask=th_mask)
+        e = _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, LSE_BASE2,
+                         FUSED_MASK, INTERPRET)
+    return e / z
 
 
 @triton.jit
@@ -101,7 +91,7 @@ def _out_step(out, i, outs_ptr, stride_o_n, o_offs, thd_mask, lses_ptr, stride_l
 @_backend.jit_per_lse_layout(runtime=["num_tokens", "num_requests", "stride_wlse_n", "stride_lse_n", "stride_cu_n"],
                              lse_head_strides=["stride_wlse_h", "stride_lse_h"])
 def _merge_n_weights_kernel(
-    wlse_ptr,  # f32[2 (+ N), H, T] ([.., T, H]) via (stride_wlse_n, stride_wlse_h, stride_wlse_t): m, z (, w_i)
+    wlse_ptr,  # f32[2 (+ N), H, T] ([.., T, H]) via (stride_wlse_n, stride_wlse_h, stride_wlse_t): m, z (, e_i)
     lses_ptr,  # f32[N, H, T] via (stride_lse_n, stride_lse_h, stride_lse_t)
     qsl_ptr,  # i32[R+1] query_start_loc; unused unless FUSED_MASK
     cu_ptr,  # i32[N, R+1] each partial's KV offsets via (stride_cu_n, 1); unused unless FUSED_MASK
@@ -113,12 +103,11 @@ def _merge_n_weights_kernel(
     NUM_PARTIALS: tl.constexpr, NUM_HEADS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     SCAN: tl.constexpr, N_INTERPRET: tl.constexpr, LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr,
     INTERPRET: tl.constexpr, LSE_STEPS: tl.constexpr, EXP_STEP: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-    MAX_CHUNK: tl.constexpr, STORE_WEIGHTS: tl.constexpr, W_STEPS: tl.constexpr,
+    MAX_CHUNK: tl.constexpr, STORE_WEIGHTS: tl.constexpr,
 ):
     """The first kernel of a split merge (`tiles.split_passes`): m and z of a [BLOCK_T, BLOCK_H] tile of LSE
-    positions (`tiles.max_sum_tiles`) and, with STORE_WEIGHTS, every partial's weight w_i = e_i / z (W_STEPS
-    runtime steps of EXP_STEP partials, the rest unrolled), as the merge kernel computes them, stored for its
-    weighted sum."""
+    positions (`tiles.max_sum_tiles`) and, with STORE_WEIGHTS, every partial's exponential e_i (the numerator of
+    its weight w_i = e_i / z), stored as the sum takes it, for the merge kernel's weighted sum."""
     t, t_mask, th_mask, _, t64, h64, _ = _program_tile(num_tokens, NUM_HEADS, 1, BLOCK_T, BLOCK_H, 1)
     lse_offs = h64 * stride_lse_h + t64 * stride_lse_t
     wlse_offs = h64 * stride_wlse_h + t64 * stride_wlse_t
@@ -127,17 +116,9 @@ def _merge_n_weights_kernel(
     stride_wlse_n = tl.cast(stride_wlse_n, tl.int64)
     req, in_req = _token_requests(qsl_ptr, t, t_mask, num_requests, SCAN, N_INTERPRET, FUSED_MASK)
     m, all_empty, z = _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
-                                   NUM_PARTIALS, LSE_BASE2, FUSED_MASK, INTERPRET, LSE_STEPS, EXP_STEP, MAX_CHUNKS,
-                                   MAX_CHUNK)
+                                   wlse_ptr + 2 * stride_wlse_n, stride_wlse_n, wlse_offs, NUM_PARTIALS, LSE_BASE2,
+                                   FUSED_MASK, INTERPRET, LSE_STEPS, EXP_STEP, MAX_CHUNKS, MAX_CHUNK, STORE_WEIGHTS)
     _store_max_and_sum(wlse_ptr, stride_wlse_n, wlse_offs, th_mask, m, all_empty, z)
-    if STORE_WEIGHTS:
-        for k in range(0, W_STEPS):
-            for j in tl.static_range(EXP_STEP):
-                _store_weight(k * EXP_STEP + j, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req,
-                              in_req, m, z, wlse_ptr, stride_wlse_n, wlse_offs, LSE_BASE2, FUSED_MASK, INTERPRET)
-        for i in tl.static_range(W_STEPS * EXP_STEP, NUM_PARTIALS):
-            _store_weight(i, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, z,
-                          wlse_ptr, stride_wlse_n, wlse_offs, LSE_BASE2, FUSED_MASK, INTERPRET)
 
 
 @_backend.jit_per_lse_layout(runtime=["num_tokens", "prefill_tokens_with_context", "num_requests", "stride_lse_n",
@@ -151,7 +132,7 @@ def _merge_attn_states_n_kernel(
     scale_ptr,  # f32[1] output scale; unused unless FP8_OUT
     qsl_ptr,  # i32[R+1] query_start_loc; unused unless FUSED_MASK
     cu_ptr,  # i32[N, R+1] each partial's KV offsets via (stride_cu_n, 1); unused unless FUSED_MASK
-    wlse_ptr,  # f32[2 (+ N), H, T] ([.., T, H]): the first kernel's m, z (, w_i); unused unless GIVEN_MZ
+    wlse_ptr,  # f32[2 (+ N), H, T] ([.., T, H]): the first kernel's m, z (, e_i); unused unless GIVEN_MZ
     stride_out_t, stride_out_h, stride_out_d,
     stride_o_n, stride_o_t, stride_o_h, stride_o_d,
     stride_olse_h, stride_olse_t,
@@ -197,8 +178,8 @@ def _merge_attn_states_n_kernel(
         m, all_empty, z = _given_max_and_sum(wlse_ptr, stride_wlse_n, wlse_offs, th_mask)
     else:
         m, all_empty, z = _max_and_sum(lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req,
-                                       NUM_PARTIALS, LSE_BASE2, FUSED_MASK, INTERPRET, LSE_STEPS, EXP_STEP,
-                                       MAX_CHUNKS, MAX_CHUNK)
+                                       wlse_ptr, 0, wlse_offs, NUM_PARTIALS, LSE_BASE2, FUSED_MASK, INTERPRET,
+                                       LSE_STEPS, EXP_STEP, MAX_CHUNKS, MAX_CHUNK, False)
     # out = sum_i w_i * o_i in index order, w_i = e_i / z.
     w_last = _weight(last, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, z, wlse_ptr,
                      stride_wlse_n, wlse_offs, LSE_BASE2, FUSED_MASK, INTERPRET, GIVEN_W)
@@ -328,8 +309,8 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
                                                       lse_layout)
         split = tiles.split_passes(num_partials)
         weights = split and tiles.split_weights("triton", variant, lse_layout)
-        # The split merge's f32[2 (+ N), H, T] ([.., T, H]: `tiles.split_layout`) buffer: m, z (and the weights),
-        # allocated per call.
+        # The split merge's f32[2 (+ N), H, T] ([.., T, H]: `tiles.split_layout`) buffer: m, z (and the
+        # exponentials), allocated per call.
         w_ht = tiles.split_layout("triton", variant, lse_layout) == "HT"
         wlse_strides = (num_heads * num_tokens, *((num_tokens, 1) if w_ht else (1, num_heads)))
         cu_stride = cu_seq_lens.stride(0) if fused else 0
@@ -344,7 +325,6 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
                 grid=tiles.max_sum_grid("triton", num_tokens, num_heads, lse_layout, fused),
                 ints=(*wlse_strides, stride_lse_n, stride_lse_h, stride_lse_t, cu_stride, num_tokens, num_requests),
                 constexprs=dict(**shared, BLOCK_T=ms_block_t, BLOCK_H=ms_block_h, STORE_WEIGHTS=weights,
-                                W_STEPS=tiles.loop_steps(num_partials, num_partials, shared["EXP_STEP"]),
                                 num_warps=tiles.max_sum_warps("triton", lse_layout, fused),
                                 **_backend.PARITY_LAUNCH),
                 state=launcher.launch_state(key)))
