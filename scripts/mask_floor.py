@@ -135,7 +135,6 @@ class Workload:
             nbytes = bench.mask_bytes(case, variant)
             buf = torch.empty(max(1, nbytes // 4), device="cuda")
             self.floors[variant] = {"fill_": graph_us(lambda: buf.fill_(1.0)), "zero_": graph_us(buf.zero_)}
-            del buf
         self.cold = {}  # variant -> [(lse, out)] copies cycled by the "cold" timings, made on first use
         self.check_upstream()
 
