@@ -98,18 +98,21 @@ N_EARLY_OUTPUTS = {"triton": {"plain": {}, "lse": {8: 2, 12: 4, 16: 16}, "fused"
                    "pallas": {"plain": {}, "lse": {}, "fused": {}}}
 # Beyond N_SPLIT_ABOVE partials the N-way merge runs in two kernels (docs/design.md, "Two kernels beyond 16
 # partials"): the first computes every LSE position's maximum and sum over the partials' LSEs (their N_LOOPS
-# max_chunk and exp_step) and, with N_SPLIT_WEIGHTS, every partial's weight, and stores them in the LSEs' layout; the
-# second reads them and runs the weighted sum of the outputs (out_step), without the first two passes' round trips
-# (and, given the weights, without an exponential or the fused mask's offsets per partial). The same operations in
-# the same order per position: no bit depends on it. A first-kernel program owns MAX_SUM_POSITIONS LSE positions
-# with MAX_SUM_WARPS warps: a run of tokens of one head in [H, T] layout, whole heads' rows in [T, H]. With the fused
+# max_chunk and exp_step) and, with N_SPLIT_WEIGHTS, every partial's exponential e_i as the sum takes it (its
+# weight's numerator), and stores them in the LSEs' layout; the second reads them and runs the weighted sum of the
+# outputs (out_step), without the first two passes' round trips (and, given the exponentials, dividing each by z
+# instead of reading an LSE tile and the fused mask's offsets per partial). The same operations in the same order
+# per position: no bit depends on it. A first-kernel program owns MAX_SUM_POSITIONS LSE positions with
+# MAX_SUM_WARPS warps: a run of tokens of one head in [H, T] layout, whole heads' rows in [T, H]. With the fused
 # mask (its offsets read per token) and [H, T] LSEs, per framework, MAX_SUM_FUSED_POSITIONS positions of
 # MAX_SUM_FUSED_HEADS heads with MAX_SUM_FUSED_WARPS warps: the H200 sweeps' best (docs/results.md; Pallas's
-# tile, 32 heads x 32 tokens, reads and stores its [T, H] buffer of weights in 128-byte runs).
+# tile, 32 heads x 32 tokens, reads and stores its [T, H] buffer of exponentials in 128-byte runs; Triton's, 8 heads
+# x 32 tokens, with 8 warps since its first kernel makes two passes, not three).
 N_SPLIT_ABOVE = constants.UNROLLED_PARTIALS
-# N_SPLIT_WEIGHTS per framework, variant and LSE layout, from the H200 sweeps (docs/results.md): the weights pay
-# where the weighted sum would otherwise read the fused mask's offsets per partial (both frameworks in both layouts;
-# Pallas's with [H, T] LSEs only in a [T, H] buffer, N_SPLIT_WEIGHTS_LAYOUT), m and z alone elsewhere.
+# N_SPLIT_WEIGHTS per framework, variant and LSE layout, from the H200 sweeps (docs/results.md): the stored
+# exponentials (the weights' numerators: "weights" in the knobs' names) pay where the weighted sum would otherwise
+# read the fused mask's offsets per partial (both frameworks in both layouts; Pallas's with [H, T] LSEs only in a
+# [T, H] buffer, N_SPLIT_WEIGHTS_LAYOUT), m and z alone elsewhere.
 N_SPLIT_WEIGHTS = {"triton": {"plain": {"HT": False, "TH": False}, "lse": {"HT": False, "TH": False},
                               "fused": {"HT": True, "TH": True}},
                    "pallas": {"plain": {"HT": False, "TH": False}, "lse": {"HT": False, "TH": False},
@@ -125,7 +128,7 @@ MAX_SUM_POSITIONS = 256
 MAX_SUM_WARPS = 4
 MAX_SUM_FUSED_HEADS = {"triton": 8, "pallas": 32}
 MAX_SUM_FUSED_POSITIONS = {"triton": 256, "pallas": 1024}
-MAX_SUM_FUSED_WARPS = {"triton": 4, "pallas": 8}
+MAX_SUM_FUSED_WARPS = {"triton": 8, "pallas": 8}
 # The context-parallel rescale reads one partial's tile and writes one: it takes the N-way tile of two partials
 # (the 2-way merge's bytes per tile).
 RESCALE_TILE_PARTIALS = 2
@@ -262,7 +265,7 @@ def split_passes(num_partials: int) -> bool:
 
 
 def split_weights(framework: str, variant: str, lse_layout: str) -> bool:
-    """Whether the split merge's first kernel also stores the weights (`N_SPLIT_WEIGHTS`)."""
+    """Whether the split merge's first kernel also stores the weights' numerators e_i (`N_SPLIT_WEIGHTS`)."""
     return N_SPLIT_WEIGHTS[framework][variant][lse_layout]
 
 
