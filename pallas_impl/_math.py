@@ -123,6 +123,7 @@ def n_way_max_and_sum(lse_i, num_partials: int, lse_base2: bool, *, unroll: bool
                           exp_step, unroll=unroll)
     all_empty = m == -jnp.inf
     m = jnp.where(all_empty, 0.0, m)
+
     def exp_i(i):
         e_i = exp_base(lse_i(i) - m, lse_base2)
         if store_e is not None:
