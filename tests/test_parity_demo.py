@@ -312,19 +312,23 @@ def test_cp_shard_places_every_kv_token_once(interleave):
 
 
 def test_cp_demo_cli_reproduces_and_fixes_in_both_frameworks():
-    # `python -m parity demo --cp 4`: torch on 4 gloo ranks, JAX on a 4-device CPU mesh (the CLI forces them).
+    # `python -m parity demo --cp 2`: torch on 2 gloo ranks, JAX on a 2-device CPU mesh (the CLI forces them). Two
+    # ranks keep the test short (each gloo rank imports torch and triton); 4 ranks' shards are
+    # test_cp_shard_places_every_kv_token_once's, 4-rank combines tests/test_op_cp_merge.py's and
+    # tests/test_pallas_sharding.py's.
     import subprocess
     import sys
     from pathlib import Path
 
-    r = subprocess.run([sys.executable, "-m", "parity", "demo", "--cp", "4", "--interleave", "2"],
+    r = subprocess.run([sys.executable, "-m", "parity", "demo", "--cp", "2", "--interleave", "2"],
                        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [line.split() for line in r.stdout.splitlines() if line.startswith(("torch ", "jax "))]
     assert {row[0] for row in rows} == {"torch", "jax"}
-    # JAX: a real 4-device mesh (on CPU the CLI forces 4 devices), or on a GPU of fewer than 4 devices, 4 ranks
+    assert any(line.startswith("torch ") and "2 gloo ranks" in line for line in r.stdout.splitlines()), r.stdout
+    # JAX: a real 2-device mesh (on CPU the CLI forces 2 devices), or on a GPU of fewer than 2 devices, 2 ranks
     # simulated by a named vmap on it; never simulated ranks on a CPU.
-    assert any(line.startswith("jax ") and ("4-device mesh" in line or "4 ranks simulated by jax.vmap on gpu" in line)
+    assert any(line.startswith("jax ") and ("2-device mesh" in line or "2 ranks simulated by jax.vmap on gpu" in line)
                for line in r.stdout.splitlines()), r.stdout
     for row in rows:
         line = " ".join(row)

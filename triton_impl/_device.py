@@ -249,9 +249,10 @@ def _sum_step(z, i, lses_ptr, stride_lse_n, lse_offs, th_mask, cu_ptr, stride_cu
               e_offs, LSE_BASE2: tl.constexpr, FUSED_MASK: tl.constexpr, INTERPRET: tl.constexpr,
               STORE_EXPS: tl.constexpr, FIRST: tl.constexpr):
     """z + e_i (FIRST: e_0, the sum's start): one step of the sum of the exponentials (8.3); with STORE_EXPS e_i is
-    also stored (at e_ptr + i * stride_e_n + e_offs)."""
-    e = _partial_exp(lses_ptr, stride_lse_n, i, lse_offs, th_mask, cu_ptr, stride_cu_n, req, in_req, m, LSE_BASE2,
-                     FUSED_MASK, INTERPRET)
+    also stored (at e_ptr + i * stride_e_n + e_offs). e_i as `_partial_exp` computes it, its body inlined (one
+    nested call less per partial under the interpreter)."""
+    e = _exp_base(_partial_lse(lses_ptr + i * stride_lse_n, lse_offs, th_mask, cu_ptr + i * stride_cu_n, req, in_req,
+                               FUSED_MASK) - m, LSE_BASE2, INTERPRET)
     if STORE_EXPS:
         tl.store(e_ptr + i * stride_e_n + e_offs, e, mask=th_mask)
     if FIRST:

@@ -95,28 +95,29 @@ class Runner:
     def triton_gpu_time(self, fn):
         if self.on_gpu:
             return timers.time_cudagraph(fn, self.rep_ms)
-        return self._smoke(timers.time_wall(fn, self.sync, 1, self.trials), "CPU interpreter")
+        return self._smoke(timers.time_wall(fn, self.sync, 1, self.trials, warmup=False), "CPU interpreter")
 
     def jax_gpu_time(self, call, sync, est_us: float):
         if self.on_gpu:
             return timers.time_jax_gpu(call, sync, self.n_calls(est_us, lo=5, hi=100), self.trials,
                                        self.use_profiler)
-        return self._smoke(timers.time_wall(call, sync, 1, self.trials, what="jitted call"), "CPU interpret mode")
+        return self._smoke(timers.time_wall(call, sync, 1, self.trials, what="jitted call", warmup=False),
+                           "CPU interpret mode")
 
     def latency(self, call, sync, est_us: float):
-        t = timers.time_wall(call, sync, self.n_calls(est_us), self.trials)
+        t = timers.time_wall(call, sync, self.n_calls(est_us), self.trials, warmup=self.on_gpu)
         return t if self.on_gpu else self._smoke(t, "CPU")
 
     def host(self, call, sync, what: str):
         """Per-call host cost: many back-to-back calls on tiny inputs, one sync at the end."""
         n = 200 if self.mode != "smoke" else 1
-        t = timers.time_wall(call, sync, n, self.trials, what=what)
+        t = timers.time_wall(call, sync, n, self.trials, what=what, warmup=self.on_gpu)
         return t if self.on_gpu else self._smoke(t, "CPU")
 
     def eager(self, impl: str, call, sync):
         """What a step waits for per call: Triton `do_bench` (CUDA events, launch included), JAX a synced call."""
         if not self.on_gpu:
-            return self._smoke(timers.time_synced(call, sync, 1), "CPU")
+            return self._smoke(timers.time_synced(call, sync, 1, warmup=False), "CPU")
         if impl == "pallas":
             return timers.time_synced(call, sync, 50)
         return timers.time_do_bench(call)

@@ -104,13 +104,16 @@ def time_do_bench(fn):
                                             "to back with an L2 flush between them; quantiles over calls", None
 
 
-def time_wall(call, sync, n: int, trials: int, what: str = "public API"):
-    """Per-call wall clock: `n` back-to-back calls, one sync at the end, divided by `n`; quantiles over trials."""
-    call()
-    sync()
-    samples = []
-    for _ in range(trials):
+def time_wall(call, sync, n: int, trials: int, what: str = "public API", warmup: bool = True):
+    """Per-call wall clock: `n` back-to-back calls, one sync at the end, divided by `n`; quantiles over trials.
+    `warmup`: one call first, untimed (the smoke mode, which claims nothing, skips it)."""
+    if warmup:
+        call()
         sync()
+    samples = []
+    for k in range(trials):
+        if warmup or k:  # nothing to wait for before the first call
+            sync()
         t0 = time.perf_counter()
         for _ in range(n):
             call()
@@ -211,11 +214,13 @@ def time_jax_gpu(call, sync, n: int, trials: int, use_profiler: bool):
               f"bound when the kernel is shorter than a dispatch); quantiles over {trials} trials", n
 
 
-def time_synced(call, sync, n: int, what: str = "jitted call"):
+def time_synced(call, sync, n: int, what: str = "jitted call", warmup: bool = True):
     """Per-call wall clock of `n` calls, each followed by a sync (a call a step waits for, launch and sync
-    included): JAX's counterpart of `time_do_bench` (CUDA events on torch's stream cannot see JAX's)."""
-    call()
-    sync()
+    included): JAX's counterpart of `time_do_bench` (CUDA events on torch's stream cannot see JAX's). `warmup` as
+    in `time_wall`."""
+    if warmup:
+        call()
+        sync()
     samples = []
     for _ in range(n):
         t0 = time.perf_counter()
