@@ -4,8 +4,8 @@ Every tile and grid of `triton_impl` and `pallas_impl` is computed here, once. A
 program owns, never an element's arithmetic (docs/design.md, "Merge grid and tiles"), so the merge tables may differ
 per framework (`FRAMEWORKS`): each is keyed by the framework that launches it. The mask's constants are shared.
 
-The tables are the knobs the tuning scripts sweep (`scripts/tune.py`, `scripts/mask_floor.py`). They are read at
-plan time through this module's attributes; `set_knobs` sets them and clears the cached tiles and grids. What holds a
+The tables are the knobs the sweeps vary (`python -m tools tune`, `python -m tools mask-floor`). They are read at plan
+time through this module's attributes; `set_knobs` sets them and clears the cached tiles and grids. What holds a
 tile beyond this module is the caller's to clear: the Triton wrappers' launch plans (`triton_impl._plans.PLANS`) and
 jax's compilation caches (`jax.clear_caches()`).
 """
@@ -19,7 +19,7 @@ from mla_lse_common import constants
 FRAMEWORKS = ("triton", "pallas")
 
 # The mask (docs/spec.md 3; docs/design.md, "Mask tiles" and "Mask grid"): the same in both frameworks but for the
-# warps per program (the mask candidates of scripts/mask_floor.py; docs/results.md).
+# warps per program (the mask candidates of `python -m tools mask-floor`; docs/results.md).
 MASK_BLOCK_T = 128  # query tokens per mask program
 SCAN = 32  # request boundaries compared per scan step (one warp)
 ZERO_TILE_ELEMS = 16384  # elements of one output-zeroing store in the mask
@@ -34,7 +34,7 @@ MASK_LSE_SPLIT = 4  # most programs per 128-token block for the LSE-only mask
 
 # The 2-way merge's launch per framework and variant: (bytes of one input tile per program, fewest tokens per
 # program, warps). "plain": no output LSE; "lse": with it; "fused": the fused mask too. Chosen per framework from
-# the tile sweeps (`scripts/tune.py merge`; docs/results.md).
+# the tile sweeps (`python -m tools tune merge`; docs/results.md).
 MERGE_TILES = {
     "triton": {"plain": (2048, 4, 4), "lse": (4096, 1, 4), "fused": (8192, 8, 4)},
     "pallas": {"plain": (2048, 4, 4), "lse": (4096, 4, 4), "fused": (8192, 8, 4)},
@@ -44,7 +44,7 @@ MERGE_TILES = {
 # of two) within N_TILE_BYTES: a program's loads stay about the same as N grows, and never below one 16-byte vector
 # per thread of 4 warps. A tile at the floor (N >= 8 at these totals) with [H, T] LSEs takes 8 tokens of one head:
 # its LSE tile is one 32-byte run of tokens, not 8 heads' scattered words; a larger tile keeps heads first, which
-# the sweeps preferred (`scripts/tune.py merge_n`; docs/design.md, "N-way tiles"). Beyond N_SPLIT_ABOVE with the
+# the sweeps preferred (`python -m tools tune merge_n`; docs/design.md, "N-way tiles"). Beyond N_SPLIT_ABOVE with the
 # weights stored, the fused merge's weighted sum (its LSEs and offsets no longer read per partial) takes the
 # "weighted" entry (`tile_variant`), keyed by the split buffer's layout (`split_layout`): the output-LSE merge's
 # tile with 2 warps (Triton) or, in [T, H] order, 4 (Pallas), the best of the H200 sweeps there (Pallas's [H, T]
@@ -65,7 +65,7 @@ N_TILE_BYTES = (2048, 4096)  # (fewest, most) bytes of one partial's tile in the
 # LSE tiles in one load (a maximum is exact in any order; 0: one partial at a time, in steps of exp_step); the sum
 # of the exponentials runs in runtime steps of exp_step partials and the weighted sum of the outputs in steps of
 # out_step (each step unrolled: its loads are in flight together), the last count % step unrolled. None of them
-# changes a bit. Chosen from the sweeps at N = 128 and 256 (`scripts/tune.py merge_n`; docs/design.md, "Loops over
+# changes a bit. Chosen from the sweeps at N = 128 and 256 (`python -m tools tune merge_n`; docs/design.md, "Loops over
 # many partials"): larger chunks and steps cost registers, and so occupancy; the fused variant (its offsets read
 # per partial) ran best one partial at a time.
 N_LOOPS = {

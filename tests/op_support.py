@@ -37,7 +37,7 @@ JAX_IMPLS = ("pallas", "jnp", "mosaic")
 
 def _impls(gpu=()):
     """The params of every implementation. On a CUDA machine each carries the `gpu` mark, so that the GPU run's
-    `pytest -m gpu` (scripts/gpu_check.sh) runs the per-op suites compiled; on CPU only those named in `gpu`."""
+    `pytest -m gpu` (`python -m tools gpu-run`) runs the per-op suites compiled; on CPU only those named in `gpu`."""
     out = []
     for name in ("triton", "pallas", "jnp", "mosaic"):
         marks = [_NEEDS_MOSAIC] if name == "mosaic" else []

@@ -37,7 +37,7 @@ MAX_PARTIALS = 64
 # docs/design.md, "Mosaic GPU backend", says why stores go through shared memory).
 # The 2-way merge keeps 2 inputs x `concurrent` tiles in shared memory, the N-way and the rescale 1 x `concurrent`:
 # smaller 2-way tiles keep two CTAs per SM (228 KiB of shared memory on an H100/H200).
-# `scripts/mosaic_speed.py` sweeps these on the GPU (it sets them here and clears jax's caches). The 2-way merge
+# `python -m tools mosaic-speed` sweeps these on the GPU (it sets them here and clears jax's caches). The 2-way merge
 # takes `long_tile_bytes` from `long_tokens` padded tokens on (`merge_tuning`): larger tiles pay at long T only.
 TUNING = {
     "merge": dict(steps=8, concurrent=2, tile_bytes=16 * 1024, stores=2, long_tokens=16384, long_tile_bytes=32 * 1024),
@@ -45,7 +45,7 @@ TUNING = {
     "cp_rescale": dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2),
     # heads: LSE rows (of 128 tokens) per CTA; the output rows are split as many ways as the heads.
     # tokens: output rows (of one head group's share) per TMA store of zeros. "mask_lse": without output zeroing
-    # (`scripts/mosaic_speed.py` sweeps both).
+    # (`python -m tools mosaic-speed` sweeps both).
     # offsets_in_smem: with fewer than 128 requests, search copies of the offsets in shared memory.
     "mask": dict(heads=8, tokens=8, offsets_in_smem=True),
     "mask_lse": dict(heads=16, offsets_in_smem=True),

@@ -1,0 +1,62 @@
+"""The Mosaic GPU kernels of pallas_impl once each on a small ragged batch, for `compute-sanitizer` (memcheck): the
+mask in place (donated; LSE only and with output zeroing), the 2-way merge (plain and fused, with pass-through
+rows), the N-way merge (fused, N = 4) and the context-parallel rescale (reduce_scatter over 4 ranks simulated by a
+named vmap); then 200 requests over 16384 tokens (the mask's window search, the 2-way merge's long tiles).
+jax >= 0.11 on a GPU.
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \\
+        compute-sanitizer --tool memcheck --error-exitcode 1 python -m tools sanitize-mosaic
+"""
+
+from __future__ import annotations
+
+
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import pallas_impl  # noqa: E402
+
+T, H, D, N = 300, 8, 128, 4
+KW = dict(backend="mosaic_gpu")
+
+
+def main() -> int:
+    key = jax.random.key(0)
+    o = jax.random.normal(key, (N, T, H, D), jnp.bfloat16)
+    lse = jax.random.normal(key, (N, H, T), jnp.float32)
+    qsl = jnp.array([0, 100, 101, 250, 300], jnp.int32)
+    cu = jnp.array([0, 0, 5, 5, 9], jnp.int32)  # requests 0 and 2 empty
+    cus = jnp.tile(cu, (N, 1))
+    mask_out = jax.jit(lambda l, x, q, c: pallas_impl.mask_empty_context_lse(l, q, c, x, **KW), donate_argnums=(0, 1))
+    jax.block_until_ready(mask_out(lse[0] + 0, o[0] + 0, qsl, cu))
+    mask = jax.jit(lambda l, q, c: pallas_impl.mask_empty_context_lse(l, q, c, **KW), donate_argnums=0)
+    jax.block_until_ready(mask(lse[1] + 0, qsl, cu))
+    print("mask (with and without output zeroing) ok", flush=True)
+    for fused in (dict(), dict(query_start_loc=qsl, prefix_cu_seq_lens=cu)):
+        jax.block_until_ready(pallas_impl.merge_attn_states(o[0], lse[0], o[1], lse[1], prefill_tokens_with_context=290,
+                                                            **fused, **KW))
+    print("merge (plain, fused) ok", flush=True)
+    jax.block_until_ready(pallas_impl.merge_attn_states_n(o, lse, query_start_loc=qsl, cu_seq_lens=cus,
+                                                          prefill_tokens_with_context=290, **KW))
+    print("merge_n ok", flush=True)
+    combine = jax.vmap(lambda a, b, c: pallas_impl.cp_merge_attn_states(
+        a, b, axis_name="cp", method="reduce_scatter", query_start_loc=qsl, cu_seq_lens=c, **KW), axis_name="cp")
+    jax.block_until_ready(jax.jit(combine)(o, lse, cus))
+    print("cp rescale ok", flush=True)
+    # 200 requests (the mask's window search of the request bounds) over T = 16384 (the 2-way merge's long tiles).
+    t, r = 16384, 200
+    qsl = jnp.minimum(jnp.arange(r + 1, dtype=jnp.int32) * 83, t - 5)
+    cu = jnp.arange(r + 1, dtype=jnp.int32) // 2 * 7  # every other request empty
+    o = jax.random.normal(key, (2, t, 2, D), jnp.bfloat16)
+    lse = jax.random.normal(key, (2, 2, t), jnp.float32)
+    jax.block_until_ready(mask_out(lse[0] + 0, o[0] + 0, qsl, cu))
+    jax.block_until_ready(mask(lse[1] + 0, qsl, cu))
+    jax.block_until_ready(pallas_impl.merge_attn_states(o[0], lse[0], o[1], lse[1], query_start_loc=qsl,
+                                                        prefix_cu_seq_lens=cu, **KW))
+    print(f"mask of {r} requests, merge at T = {t} ok", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
