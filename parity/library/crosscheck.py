@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from parity.library import arguments as args_
+from parity.library import bridge
 from parity.library.arguments import share
 from parity.library.crossreport import KIND_PAIR, KIND_SPECIAL, SCHEMA, Report, jsonable
 from parity.library.engine import Locating, compare_results
@@ -66,7 +67,7 @@ def _one_dtype(torch_out: dict, jax_out: dict, cast: bool, notes: list[str] | No
 
 
 def cross_check(torch_fn: Callable, jax_fn: Callable, inputs: Mapping[str, Any] | Sequence[Any], *,
-                reference: Callable | None = None, outputs: Mapping[str, Any] | Sequence[str] | None = None,
+                reference: Callable | None = None, reference_lowp: Callable | None = None, outputs: Mapping[str, Any] | Sequence[str] | None = None,
                 ragged: Any = None, bitwise: bool = True, tolerance: Any = None, name: str = "",
                 device=None, cast_to_narrower: bool = False, special_values: bool | int = False) -> Report:
     """Runs a PyTorch and a JAX implementation on the same inputs and compares their outputs.
@@ -80,6 +81,14 @@ def cross_check(torch_fn: Callable, jax_fn: Callable, inputs: Mapping[str, Any] 
             fp8, or int32/int16/int8/uint8/bool) and plain values (`share`).
         reference: optional; called like the others with numpy copies of the inputs (and, for the error
             model, with float64 copies, plain and with one f32 rounding planted), returns the outputs in float64.
+            Its bound is combined with a low-precision baseline (`parity.library.errormodel`): a side fails only
+            where it is also more than twice as far from the reference as the computation done in its inputs'
+            precision: the reference itself when it follows its inputs' dtype, else `reference_lowp`, else a
+            documented bound derived from the output's magnitude (the audit says which, and which bound decided
+            each failing element).
+        reference_lowp: optional; called like `reference` with numpy copies of the inputs in their own dtype, it
+            does the computation in that precision (e.g. the same numpy code without the float64 casts, or the
+            framework's own plain functions) and returns the outputs; used for the low-precision baseline.
         outputs: output name -> axis names (e.g. {"out": ("token", "head", "dim")} or "token,head,dim";
             None: mismatches named by index), or a sequence of names. Names the outputs of sequence results,
             and picks and orders dict results.
@@ -105,6 +114,10 @@ def cross_check(torch_fn: Callable, jax_fn: Callable, inputs: Mapping[str, Any] 
     args_.check_callable(torch_fn, "torch_fn")
     args_.check_callable(jax_fn, "jax_fn")
     args_.check_callable(reference, "reference", optional=True)
+    args_.check_callable(reference_lowp, "reference_lowp", optional=True)
+    if reference_lowp is not None and reference is None:
+        raise ValueError("reference_lowp needs a reference: it only sets the low-precision baseline of the "
+                         "comparison with the reference")
     args_.check_inputs(inputs)
     bitwise = args_.check_flag(bitwise, "bitwise")
     cast_to_narrower = args_.check_flag(cast_to_narrower, "cast_to_narrower")
@@ -114,10 +127,13 @@ def cross_check(torch_fn: Callable, jax_fn: Callable, inputs: Mapping[str, Any] 
     names, axes = args_.output_spec(outputs)
     keys, t_args, j_args, n_args, how = share(inputs, device, host=reference is not None or n_special > 0)
     offsets, ragged_axis = args_.ragged_offsets(ragged, t_args)
-    native = ref64 = eps = None
+    native = ref64 = eps = lowp = None
     if reference is not None:
-        native, ref64, eps, _ = errormodel.evaluate(lambda a: args_.call(reference, keys, a), n_args,
-                                                    lambda r: args_.named(r, names, "reference"))
+        ref_call = lambda a: args_.call(reference, keys, a)  # noqa: E731
+        named_ref = lambda r: args_.named(r, names, "reference")  # noqa: E731
+        native, ref64, eps, _ = errormodel.evaluate(ref_call, n_args, named_ref)
+        lowp_call = None if reference_lowp is None else (lambda a: args_.call(reference_lowp, keys, a))
+        lowp = errormodel.lowp_errors(ref_call, lowp_call, n_args, named_ref, native, ref64)
     torch_out, jax_out, dev = _run_pair(torch_fn, jax_fn, keys, t_args, j_args, names)
     if native is not None and set(native) != set(torch_out):
         raise ValueError(f"reference returned outputs {sorted(native)}, torch_fn {sorted(torch_out)}")
@@ -131,10 +147,11 @@ def cross_check(torch_fn: Callable, jax_fn: Callable, inputs: Mapping[str, Any] 
     layouts = {k: args_.axes_of(axes.get(k)) for k in order}
     args_.check_axes(layouts, {k: tuple(torch_out[k].shape) for k in order})
     tols = args_.tolerances(tolerance, order)
-    want, mags, audit = {}, {}, {}
+    want, mags, audit, model = {}, {}, {}, {}
     for k in order if native is not None else ():
         out_dtype = str(getattr(torch_out[k], "dtype"))
-        w, b, t, audit[k] = errormodel.audit_and_bound(native[k], ref64[k], eps[k], out_dtype)
+        _, model[k], _, _ = errormodel.audit_and_bound(native[k], ref64[k], eps[k], out_dtype)
+        w, b, t, audit[k] = errormodel.audit_and_bound(native[k], ref64[k], eps[k], out_dtype, lowp[k])
         want[k] = w
         if tols[k] is None:
             tols[k], mags[k] = t, b
@@ -150,6 +167,11 @@ def cross_check(torch_fn: Callable, jax_fn: Callable, inputs: Mapping[str, Any] 
         reps = by_output[k]
         a.sides_agree_better = (not reps["torch_vs_reference"].ok and not reps["jax_vs_reference"].ok
                                 and reps[KIND_PAIR].classes_agree and (reps[KIND_PAIR].max_ulp or 0) <= 4)
+        if k in mags:  # the default bound: which of its two parts each failing element exceeded last
+            for side, out in (("torch_fn", torch_out), ("jax_fn", jax_out)):
+                if not reps[f"{side[:-3]}_vs_reference"].ok:
+                    got = bridge.to_numpy(out[k]).astype(np.float64)
+                    a.decided[side] = errormodel.deciding_bound(got, want[k], model[k], mags[k])
     required = ((KIND_PAIR,) if bitwise else ()) + tuple(f"{a}_vs_reference" for a in against)
     planted_at: list[str] = []
     if n_special:

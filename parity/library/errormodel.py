@@ -13,7 +13,24 @@ maximum and the inputs' scale for a log-sum-exp whose result is near 0). The bou
 
 with K = `K_PROPAGATED`, R = `R_RESULT`, ulp_out the spacing of the output dtype at that magnitude (one full
 spacing: a rounding in either direction, or a truncating cast) and atol_out the output dtype's fixed floor
-(`TOLERANCES`). numpy only; nothing here runs a kernel.
+(`TOLERANCES`).
+
+That bound sees the roundings of the inputs, not those inside the computation: an output that cancels against a
+rounded intermediate (x - logsumexp(x) at a dominant logit, where the f32 log-sum-exp rounds to the logit itself)
+is off by far more than its eps in any faithful f32 evaluation. So every bound is combined with a low-precision
+baseline, FlashAttention's rule: the error the same computation makes done honestly in its inputs' precision,
+
+    |got - want| <= max(the bound above, C * e_low + ulp_out(|want|)),   C = `C_LOWP`
+
+where e_low is, per element, the largest |lowp - ref64| over the inputs as given and `LOWP_TRIALS` copies of them
+with one ulp of their own dtype moved at random positions (so that one evaluation that happens to be exact does
+not make the baseline 0), lowp being (in this order) the caller's `reference_lowp`, or the reference itself when
+it follows its inputs' dtype (its result on the inputs as given differs from its result on float64 copies). When
+neither gives a low-precision run (the reference upcasts, and no `reference_lowp`, or a `reference_lowp` that
+upcasts too: the audit says so), e_low is derived: 2^-24 times the largest finite magnitude of the output and of
+the float inputs, the scale of the intermediates an output cancels against (a log-sum-exp near the largest input,
+a mean of the inputs; intermediates larger than any input or output, such as the partial sums of a long
+accumulation, move with the inputs' roundings: eps covers them). numpy only; nothing here runs a kernel.
 """
 
 from __future__ import annotations
@@ -32,6 +49,8 @@ K_PROPAGATED = 16  # roundings along a computation, each moving the result by up
 R_RESULT = 8  # roundings of the result itself that no input carries (constants, the last log or divide)
 TRIALS = 4  # relative and array-scaled roundings, each all up and of random signs
 SEED = 0x5EED
+C_LOWP = 2  # a side may be this many times as far from the reference as the low-precision baseline
+LOWP_TRIALS = 2  # copies of the inputs with one ulp moved, besides the inputs as given
 
 _LOW = {  # numpy dtype -> (unit roundoff, mantissa bits incl. the implicit one, smallest subnormal)
     np.dtype(np.float32): (2.0**-24, 24, 2.0**-149),
@@ -123,11 +142,22 @@ class Audit:
     imprecise: bool = False
     why: str = ""
     sides_agree_better: bool = False  # set by cross_check: both sides fail the reference but agree together
+    lowp: str = ""  # where the low-precision baseline came from (LOWP_MEASURED, LOWP_REFERENCE or LOWP_DERIVED)
+    lowp_ulp: float = 0.0  # the largest low-precision error e_low, in output ulps at the element
+    upcasts: str = ""  # which of the reference / reference_lowp upcasts (no low-precision run), if one does
+    decided: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)  # side -> bound -> failing count
 
     def describe(self) -> str:
         text = (f"reference {self.dtype}: one f32 rounding of its inputs moves it "
                 f"by up to {self.eps_ulp:.3g} output ulps; inputs as given vs float64: {self.native_vs_f64:.3g} "
                 "of the bound")
+        if self.lowp:
+            text += f"; low-precision baseline: {self.lowp}, up to {self.lowp_ulp:.3g} output ulps"
+        if self.upcasts:
+            text += f" ({self.upcasts} upcasts: its run on the inputs as given is not one in their precision)"
+        for side, counts in self.decided.items():
+            text += f"; {side} fails {sum(counts.values())}: " + ", ".join(
+                f"{n} past the {which} bound" for which, n in counts.items() if n)
         if self.imprecise:
             text += f"; IMPRECISE REFERENCE ({self.why})"
         if self.sides_agree_better:
@@ -152,9 +182,24 @@ def bound(want: np.ndarray, eps: np.ndarray, out_dtype, ref_unit: float | None =
     return b
 
 
-def describe_rule(out_dtype) -> str:
-    return (f"computed: |got-want| <= {K_PROPAGATED}*eps + {R_RESULT}*2^-24*|want| + 1 {_TOL_KEY[np.dtype(_np_dtype(out_dtype))]}"
-            " ulp + atol (eps: the reference's move under one f32 rounding of its inputs)")
+def describe_rule(out_dtype, lowp: bool = False) -> str:
+    text = (f"computed: |got-want| <= {K_PROPAGATED}*eps + {R_RESULT}*2^-24*|want| + 1 "
+            f"{_TOL_KEY[np.dtype(_np_dtype(out_dtype))]} ulp + atol (eps: the reference's move under one f32 rounding "
+            "of its inputs)")
+    if lowp:
+        text += f", or {C_LOWP}*e_low + 1 ulp (e_low: the computation's own error in its inputs' precision)"
+    return text
+
+
+def deciding_bound(got: np.ndarray, want: np.ndarray, model: np.ndarray, combined: np.ndarray) -> dict[str, int]:
+    """How many finite elements of `got` fail the `combined` bound, by the bound that was the larger there (the
+    error model's or the low-precision baseline's): the one that decided."""
+    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    both = np.isfinite(g) & np.isfinite(w)
+    err = np.where(both, np.abs(np.where(both, g, 0.0) - np.where(both, w, 0.0)), 0.0)
+    fail = both & (err > combined)
+    by_low = fail & (combined > model)
+    return {BOUND_MODEL: int(np.sum(fail & ~by_low)), BOUND_LOWP: int(np.sum(by_low))}
 
 
 def evaluate(call, n_args: Mapping[Any, Any], named) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray],
@@ -185,7 +230,73 @@ def evaluate(call, n_args: Mapping[Any, Any], named) -> tuple[dict[str, np.ndarr
     return native, ref64, eps, dtypes
 
 
-def audit_and_bound(native: np.ndarray, ref64: np.ndarray, eps: np.ndarray, out_dtype) -> tuple[
+LOWP_MEASURED = "reference_lowp"
+LOWP_REFERENCE = "the reference in its inputs' precision"
+LOWP_DERIVED = "derived, 2^-24 x the largest magnitude of the output and the inputs"
+BOUND_MODEL, BOUND_LOWP = "error-model", "low-precision"
+
+
+def nudged(n_args: Mapping[Any, Any], trial: int) -> dict[Any, Any]:
+    """`n_args` with about half of each float array's finite nonzero values moved by one ulp of their own dtype
+    (up or down in magnitude, at seeded random positions); the rest as it is."""
+    rng = np.random.default_rng(SEED + 100 + trial)
+    out = {}
+    for k, v in n_args.items():
+        if is_float_array(v) and v.dtype.itemsize in (1, 2, 4, 8) and v.size:
+            bits = v.view(f"u{v.dtype.itemsize}").copy()
+            step = rng.choice(np.array([0, 1, -1], np.int64), size=v.shape)
+            ok = np.isfinite(v.astype(np.float64)) & (v.astype(np.float64) != 0)
+            moved = (bits.astype(np.int64) + np.where(ok, step, 0)).astype(bits.dtype).view(v.dtype)
+            out[k] = np.where(np.isfinite(moved.astype(np.float64)), moved, v)
+        else:
+            out[k] = v
+    return out
+
+
+def lowp_errors(reference, reference_lowp, n_args: Mapping[Any, Any], named, native: Mapping[str, np.ndarray],
+                ref64: Mapping[str, np.ndarray]) -> dict[str, tuple[np.ndarray, str, str]]:
+    """Per output: (e_low, source, which upcasts) of the module docstring.
+
+    `reference(args)` and `reference_lowp(args)` (None: the reference itself) run on argument dicts; `named`
+    names their outputs. `native` / `ref64`: the reference on the inputs as given and on float64 copies."""
+    fresh = lambda a: {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in a.items()}  # noqa: E731
+    lowp = reference if reference_lowp is None else reference_lowp
+    first = native if reference_lowp is None else {k: np.asarray(v) for k, v in named(lowp(fresh(n_args))).items()}
+    if set(first) != set(ref64):
+        raise ValueError(f"reference_lowp returned outputs {sorted(first)}, the reference {sorted(ref64)}")
+    runs = [(first, ref64)]
+    for trial in range(LOWP_TRIALS):
+        moved = nudged(n_args, trial)
+        runs.append((named(lowp(fresh(moved))), named(reference(as_float64(moved)))))
+    inputs = [typical for v in n_args.values() if is_float_array(v)
+              for typical in [np.max(np.abs(_finite(np.asarray(v, np.float64))), initial=0.0)]]
+    out = {}
+    for k in ref64:
+        e, upcast = np.zeros(np.shape(ref64[k])), True
+        for low, r64 in runs:
+            lo, hi = np.asarray(low[k], np.float64), np.asarray(r64[k], np.float64)
+            if lo.shape != hi.shape:
+                raise ValueError(f"output {k!r}: reference_lowp returned shape {lo.shape}, the reference {hi.shape}")
+            both = np.isfinite(lo) & np.isfinite(hi)
+            upcast &= bool(np.array_equal(lo[both], hi[both]))
+            e = np.maximum(e, np.where(both, np.abs(np.where(both, lo, 0.0) - np.where(both, hi, 0.0)), 0.0))
+        if upcast:
+            scale = max([float(np.max(np.abs(_finite(np.asarray(ref64[k], np.float64))), initial=0.0))] + inputs)
+            out[k] = (np.full(np.shape(ref64[k]), U_COMPUTE * scale), LOWP_DERIVED,
+                      "reference_lowp" if reference_lowp is not None else "the reference")
+        else:
+            out[k] = (e, LOWP_MEASURED if reference_lowp is not None else LOWP_REFERENCE, "")
+    return out
+
+
+def lowp_bound(want: np.ndarray, e_low: np.ndarray, out_dtype) -> np.ndarray:
+    """C_LOWP * e_low + one output ulp at |want|."""
+    w = np.abs(_finite(np.asarray(want, np.float64)))
+    return C_LOWP * e_low + spacing(w, out_dtype)
+
+
+def audit_and_bound(native: np.ndarray, ref64: np.ndarray, eps: np.ndarray, out_dtype,
+                    lowp: tuple[np.ndarray, str, str] | None = None) -> tuple[
         np.ndarray, np.ndarray, Tolerance, Audit]:
     """(want, bound, the `Tolerance` describing it, the audit) of one output.
 
@@ -213,11 +324,19 @@ def audit_and_bound(native: np.ndarray, ref64: np.ndarray, eps: np.ndarray, out_
     if ref_unit is not None:
         b = bound(w, eps, out_dtype, ref_unit)
     b = b + diff
-    tol = Tolerance(rtol=1.0, atol=0.0, text=describe_rule(out_dtype))
+    low_ulp, source, upcasts = 0.0, "", ""
+    if lowp is not None:
+        e_low, source, upcasts = lowp
+        low = lowp_bound(w, e_low, out_dtype)
+        low_ulp = float(np.max((low - spacing(np.abs(_finite(w)), out_dtype)) / C_LOWP
+                               / spacing(np.abs(_finite(w)), out_dtype))) if low.size else 0.0
+        b = np.maximum(b, low)
+    tol = Tolerance(rtol=1.0, atol=0.0, text=describe_rule(out_dtype, lowp is not None))
     audit = Audit(dtype=str(np.dtype(native.dtype)), eps_ulp=eps_ulp, native_vs_f64=native_vs,
-                  imprecise=bool(reasons), why="; ".join(reasons))
+                  imprecise=bool(reasons), why="; ".join(reasons), lowp=source, lowp_ulp=low_ulp, upcasts=upcasts)
     return np.asarray(w), np.asarray(b, np.float64), tol, audit
 
 
-__all__ = ["Audit", "K_PROPAGATED", "R_RESULT", "TRIALS", "U_COMPUTE", "audit_and_bound", "bound", "evaluate",
-           "perturbed", "spacing", "unit_roundoff"]
+__all__ = ["Audit", "C_LOWP", "K_PROPAGATED", "LOWP_TRIALS", "R_RESULT", "TRIALS", "U_COMPUTE", "audit_and_bound",
+           "bound", "deciding_bound", "evaluate", "lowp_bound", "lowp_errors", "nudged", "perturbed", "spacing",
+           "unit_roundoff"]
