@@ -69,7 +69,8 @@ def _one_dtype(torch_out: dict, jax_out: dict, cast: bool, notes: list[str] | No
 def cross_check(torch_fn: Callable, jax_fn: Callable, inputs: Mapping[str, Any] | Sequence[Any], *,
                 reference: Callable | None = None, reference_lowp: Callable | None = None,
                 outputs: Mapping[str, Any] | Sequence[str] | None = None, ragged: Any = None,
-                bitwise: bool = True, tolerance: Any = None, name: str = "", device=None, cast_to_narrower: bool = False, special_values: bool | int = False) -> Report:
+                bitwise: bool = True, tolerance: Any = None, name: str = "", device=None,
+                cast_to_narrower: bool = False, special_values: bool | int = False) -> Report:
     """Runs a PyTorch and a JAX implementation on the same inputs and compares their outputs.
 
     Args:
