@@ -10,6 +10,7 @@ import numbers
 
 import numpy as np
 
+from mla_lse_common import constants
 from mla_lse_common.constants import CP_METHODS, LSE_LAYOUTS
 
 
@@ -103,3 +104,35 @@ def check_offset_values(query_start_loc, cu_seq_lens, num_tokens: int, *, cu_nam
 def has_zero_length(chunk_seq_lens) -> bool:
     """Whether host data (a sequence or a numpy array of per-request KV lengths) holds a 0."""
     return bool((np.asarray(chunk_seq_lens) == 0).any())
+
+
+def check_group_quant(group_size, scale_ue8m0, head_dim: int) -> int:
+    """The per-group FP8 options (docs/spec.md 4.7): a group size, a power of two from MIN_GROUP_SIZE that divides
+    the head dim D (a group never straddles two heads), D a power of two; returns the groups per head."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"group_size must be an int; got {group_size!r}")
+    if not isinstance(scale_ue8m0, bool):
+        raise TypeError(f"scale_ue8m0 must be a bool; got {scale_ue8m0!r}")
+    if group_size < constants.MIN_GROUP_SIZE or group_size & (group_size - 1):
+        raise ValueError(f"group_size must be a power of two >= {constants.MIN_GROUP_SIZE}; got {group_size}")
+    if head_dim % group_size or head_dim & (head_dim - 1):
+        raise NotImplementedError(f"group_size={group_size} needs a head dim D that is a power of two and a multiple "
+                                  f"of it (a group never straddles two heads); got D={head_dim}")
+    return head_dim // group_size
+
+
+def check_scale_layout(scale_layout) -> None:
+    """The per-group scales' layout (constants.SCALE_LAYOUTS: row-major, column-major, TMA-aligned column-major)."""
+    if scale_layout not in constants.SCALE_LAYOUTS:
+        raise ValueError(f"scale_layout must be one of {constants.SCALE_LAYOUTS}; got {scale_layout!r}")
+
+
+def group_floor_scale(scale_ue8m0: bool) -> float:
+    """The per-group scale of an all-zero group (docs/spec.md 4.7: an empty row): f32(GROUP_EPS) / 448 in f32,
+    rounded up to a power of two with UE8M0; for the merges that fill rather than compute (N = 0)."""
+    scale = np.float32(constants.GROUP_EPS) / np.float32(constants.FP8_E4M3_MAX)
+    if scale_ue8m0:
+        bits = np.array([scale], np.float32).view(np.int32)
+        scale = ((bits + constants.UE8M0_ROUND_UP) & constants.UE8M0_EXPONENT).view(np.float32)[0]
+    return float(scale)
+

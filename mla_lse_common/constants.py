@@ -5,6 +5,16 @@ from __future__ import annotations
 LN2 = 0.6931471805599453  # base-2 LSE to natural log: x * LN2 at the load (docs/spec.md 4.1)
 LOG2E = 1.4426950408889634  # natural log to base 2: y * LOG2E at the store
 FP8_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn (docs/spec.md 4.6)
+# Per-group FP8 output (docs/spec.md 4.7): a group's |x| maximum is floored at GROUP_EPS (as f32) before the scale
+# amax / FP8_E4M3_MAX; with UE8M0 scales the scale's f32 bits are rounded up to a power of two by adding
+# UE8M0_ROUND_UP and keeping the exponent bits (UE8M0_EXPONENT).
+GROUP_EPS = 1e-10
+GROUP_SIZES = (64, 128)  # the group sizes of DeepSeek-style FP8 GEMMs; any power of two from 16 dividing D works
+MIN_GROUP_SIZE = 16
+UE8M0_ROUND_UP = 0x007FFFFF
+UE8M0_EXPONENT = 0x7F800000
+SCALE_LAYOUTS = ("row", "col", "col_tma")  # f32[T, G#], f32[G#, T], f32[G#, T padded to TMA_ALIGN_T]
+TMA_ALIGN_T = 4  # DeepGEMM's TMA-aligned column-major scales: T padded to a multiple of 16 bytes of f32
 LSE_LAYOUTS = ("HT", "TH")  # f32[H, T] (vLLM, FA2) or f32[T, H] (FlashInfer, SGLang)
 # The N-way loops over the partials (docs/spec.md 8, "Any N"): unrolled up to N = UNROLLED_PARTIALS (fast code, a
 # short compile); beyond, runtime loops whose partition is a launch knob (`tiles.N_LOOPS`): a compile that does

@@ -65,14 +65,33 @@ def check_offset_values(query_start_loc, cu_seq_lens, num_tokens: int, *, cu_nam
     _shared.check_offset_values(_concrete("query_start_loc", query_start_loc), cu, num_tokens, cu_name=cu_name)
 
 
-def check_out_dtype(out_dtype, in_dtype, output_scale):
+def check_group(group_size, scale_ue8m0, scale_layout, head_dim: int, output_scale):
+    """The per-group FP8 options (docs/spec.md 4.7): None without group_size, else (group_size, scale_ue8m0,
+    scale_layout), checked."""
+    if group_size is None:
+        if scale_ue8m0 or scale_layout != "row":
+            raise ValueError("scale_ue8m0 and scale_layout go with group_size (per-group FP8); got group_size=None")
+        return None
+    _shared.check_group_quant(group_size, scale_ue8m0, head_dim)
+    _shared.check_scale_layout(scale_layout)
+    if output_scale is not None:
+        raise ValueError("output_scale (one static scale) and group_size (per-group scales) exclude each other; "
+                         "got both")
+    return (group_size, scale_ue8m0, scale_layout)
+
+
+def check_out_dtype(out_dtype, in_dtype, output_scale, *, grouped: bool = False):
     """The merge's output dtype (None: the inputs'; any of OUTPUT_DTYPES or fp8 whatever the inputs' dtype, docs/spec.md
-    4.3), checked against the fp8 scale; returns it as a dtype."""
+    4.3), checked against the fp8 scale (`grouped`: per-group FP8, fp8 without one); returns it as a dtype."""
     out_dtype = jnp.dtype(in_dtype if out_dtype is None else out_dtype)
     if out_dtype not in OUTPUT_DTYPES + (FP8,):
         raise TypeError(f"out_dtype must be None (the inputs' dtype {jnp.dtype(in_dtype).name}), float32, float16, "
                         f"bfloat16 or float8_e4m3fn; got {out_dtype.name}")
     fp8 = out_dtype == FP8
+    if grouped:
+        if not fp8:
+            raise TypeError(f"group_size (per-group FP8) needs out_dtype float8_e4m3fn (or None); got {out_dtype.name}")
+        return out_dtype
     if fp8 != (output_scale is not None):
         raise ValueError("output_scale is required for a float8_e4m3fn output and only for it; got "
                          f"out_dtype={out_dtype.name}, output_scale={'given' if output_scale is not None else None}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mla_lse_common import tiles
+from mla_lse_common import constants, tiles
 from mla_lse_common.constants import FP8_E4M3_MAX, LN2, LOG2E  # noqa: F401 (re-exported)
 
 
@@ -139,3 +139,36 @@ def n_way_max_and_sum(lse_i, num_partials: int, lse_base2: bool, *, unroll: bool
         return m, all_empty, e, z
     z = fold_partials(1, num_partials, lambda i, z: z + exp_i(i), e[0], num_partials, exp_step)
     return m, all_empty, None, z
+
+
+def group_quant(x, group_size: int, ue8m0: bool):
+    """Per-group FP8 quantization of f32 `x` [..., K] in groups of `group_size` consecutive elements of its last
+    axis (docs/spec.md 4.7): (q f32 [..., K], the clamped quotients before the fp8 cast; scale f32 [..., K // G]).
+    amax over the non-NaN |x|, floored at GROUP_EPS; scale = amax / 448 (UE8M0: rounded up to a power of two on its
+    bits); q = clamp(x / scale, -448, 448) with comparisons (NaN stays NaN)."""
+    groups = x.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
+    amax = jnp.max(jnp.where(groups == groups, jnp.abs(groups), 0.0), axis=-1)  # NaN left out of the maximum
+    amax = jnp.where(amax > constants.GROUP_EPS, amax, jnp.float32(constants.GROUP_EPS))
+    # amax / 448 with a divisor XLA cannot fold: it rewrites a division by a literal into a multiplication by the
+    # reciprocal, which moves bits (amax is never NaN here, so the select always takes 448).
+    scale = amax / jnp.where(amax == amax, jnp.float32(FP8_E4M3_MAX), jnp.float32(0))
+    if ue8m0:  # rounded up to a power of two on the bits: exactly 2^ceil(log2(scale))
+        bits = jax.lax.bitcast_convert_type(scale, jnp.int32)
+        scale = jax.lax.bitcast_convert_type((bits + constants.UE8M0_ROUND_UP) & constants.UE8M0_EXPONENT,
+                                             jnp.float32)
+    q = groups / scale[..., None]
+    q = jnp.where(q < -FP8_E4M3_MAX, -FP8_E4M3_MAX, q)  # comparisons, not min/max: NaN stays NaN
+    q = jnp.where(q > FP8_E4M3_MAX, FP8_E4M3_MAX, q)
+    return q.reshape(x.shape), scale
+
+
+def scale_layout(scales, layout: str):
+    """Per-group scales f32[T, G#] in `layout` (constants.SCALE_LAYOUTS): row-major as they are, column-major
+    [G#, T], or column-major with T padded with zeros to a multiple of TMA_ALIGN_T (DeepGEMM's TMA alignment)."""
+    if layout == "row":
+        return scales
+    if layout == "col_tma":
+        pad = -scales.shape[0] % constants.TMA_ALIGN_T
+        scales = jnp.pad(scales, ((0, pad), (0, 0)))
+    return scales.T
+

@@ -149,3 +149,11 @@ def all_gather_replicated(x, axis_name):
         return jax.lax.all_gather(x, axis_name, to="invarying")
     except (TypeError, ValueError, NotImplementedError):  # a jax without typed gathers; vmap's axis names
         return jax.lax.all_gather(x, axis_name)
+
+
+def out_head_axes(return_lse: bool, lse_axis: int, group) -> tuple | int:
+    """The merges' results' head axes (`call_plan`): out, the LSE when returned, the per-group scales (their group
+    axis, heads first: 1 row-major, 0 column-major) when quantized per group (docs/spec.md 4.7)."""
+    axes = (1,) + ((lse_axis,) if return_lse else ()) + (() if group is None else (1 if group[2] == "row" else 0,))
+    return axes if len(axes) > 1 else axes[0]
+

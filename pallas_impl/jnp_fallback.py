@@ -58,10 +58,20 @@ def _stored(out, last, copy_t, output_scale, out_dtype):
     return jnp.where(copy, last.astype(jnp.float32), out).astype(out_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2"))
+def _stored_grouped(out, last, copy_t, group):
+    """The f32 merge `out` [T, H, D] quantized per group (docs/spec.md 4.7; `group` = (group_size, ue8m0,
+    scale_layout)): (fp8 [T, H, D], scales in scale_layout); pass-through tokens take `last` as f32 (4.4)."""
+    group_size, ue8m0, layout = group
+    num_tokens = out.shape[0]
+    out = jnp.where(copy_t[:, None, None], last.astype(jnp.float32), out)
+    q, scale = _math.group_quant(out, group_size, ue8m0)
+    return q.astype(_checks.FP8), _math.scale_layout(scale.reshape(num_tokens, -1), layout)
+
+
+@functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2", "group"))
 def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc,
                       prefix_cu_seq_lens, prefill_tokens_with_context, *, return_lse, out_dtype, lse_layout,
-                      lse_base2):
+                      lse_base2, group=None):
     num_tokens = prefix_output.shape[0]
     prefill_tokens = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     p_raw = prefix_lse.T if lse_layout == "HT" else prefix_lse  # [T, H]
@@ -76,11 +86,20 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, outp
     out = jnp.where(wp > 0, a * wp, 0.0) + jnp.where(ws > 0, b * ws, 0.0)
     out = jnp.where(both_empty[..., None], 0.0, out)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill_tokens[0]
-    out = _stored(out, suffix_output, copy_t, output_scale, out_dtype)
-    if not return_lse:
-        return out
-    lse = _merged_lse(z, m, both_empty, copy_t, s_raw, lse_base2)
-    return out, (lse.T if lse_layout == "HT" else lse)
+    if group is not None:  # 4.7: (fp8, scales)
+        out, scales = _stored_grouped(out, suffix_output, copy_t, group)
+    else:
+        out = _stored(out, suffix_output, copy_t, output_scale, out_dtype)
+    lse = _merged_lse(z, m, both_empty, copy_t, s_raw, lse_base2) if return_lse else None
+    return _results(out, None if lse is None else (lse.T if lse_layout == "HT" else lse),
+                    scales if group is not None else None)
+
+
+def _results(out, lse, scales):
+    """The merges' results: out, then the LSE when returned, then the per-group scales when quantized per group;
+    one array alone, else a tuple."""
+    results = tuple(x for x in (out, lse, scales) if x is not None)
+    return results if len(results) > 1 else results[0]
 
 
 def _copied_lse(last_raw, empty):
@@ -112,9 +131,9 @@ def _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout, l
     return l_raw, e, m, all_empty, z, empty
 
 
-@functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2"))
+@functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2", "group"))
 def merge_attn_states_n(outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context, *,
-                        return_lse, out_dtype, lse_layout, lse_base2):
+                        return_lse, out_dtype, lse_layout, lse_base2, group=None):
     num_partials, num_tokens = outputs.shape[:2]
     prefill_tokens = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     l_raw, e, m, all_empty, z, empty = _n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout,
@@ -128,21 +147,27 @@ def merge_attn_states_n(outputs, lses, output_scale, query_start_loc, cu_seq_len
     out = fold_partials(1, num_partials, lambda i, out: out + term(i), term(0), num_partials, out_step)
     out = jnp.where(all_empty[..., None], 0.0, out)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill_tokens[0]
-    out = _stored(out, outputs[-1], copy_t, output_scale, out_dtype)
-    if not return_lse:
-        return out
-    lse_out = _merged_lse(z, m, all_empty, copy_t, _copied_lse(l_raw[-1], empty), lse_base2)
-    return out, (lse_out.T if lse_layout == "HT" else lse_out)
+    scales = None
+    if group is not None:  # 4.7: (fp8, scales)
+        out, scales = _stored_grouped(out, outputs[-1], copy_t, group)
+    else:
+        out = _stored(out, outputs[-1], copy_t, output_scale, out_dtype)
+    lse_out = _merged_lse(z, m, all_empty, copy_t, _copied_lse(l_raw[-1], empty), lse_base2) if return_lse else None
+    return _results(out, None if lse_out is None else (lse_out.T if lse_layout == "HT" else lse_out), scales)
 
 
-@functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2"))
+@functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2", "group"))
 def empty_merge_n(outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context, *,
-                  return_lse, out_dtype, lse_layout, lse_base2):
+                  return_lse, out_dtype, lse_layout, lse_base2, group=None):
     """The N-way merge of N = 0 partials (docs/spec.md 8.2), on every implementation and backend: every row is
-    empty, output 0 and LSE -inf, pass-through rows too (there is no last partial to copy)."""
+    empty, output 0 and LSE -inf, pass-through rows too (there is no last partial to copy); per-group FP8 (4.7):
+    q = 0 and the floor's scale."""
     del output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context, lse_layout, lse_base2
     out = jnp.zeros(outputs.shape[1:], out_dtype)
-    return (out, jnp.full(lses.shape[1:], -jnp.inf, jnp.float32)) if return_lse else out
+    scales = None
+    if group is not None:
+        _, scales = _stored_grouped(out.astype(jnp.float32), out, jnp.zeros((outputs.shape[1],), bool), group)
+    return _results(out, jnp.full(lses.shape[1:], -jnp.inf, jnp.float32) if return_lse else None, scales)
 
 
 @functools.partial(jax.jit, static_argnames=("reduce_dtype", "return_lse", "lse_layout", "lse_base2"))

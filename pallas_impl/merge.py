@@ -26,7 +26,8 @@ from pallas_impl import _math, jnp_fallback
 from pallas_impl import _plans as plans
 from pallas_impl import _sharding as sharding
 from pallas_impl._backend import pltriton
-from pallas_impl._device import _load_lse, _merged_lse, _program_tile, _store_lse, _store_output, _token_requests
+from pallas_impl._device import (_load_lse, _merged_lse, _program_tile, _store_group_fp8, _store_lse, _store_output,
+                                 _token_requests)
 from pallas_impl._math import two_way_weights
 
 
@@ -42,10 +43,10 @@ def _merge_attn_states_kernel(
     ptwc_ref,  # i32[1] prefill_tokens_with_context: tokens at or past it are suffix copies (docs/spec.md 4.4)
     # outputs
     out_ref,  # out_dtype[T, H, D]
-    *out_lse_ref,  # f32 LSE of the merge, when output_lse
+    *more_out_refs,  # f32 LSE of the merge, when output_lse; f32[T, H * D / G] per-group scales, when group
     num_tokens: int, num_heads: int, head_dim: int, num_requests: int,
     block_t: int, block_h: int, block_d: int,
-    lse_layout: str, lse_base2: bool, output_lse: bool, fused_mask: bool, fp8_out: bool,
+    lse_layout: str, lse_base2: bool, output_lse: bool, fused_mask: bool, fp8_out: bool, group=None,
 ):
     t0, h0, t, t_mask, th_mask, thd_mask = _program_tile(num_tokens, num_heads, head_dim, block_t, block_h, block_d)
 
@@ -71,26 +72,34 @@ def _merge_attn_states_kernel(
            + jnp.where(ws[:, :, None] > 0.0, b.astype(jnp.float32) * ws[:, :, None], 0.0))
     out = jnp.where(both_empty[:, :, None], 0.0, out)
     copy_t = t >= ptwc_ref[0]  # docs/spec.md 4.4
-    _store_output(out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)], out, b, copy_t, scale_ref,
-                  thd_mask, fp8_out)
+    out_block = out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)]
+    if group is not None:  # docs/spec.md 4.7 (block_d == D: the head dim is a power of two)
+        per_head = head_dim // group[0]
+        scale_block = more_out_refs[-1].at[pl.ds(t0, block_t), pl.ds(h0 * per_head, block_h * per_head)]
+        _store_group_fp8(out_block, scale_block, out, b, copy_t, th_mask, thd_mask, group[0], group[1])
+    else:
+        _store_output(out_block, out, b, copy_t, scale_ref, thd_mask, fp8_out)
 
     if output_lse:
         lse = _merged_lse(z, m, both_empty, copy_t, s_raw, lse_base2)
-        _store_lse(out_lse_ref[0], t0, h0, block_t, block_h, lse, th_mask, lse_layout)
+        _store_lse(more_out_refs[0], t0, h0, block_t, block_h, lse, th_mask, lse_layout)
 
 
-_STATIC_ARGNAMES = ("return_lse", "out_dtype", "lse_layout", "lse_base2", "interpret")
+_STATIC_ARGNAMES = ("return_lse", "out_dtype", "lse_layout", "lse_base2", "interpret", "group")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC_ARGNAMES)
 def _merge_jit(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc,
                prefix_cu_seq_lens, prefill_tokens_with_context, *, return_lse, out_dtype, lse_layout, lse_base2,
-               interpret):
+               interpret, group=None):
     num_tokens, num_heads, head_dim = prefix_output.shape
     prefill_tokens = checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
+    groups = 0 if group is None else num_heads * head_dim // group[0]
     if num_tokens == 0 or num_heads == 0:
         empty_out = jnp.zeros(prefix_output.shape, out_dtype)
-        return (empty_out, jnp.zeros(prefix_lse.shape, jnp.float32)) if return_lse else empty_out
+        scales = None if group is None else _math.scale_layout(jnp.zeros((num_tokens, groups), jnp.float32), group[2])
+        return jnp_fallback._results(empty_out, jnp.zeros(prefix_lse.shape, jnp.float32) if return_lse else None,
+                                     scales)
     fused = query_start_loc is not None and query_start_loc.shape[0] > 1  # R = 0: nothing to mask
     fp8 = output_scale is not None
     dummy_i32 = jnp.zeros((1,), jnp.int32)
@@ -101,11 +110,14 @@ def _merge_jit(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scal
         _merge_attn_states_kernel, num_tokens=num_tokens, num_heads=num_heads, head_dim=head_dim,
         num_requests=query_start_loc.shape[0] - 1 if fused else 0,
         block_t=block_t, block_h=block_h, block_d=block_d,
-        lse_layout=lse_layout, lse_base2=lse_base2, output_lse=return_lse, fused_mask=fused, fp8_out=fp8)
+        lse_layout=lse_layout, lse_base2=lse_base2, output_lse=return_lse, fused_mask=fused, fp8_out=fp8,
+        group=None if group is None else group[:2])
     operands = (prefix_output, prefix_lse, suffix_output, suffix_lse)
     out_shape = [sharding.out_struct(prefix_output.shape, out_dtype, *operands)]
     if return_lse:
         out_shape.append(sharding.out_struct(prefix_lse.shape, jnp.float32, *operands))
+    if group is not None:
+        out_shape.append(sharding.out_struct((num_tokens, groups), jnp.float32, *operands))
     results = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -116,13 +128,16 @@ def _merge_jit(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scal
     )(prefix_output, prefix_lse, suffix_output, suffix_lse,
       output_scale.reshape(1) if fp8 else jnp.ones((1,), jnp.float32),
       query_start_loc if fused else dummy_i32, prefix_cu_seq_lens if fused else dummy_i32, prefill_tokens)
-    return tuple(results) if return_lse else results[0]
+    if group is not None:
+        results = [*results[:-1], _math.scale_layout(results[-1], group[2])]
+    return tuple(results) if len(results) > 1 else results[0]
 
 
 def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
                       prefill_tokens_with_context=None, query_start_loc=None, prefix_cu_seq_lens=None,
                       return_lse=True, out_dtype=None, output_scale=None, lse_layout="HT", lse_base=math.e,
-                      interpret=None, implementation=None, backend=None, validate=False):
+                      group_size=None, scale_ue8m0=False, scale_layout="row", interpret=None, implementation=None,
+                      backend=None, validate=False):
     """Merge two attention partials by their LSEs (docs/spec.md 4). Functional and jit-friendly.
 
     Args:
@@ -139,6 +154,12 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
       output_scale: f32 scalar or f32[1], for (and only for) an fp8 output (docs/spec.md 4.6).
       lse_layout: "HT" or "TH", for all LSEs.
       lse_base: math.e or 2, for all LSEs.
+      group_size: per-group FP8 (docs/spec.md 4.7): the output is float8_e4m3fn (out_dtype None or fp8, no
+        output_scale), quantized per group of group_size elements of each head row (a power of two from 16
+        dividing D, D a power of two), and its f32 scales are returned last.
+      scale_ue8m0: the per-group scales rounded up to powers of two (DeepGEMM's UE8M0).
+      scale_layout: the scales' layout: "row" f32[T, H * D / G], "col" f32[H * D / G, T], or "col_tma" f32[H * D /
+        G, T padded to a multiple of 4] (DeepGEMM's TMA-aligned column-major; the padding is 0).
       interpret: None interprets on CPU and compiles on GPU.
       implementation: None (Pallas on GPU, jnp elsewhere), "pallas" or "jnp"; an explicit choice never
         falls back.
@@ -147,7 +168,8 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
       validate: also check offset values and prefill_tokens_with_context on the host (not under jit).
 
     Returns:
-      (out dtype[T, H, D], lse f32) if return_lse else out.
+      (out dtype[T, H, D], lse f32) if return_lse else out; with group_size the scales follow: (out, lse,
+      scales) or (out, scales).
 
     Raises:
       TypeError: an array of the wrong dtype.
@@ -158,7 +180,8 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
     args = (prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc, prefix_cu_seq_lens,
             prefill_tokens_with_context)
     plan = plans.cached_plan(_PLANS, _merge_plan, args,
-                             (return_lse, out_dtype, lse_layout, lse_base, interpret, implementation, backend), backend)
+                             (return_lse, out_dtype, lse_layout, lse_base, interpret, implementation, backend,
+                              group_size, scale_ue8m0, scale_layout), backend)
     if validate:
         num_tokens = prefix_output.shape[0]
         if query_start_loc is not None:
@@ -172,7 +195,7 @@ _PLANS: dict = {}  # plans.cached_plan
 
 def _merge_plan(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc,
                 prefix_cu_seq_lens, prefill_tokens_with_context, return_lse, out_dtype, lse_layout, lse_base, interpret,
-                implementation, backend):
+                implementation, backend, group_size=None, scale_ue8m0=False, scale_layout="row"):
     """The static checks of `merge_attn_states` and its call for arguments of these types (`plans.cached_plan`)."""
     checks.check_lse_layout(lse_layout)
     lse_base2 = checks.check_lse_base(lse_base)
@@ -185,19 +208,26 @@ def _merge_plan(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sca
     for name, x in (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse)):
         checks.check_array(name, x, ndim=2, dtypes=(jnp.float32,))
         checks.check_lse_shape(name, x.shape, lse_layout, num_heads, num_tokens)
-    out_dtype = checks.check_out_dtype(out_dtype, prefix_output.dtype, output_scale)
+    group = checks.check_group(group_size, scale_ue8m0, scale_layout, prefix_output.shape[2], output_scale)
+    out_dtype = checks.check_out_dtype(checks.FP8 if group and out_dtype is None else out_dtype, prefix_output.dtype,
+                                       output_scale, grouped=group is not None)
     if checks.check_fused_pair(query_start_loc, prefix_cu_seq_lens, "prefix_cu_seq_lens"):
         checks.check_offsets(query_start_loc, prefix_cu_seq_lens, cu_name="prefix_cu_seq_lens")
     checks.check_prefill_tokens(prefill_tokens_with_context, num_tokens, False)
     impl = _backend.resolve_implementation(implementation, backend)
     backend = _backend.resolve_backend(backend)
     options = dict(return_lse=return_lse, out_dtype=out_dtype, lse_layout=lse_layout, lse_base2=lse_base2)
+    if group is not None:
+        options["group"] = group
     if impl == "jnp":
         return functools.partial(jnp_fallback.merge_attn_states, **options)
     _backend.filter_triton_deprecation()
     interpret = _backend.resolve_interpret(interpret, backend)
     lse_axis = 0 if lse_layout == "HT" else 1
     if backend == "mosaic_gpu":
+        if group is not None:
+            raise NotImplementedError("backend='mosaic_gpu' has no per-group FP8 output yet (group_size); use the "
+                                      "Triton backend or implementation='jnp'")
         from pallas_impl.mosaic.merge import merge_mosaic
 
         fn = functools.partial(merge_mosaic, **options, interpret=interpret)
@@ -209,4 +239,5 @@ def _merge_plan(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sca
          "prefix_cu_seq_lens", "prefill_tokens_with_context"),
         (prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc, prefix_cu_seq_lens,
          prefill_tokens_with_context),
-        (1, lse_axis, 1, lse_axis, None, None, None, None), (1, lse_axis) if return_lse else 1, interpret=interpret)
+        (1, lse_axis, 1, lse_axis, None, None, None, None),
+        sharding.out_head_axes(return_lse, lse_axis, group), interpret=interpret)

@@ -35,7 +35,8 @@ from pallas_impl import _plans as plans
 from pallas_impl import _sharding as sharding
 from pallas_impl._backend import pltriton
 from pallas_impl._device import (_copied_lse, _load_lse, _lse_where, _max_and_sum, _merged_lse, _partial_lse,
-                                 _program_tile, _store_lse, _store_output, _token_requests, _weighted)
+                                 _program_tile, _store_group_fp8, _store_lse, _store_output, _token_requests,
+                                 _weighted)
 
 
 def _store_max_and_sum(wlse_ref, t0, h0, block_t, block_h, th_mask, w_layout, m, all_empty, z):
@@ -90,11 +91,11 @@ def _merge_attn_states_n_kernel(
     ptwc_ref,  # i32[1] prefill_tokens_with_context: tokens at or past it copy the last partial (8.4)
     # outputs
     out_ref,  # out_dtype[T, H, D]
-    *out_lse_ref,  # f32 LSE of the merge, when output_lse
+    *more_out_refs,  # f32 LSE of the merge, when output_lse; f32[T, H * D / G] per-group scales, when group
     num_partials: int, num_tokens: int, num_heads: int, head_dim: int, num_requests: int,
     block_t: int, block_h: int, block_d: int,
     lse_layout: str, w_layout: str, lse_base2: bool, output_lse: bool, fused_mask: bool, fp8_out: bool,
-    given_mz: bool, given_w: bool,
+    given_mz: bool, given_w: bool, group=None,
 ):
     t0, h0, t, t_mask, th_mask, thd_mask = _program_tile(num_tokens, num_heads, head_dim, block_t, block_h, block_d)
     last = num_partials - 1
@@ -146,27 +147,34 @@ def _merge_attn_states_n_kernel(
         out = out + _weighted(b, w_last)
     out = jnp.where(all_empty[:, :, None], 0.0, out)
     copy_t = t >= ptwc_ref[0]  # 8.4
-    _store_output(out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)], out, b, copy_t, scale_ref,
-                  thd_mask, fp8_out)
+    out_block = out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)]
+    if group is not None:  # 4.7 (block_d == D: the head dim is a power of two)
+        per_head = head_dim // group[0]
+        scale_block = more_out_refs[-1].at[pl.ds(t0, block_t), pl.ds(h0 * per_head, block_h * per_head)]
+        _store_group_fp8(out_block, scale_block, out, b, copy_t, th_mask, thd_mask, group[0], group[1])
+    else:
+        _store_output(out_block, out, b, copy_t, scale_ref, thd_mask, fp8_out)
 
     if output_lse:
         lse = _merged_lse(z, m, all_empty, copy_t,
                           _copied_lse(last_raw, cu_ref, last, num_requests + 1, req, in_req, fused_mask), lse_base2)
-        _store_lse(out_lse_ref[0], t0, h0, block_t, block_h, lse, th_mask, lse_layout)
+        _store_lse(more_out_refs[0], t0, h0, block_t, block_h, lse, th_mask, lse_layout)
 
 
-_STATIC_ARGNAMES = ("return_lse", "out_dtype", "lse_layout", "lse_base2", "interpret")
+_STATIC_ARGNAMES = ("return_lse", "out_dtype", "lse_layout", "lse_base2", "interpret", "group")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC_ARGNAMES)
 def _merge_n_jit(outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context, *,
-                 return_lse, out_dtype, lse_layout, lse_base2, interpret):
+                 return_lse, out_dtype, lse_layout, lse_base2, interpret, group=None):
     num_partials, num_tokens, num_heads, head_dim = outputs.shape
     lse_shape = lses.shape[1:]
     prefill_tokens = checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
+    groups = 0 if group is None else num_heads * head_dim // group[0]
     if num_tokens == 0 or num_heads == 0:
         empty_out = jnp.zeros(outputs.shape[1:], out_dtype)
-        return (empty_out, jnp.zeros(lse_shape, jnp.float32)) if return_lse else empty_out
+        scales = None if group is None else _math.scale_layout(jnp.zeros((num_tokens, groups), jnp.float32), group[2])
+        return jnp_fallback._results(empty_out, jnp.zeros(lse_shape, jnp.float32) if return_lse else None, scales)
     fused = query_start_loc is not None and query_start_loc.shape[0] > 1  # R = 0: nothing to mask
     fp8 = output_scale is not None
     dummy_i32 = jnp.zeros((1,), jnp.int32)
@@ -200,10 +208,12 @@ def _merge_n_jit(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pref
         _merge_attn_states_n_kernel, num_partials=num_partials, num_tokens=num_tokens, num_heads=num_heads,
         head_dim=head_dim, num_requests=num_requests, block_t=block_t, block_h=block_h, block_d=block_d,
         lse_layout=lse_layout, w_layout=w_layout, lse_base2=lse_base2, output_lse=return_lse, fused_mask=fused,
-        fp8_out=fp8, given_mz=split, given_w=weights)
+        fp8_out=fp8, given_mz=split, given_w=weights, group=None if group is None else group[:2])
     out_shape = [sharding.out_struct(outputs.shape[1:], out_dtype, outputs, lses)]
     if return_lse:
         out_shape.append(sharding.out_struct(lse_shape, jnp.float32, outputs, lses))
+    if group is not None:
+        out_shape.append(sharding.out_struct((num_tokens, groups), jnp.float32, outputs, lses))
     results = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -213,13 +223,15 @@ def _merge_n_jit(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pref
                                                                                  lse_layout)),
         name="merge_attn_states_n",
     )(outputs, lses, output_scale.reshape(1) if fp8 else jnp.ones((1,), jnp.float32), qsl, cu, wlse, prefill_tokens)
-    return tuple(results) if return_lse else results[0]
+    if group is not None:
+        results = [*results[:-1], _math.scale_layout(results[-1], group[2])]
+    return tuple(results) if len(results) > 1 else results[0]
 
 
 def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, query_start_loc=None,
                         cu_seq_lens=None, return_lse=True, out_dtype=None, output_scale=None, lse_layout="HT",
-                        lse_base=math.e, interpret=None, implementation=None, backend=None,
-                        validate=False):
+                        lse_base=math.e, group_size=None, scale_ue8m0=False, scale_layout="row", interpret=None,
+                        implementation=None, backend=None, validate=False):
     """Merge N attention partials by their LSEs (docs/spec.md section 8). Functional and jit-friendly.
 
     Args:
@@ -237,6 +249,7 @@ def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, quer
       output_scale: f32 scalar or f32[1], for (and only for) an fp8 output (4.6).
       lse_layout: "HT" or "TH", for all LSEs.
       lse_base: math.e or 2, for all LSEs.
+      group_size, scale_ue8m0, scale_layout: per-group FP8 output, as for `merge_attn_states` (docs/spec.md 4.7).
       interpret: None interprets on CPU and compiles on GPU.
       implementation: None (Pallas on GPU, jnp elsewhere), "pallas" or "jnp"; an explicit choice never falls
         back.
@@ -245,7 +258,7 @@ def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, quer
       validate: also check offset values and prefill_tokens_with_context on the host (not under jit).
 
     Returns:
-      (out dtype[T, H, D], lse f32[H, T] or [T, H]) if return_lse else out.
+      (out dtype[T, H, D], lse f32[H, T] or [T, H]) if return_lse else out; with group_size the scales follow.
 
     Raises:
       TypeError: an array of the wrong dtype.
@@ -256,7 +269,8 @@ def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, quer
     """
     args = (outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context)
     plan = plans.cached_plan(_PLANS, _merge_n_plan, args,
-                             (return_lse, out_dtype, lse_layout, lse_base, interpret, implementation, backend), backend)
+                             (return_lse, out_dtype, lse_layout, lse_base, interpret, implementation, backend,
+                              group_size, scale_ue8m0, scale_layout), backend)
     if validate:
         num_tokens = outputs.shape[1]
         if query_start_loc is not None:
@@ -269,7 +283,8 @@ _PLANS: dict = {}  # plans.cached_plan
 
 
 def _merge_n_plan(outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context, return_lse,
-                  out_dtype, lse_layout, lse_base, interpret, implementation, backend):
+                  out_dtype, lse_layout, lse_base, interpret, implementation, backend, group_size=None, scale_ue8m0=False,
+                  scale_layout="row"):
     """The static checks of `merge_attn_states_n` and its call for arguments of these types (`plans.cached_plan`)."""
     checks.check_lse_layout(lse_layout)
     lse_base2 = checks.check_lse_base(lse_base)
@@ -280,7 +295,9 @@ def _merge_n_plan(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pre
         raise ValueError(f"outputs and lses disagree on N: outputs has {num_partials} partials, "
                          f"lses.shape={tuple(lses.shape)}")
     checks.check_lse_shape("lses", lses.shape, lse_layout, num_heads, num_tokens, num_partials=num_partials)
-    out_dtype = checks.check_out_dtype(out_dtype, outputs.dtype, output_scale)
+    group = checks.check_group(group_size, scale_ue8m0, scale_layout, outputs.shape[3], output_scale)
+    out_dtype = checks.check_out_dtype(checks.FP8 if group and out_dtype is None else out_dtype, outputs.dtype,
+                                       output_scale, grouped=group is not None)
     if checks.check_fused_pair(query_start_loc, cu_seq_lens, "cu_seq_lens"):
         checks.check_array("query_start_loc", query_start_loc, ndim=1, dtypes=(jnp.int32,))
         checks.check_array("cu_seq_lens", cu_seq_lens, ndim=2, dtypes=(jnp.int32,))
@@ -294,6 +311,8 @@ def _merge_n_plan(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pre
     impl = _backend.resolve_implementation(implementation, backend)
     backend = _backend.resolve_backend(backend)
     options = dict(return_lse=return_lse, out_dtype=out_dtype, lse_layout=lse_layout, lse_base2=lse_base2)
+    if group is not None:
+        options["group"] = group
     if num_partials == 0:  # 8.2: no partial, every row empty (pass-through rows too); no kernel on any backend
         return functools.partial(jnp_fallback.empty_merge_n, **options)
     if impl == "jnp":
@@ -302,6 +321,9 @@ def _merge_n_plan(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pre
     interpret = _backend.resolve_interpret(interpret, backend)
     lse_axis = 0 if lse_layout == "HT" else 1
     if backend == "mosaic_gpu":
+        if group is not None:
+            raise NotImplementedError("backend='mosaic_gpu' has no per-group FP8 output yet (group_size); use the "
+                                      "Triton backend or implementation='jnp'")
         from pallas_impl.mosaic.merge_n import merge_n_mosaic
 
         fn = functools.partial(merge_n_mosaic, **options, interpret=interpret)
@@ -311,4 +333,5 @@ def _merge_n_plan(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pre
         fn,
         ("outputs", "lses", "output_scale", "query_start_loc", "cu_seq_lens", "prefill_tokens_with_context"),
         (outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context),
-        (2, lse_axis + 1, None, None, None, None), (1, lse_axis) if return_lse else 1, interpret=interpret)
+        (2, lse_axis + 1, None, None, None, None), sharding.out_head_axes(return_lse, lse_axis, group),
+        interpret=interpret)

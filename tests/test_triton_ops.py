@@ -41,8 +41,9 @@ def test_the_ops_are_registered_with_the_functions_arguments():
         params = list(inspect.signature(getattr(triton_impl, name)).parameters)
         assert args == params, (name, args, params)
         mutable = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-        assert mutable == {"mask_empty_context_lse": {"lse", "output"}, "merge_attn_states": {"output", "output_lse"},
-                           "merge_attn_states_n": {"output", "output_lse"}}[name]
+        assert mutable == {"mask_empty_context_lse": {"lse", "output"},
+                           "merge_attn_states": {"output", "output_lse", "output_group_scale"},
+                           "merge_attn_states_n": {"output", "output_lse", "output_group_scale"}}[name]
 
 
 @pytest.mark.parametrize("fused,output_lse", [(True, True), (False, True), (True, False)])

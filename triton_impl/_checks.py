@@ -113,16 +113,26 @@ def check_no_partial_overlap(out_name: str, out: torch.Tensor, **inputs) -> tupl
     return checks
 
 
-def check_output(output, like: torch.Tensor, output_scale, *, name: str = "output", shape=None) -> bool:
+def check_output(output, like: torch.Tensor, output_scale, *, name: str = "output", shape=None,
+                 grouped: bool = False) -> bool:
     """The merge output and its optional fp8 scale, against the partials' tensor `like` [..., T, H, D] (or
     `shape`, when the output holds only some heads); returns whether the output is fp8. Any output dtype of
-    OUTPUT_DTYPES or fp8, whatever the partials' (docs/spec.md 4.3: one rounding at the store)."""
+    OUTPUT_DTYPES or fp8, whatever the partials' (docs/spec.md 4.3: one rounding at the store). `grouped`: per-group
+    FP8 (4.7): the output must be fp8 and output_scale None (the group scales are checked by `check_group_scale`)."""
     device = like.device
     shape = tuple(like.shape[-3:]) if shape is None else tuple(shape)
     check_tensor(name, output, ndim=3, dtypes=OUTPUT_DTYPES + (torch.float8_e4m3fn,), device=device)
     if tuple(output.shape) != shape:
         raise ValueError(f"{name} must be [T, H, D] = {list(shape)}; got {name}.shape={tuple(output.shape)}")
     fp8 = output.dtype == torch.float8_e4m3fn
+    if grouped:
+        if not fp8:
+            raise TypeError(f"group_size (per-group FP8) needs a float8_e4m3fn {name}; got {name}.dtype={output.dtype}")
+        if output_scale is not None:
+            raise ValueError("output_scale (one static scale) and group_size (per-group scales) exclude each other; "
+                             "got both")
+        check_no_internal_overlap(name, output)
+        return False
     if fp8 != (output_scale is not None):
         raise ValueError("output_scale is required for a float8_e4m3fn output and only for it; got "
                          f"{name}.dtype={output.dtype}, output_scale={'given' if output_scale is not None else None}")
@@ -169,3 +179,26 @@ def check_offset_values(query_start_loc, cu_seq_lens, num_tokens: int, *, cu_nam
     (one row per partial)."""
     _shared.check_offset_values(query_start_loc.detach().cpu().numpy(), cu_seq_lens.detach().cpu().numpy(),
                                 num_tokens, cu_name=cu_name)
+
+
+def check_group_scale(output_group_scale, group_size, scale_ue8m0, output: torch.Tensor, **reads) -> tuple:
+    """The per-group FP8 options and the scale tensor (docs/spec.md 4.7): f32[T, H * D / group_size] on the
+    output's device, any strides, no element written twice, overlapping none of the tensors of `reads` (nor the
+    output); returns ((stride_t, stride_g), the per-signature overlap checks)."""
+    num_tokens, num_heads, head_dim = output.shape
+    _shared.check_group_quant(group_size, scale_ue8m0, head_dim)
+    if output_group_scale is None:
+        raise ValueError("group_size needs output_group_scale, the f32[T, H * D / group_size] tensor its scales are "
+                         "written to")
+    check_tensor("output_group_scale", output_group_scale, ndim=2, dtypes=(torch.float32,), device=output.device)
+    want = (num_tokens, num_heads * head_dim // group_size)
+    if tuple(output_group_scale.shape) != want:
+        raise ValueError(f"output_group_scale must be [T, H * D / group_size] = {list(want)}; got "
+                         f"output_group_scale.shape={tuple(output_group_scale.shape)} (a column-major buffer: pass "
+                         "buf[:, :T].t())")
+    check_no_internal_overlap("output_group_scale", output_group_scale)
+    overlaps = check_no_partial_overlap("output_group_scale", output_group_scale, output=output,
+                                        **{k: v for k, v in reads.items() if v is not None})
+    return tuple(output_group_scale.stride()), overlaps
+
+group_floor_scale = _shared.group_floor_scale

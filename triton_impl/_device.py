@@ -23,6 +23,9 @@ if not _backend.interpreting():
 LN2 = tl.constexpr(constants.LN2)
 LOG2E = tl.constexpr(constants.LOG2E)
 FP8_MAX = tl.constexpr(constants.FP8_E4M3_MAX)
+GROUP_EPS = tl.constexpr(constants.GROUP_EPS)
+UE8M0_ROUND_UP = tl.constexpr(constants.UE8M0_ROUND_UP)
+UE8M0_EXPONENT = tl.constexpr(constants.UE8M0_EXPONENT)
 
 
 @triton.jit
@@ -153,6 +156,31 @@ def _store_output(out_ptr, out_ptrs, out, last, copy_t, scale_ptr, thd_mask, FP8
         else:  # 4.4: another output dtype: the copied row, as f32, takes the one rounding of a merged row
             out = tl.where(copy_t[:, None, None], last.to(tl.float32), out)
             tl.store(out_ptrs, _cast_rne(out, out_ptr.dtype.element_ty, INTERPRET), mask=thd_mask)
+
+
+@triton.jit
+def _store_group_fp8(out_ptr, out_ptrs, out, last, copy_t, gs_ptr, t64, h64, stride_gs_t, stride_gs_g, th_mask,
+                     thd_mask, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr, GROUP_SIZE: tl.constexpr, UE8M0: tl.constexpr, INTERPRET: tl.constexpr):
+    """The merged f32 tile `out` quantized per group of GROUP_SIZE elements of a head row (docs/spec.md 4.7) to
+    `out_ptrs` (fp8), and its scales f32 to `gs_ptr` [T, H * D / G] through (stride_gs_t, stride_gs_g):
+    pass-through tokens take `last` as f32 (4.4) and are quantized like any other row."""
+    out = tl.where(copy_t[:, None, None], last.to(tl.float32), out)
+    GROUPS: tl.constexpr = BLOCK_D // GROUP_SIZE
+    x = tl.reshape(out, (BLOCK_T, BLOCK_H, GROUPS, GROUP_SIZE))
+    amax = tl.max(tl.where(x == x, tl.abs(x), 0.0), axis=3)  # NaN left out of the maximum
+    amax = tl.where(amax > GROUP_EPS, amax, GROUP_EPS)
+    scale = amax / FP8_MAX
+    if UE8M0:  # rounded up to a power of two on the bits: exactly 2^ceil(log2(scale))
+        scale = ((scale.to(tl.int32, bitcast=True) + UE8M0_ROUND_UP) & UE8M0_EXPONENT).to(tl.float32, bitcast=True)
+    q = x / scale[:, :, :, None]
+    q = tl.where(q < -FP8_MAX, -FP8_MAX, q)  # comparisons, not min/max: NaN stays NaN
+    q = tl.where(q > FP8_MAX, FP8_MAX, q)
+    q = tl.reshape(q, (BLOCK_T, BLOCK_H, BLOCK_D))
+    tl.store(out_ptrs, _cast_rne(q, out_ptr.dtype.element_ty, INTERPRET), mask=thd_mask)
+    g = tl.arange(0, GROUPS)
+    g_ptrs = gs_ptr + t64[:, :, None] * stride_gs_t + (h64[:, :, None] * (HEAD_DIM // GROUP_SIZE) + g) * stride_gs_g
+    tl.store(g_ptrs, scale, mask=th_mask[:, :, None] & (g < HEAD_DIM // GROUP_SIZE)[None, None, :])
 
 
 @triton.jit

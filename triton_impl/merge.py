@@ -23,7 +23,8 @@ from triton_impl import _backend
 from triton_impl import _checks as checks
 from triton_impl import _launch as launcher
 from triton_impl import _plans as plans
-from triton_impl._device import _clean_lse, _exp_base, _merged_lse, _program_tile, _store_output, _token_requests
+from triton_impl._device import (_clean_lse, _exp_base, _merged_lse, _program_tile, _store_group_fp8, _store_output,
+                                 _token_requests)
 
 
 @triton.jit
@@ -42,7 +43,8 @@ def _two_way_weights(p, s, LSE_BASE2: tl.constexpr, INTERPRET: tl.constexpr):
 # Runtime values, never specialised: token counts, offsets and, in [H, T] layout, the LSE head strides (= T).
 # The other LSE strides stay specialised (the unit stride of either layout, and H in [T, H]): that vectorises the
 # LSE accesses.
-@_backend.jit_per_lse_layout(runtime=["num_tokens", "prefill_tokens_with_context", "num_requests"],
+@_backend.jit_per_lse_layout(runtime=["num_tokens", "prefill_tokens_with_context", "num_requests", "stride_gs_t",
+                                      "stride_gs_g"],
                       lse_head_strides=["stride_olse_h", "stride_plse_h", "stride_slse_h"])
 def _merge_attn_states_kernel(
     out_ptr,  # dtype[T, H, D] (or fp8) via (stride_out_t, stride_out_h, stride_out_d)
@@ -52,6 +54,7 @@ def _merge_attn_states_kernel(
     suffix_ptr,  # dtype[T, H, D] via (stride_s_t, stride_s_h, stride_s_d)
     suffix_lse_ptr,  # f32[H, T] via (stride_slse_h, stride_slse_t)
     scale_ptr,  # f32[1] output scale; unused unless FP8_OUT
+    gs_ptr,  # f32[T, H * D / G] per-group scales via (stride_gs_t, stride_gs_g); unused unless GROUP_SIZE
     qsl_ptr,  # i32[R+1] query_start_loc; unused unless FUSED_MASK
     cu_ptr,  # i32[R+1] the prefix chunk's cu_seq_lens; unused unless FUSED_MASK
     stride_out_t, stride_out_h, stride_out_d,
@@ -60,6 +63,7 @@ def _merge_attn_states_kernel(
     stride_olse_h, stride_olse_t,
     stride_plse_h, stride_plse_t,
     stride_slse_h, stride_slse_t,
+    stride_gs_t, stride_gs_g,
     num_tokens,  # T
     prefill_tokens_with_context,  # tokens at or past it are suffix copies (docs/spec.md 4.4); runtime value
     num_requests,  # R; runtime value
@@ -67,7 +71,7 @@ def _merge_attn_states_kernel(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     SCAN: tl.constexpr, N_INTERPRET: tl.constexpr,
     LSE_BASE2: tl.constexpr, OUTPUT_LSE: tl.constexpr, FUSED_MASK: tl.constexpr, FP8_OUT: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, UE8M0: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     t, t_mask, th_mask, thd_mask, t64, h64, d64 = _program_tile(num_tokens, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H,
                                                                   BLOCK_D)
@@ -95,7 +99,11 @@ def _merge_attn_states_kernel(
     out = tl.where(both_empty[:, :, None], 0.0, out)
     copy_t = t >= prefill_tokens_with_context  # docs/spec.md 4.4
     out_ptrs = out_ptr + t64[:, :, None] * stride_out_t + h64[:, :, None] * stride_out_h + d64 * stride_out_d
-    _store_output(out_ptr, out_ptrs, out, b, copy_t, scale_ptr, thd_mask, FP8_OUT, INTERPRET)
+    if GROUP_SIZE:  # docs/spec.md 4.7
+        _store_group_fp8(out_ptr, out_ptrs, out, b, copy_t, gs_ptr, t64, h64, stride_gs_t, stride_gs_g, th_mask,
+                         thd_mask, HEAD_DIM, BLOCK_T, BLOCK_H, BLOCK_D, GROUP_SIZE, UE8M0, INTERPRET)
+    else:
+        _store_output(out_ptr, out_ptrs, out, b, copy_t, scale_ptr, thd_mask, FP8_OUT, INTERPRET)
 
     if OUTPUT_LSE:
         lse = _merged_lse(z, m, both_empty, copy_t, s_raw, LSE_BASE2, INTERPRET)
@@ -104,7 +112,8 @@ def _merge_attn_states_kernel(
 
 def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None,
                       prefill_tokens_with_context=None, output_scale=None, *, query_start_loc=None,
-                      prefix_cu_seq_lens=None, lse_layout="HT", lse_base=math.e, validate=False) -> None:
+                      prefix_cu_seq_lens=None, lse_layout="HT", lse_base=math.e, group_size=None,
+                      output_group_scale=None, scale_ue8m0=False, validate=False) -> None:
     """Merge two attention partials by their LSEs (docs/spec.md 4), vLLM's positional signature, in place.
 
     Args:
@@ -122,25 +131,34 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
         the prefix of every request whose prefix chunk is empty as empty.
       lse_layout: "HT" or "TH", for all three LSEs.
       lse_base: math.e or 2, for all three LSEs.
+      group_size: per-group FP8 (docs/spec.md 4.7): a float8_e4m3fn output quantized per group of group_size
+        elements of each head row (a power of two from 16 dividing D, D a power of two), its f32 scales written
+        to output_group_scale; output_scale must then be None.
+      output_group_scale: f32[T, H * D / group_size], any strides: row-major, or a column-major buffer
+        [H * D / group_size, T or T padded] viewed as `buf[:, :T].t()` (DeepGEMM's TMA-aligned layout). Written
+        in place.
+      scale_ue8m0: the per-group scales rounded up to powers of two (DeepGEMM's UE8M0).
       validate: also check offset values and prefill_tokens_with_context (reads offsets: a device sync).
 
     Raises:
       TypeError: a tensor of the wrong dtype.
       ValueError: wrong ranks or shapes, different devices, mismatched offsets, bad options.
+      NotImplementedError: a group size the kernels do not take for this head dim.
     """
     key, plan = (None, None) if validate else plans.find_plan(
         "merge", (output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse, output_scale,
-                  query_start_loc, prefix_cu_seq_lens), (lse_layout, lse_base))
+                  query_start_loc, prefix_cu_seq_lens, output_group_scale),
+        (lse_layout, lse_base, group_size, scale_ue8m0))
     if plan is not None:  # every metadata check passed for this signature: the per-call ones only
         overlaps, num_tokens, launch = plan
         if not checks.partial_overlap(overlaps, dict(output=output, output_lse=output_lse, prefix_output=prefix_output,
                                                      prefix_lse=prefix_lse, suffix_output=suffix_output,
-                                                     suffix_lse=suffix_lse)):
+                                                     suffix_lse=suffix_lse, output_group_scale=output_group_scale)):
             prefill_tokens = num_tokens if prefill_tokens_with_context is None else checks.check_prefill_tokens(
                 prefill_tokens_with_context, num_tokens, False)
             if launch is not None:
                 _launch(launch, output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale,
-                        query_start_loc, prefix_cu_seq_lens, prefill_tokens, lse_layout)
+                        query_start_loc, prefix_cu_seq_lens, prefill_tokens, lse_layout, output_group_scale)
             return
         # an overlap: the checked path below raises its error
 
@@ -153,7 +171,16 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
     if suffix_output.shape != prefix_output.shape:
         raise ValueError(f"suffix_output must match prefix_output [T, H, D]; got suffix_output.shape="
                          f"{tuple(suffix_output.shape)}, prefix_output.shape={tuple(prefix_output.shape)}")
-    fp8 = checks.check_output(output, prefix_output, output_scale)
+    group = group_size is not None
+    if not group and (output_group_scale is not None or scale_ue8m0):
+        raise ValueError("output_group_scale and scale_ue8m0 go with group_size (per-group FP8); got group_size=None")
+    fp8 = checks.check_output(output, prefix_output, output_scale, grouped=group)
+    gs_strides, gs_overlaps = (0, 0), ()
+    if group:
+        gs_strides, gs_overlaps = checks.check_group_scale(output_group_scale, group_size, scale_ue8m0, output,
+                                                           prefix_output=prefix_output, suffix_output=suffix_output,
+                                                           prefix_lse=prefix_lse, suffix_lse=suffix_lse,
+                                                           output_lse=output_lse)
     lse_strides = []  # (h, t) strides in the kernel's order: output_lse, prefix_lse, suffix_lse
     for name, x in (("output_lse", output_lse), ("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse)):
         if x is None:
@@ -183,27 +210,31 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
         block_t, block_h, block_d = tiles.merge_tiles("triton", num_heads, head_dim, variant, itemsize)
         launch = plans.merge_launch(
             grid=tiles.merge_grid("triton", num_tokens, num_heads, head_dim, variant, itemsize), fused=fused,
-            ints=(*output.stride(), *prefix_output.stride(), *suffix_output.stride(), *lse_strides, num_tokens),
+            ints=(*output.stride(), *prefix_output.stride(), *suffix_output.stride(), *lse_strides, *gs_strides,
+                  num_tokens),
             num_requests=num_requests,
             constexprs=dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
                             SCAN=tiles.SCAN, N_INTERPRET=_backend.n_interpret(num_requests + 1), LSE_BASE2=base2,
                             OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused, FP8_OUT=fp8,
+                            GROUP_SIZE=group_size or 0, UE8M0=bool(scale_ue8m0),
                             INTERPRET=_backend.interpreting(), num_warps=tiles.merge_num_warps("triton", variant),
                             **_backend.PARITY_LAUNCH),
             state=launcher.launch_state(key))
-    plans.remember(key, plans.plan(overlaps=lse_overlaps + out_overlaps, num_tokens=num_tokens, launch=launch))
+    plans.remember(key, plans.plan(overlaps=lse_overlaps + out_overlaps + gs_overlaps, num_tokens=num_tokens,
+                                   launch=launch))
     if launch is not None:
         _launch(launch, output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale,
-                query_start_loc, prefix_cu_seq_lens, prefill_tokens, lse_layout)
+                query_start_loc, prefix_cu_seq_lens, prefill_tokens, lse_layout, output_group_scale)
 
 
 def _launch(launch, output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale,
-            query_start_loc, prefix_cu_seq_lens, prefill_tokens, lse_layout) -> None:
+            query_start_loc, prefix_cu_seq_lens, prefill_tokens, lse_layout, output_group_scale=None) -> None:
     """The kernel launch of a plan's `merge_launch`."""
     grid, fused, ints, num_requests, constexprs, state = launch
     placeholder = prefix_lse  # for the pointers a variant does not read
     launcher.launch(_merge_attn_states_kernel[lse_layout], grid, (
         output, placeholder if output_lse is None else output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse,
         placeholder if output_scale is None else output_scale,
+        placeholder if output_group_scale is None else output_group_scale,
         query_start_loc if fused else placeholder, prefix_cu_seq_lens if fused else placeholder,
         *ints, prefill_tokens, num_requests), constexprs, state)

@@ -39,7 +39,7 @@ from triton_impl import _checks as checks
 from triton_impl import _launch as launcher
 from triton_impl import _plans as plans
 from triton_impl._device import (_copied_lse, _max_and_sum, _merged_lse, _partial_exp, _program_tile,
-                                 _store_output, _token_requests, _weighted)
+                                 _store_group_fp8, _store_output, _token_requests, _weighted)
 
 
 @triton.jit
@@ -122,7 +122,7 @@ def _merge_n_weights_kernel(
 
 
 @_backend.jit_per_lse_layout(runtime=["num_tokens", "prefill_tokens_with_context", "num_requests", "stride_lse_n",
-                               "stride_cu_n", "stride_wlse_n"], lse_head_strides=["stride_olse_h", "stride_lse_h",
+                               "stride_cu_n", "stride_wlse_n", "stride_gs_t", "stride_gs_g"], lse_head_strides=["stride_olse_h", "stride_lse_h",
                                                                               "stride_wlse_h"])
 def _merge_attn_states_n_kernel(
     out_ptr,  # dtype[T, H, D] (or fp8) via (stride_out_t, stride_out_h, stride_out_d)
@@ -133,12 +133,14 @@ def _merge_attn_states_n_kernel(
     qsl_ptr,  # i32[R+1] query_start_loc; unused unless FUSED_MASK
     cu_ptr,  # i32[N, R+1] each partial's KV offsets via (stride_cu_n, 1); unused unless FUSED_MASK
     wlse_ptr,  # f32[2 (+ N), H, T] ([.., T, H]): the first kernel's m, z (, e_i); unused unless GIVEN_MZ
+    gs_ptr,  # f32[T, H * D / G] per-group scales via (stride_gs_t, stride_gs_g); unused unless GROUP_SIZE
     stride_out_t, stride_out_h, stride_out_d,
     stride_o_n, stride_o_t, stride_o_h, stride_o_d,
     stride_olse_h, stride_olse_t,
     stride_lse_n, stride_lse_h, stride_lse_t,
     stride_cu_n,
     stride_wlse_n, stride_wlse_h, stride_wlse_t,
+    stride_gs_t, stride_gs_g,
     num_tokens,  # T
     prefill_tokens_with_context,  # tokens at or past it copy the last partial (8.4); runtime value
     num_requests,  # R; runtime value
@@ -149,6 +151,7 @@ def _merge_attn_states_n_kernel(
     INTERPRET: tl.constexpr, LSE_STEPS: tl.constexpr, OUT_STEPS: tl.constexpr, EXP_STEP: tl.constexpr,
     OUT_STEP: tl.constexpr, MAX_CHUNKS: tl.constexpr, MAX_CHUNK: tl.constexpr, OUT_EVICT: tl.constexpr,
     GIVEN_MZ: tl.constexpr, GIVEN_W: tl.constexpr, OUT_STAGES: tl.constexpr, EARLY_OUTPUTS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, UE8M0: tl.constexpr,
 ):
     t, t_mask, th_mask, thd_mask, t64, h64, d64 = _program_tile(num_tokens, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H,
                                                                   BLOCK_D)
@@ -210,7 +213,11 @@ def _merge_attn_states_n_kernel(
     out = tl.where(all_empty[:, :, None], 0.0, out)
     copy_t = t >= prefill_tokens_with_context  # 8.4
     out_ptrs = out_ptr + t64[:, :, None] * stride_out_t + h64[:, :, None] * stride_out_h + d64 * stride_out_d
-    _store_output(out_ptr, out_ptrs, out, b, copy_t, scale_ptr, thd_mask, FP8_OUT, INTERPRET)
+    if GROUP_SIZE:  # docs/spec.md 4.7
+        _store_group_fp8(out_ptr, out_ptrs, out, b, copy_t, gs_ptr, t64, h64, stride_gs_t, stride_gs_g, th_mask,
+                         thd_mask, HEAD_DIM, BLOCK_T, BLOCK_H, BLOCK_D, GROUP_SIZE, UE8M0, INTERPRET)
+    else:
+        _store_output(out_ptr, out_ptrs, out, b, copy_t, scale_ptr, thd_mask, FP8_OUT, INTERPRET)
 
     if OUTPUT_LSE:
         lse = _merged_lse(z, m, all_empty, copy_t,
@@ -224,7 +231,8 @@ EMPTY = "empty"  # the launch plan of N = 0: no kernel, output 0 and LSE -inf (d
 
 def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_with_context=None,
                         output_scale=None, *, query_start_loc=None, cu_seq_lens=None, lse_layout="HT",
-                        lse_base=math.e, validate=False) -> None:
+                        lse_base=math.e, group_size=None, output_group_scale=None, scale_ue8m0=False,
+                        validate=False) -> None:
     """Merge N attention partials by their LSEs (docs/spec.md section 8), in place.
 
     Args:
@@ -244,24 +252,28 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
         -inf, whatever the partial holds.
       lse_layout: "HT" or "TH", for all LSEs.
       lse_base: math.e or 2, for all LSEs.
+      group_size, output_group_scale, scale_ue8m0: per-group FP8 output, as for `merge_attn_states`
+        (docs/spec.md 4.7); output_group_scale f32[T, H * D / group_size], any strides, written in place.
       validate: also check offset values and prefill_tokens_with_context (reads offsets: a device sync).
 
     Raises:
       TypeError: a tensor of the wrong dtype.
       ValueError: wrong ranks or shapes (outputs and lses disagreeing on N, cu_seq_lens not [N, R+1]),
         different devices, an overlapping output, bad options.
+      NotImplementedError: a group size the kernels do not take for this head dim.
     """
     key, plan = (None, None) if validate else plans.find_plan(
-        "merge_n", (output, outputs, lses, output_lse, output_scale, query_start_loc, cu_seq_lens),
-        (lse_layout, lse_base))
+        "merge_n", (output, outputs, lses, output_lse, output_scale, query_start_loc, cu_seq_lens, output_group_scale),
+        (lse_layout, lse_base, group_size, scale_ue8m0))
     if plan is not None:  # every metadata check passed for this signature: the per-call ones only
         overlaps, num_tokens, launch = plan
-        if not checks.partial_overlap(overlaps, dict(output=output, output_lse=output_lse, outputs=outputs, lses=lses)):
+        if not checks.partial_overlap(overlaps, dict(output=output, output_lse=output_lse, outputs=outputs, lses=lses,
+                                                     output_group_scale=output_group_scale)):
             prefill_tokens = num_tokens if prefill_tokens_with_context is None else checks.check_prefill_tokens(
                 prefill_tokens_with_context, num_tokens, False)
             if launch is not None:
                 _launch(launch, output, output_lse, outputs, lses, output_scale, query_start_loc, cu_seq_lens,
-                        prefill_tokens, lse_layout)
+                        prefill_tokens, lse_layout, output_group_scale)
             return
         # an overlap: the checked path below raises its error
 
@@ -270,7 +282,14 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
     checks.check_tensor("outputs", outputs, ndim=4, dtypes=checks.OUTPUT_DTYPES)
     device = outputs.device
     num_partials, num_tokens, num_heads, head_dim = outputs.shape
-    fp8 = checks.check_output(output, outputs, output_scale)
+    group = group_size is not None
+    if not group and (output_group_scale is not None or scale_ue8m0):
+        raise ValueError("output_group_scale and scale_ue8m0 go with group_size (per-group FP8); got group_size=None")
+    fp8 = checks.check_output(output, outputs, output_scale, grouped=group)
+    gs_strides, gs_overlaps = (0, 0), ()
+    if group:
+        gs_strides, gs_overlaps = checks.check_group_scale(output_group_scale, group_size, scale_ue8m0, output,
+                                                           outputs=outputs, lses=lses, output_lse=output_lse)
     checks.check_tensor("lses", lses, ndim=3, dtypes=(torch.float32,), device=device)
     stride_lse_n, stride_lse_h, stride_lse_t = checks.lses_strides(lses, lse_layout, num_partials, num_heads,
                                                                    num_tokens)
@@ -301,7 +320,7 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
         checks.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
     launch = None
     if num_partials == 0:  # 8.2: no partial, every row empty (pass-through rows too: there is no last partial)
-        launch = EMPTY
+        launch = (EMPTY, checks.group_floor_scale(scale_ue8m0)) if group else EMPTY
     elif num_tokens and num_heads:
         variant = tiles.merge_variant(output_lse is not None, fused)
         itemsize = outputs.element_size()
@@ -333,33 +352,38 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
                                   lse_layout),
             fused=fused,
             ints=(*output.stride(), *outputs.stride(), *olse_strides, stride_lse_n, stride_lse_h, stride_lse_t,
-                  cu_stride, *wlse_strides, num_tokens),
+                  cu_stride, *wlse_strides, *gs_strides, num_tokens),
             num_requests=num_requests,
             constexprs=dict(**shared, HEAD_DIM=head_dim, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
                             OUTPUT_LSE=output_lse is not None, FP8_OUT=fp8,
                             **plans.n_way_loops(variant, num_partials, max_and_sum=False),
                             OUT_EVICT=tiles.outputs_evict("triton", num_partials), GIVEN_MZ=split, GIVEN_W=weights,
                             EARLY_OUTPUTS=tiles.early_outputs("triton", variant, num_partials),
+                            GROUP_SIZE=group_size or 0, UE8M0=bool(scale_ue8m0),
                             num_warps=tiles.merge_num_warps("triton", variant, num_partials, lse_layout),
                             **_backend.PARITY_LAUNCH),
             state=launcher.launch_state(key)))
     # A non-contiguous cu_seq_lens row is copied per call: no plan for it (its copy would be the launch's pointer).
     if not (fused and cu_seq_lens is not cu_given):
-        plans.remember(key, plans.plan(overlaps=lse_overlaps + out_overlaps, num_tokens=num_tokens, launch=launch))
+        plans.remember(key, plans.plan(overlaps=lse_overlaps + out_overlaps + gs_overlaps, num_tokens=num_tokens,
+                                       launch=launch))
     if launch is not None:
         _launch(launch, output, output_lse, outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens,
-                lse_layout)
+                lse_layout, output_group_scale)
 
 
 def _launch(launch, output, output_lse, outputs, lses, output_scale, query_start_loc, cu_seq_lens,
-            prefill_tokens, lse_layout) -> None:
-    """The kernel launches of a plan: `EMPTY`, or (first, merge): the split merge's first kernel (None unless
-    `tiles.split_passes`: (its buffer's shape, its `plans.kernel_launch`)), then the merge's (grid, fused, the
-    strides and T, R, the compile-time arguments, `launcher.launch`'s state)."""
-    if launch is EMPTY:
+            prefill_tokens, lse_layout, output_group_scale=None) -> None:
+    """The kernel launches of a plan: `EMPTY` (with per-group FP8: (`EMPTY`, the floor's scale)), or (first,
+    merge): the split merge's first kernel (None unless `tiles.split_passes`: (its buffer's shape, its
+    `plans.kernel_launch`)), then the merge's (grid, fused, the strides and T, R, the compile-time arguments,
+    `launcher.launch`'s state)."""
+    if launch is EMPTY or launch[0] is EMPTY:
         output.zero_()
         if output_lse is not None:
             output_lse.fill_(float("-inf"))
+        if output_group_scale is not None:  # 4.7: q = 0 and the floor's scale
+            output_group_scale.fill_(launch[1])
         return
     first, (grid, fused, ints, num_requests, constexprs, state) = launch
     placeholder = lses  # for the pointers a variant does not read
@@ -372,5 +396,6 @@ def _launch(launch, output, output_lse, outputs, lses, output_scale, query_start
                         w_state)
     launcher.launch(_merge_attn_states_n_kernel[lse_layout], grid, (
         output, placeholder if output_lse is None else output_lse, outputs, lses,
-        placeholder if output_scale is None else output_scale, qsl, cu, wlse, *ints, prefill_tokens, num_requests),
+        placeholder if output_scale is None else output_scale, qsl, cu, wlse,
+        placeholder if output_group_scale is None else output_group_scale, *ints, prefill_tokens, num_requests),
         constexprs, state)

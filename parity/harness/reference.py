@@ -111,6 +111,44 @@ def _merge_stacked(outputs, l_raw: np.ndarray, *, empty, prefill_tokens_with_con
     return out, lse
 
 
+GROUP_EPS = np.float32(1e-10)  # docs/spec.md 4.7 (mla_lse_common.constants.GROUP_EPS as f32)
+
+
+def per_token_group_quant_fp8(x, group_size: int, *, scale_ue8m0: bool = False):
+    """Section 4.7: per-token-group FP8 quantization of f32 rows, in f32 arithmetic (each step one IEEE f32
+    operation; on a GPU both kernels' divisions are the platform's f32 `/`, as vLLM's Triton quantizer's).
+
+    `x`: [T, ..., K] values, taken as f32 and flattened to [T, K] in their order; K a multiple of `group_size`.
+    Returns (q f32[T, K], the clamped quotients before the fp8 cast (round-to-nearest-even, `to_fp8`), and
+    scales f32[T, K // group_size]). Per group of `group_size` consecutive elements: amax = max |x| over the
+    non-NaN elements, floored at GROUP_EPS; scale = amax / 448; with `scale_ue8m0` rounded up to a power of two on
+    its bits (a nonzero mantissa goes to the next power of two: exactly 2^ceil(log2(scale)), with no log2 rounding);
+    q = clamp(x / scale, -448, 448) with comparisons (NaN stays NaN).
+    """
+    x = np.asarray(x, np.float32)
+    rows = x.reshape(x.shape[0], -1)
+    groups = rows.reshape(rows.shape[0], -1, group_size)
+    with np.errstate(invalid="ignore"):
+        mag = np.where(np.isnan(groups), np.float32(0), np.abs(groups))
+    amax = np.maximum(mag.max(axis=-1, initial=np.float32(0)), GROUP_EPS)
+    scale = (amax / np.float32(FP8_E4M3_MAX)).astype(np.float32)
+    if scale_ue8m0:
+        bits = scale.view(np.int32)
+        scale = ((bits + np.int32(0x007FFFFF)) & np.int32(0x7F800000)).astype(np.int32).view(np.float32)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        q = groups / scale[..., None]
+    q = np.where(q < -FP8_E4M3_MAX, np.float32(-FP8_E4M3_MAX), q)
+    q = np.where(q > FP8_E4M3_MAX, np.float32(FP8_E4M3_MAX), q).astype(np.float32)
+    return q.reshape(rows.shape), scale
+
+
+def to_fp8(q):
+    """The round-to-nearest-even cast of clamped f32 quotients to float8_e4m3fn (ml_dtypes)."""
+    import ml_dtypes
+
+    return np.asarray(q, np.float32).astype(ml_dtypes.float8_e4m3fn)
+
+
 def _from_th(lse_th: np.ndarray, lse_layout: str) -> np.ndarray:
     return lse_th.T if lse_layout == "HT" else lse_th
 
