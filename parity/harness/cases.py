@@ -49,6 +49,8 @@ class Case:
     specials: bool = False  # inject +inf / NaN / -inf LSEs, including rows empty on both sides
     prefill_tokens_with_context: int | None = None
     out_dtype: str | None = None  # None: `dtype`; "float8_e4m3fn" (the fp8 output path) or another float dtype
+    group_size: int | None = None  # per-group FP8 scales (docs/spec.md 4.7; out_dtype fp8, no output_scale)
+    scale_ue8m0: bool = False  # the per-group scales rounded up to powers of two
     # N-way cases only (docs/spec.md section 8). KV token j of request r lives on partial (j // interleave) % N,
     # as vLLM places KV over a context-parallel group; a request shorter than N * interleave leaves partials
     # with no KV for it. `empty` is unused: emptiness per partial follows from `context_lens`.
@@ -125,6 +127,13 @@ CASES: tuple[Case, ...] = (
          prefill_tokens_with_context=119, padding=3, tags=_CI),
     Case("fp8_out", (40, 20, 70), (0,), num_heads=4, head_dim=64, dtype="bfloat16",
          out_dtype="float8_e4m3fn", specials=True, tags=_CI),
+    # Per-group FP8 (docs/spec.md 4.7): the 2-way merge with pass-through rows, then [T, H] base-2 LSEs with
+    # 16-element groups and UE8M0 scales.
+    Case("group_fp8_g64", (40, 20, 70), (0,), num_heads=4, head_dim=64, dtype="bfloat16",
+         out_dtype="float8_e4m3fn", group_size=64, specials=True, prefill_tokens_with_context=100, tags=_CHECK),
+    Case("group_fp8_g16_ue8m0_th_base2", (33, 0, 12), (1,), num_heads=2, head_dim=128, dtype="float16",
+         out_dtype="float8_e4m3fn", group_size=16, scale_ue8m0=True, lse_layout="TH", lse_base=2, specials=True,
+         tags=_FULL),
     Case("d512_h1", (9, 0, 23), (0,), num_heads=1, head_dim=512, dtype="float32", tags=_CI),
     # Another output dtype than the partials' (docs/spec.md 4.3): f32 partials into a bf16 output, base 2, with
     # pass-through rows (rounded once); fp16 partials into an f32 output.
@@ -227,6 +236,13 @@ CASES_N: tuple[Case, ...] = (
          prefill_tokens_with_context=40, strided=True, specials=True, tags=_FULL),
     Case("n256_bf16_fp8", _ragged(14, 4, 16), (), num_heads=2, head_dim=64, out_dtype="float8_e4m3fn",
          partials=256, context_lens=_contexts(14, 4, 512), interleave=1, specials=True, tags=_FULL),
+    # Per-group FP8 (docs/spec.md 4.7) of the N-way merge: 128-element groups with UE8M0 scales, and N = 256.
+    Case("n4_bf16_group_fp8_g128_ue8m0", (24, 16, 3), (), num_heads=4, head_dim=128, out_dtype="float8_e4m3fn",
+         group_size=128, scale_ue8m0=True, partials=4, context_lens=(1, 20, 6), interleave=2, specials=True,
+         prefill_tokens_with_context=40, tags=_CHECK),
+    Case("n256_bf16_group_fp8_g64", _ragged(14, 4, 16), (), num_heads=2, head_dim=128, out_dtype="float8_e4m3fn",
+         group_size=64, partials=256, context_lens=_contexts(14, 4, 512), interleave=1, specials=True,
+         tags=_FULL),
 ) + _n_way_matrix()
 
 KINDS = ("two_way", "n_way", "all")
@@ -327,7 +343,7 @@ def make_inputs(case: Case, seed: int = 0) -> dict[str, np.ndarray]:
 
     inputs = dict(query_start_loc=qsl, cu_seq_lens=cu, prefix_output=prefix_output,
                   prefix_lse=prefix_lse, suffix_output=suffix_output, suffix_lse=suffix_lse)
-    if case.fp8_out:
+    if case.fp8_out and not case.group_size:
         inputs["output_scale"] = np.array([0.05], dtype=np.float32)
     return inputs
 
@@ -401,6 +417,6 @@ def make_inputs_n(case: Case, seed: int = 0) -> dict[str, np.ndarray]:
     if case.lse_layout == "TH":
         lse = np.ascontiguousarray(lse.transpose(0, 2, 1))
     inputs = dict(query_start_loc=qsl, cu_seq_lens=cu, outputs=x.astype(DTYPES[case.dtype]), lses=lse)
-    if case.fp8_out:
+    if case.fp8_out and not case.group_size:
         inputs["output_scale"] = np.array([0.05], dtype=np.float32)
     return inputs

@@ -73,7 +73,7 @@ class _Judge:
         return self.lse_layout if len(x.shape) == 2 else None
 
     def _run(self, rec: OpRecord, results, key: str, op: str, **kw) -> None:
-        axes = {key: self._axes(next(iter(results.values()))[key])}
+        axes = {key: ("token", "group") if key == "scales" else self._axes(next(iter(results.values()))[key])}
         for kind, report in self.engine(results, [key], locating=self.locating, axes=axes, prefix=f"{op}.", **kw):
             rec.add(kind, report)
 
@@ -110,6 +110,11 @@ def _judge_merge(rec: OpRecord, judge: _Judge, case: cases_mod.Case, op: str, re
     mag = expected.magnitude(case, op, ref_arrays, w)
     out_exact, lse_exact = expected.exact_masks(case, w)
     ref = results["reference"]
+    if case.group_size:  # per-group FP8 (docs/spec.md 4.7): the magnitude in each group's units, and the scales
+        T, H, _ = mag.shape
+        mag = (mag.reshape(T, -1, case.group_size) / ref["scales"][..., None]).reshape(T, H, D)
+        judge.all_bits(rec, results, "scales", op)
+        judge.to_reference(rec, results, "scales", op, ref["scales"], False, tol="float32")
     judge.all_bits(rec, results, "out", op)
     judge.all_bits(rec, results, "lse", op)
     judge.to_reference(rec, results, "out", op, ref["out"], np.broadcast_to(out_exact[..., None], mag.shape), mag=mag)

@@ -147,8 +147,8 @@ def case_params(case: cases_mod.Case, seed: int) -> dict[str, Any]:
             "lse_layout": case.lse_layout, "lse_shape": [N] + lse_shape, "lse_base": "2" if case.lse_base == 2 else "e",
             "output_shape": [T, H, D], "buffer_shape": [N, T, H, D + case.head_pad],
             "prefill_tokens_with_context": case.prefill_tokens_with_context,
-            "fp8_output_scale": case.fp8_out, "specials": case.specials, "strided": case.strided,
-            "seed": seed,
+            "fp8_output_scale": case.fp8_out and not case.group_size, "specials": case.specials,
+            "strided": case.strided, "seed": seed, **_group_params(case),
         }
     return {
         "query_lens": list(case.query_lens), "empty_requests": list(case.empty),
@@ -158,8 +158,14 @@ def case_params(case: cases_mod.Case, seed: int) -> dict[str, Any]:
         "lse_layout": case.lse_layout, "lse_shape": lse_shape, "lse_base": "2" if case.lse_base == 2 else "e",
         "output_shape": [T, H, D], "buffer_shape": [T, H, D + case.head_pad],
         "prefill_tokens_with_context": case.prefill_tokens_with_context,
-        "fp8_output_scale": case.fp8_out, "specials": case.specials, "seed": seed,
+        "fp8_output_scale": case.fp8_out and not case.group_size, "specials": case.specials, "seed": seed,
+        **_group_params(case),
     }
+
+
+def _group_params(case: cases_mod.Case) -> dict[str, Any]:
+    """Per-group FP8 (docs/spec.md 4.7): the group size and UE8M0 flag, only for the cases that have them."""
+    return dict(group_size=case.group_size, scale_ue8m0=case.scale_ue8m0) if case.group_size else {}
 
 
 def case_from_params(name: str, p: dict[str, Any]) -> cases_mod.Case:
@@ -169,14 +175,16 @@ def case_from_params(name: str, p: dict[str, Any]) -> cases_mod.Case:
             lse_layout=p["lse_layout"], lse_base=2 if p["lse_base"] == "2" else math.e, padding=p["padding_tokens"],
             head_pad=p["head_pad"], specials=p["specials"], prefill_tokens_with_context=p["prefill_tokens_with_context"],
             out_dtype=None if p["out_dtype"] == p["dtype"] else p["out_dtype"], partials=p["partials"],
-            context_lens=tuple(p["context_lens"]), interleave=p["interleave"], strided=p["strided"])
+            context_lens=tuple(p["context_lens"]), interleave=p["interleave"], strided=p["strided"],
+            group_size=p.get("group_size"), scale_ue8m0=p.get("scale_ue8m0", False))
     return cases_mod.Case(
         name, tuple(p["query_lens"]), tuple(p["empty_requests"]), num_heads=p["num_heads"],
         head_dim=p["head_dim"], dtype=p["dtype"], lse_layout=p["lse_layout"],
         lse_base=2 if p["lse_base"] == "2" else math.e, padding=p["padding_tokens"], head_pad=p["head_pad"],
         suffix_head_pad=p.get("suffix_head_pad"),
         specials=p["specials"], prefill_tokens_with_context=p["prefill_tokens_with_context"],
-        out_dtype=None if p["out_dtype"] == p["dtype"] else p["out_dtype"])
+        out_dtype=None if p["out_dtype"] == p["dtype"] else p["out_dtype"], group_size=p.get("group_size"),
+        scale_ue8m0=p.get("scale_ue8m0", False))
 
 
 
@@ -199,6 +207,7 @@ _DESCRIPTIONS = {
     "merge.out_bits": "merge.out rounded to the output dtype (nearest even); pass-through rows are the last partial's "
                       "(the suffix's) bits",
     "merge.out_exact": "bool[T, H]: rows of the output that are bit copies (compared bit for bit)",
+    "merge.scales": "f32[T, H * D / group_size]: the per-group FP8 scales (docs/spec.md 4.7; group_size cases only)",
     "merge.lse": "float64 reference LSE (lse_layout, lse_base)",
     "merge.lse_bits": "merge.lse rounded to f32; pass-through rows are the raw LSE bits of the last partial",
     "merge.lse_exact": "bool in lse_layout: LSE elements that are bit copies (compared bit for bit)",

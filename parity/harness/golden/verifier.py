@@ -59,7 +59,10 @@ def _result_shapes(case, op: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]
     lse_shape = (H, T) if case.lse_layout == "HT" else (T, H)
     if op == "mask":
         return {"lse": (lse_shape, np.dtype(np.float32)), "output": ((T, H, D), _np_dtype(case.dtype))}
-    return {"out": ((T, H, D), _np_dtype(case.out_dtype or case.dtype)), "lse": (lse_shape, np.dtype(np.float32))}
+    shapes = {"out": ((T, H, D), _np_dtype(case.out_dtype or case.dtype)), "lse": (lse_shape, np.dtype(np.float32))}
+    if case.group_size:  # per-group FP8 (docs/spec.md 4.7)
+        shapes["scales"] = ((T, H * D // case.group_size), np.dtype(np.float32))
+    return shapes
 
 
 def _as_result(case, op: str, key: str, x) -> np.ndarray:
@@ -96,8 +99,8 @@ class Runner:
         if self.impl == "reference":
             got = impls.run(self.rt, "reference", op, case, inputs)
             if op != "mask":  # the reference leaves the final rounding to the caller (docs/spec.md 4.6 for fp8)
-                got = {"out": got["out"].astype(_np_dtype(case.out_dtype or case.dtype)),
-                       "lse": got["lse"].astype(np.float32)}
+                got = dict(got, out=got["out"].astype(_np_dtype(case.out_dtype or case.dtype)),
+                           lse=got["lse"].astype(np.float32))
             return got
         from parity.library import bridge
 
@@ -163,11 +166,19 @@ def verify_case(entry: dict[str, Any], a: dict[str, np.ndarray], runner: Runner,
                 arrays = _operands(case, a, "merge_n" if case.n_way else "merge")
                 mag = expected.magnitude(case, "merge_n" if case.n_way else "merge", arrays, a["merge.weights"])
                 want = {"out": a["merge.out"], "lse": a["merge.lse"]}
+                tolerance = {"out": compare.Tolerance(**tolerances[out_dtype]),
+                             "lse": compare.Tolerance(**tolerances["lse"])}
+                keys = ["out", "lse"]
+                if case.group_size:  # docs/spec.md 4.7: the magnitude in each group's units, and the scales
+                    T, H, D = mag.shape
+                    mag = (mag.reshape(T, -1, case.group_size) / a["merge.scales"][..., None]).reshape(T, H, D)
+                    want["scales"] = a["merge.scales"]
+                    tolerance["scales"] = compare.Tolerance(**tolerances["float32"])
+                    keys.append("scales")
                 compared = crosscheck.compare_results(
-                    {"got": got}, ["out", "lse"], pairs=(), reference=want, against=("got",), locating=locating,
-                    axes=axes(want), prefix=f"{op}.",
-                    tolerance={"out": compare.Tolerance(**tolerances[out_dtype]),
-                               "lse": compare.Tolerance(**tolerances["lse"])},
+                    {"got": got}, keys, pairs=(), reference=want, against=("got",), locating=locating,
+                    axes=dict(axes(want), **({"scales": ("token", "group")} if case.group_size else {})),
+                    prefix=f"{op}.", tolerance=tolerance,
                     exact={"out": np.broadcast_to(a["merge.out_exact"][:, :, None], mag.shape),
                            "lse": a["merge.lse_exact"]},
                     mag={"out": mag})

@@ -40,8 +40,10 @@ def _merge_expectations(case: cases_mod.Case, op: str, arrays: dict[str, np.ndar
             out_bits[ptwc:] = last_output[ptwc:, :, :case.head_dim]
         impls.token_slice(lse_bits, case.lse_layout, ptwc, case.num_tokens)[...] = \
             impls.token_slice(last_lse, case.lse_layout, ptwc, case.num_tokens)
+    scales = {"merge.scales": ref["scales"]} if case.group_size else {}  # docs/spec.md 4.7
     return {"merge.out": ref["out"], "merge.out_bits": out_bits, "merge.out_exact": out_exact,
-            "merge.lse": ref["lse"], "merge.lse_bits": lse_bits, "merge.lse_exact": lse_exact, "merge.weights": w}
+            "merge.lse": ref["lse"], "merge.lse_bits": lse_bits, "merge.lse_exact": lse_exact, "merge.weights": w,
+            **scales}
 
 
 def expected_arrays(case: cases_mod.Case, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

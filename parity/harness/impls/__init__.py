@@ -57,8 +57,11 @@ _PALLAS_BACKEND: list[str | None] = [None]  # the "pallas" implementation's `bac
 
 
 def _merge_options(case: cases_mod.Case) -> dict[str, Any]:
-    return dict(prefill_tokens_with_context=case.prefill_tokens_with_context, out_dtype=case.out_dtype,
-                lse_layout=case.lse_layout, lse_base=case.lse_base)
+    options = dict(prefill_tokens_with_context=case.prefill_tokens_with_context, out_dtype=case.out_dtype,
+                   lse_layout=case.lse_layout, lse_base=case.lse_base)
+    if case.group_size:  # per-group FP8 (docs/spec.md 4.7): every adapter returns "scales" f32[T, H * D / G] too
+        options.update(group_size=case.group_size, scale_ue8m0=case.scale_ue8m0)
+    return options
 
 
 

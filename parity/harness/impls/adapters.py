@@ -76,7 +76,8 @@ class ReferenceAdapter(Adapter):
 
     def bind_merge(self, prefix_output, prefix_lse, suffix_output, suffix_lse, *, head_dim=None,
                    prefill_tokens_with_context=None, query_start_loc=None, prefix_cu_seq_lens=None, out_dtype=None,
-                   output_scale=None, return_lse=True, lse_layout="HT", lse_base=math.e, **_):
+                   output_scale=None, return_lse=True, lse_layout="HT", lse_base=math.e, group_size=None,
+                   scale_ue8m0=False, **_):
         a = np.asarray(prefix_output)[..., :head_dim]
         b = np.asarray(suffix_output)[..., :head_dim]
 
@@ -87,12 +88,12 @@ class ReferenceAdapter(Adapter):
                                                prefill_tokens_with_context=ptwc, output_scale=output_scale,
                                                lse_layout=lse_layout, lse_base=lse_base, **kw)
 
-        return Bound(lambda: None, lambda: _chunked(one, a.shape, lse_layout, prefill_tokens_with_context,
-                                                    query_start_loc))
+        return Bound(lambda: None, lambda: _quantized(_chunked(one, a.shape, lse_layout, prefill_tokens_with_context,
+                                                               query_start_loc), group_size, scale_ue8m0))
 
     def bind_merge_n(self, outputs, lses, *, head_dim=None, prefill_tokens_with_context=None, query_start_loc=None,
                      cu_seq_lens=None, out_dtype=None, output_scale=None, return_lse=True, lse_layout="HT",
-                     lse_base=math.e, **_):
+                     lse_base=math.e, group_size=None, scale_ue8m0=False, **_):
         o = np.asarray(outputs)[..., :head_dim]
         lses = np.asarray(lses)
 
@@ -103,8 +104,19 @@ class ReferenceAdapter(Adapter):
                                                  output_scale=output_scale, lse_layout=lse_layout,
                                                  lse_base=lse_base, **kw)
 
-        return Bound(lambda: None, lambda: _chunked(one, o.shape[1:], lse_layout, prefill_tokens_with_context,
-                                                    query_start_loc))
+        return Bound(lambda: None, lambda: _quantized(_chunked(one, o.shape[1:], lse_layout,
+                                                               prefill_tokens_with_context, query_start_loc),
+                                                      group_size, scale_ue8m0))
+
+
+def _quantized(results: dict[str, np.ndarray], group_size, scale_ue8m0: bool) -> dict[str, np.ndarray]:
+    """Per-group FP8 (docs/spec.md 4.7) of the reference merge's float64 rows rounded to f32: "out" the clamped
+    quotients before the fp8 cast, "scales" f32[T, H * D / G]; the results unchanged without a group size."""
+    if not group_size:
+        return results
+    out = results["out"]
+    q, scales = reference.per_token_group_quant_fp8(out.astype(np.float32), group_size, scale_ue8m0=scale_ue8m0)
+    return dict(results, out=q.reshape(out.shape).astype(np.float64), scales=scales)
 
 
 def token_slice(lse, lse_layout: str, t0: int, t1: int):

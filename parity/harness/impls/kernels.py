@@ -58,6 +58,15 @@ class TritonAdapter(Adapter):
 
         return Bound(call, results)
 
+    def _group_scales(self, shape, group_size, device):
+        """The per-group scales' buffer (docs/spec.md 4.7), poisoned: DeepGEMM's TMA-aligned column-major f32[G#,
+        T padded to 4], and the f32[T, G#] view the kernels write through (the padding stays poisoned)."""
+        if not group_size:
+            return None
+        T, H, D = shape
+        buf = poisoned((H * D // group_size, -(-T // 4) * 4), "float32", device)
+        return buf[:, :T].t()
+
     def _out_buffers(self, shape, dtype, lse_shape, device, head_pad, out, out_lse, return_lse):
         T, H, D = shape
         if out is None:
@@ -69,27 +78,31 @@ class TritonAdapter(Adapter):
     def bind_merge(self, prefix_output, prefix_lse, suffix_output, suffix_lse, *, head_dim=None,
                    prefill_tokens_with_context=None, query_start_loc=None, prefix_cu_seq_lens=None, out_dtype=None,
                    output_scale=None, return_lse=True, lse_layout="HT", lse_base=math.e, head_pad=0, out=None,
-                   out_lse=None, **_):
+                   out_lse=None, group_size=None, scale_ue8m0=False, **_):
         a, b = prefix_output[..., :head_dim], suffix_output[..., :head_dim]
         dtype = out_dtype or str(a.dtype).replace("torch.", "")
         buf, olse = self._out_buffers(a.shape, dtype, suffix_lse.shape, a.device, head_pad, out, out_lse, return_lse)
         view = buf[..., :a.shape[2]]
+        scales = self._group_scales(a.shape, group_size, a.device)
         kw = {}
         if query_start_loc is not None:
             kw = dict(query_start_loc=query_start_loc, prefix_cu_seq_lens=prefix_cu_seq_lens)
+        if group_size:
+            kw.update(group_size=group_size, output_group_scale=scales, scale_ue8m0=scale_ue8m0)
         call = functools.partial(self.ti.merge_attn_states, view, a, prefix_lse, b, suffix_lse, olse,
                                  prefill_tokens_with_context, output_scale, lse_layout=lse_layout, lse_base=lse_base,
                                  **kw)
 
         def results():
             self.rt.sync()
-            return {"out": view, "lse": olse, "out_buffer": buf}
+            return {"out": view, "lse": olse, "out_buffer": buf, **({"scales": scales} if group_size else {})}
 
         return Bound(_quiet(call), results)
 
     def bind_merge_n(self, outputs, lses, *, head_dim=None, prefill_tokens_with_context=None, query_start_loc=None,
                      cu_seq_lens=None, out_dtype=None, output_scale=None, return_lse=True, lse_layout="HT",
-                     lse_base=math.e, head_pad=0, strided=False, out=None, out_lse=None, **_):
+                     lse_base=math.e, head_pad=0, strided=False, out=None, out_lse=None, group_size=None,
+                     scale_ue8m0=False, **_):
         if strided:  # the same values, read through views of a [T, N, H, D] gather and of the other LSE layout
             outputs = outputs.transpose(0, 1).contiguous().transpose(0, 1)
             lses = lses.transpose(1, 2).contiguous().transpose(1, 2)
@@ -98,13 +111,15 @@ class TritonAdapter(Adapter):
         buf, olse = self._out_buffers(o.shape[1:], dtype, lses.shape[1:], o.device, head_pad, out, out_lse,
                                       return_lse)
         view = buf[..., :o.shape[3]]
+        scales = self._group_scales(o.shape[1:], group_size, o.device)
+        kw = dict(group_size=group_size, output_group_scale=scales, scale_ue8m0=scale_ue8m0) if group_size else {}
         call = functools.partial(self.ti.merge_attn_states_n, view, o, lses, olse, prefill_tokens_with_context,
                                  output_scale, query_start_loc=query_start_loc, cu_seq_lens=cu_seq_lens,
-                                 lse_layout=lse_layout, lse_base=lse_base)
+                                 lse_layout=lse_layout, lse_base=lse_base, **kw)
 
         def results():
             self.rt.sync()
-            return {"out": view, "lse": olse, "out_buffer": buf}
+            return {"out": view, "lse": olse, "out_buffer": buf, **({"scales": scales} if group_size else {})}
 
         return Bound(_quiet(call), results)
 
@@ -200,25 +215,26 @@ class JaxAdapter(Adapter):
 
     def bind_merge(self, prefix_output, prefix_lse, suffix_output, suffix_lse, *, head_dim=None,
                    prefill_tokens_with_context=None, query_start_loc=None, prefix_cu_seq_lens=None, out_dtype=None,
-                   output_scale=None, return_lse=True, lse_layout="HT", lse_base=math.e, **_):
+                   output_scale=None, return_lse=True, lse_layout="HT", lse_base=math.e, group_size=None,
+                   scale_ue8m0=False, **_):
         a, b = prefix_output[..., :head_dim], suffix_output[..., :head_dim]
         api = functools.partial(
             self.pi.merge_attn_states, prefill_tokens_with_context=prefill_tokens_with_context,
             query_start_loc=query_start_loc, prefix_cu_seq_lens=prefix_cu_seq_lens, return_lse=return_lse,
             out_dtype=self._dtype(out_dtype), output_scale=output_scale, lse_layout=lse_layout, lse_base=lse_base,
-            **self.kernel)
-        return self._holder(lambda: _as_results(api(a, prefix_lse, b, suffix_lse), return_lse))
+            **_group_options(group_size, scale_ue8m0), **self.kernel)
+        return self._holder(lambda: _as_results(api(a, prefix_lse, b, suffix_lse), return_lse, group_size))
 
     def bind_merge_n(self, outputs, lses, *, head_dim=None, prefill_tokens_with_context=None, query_start_loc=None,
                      cu_seq_lens=None, out_dtype=None, output_scale=None, return_lse=True, lse_layout="HT",
-                     lse_base=math.e, **_):
+                     lse_base=math.e, group_size=None, scale_ue8m0=False, **_):
         o = outputs[..., :head_dim]
         api = functools.partial(
             self.pi.merge_attn_states_n, prefill_tokens_with_context=prefill_tokens_with_context,
             query_start_loc=query_start_loc, cu_seq_lens=cu_seq_lens, return_lse=return_lse,
             out_dtype=self._dtype(out_dtype), output_scale=output_scale, lse_layout=lse_layout, lse_base=lse_base,
-            **self.kernel)
-        return self._holder(lambda: _as_results(api(o, lses), return_lse))
+            **_group_options(group_size, scale_ue8m0), **self.kernel)
+        return self._holder(lambda: _as_results(api(o, lses), return_lse, group_size))
 
 
     def cp_merge(self, out, lse, *, axis_name, method="gather", query_start_loc=None, cu_seq_lens=None,
@@ -233,5 +249,14 @@ class JaxAdapter(Adapter):
         return _as_results(r, return_lse)
 
 
-def _as_results(r, return_lse: bool) -> dict[str, Any]:
+def _group_options(group_size, scale_ue8m0: bool) -> dict[str, Any]:
+    """pallas_impl's per-group FP8 options (docs/spec.md 4.7): the scales in DeepGEMM's TMA-aligned column-major
+    layout, so the harness runs the layout path (`_as_results` views them back as f32[T, G#])."""
+    return dict(group_size=group_size, scale_ue8m0=scale_ue8m0, scale_layout="col_tma") if group_size else {}
+
+
+def _as_results(r, return_lse: bool, group_size=None) -> dict[str, Any]:
+    if group_size:
+        out, lse, scales = r if return_lse else (r[0], None, r[1])
+        return {"out": out, "lse": lse, "scales": scales[:, :out.shape[0]].T}
     return {"out": r[0], "lse": r[1]} if return_lse else {"out": r, "lse": None}
