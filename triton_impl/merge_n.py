@@ -122,8 +122,8 @@ def _merge_n_weights_kernel(
 
 
 @_backend.jit_per_lse_layout(runtime=["num_tokens", "prefill_tokens_with_context", "num_requests", "stride_lse_n",
-                               "stride_cu_n", "stride_wlse_n", "stride_gs_t", "stride_gs_g"], lse_head_strides=["stride_olse_h", "stride_lse_h",
-                                                                              "stride_wlse_h"])
+                                      "stride_cu_n", "stride_wlse_n", "stride_gs_t", "stride_gs_g"],
+                             lse_head_strides=["stride_olse_h", "stride_lse_h", "stride_wlse_h"])
 def _merge_attn_states_n_kernel(
     out_ptr,  # dtype[T, H, D] (or fp8) via (stride_out_t, stride_out_h, stride_out_d)
     out_lse_ptr,  # f32[H, T] via (stride_olse_h, stride_olse_t); unused unless OUTPUT_LSE
