@@ -124,8 +124,8 @@ def _axis_size(axis_name) -> int:
 
 def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_lens=None, method="gather",
                          prefill_tokens_with_context=None, return_lse=True, out_dtype=None, output_scale=None,
-                         lse_layout="HT", lse_base=math.e, reduce_dtype=None, interpret=None, implementation=None,
-                         backend=None, validate=False):
+                         lse_layout="HT", lse_base=math.e, reduce_dtype=None, group_size=None, scale_ue8m0=False,
+                         scale_layout="row", interpret=None, implementation=None, backend=None, validate=False):
     """Combine the attention partials of a context-parallel mesh axis (docs/spec.md section 9).
 
     Call inside `jax.shard_map` (or `jax.vmap` with an axis name) over `axis_name`; device i of the axis holds
@@ -144,11 +144,14 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
       out_dtype, output_scale: None (the partials' dtype), float32/float16/bfloat16 (one rounding), or
         float8_e4m3fn with its scale (4.6).
       reduce_dtype: "reduce_scatter" only: None (float32: one rounding, at the end) or the partials' dtype.
+      group_size, scale_ue8m0, scale_layout: per-group FP8 output (docs/spec.md 4.7), as for `merge_attn_states`;
+        the scales (of this device's rows: every head, or its H / N heads) are returned last. "gather": fused
+        into the N-way merge (its bits); "reduce_scatter": on the reduced rows, after the sum.
       interpret, implementation, backend, validate: as `merge_attn_states_n` (backend="mosaic_gpu": the N-way
         merge's and the rescale kernel's Mosaic GPU versions).
 
     Returns:
-      (out, lse) if return_lse else out.
+      (out, lse) if return_lse else out; with group_size the scales follow.
 
     Raises:
       ValueError: axis_name not bound by an enclosing shard_map, H not a multiple of N for "reduce_scatter",
@@ -164,7 +167,9 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
     num_tokens, num_heads, head_dim = out.shape
     checks.check_array("lse", lse, ndim=2, dtypes=(jnp.float32,))
     checks.check_lse_shape("lse", lse.shape, lse_layout, num_heads, num_tokens)
-    out_dtype = checks.check_out_dtype(out_dtype, out.dtype, output_scale)
+    group = checks.check_group(group_size, scale_ue8m0, scale_layout, head_dim, output_scale)
+    out_dtype = checks.check_out_dtype(checks.FP8 if group and out_dtype is None else out_dtype, out.dtype,
+                                       output_scale, grouped=group is not None)
     if method == "reduce_scatter" and num_heads % num_partials:
         raise ValueError(f"method='reduce_scatter' splits the H={num_heads} heads over the N={num_partials} devices of "
                          f"axis {axis_name!r}: H must be a multiple of N (use method='gather')")
@@ -191,8 +196,9 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
         return merge_attn_states_n(
             gather(out, axis_name), lses, prefill_tokens_with_context=prefill_tokens_with_context,
             query_start_loc=query_start_loc, cu_seq_lens=cus, return_lse=return_lse, out_dtype=out_dtype,
-            output_scale=output_scale, lse_layout=lse_layout, lse_base=lse_base, interpret=interpret,
-            implementation=impl, backend=backend)
+            output_scale=output_scale, lse_layout=lse_layout, lse_base=lse_base, group_size=group_size,
+            scale_ue8m0=scale_ue8m0, scale_layout=scale_layout, interpret=interpret, implementation=impl,
+            backend=backend)
 
     rank = lax.axis_index(axis_name).astype(jnp.int32)
     rdt = jnp.dtype(reduce_dtype or jnp.float32)
@@ -215,13 +221,17 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
             (None,) * 6, (None, None), interpret=interp)
     heads = num_heads // num_partials
     reduced = lax.psum_scatter(scaled, axis_name, scatter_dimension=1, tiled=True)  # [T, H / N, D]
-    if out_dtype == checks.FP8:  # 4.6, after the sum
+    scales = None
+    if group is not None:  # 4.7, after the sum: this device's rows quantized per group
+        q, scales = _math.group_quant(reduced.astype(jnp.float32), group_size, scale_ue8m0)
+        result = q.astype(out_dtype)
+        scales = _math.scale_layout(scales.reshape(num_tokens, -1), scale_layout)
+    elif out_dtype == checks.FP8:  # 4.6, after the sum
         result = reduced.astype(jnp.float32) / jnp.asarray(output_scale, jnp.float32).reshape(-1)[0]
         result = jnp.where(result < -_math.FP8_E4M3_MAX, -_math.FP8_E4M3_MAX, result)
         result = jnp.where(result > _math.FP8_E4M3_MAX, _math.FP8_E4M3_MAX, result).astype(out_dtype)
     else:
         result = reduced.astype(out_dtype)
-    if not return_lse:
-        return result
     axis = 0 if lse_layout == "HT" else 1
-    return result, lax.dynamic_slice_in_dim(merged, rank * heads, heads, axis=axis)
+    lse_out = lax.dynamic_slice_in_dim(merged, rank * heads, heads, axis=axis) if return_lse else None
+    return jnp_fallback._results(result, lse_out, scales)

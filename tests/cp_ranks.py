@@ -19,6 +19,7 @@ from parity.tools import ranks
 WORLD = 4
 CASE = cases.by_name("n4_bf16_fp8_out")  # N = 4, H = 4, R = 3, bf16, specials, partials without KV
 CASE_BF16 = dataclasses.replace(CASE, out_dtype=None, prefill_tokens_with_context=30)
+CASE_GROUP = cases.by_name("n4_bf16_group_fp8_g128_ue8m0")  # per-group FP8 (docs/spec.md 4.7), H = 4, D = 128
 H, D, T = CASE.num_heads, CASE.head_dim, CASE.num_tokens
 
 
@@ -39,6 +40,22 @@ def _combine(case, rank, world, group, method, **kw):
     return bridge.to_numpy(out), bridge.to_numpy(out_lse)
 
 
+def _combine_group(rank, world, group, method):
+    """The per-group FP8 combine of CASE_GROUP: this rank's (fp8 bits, scales f32[T, heads * D / G])."""
+    case = CASE_GROUP
+    inp = cases.make_inputs_n(case)
+    t = {k: bridge.to_torch(v) for k, v in inp.items()}
+    heads, d = case.num_heads if method == "gather" else case.num_heads // world, case.head_dim
+    out = torch.full((case.num_tokens, heads, d), float("nan")).to(torch.float8_e4m3fn)
+    scales = torch.full((case.num_tokens, heads * d // case.group_size), float("nan"))
+    triton_impl.cp_merge_attn_states(out, t["outputs"][rank], t["lses"][rank], group, None,
+                                     case.prefill_tokens_with_context, method=method,
+                                     query_start_loc=t["query_start_loc"], cu_seq_lens=t["cu_seq_lens"][rank],
+                                     group_size=case.group_size, output_group_scale=scales,
+                                     scale_ue8m0=case.scale_ue8m0)
+    return bridge.to_numpy(out.view(torch.uint8)), bridge.to_numpy(scales)
+
+
 def _error(fn):
     try:
         fn()
@@ -56,6 +73,8 @@ def worker(rank, world, group):
         got[f"{name}_single"] = _single_process(case) if rank == 0 else None
     got["bf16_reduce_scatter_bf16_reduce"] = _combine(CASE_BF16, rank, world, group, "reduce_scatter",
                                                       reduce_dtype=torch.bfloat16)
+    for method in ("gather", "reduce_scatter"):
+        got[f"group_{method}"] = _combine_group(rank, world, group, method)
     part, lse, qsl, cu, _ = _local(CASE_BF16, rank)
     out = torch.empty(T, H, D, dtype=part.dtype)
     # Errors every rank finds alone, before any collective (all ranks raise: nobody waits in a collective).
@@ -66,6 +85,9 @@ def worker(rank, world, group):
         out, part, lse, group, query_start_loc=qsl, cu_seq_lens=cu[None].expand(world, -1)))
     got["err_out_shape"] = _error(lambda: triton_impl.cp_merge_attn_states(out, part, lse, group, method="reduce_scatter"))
     got["err_group"] = _error(lambda: triton_impl.cp_merge_attn_states(out, part, lse, None))
+    got["err_group_size"] = _error(lambda: triton_impl.cp_merge_attn_states(
+        torch.empty(T, H, D, dtype=torch.float8_e4m3fn), part, lse, group, group_size=48,
+        output_group_scale=torch.empty(T, 1)))
     # validate=True: inputs that differ between ranks, or a bad input on one rank only: every rank raises.
     bad_part = part.half() if rank == 2 else part
     got["validate_dtype_differs"] = _error(lambda: triton_impl.cp_merge_attn_states(

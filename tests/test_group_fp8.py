@@ -253,3 +253,34 @@ def test_golden_vectors_carry_the_scales(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["verify", str(gold), "--outputs", str(outs), *pick, "--quiet"]) == 1
     assert "scales" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("method", ["gather", "reduce_scatter"])
+@pytest.mark.parametrize("implementation", ["pallas", "jnp"])
+def test_jax_cp_combine_quantizes_per_group(method, implementation):
+    """The JAX context-parallel combine on 4 vmap-simulated devices (docs/spec.md 9): each device's rows (every
+    head for "gather", its heads for "reduce_scatter") quantized per group, within one rounding of the N-way
+    merge's (the interpreters' FMA contraction and the reduction order differ; on a GPU "gather" is bit-exact)."""
+    import jax
+
+    rng = np.random.default_rng(2)
+    heads = 4  # reduce_scatter: one head per device
+    o = jnp.asarray((rng.standard_normal((4, T, heads, D)) * 3).astype(np.float16))
+    l = jnp.asarray(rng.standard_normal((4, heads, T)).astype(np.float32))
+
+    def combine(out, lse):
+        return pallas_impl.cp_merge_attn_states(out, lse, axis_name="cp", method=method, return_lse=False,
+                                                group_size=32, scale_ue8m0=True, scale_layout="col",
+                                                implementation=implementation)
+
+    q, scales = jax.vmap(combine, axis_name="cp")(o, l)
+    want_q, want_s = pallas_impl.merge_attn_states_n(o, l, return_lse=False, group_size=32, scale_ue8m0=True,
+                                                     implementation=implementation)
+    if method == "gather":  # every device holds every head
+        q, scales = q[0], scales[0].T
+    else:  # device r: head r, its D / 32 groups
+        q = jnp.concatenate(list(q), axis=1)
+        scales = jnp.concatenate([s.T for s in scales], axis=1)
+    np.testing.assert_allclose(np.asarray(scales), np.asarray(want_s), rtol=2**-18)
+    got = np.asarray(q).view(np.uint8).astype(int).reshape(T, -1)
+    assert np.abs(got - np.asarray(want_q).view(np.uint8).astype(int).reshape(T, -1)).max() <= 1

@@ -22,6 +22,7 @@ def results():
     ("err_cu_2d", r"cu_seq_lens must be this rank's local KV offsets i32\[R\+1\]"),
     ("err_out_shape", r"output must be \[T, H/N, D\]"),
     ("err_group", "group must be a torch.distributed.ProcessGroup"),
+    ("err_group_size", "group_size must be a power of two"),
 ])
 def test_local_errors_raise_on_every_rank_before_any_collective(results, key, match):
     import re
@@ -43,3 +44,35 @@ def test_validate_makes_every_rank_raise_when_one_rank_is_bad(results):
     for r in (0, 2, 3):
         assert "rank(s) [1]" in msgs[r], msgs[r]
     assert all(results[r]["validate_ok"] is None for r in range(WORLD))
+
+
+def test_per_group_fp8_gather_gives_the_n_way_bits_and_reduce_scatter_its_values(results):
+    """docs/spec.md 4.7 and 9: "gather" quantizes inside the N-way merge (the single-process merge's bits on every
+    rank); "reduce_scatter" quantizes each rank's reduced heads after the sum (within one e4m3 rounding, its scales
+    within a few f32 ulps: the sum's order differs)."""
+    import numpy as np
+    import torch
+
+    import triton_impl
+    from parity.harness import cases
+    from parity.library import bridge
+
+    case = cp_ranks.CASE_GROUP
+    t = {k: bridge.to_torch(v) for k, v in cases.make_inputs_n(case).items()}
+    T, H, D, G = case.num_tokens, case.num_heads, case.head_dim, case.group_size
+    out = torch.empty((T, H, D), dtype=torch.float8_e4m3fn)
+    scales = torch.empty((T, H * D // G))
+    triton_impl.merge_attn_states_n(out, t["outputs"][..., :D], t["lses"], None, case.prefill_tokens_with_context,
+                                    query_start_loc=t["query_start_loc"], cu_seq_lens=t["cu_seq_lens"],
+                                    group_size=G, output_group_scale=scales, scale_ue8m0=case.scale_ue8m0)
+    want_q, want_s = out.view(torch.uint8).numpy().reshape(T, -1), scales.numpy()
+    for rank in range(WORLD):
+        q, s = results[rank]["group_gather"]
+        np.testing.assert_array_equal(q.reshape(T, -1), want_q)
+        np.testing.assert_array_equal(s.view(np.int32), want_s.view(np.int32))
+    q = np.concatenate([results[r]["group_reduce_scatter"][0].reshape(T, -1) for r in range(WORLD)], axis=1)
+    s = np.concatenate([results[r]["group_reduce_scatter"][1] for r in range(WORLD)], axis=1)
+    assert np.allclose(s, want_s, rtol=2**-18)  # UE8M0: a power of two, the same unless at a boundary
+    got = q.view(np.dtype("uint8")).astype(np.int64)
+    assert np.abs(got - want_q.astype(np.int64)).max() <= 1
+

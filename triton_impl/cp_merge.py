@@ -107,8 +107,8 @@ def _code(x) -> int:
 
 
 def _local_checks(output, partial_output, partial_lse, output_lse, prefill_tokens_with_context, output_scale,
-                  query_start_loc, cu_seq_lens, *, method, num_partials, lse_layout, lse_base, reduce_dtype,
-                  validate):
+                  query_start_loc, cu_seq_lens, output_group_scale=None, *, method, num_partials, lse_layout,
+                  lse_base, reduce_dtype, group_size, scale_ue8m0, validate):
     """Every check this rank can make alone (metadata; with validate=True also offset values). Returns the
     plan of the call's signature, the checked prefill_tokens_with_context and the descriptor the ranks must agree
     on."""
@@ -131,7 +131,13 @@ def _local_checks(output, partial_output, partial_lse, output_lse, prefill_token
     if tuple(output.shape) != want:
         raise ValueError(f"output must be [T, H{'/N' if heads_out != num_heads else ''}, D] = {list(want)} for "
                          f"method={method!r} with N={num_partials} ranks; got output.shape={tuple(output.shape)}")
-    fp8 = checks.check_output(output, partial_output, output_scale, shape=want)
+    group = group_size is not None
+    if not group and (output_group_scale is not None or scale_ue8m0):
+        raise ValueError("output_group_scale and scale_ue8m0 go with group_size (per-group FP8); got group_size=None")
+    fp8 = checks.check_output(output, partial_output, output_scale, shape=want, grouped=group)
+    if group:  # docs/spec.md 4.7: this rank's rows (every head for "gather", its heads for "reduce_scatter")
+        checks.check_group_scale(output_group_scale, group_size, scale_ue8m0, output, partial_output=partial_output,
+                                 partial_lse=partial_lse, output_lse=output_lse)
     if output_lse is not None:
         checks.check_tensor("output_lse", output_lse, ndim=2, dtypes=(torch.float32,), device=device)
         checks.lse_ht_strides("output_lse", output_lse, lse_layout, heads_out, num_tokens)
@@ -151,27 +157,29 @@ def _local_checks(output, partial_output, partial_lse, output_lse, prefill_token
     descriptor = [constants.CP_METHODS.index(method), _code(partial_output), _code(output), num_tokens, num_heads,
                   head_dim, num_requests, constants.LSE_LAYOUTS.index(lse_layout), int(base2),
                   int(output_lse is not None), ptwc, _code(torch.empty(0, dtype=reduce_dtype or torch.float32))]
+    descriptor += [group_size or 0, int(scale_ue8m0)]
     return plans.CpPlan(fp8=fp8, base2=base2, num_requests=num_requests), ptwc, descriptor
 
 
 def _local_params(output, partial_output, partial_lse, output_lse, prefill_tokens_with_context, output_scale,
-                  query_start_loc, cu_seq_lens, **options):
+                  query_start_loc, cu_seq_lens, output_group_scale, **options):
     """`_local_checks` through the plan cache: (plan, prefill_tokens_with_context, descriptor); the descriptor is
     None where the plan was found (validate=False only)."""
     key, plan = (None, None) if options["validate"] else plans.find_plan(
-        "cp_merge", (output, partial_output, partial_lse, output_lse, output_scale, query_start_loc, cu_seq_lens),
-        tuple(options.values()))
+        "cp_merge", (output, partial_output, partial_lse, output_lse, output_scale, query_start_loc, cu_seq_lens,
+                     output_group_scale), tuple(options.values()))
     if plan is not None:  # every metadata check passed for this signature: prefill_tokens_with_context only
         return plan, checks.check_prefill_tokens(prefill_tokens_with_context, partial_output.shape[0], False), None
     plan, ptwc, descriptor = _local_checks(output, partial_output, partial_lse, output_lse,
                                            prefill_tokens_with_context, output_scale, query_start_loc, cu_seq_lens,
-                                           **options)
+                                           output_group_scale, **options)
     plans.remember(key, plan)
     return plan, ptwc, descriptor
 
 
 DESCRIPTOR_FIELDS = ("method", "partial_output.dtype", "output.dtype", "T", "H", "D", "R", "lse_layout",
-                     "lse_base", "output_lse given", "prefill_tokens_with_context", "reduce_dtype")
+                     "lse_base", "output_lse given", "prefill_tokens_with_context", "reduce_dtype", "group_size",
+                     "scale_ue8m0")
 
 
 def _agree(group, descriptor, error, device) -> None:
@@ -212,7 +220,8 @@ def _group_device(group, partial_output):
 def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=None,
                          prefill_tokens_with_context=None, output_scale=None, *, method="gather",
                          query_start_loc=None, cu_seq_lens=None, lse_layout="HT", lse_base=math.e,
-                         reduce_dtype=None, validate=False) -> None:
+                         reduce_dtype=None, group_size=None, output_group_scale=None, scale_ue8m0=False,
+                         validate=False) -> None:
     """Combine the attention partials of a context-parallel group (docs/spec.md section 9), in place.
 
     Call on every rank of `group` with that rank's partial over its local KV. Rank i is partial i of the N-way
@@ -235,6 +244,9 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
       lse_layout, lse_base: of every LSE.
       reduce_dtype: "reduce_scatter" only: the dtype of the reduced buffer, None (float32: one rounding, at the
         end) or the partials' dtype (half the bytes; one rounding per rank).
+      group_size, output_group_scale, scale_ue8m0: per-group FP8 output (docs/spec.md 4.7), as for
+        `merge_attn_states`; output_group_scale f32[T, (H or H / N) * D / group_size], this rank's rows. "gather":
+        fused into the N-way merge (its bits); "reduce_scatter": on the reduced rows, after the sum.
       validate: also check offset values, and before anything else make every rank agree on the inputs: one
         small all-gather of each rank's verdict and metadata (a host sync), after which every rank raises if any
         rank's inputs were bad or the ranks disagree (dtype, T, H, D, R, layout, base, method, ...).
@@ -252,8 +264,9 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
     try:
         params, ptwc, descriptor = _local_params(
             output, partial_output, partial_lse, output_lse, prefill_tokens_with_context, output_scale,
-            query_start_loc, cu_seq_lens, method=method, num_partials=num_partials, lse_layout=lse_layout,
-            lse_base=lse_base, reduce_dtype=reduce_dtype, validate=validate)
+            query_start_loc, cu_seq_lens, output_group_scale, method=method, num_partials=num_partials,
+            lse_layout=lse_layout, lse_base=lse_base, reduce_dtype=reduce_dtype, group_size=group_size,
+            scale_ue8m0=scale_ue8m0, validate=validate)
     except (TypeError, ValueError) as e:
         if not validate:
             raise
@@ -283,9 +296,11 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
     cus = cus.view(num_partials, -1) if fused else None
     qsl = query_start_loc if fused else None
     if method == "gather":
+        group = dict(group_size=group_size, output_group_scale=output_group_scale,
+                     scale_ue8m0=scale_ue8m0) if group_size else {}
         merge_attn_states_n(output, outs.view(num_partials, num_tokens, num_heads, head_dim), lses, output_lse,
                             ptwc, output_scale, query_start_loc=qsl, cu_seq_lens=cus,
-                            lse_layout=lse_layout, lse_base=lse_base)
+                            lse_layout=lse_layout, lse_base=lse_base, **group)
         return
 
     heads = num_heads // num_partials
@@ -301,10 +316,30 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
     reduced = output if direct else torch.empty((num_tokens, heads, head_dim), dtype=rdt, device=device)
     _quiet_collective(dist.reduce_scatter_tensor, reduced, scaled.view(num_partials * num_tokens, heads, head_dim),
                       op=dist.ReduceOp.SUM, group=group)
-    if params.fp8:  # 4.6, after the sum: clamp(out / scale) then the cast (torch's: round to nearest even)
+    if group_size:  # 4.7, after the sum: this rank's rows quantized per group (torch's cast: nearest even)
+        q, scales = _group_quant(reduced.float().reshape(num_tokens, -1), group_size, scale_ue8m0)
+        output.copy_(q.view(output.shape))
+        output_group_scale.copy_(scales)
+    elif params.fp8:  # 4.6, after the sum: clamp(out / scale) then the cast (torch's: round to nearest even)
         output.copy_((reduced.float() / output_scale).clamp(-constants.FP8_E4M3_MAX, constants.FP8_E4M3_MAX))
     elif not direct:
         output.copy_(reduced)
+
+
+def _group_quant(x: torch.Tensor, group_size: int, ue8m0: bool):
+    """docs/spec.md 4.7 on f32 rows `x` [T, K] in torch ops (the reduce-scatter combine's, after its sum): (q f32,
+    the clamped quotients before the fp8 cast; scales f32 [T, K / G])."""
+    g = x.view(x.shape[0], -1, group_size)
+    amax = torch.where(torch.isnan(g), 0.0, g.abs()).amax(-1)
+    amax = torch.where(amax > constants.GROUP_EPS, amax, torch.tensor(constants.GROUP_EPS, dtype=torch.float32,
+                                                                        device=x.device))
+    scale = amax / constants.FP8_E4M3_MAX
+    if ue8m0:  # rounded up to a power of two on the bits
+        scale = ((scale.view(torch.int32) + constants.UE8M0_ROUND_UP) & constants.UE8M0_EXPONENT).view(torch.float32)
+    q = g / scale[..., None]
+    q = torch.where(q < -constants.FP8_E4M3_MAX, -constants.FP8_E4M3_MAX, q)  # comparisons: NaN stays NaN
+    q = torch.where(q > constants.FP8_E4M3_MAX, constants.FP8_E4M3_MAX, q)
+    return q.view(x.shape), scale
 
 
 def _rescale(scaled, merged_lse, partial_output, lses, qsl, cus, rank, params, ptwc, lse_layout) -> None:
