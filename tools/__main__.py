@@ -15,12 +15,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # command: (module or shell script, what it does)
 COMMANDS = {
-    "gpu-run": ("gpu_run.sh", "one GPU run: PLAN=tests|bench|more|mosaic|mosaic_speed|verify|verify_tests|all"),
+    "gpu-run": ("gpu_run.sh", "one GPU run: PLAN=tests|bench|more|mosaic|mosaic_speed|verify|fp8|verify_tests|all"),
     "check-shards": ("check_shards.sh", "`parity check --suite full` in CHECK_SHARDS parallel processes"),
     "tune": ("tune", "the tile and launch sweeps of the merges and the mask (a GPU)"),
     "wide-n": ("wide_n", "the N-way merge's first call and bandwidth at large N (a GPU)"),
     "mosaic-speed": ("mosaic_speed", "the Mosaic GPU kernels beside the Pallas Triton backend's (a GPU)"),
     "mask-floor": ("mask_floor", "the mask's candidates beside `fill_` and upstream's design (a GPU)"),
+    "group-fp8-speed": ("group_fp8_speed", "the merges with per-group FP8 fused beside bf16 and merge + quantizer"),
     "host-cost": ("host_cost", "per-call host cost of every Triton entry point"),
     "host-cost-jax": ("host_cost_jax", "per-call host cost of the pallas_impl entry points"),
     "sanitize-triton": ("sanitize_triton", "every Triton entry point, for compute-sanitizer"),

@@ -130,7 +130,7 @@ CASES: tuple[Case, ...] = (
     # Per-group FP8 (docs/spec.md 4.7): the 2-way merge with pass-through rows, then [T, H] base-2 LSEs with
     # 16-element groups and UE8M0 scales.
     Case("group_fp8_g64", (40, 20, 70), (0,), num_heads=4, head_dim=64, dtype="bfloat16",
-         out_dtype="float8_e4m3fn", group_size=64, specials=True, prefill_tokens_with_context=100, tags=_CHECK),
+         out_dtype="float8_e4m3fn", group_size=64, specials=True, prefill_tokens_with_context=100, tags=_FULL),
     Case("group_fp8_g16_ue8m0_th_base2", (33, 0, 12), (1,), num_heads=2, head_dim=128, dtype="float16",
          out_dtype="float8_e4m3fn", group_size=16, scale_ue8m0=True, lse_layout="TH", lse_base=2, specials=True,
          tags=_FULL),
@@ -239,7 +239,7 @@ CASES_N: tuple[Case, ...] = (
     # Per-group FP8 (docs/spec.md 4.7) of the N-way merge: 128-element groups with UE8M0 scales, and N = 256.
     Case("n4_bf16_group_fp8_g128_ue8m0", (24, 16, 3), (), num_heads=4, head_dim=128, out_dtype="float8_e4m3fn",
          group_size=128, scale_ue8m0=True, partials=4, context_lens=(1, 20, 6), interleave=2, specials=True,
-         prefill_tokens_with_context=40, tags=_CHECK),
+         prefill_tokens_with_context=40, tags=_FULL),
     Case("n256_bf16_group_fp8_g64", _ragged(14, 4, 16), (), num_heads=2, head_dim=128, out_dtype="float8_e4m3fn",
          group_size=64, partials=256, context_lens=_contexts(14, 4, 512), interleave=1, specials=True,
          tags=_FULL),
