@@ -284,3 +284,30 @@ def test_jax_cp_combine_quantizes_per_group(method, implementation):
     np.testing.assert_allclose(np.asarray(scales), np.asarray(want_s), rtol=2**-18)
     got = np.asarray(q).view(np.uint8).astype(int).reshape(T, -1)
     assert np.abs(got - np.asarray(want_q).view(np.uint8).astype(int).reshape(T, -1)).max() <= 1
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_fused_equals_merge_then_the_separate_quantizer_kernel(ue8m0):
+    """The fused Triton merge against the Triton merge into f32 followed by the separate quantizer kernel of
+    `python -m tools group-fp8-speed` (vLLM's per_token_group_quant_fp8 re-expressed): bit for bit, under the
+    interpreter as compiled (both divide with the same f32 `/`)."""
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tools.group_fp8_speed import _quant_kernel
+    from triton_impl._backend import PARITY_LAUNCH
+
+    outs, lses = _inputs(3, seed=9)
+    got, scales, f32 = _triton(outs, lses, 32, ue8m0, "row", two_way=False)
+    x = torch.from_numpy(f32).to(DEV)
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=DEV)
+    s = torch.empty(T * H * D // 32, device=DEV)
+    groups = T * H * D // 32
+    with np.errstate(all="ignore"):
+        _quant_kernel[(triton.cdiv(groups, 8),)](x, q, s, groups, GROUP=32, BLOCK=8, UE8M0=ue8m0,
+                                                 INTERPRET=not GPU, **PARITY_LAUNCH)
+    np.testing.assert_array_equal(got.reshape(T, -1), q.view(torch.uint8).cpu().numpy().reshape(T, -1))
+    np.testing.assert_array_equal(scales.view(np.int32), s.cpu().numpy().reshape(T, -1).view(np.int32))

@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 
 from mla_lse_common import constants
+from triton_impl._backend import interpreting
+from triton_impl._device import _cast_rne
 
 SMOKE = dict(tokens=[64], heads=[2], partials=[2, 3], head_dim=64, group_size=64)
 FP8_MAX = tl.constexpr(constants.FP8_E4M3_MAX)
@@ -38,8 +40,10 @@ EXPONENT = tl.constexpr(constants.UE8M0_EXPONENT)
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, s_ptr, num_groups, GROUP: tl.constexpr, BLOCK: tl.constexpr, UE8M0: tl.constexpr):
-    """The separate quantizer: BLOCK groups of GROUP consecutive elements per program (docs/spec.md 4.7's steps)."""
+def _quant_kernel(x_ptr, q_ptr, s_ptr, num_groups, GROUP: tl.constexpr, BLOCK: tl.constexpr, UE8M0: tl.constexpr,
+                  INTERPRET: tl.constexpr = False):
+    """The separate quantizer: BLOCK groups of GROUP consecutive elements per program (docs/spec.md 4.7's steps;
+    the cast through `_cast_rne`, the hardware's round-to-nearest-even also under Triton's interpreter)."""
     g = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     offs = g[:, None].to(tl.int64) * GROUP + tl.arange(0, GROUP)[None, :]
     mask = (g < num_groups)[:, None]
@@ -52,7 +56,7 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, num_groups, GROUP: tl.constexpr, BLOCK: t
     q = x / scale[:, None]
     q = tl.where(q < -FP8_MAX, -FP8_MAX, q)
     q = tl.where(q > FP8_MAX, FP8_MAX, q)
-    tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_ptr + offs, _cast_rne(q, q_ptr.dtype.element_ty, INTERPRET), mask=mask)
     tl.store(s_ptr + g, scale, mask=g < num_groups)
 
 
@@ -77,7 +81,7 @@ def _torch_calls(T, H, D, N, G, device):
     def unfused():
         merge(bf16)
         _quant_kernel[(triton.cdiv(groups, block),)](bf16, fp8, scales, groups, GROUP=G, BLOCK=block, UE8M0=False,
-                                                     num_warps=4)
+                                                     INTERPRET=interpreting(), num_warps=4)
 
     return {"bf16": lambda: merge(bf16), "fused": lambda: merge(fp8, group_size=G, output_group_scale=scales),
             "unfused": unfused}
