@@ -70,6 +70,10 @@ def _ordered(values) -> list:
 
 
 def _provenance(records) -> str:
+    devices = _ordered(r["device"] for r in records)
+    if len(devices) == 1:  # one device: named once
+        runs = _ordered((r["date"], r["commit"], r["command"]) for r in records)
+        return f"on {devices[0]}: " + "; ".join(f"{d}, `{c}`: `{cmd}`" for d, c, cmd in runs)
     runs = _ordered((r["date"], r["commit"], r["device"], r["command"]) for r in records)
     return "; ".join(f"{d}, `{c}`, {dev}: `{cmd}`" for d, c, dev, cmd in runs)
 
