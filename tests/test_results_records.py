@@ -35,8 +35,8 @@ def test_a_stale_table_is_found_and_rendered_back():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"commit": "run 3"}, "not a git hash"),
-    ({"date": "session 8"}, "not YYYY-MM-DD"),
+    ({"commit": "tip of main"}, "not a git hash"),
+    ({"date": "last Monday"}, "not YYYY-MM-DD"),
     ({"beside": ""}, "missing fields ['beside']"),
     ({"note": "x"}, "unknown fields ['note']"),
 ])
