@@ -202,3 +202,19 @@ def check_group_scale(output_group_scale, group_size, scale_ue8m0, output: torch
     return tuple(output_group_scale.stride()), overlaps
 
 group_floor_scale = _shared.group_floor_scale
+
+
+def check_outputs(output, like: torch.Tensor, output_scale, group_size, output_group_scale, scale_ue8m0, *,
+                  shape=None, reads: dict) -> tuple[bool, tuple, tuple]:
+    """The merge output with its static fp8 scale (`check_output`) or its per-group FP8 scales (`check_group_scale`,
+    docs/spec.md 4.7), for every merge wrapper: (per-tensor fp8, the scales' (stride_t, stride_g), their overlap
+    checks); `reads` are the tensors the merge reads (and the output LSE), which the scales must not overlap."""
+    group = group_size is not None
+    if not group and (output_group_scale is not None or scale_ue8m0):
+        raise ValueError("output_group_scale and scale_ue8m0 go with group_size (per-group FP8); got group_size=None")
+    fp8 = check_output(output, like, output_scale, shape=shape, grouped=group)
+    if not group:
+        return fp8, (0, 0), ()
+    strides, overlaps = check_group_scale(output_group_scale, group_size, scale_ue8m0, output, **reads)
+    return fp8, strides, overlaps
+

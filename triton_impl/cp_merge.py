@@ -131,13 +131,11 @@ def _local_checks(output, partial_output, partial_lse, output_lse, prefill_token
     if tuple(output.shape) != want:
         raise ValueError(f"output must be [T, H{'/N' if heads_out != num_heads else ''}, D] = {list(want)} for "
                          f"method={method!r} with N={num_partials} ranks; got output.shape={tuple(output.shape)}")
-    group = group_size is not None
-    if not group and (output_group_scale is not None or scale_ue8m0):
-        raise ValueError("output_group_scale and scale_ue8m0 go with group_size (per-group FP8); got group_size=None")
-    fp8 = checks.check_output(output, partial_output, output_scale, shape=want, grouped=group)
-    if group:  # docs/spec.md 4.7: this rank's rows (every head for "gather", its heads for "reduce_scatter")
-        checks.check_group_scale(output_group_scale, group_size, scale_ue8m0, output, partial_output=partial_output,
-                                 partial_lse=partial_lse, output_lse=output_lse)
+    # docs/spec.md 4.7: the scales of this rank's rows (every head for "gather", its heads for "reduce_scatter")
+    fp8, _, _ = checks.check_outputs(output, partial_output, output_scale, group_size, output_group_scale,
+                                     scale_ue8m0, shape=want, reads=dict(partial_output=partial_output,
+                                                                         partial_lse=partial_lse,
+                                                                         output_lse=output_lse))
     if output_lse is not None:
         checks.check_tensor("output_lse", output_lse, ndim=2, dtypes=(torch.float32,), device=device)
         checks.lse_ht_strides("output_lse", output_lse, lse_layout, heads_out, num_tokens)

@@ -171,16 +171,10 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
     if suffix_output.shape != prefix_output.shape:
         raise ValueError(f"suffix_output must match prefix_output [T, H, D]; got suffix_output.shape="
                          f"{tuple(suffix_output.shape)}, prefix_output.shape={tuple(prefix_output.shape)}")
-    group = group_size is not None
-    if not group and (output_group_scale is not None or scale_ue8m0):
-        raise ValueError("output_group_scale and scale_ue8m0 go with group_size (per-group FP8); got group_size=None")
-    fp8 = checks.check_output(output, prefix_output, output_scale, grouped=group)
-    gs_strides, gs_overlaps = (0, 0), ()
-    if group:
-        gs_strides, gs_overlaps = checks.check_group_scale(output_group_scale, group_size, scale_ue8m0, output,
-                                                           prefix_output=prefix_output, suffix_output=suffix_output,
-                                                           prefix_lse=prefix_lse, suffix_lse=suffix_lse,
-                                                           output_lse=output_lse)
+    fp8, gs_strides, gs_overlaps = checks.check_outputs(
+        output, prefix_output, output_scale, group_size, output_group_scale, scale_ue8m0,
+        reads=dict(prefix_output=prefix_output, suffix_output=suffix_output, prefix_lse=prefix_lse,
+                   suffix_lse=suffix_lse, output_lse=output_lse))
     lse_strides = []  # (h, t) strides in the kernel's order: output_lse, prefix_lse, suffix_lse
     for name, x in (("output_lse", output_lse), ("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse)):
         if x is None:

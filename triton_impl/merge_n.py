@@ -283,13 +283,9 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
     device = outputs.device
     num_partials, num_tokens, num_heads, head_dim = outputs.shape
     group = group_size is not None
-    if not group and (output_group_scale is not None or scale_ue8m0):
-        raise ValueError("output_group_scale and scale_ue8m0 go with group_size (per-group FP8); got group_size=None")
-    fp8 = checks.check_output(output, outputs, output_scale, grouped=group)
-    gs_strides, gs_overlaps = (0, 0), ()
-    if group:
-        gs_strides, gs_overlaps = checks.check_group_scale(output_group_scale, group_size, scale_ue8m0, output,
-                                                           outputs=outputs, lses=lses, output_lse=output_lse)
+    fp8, gs_strides, gs_overlaps = checks.check_outputs(
+        output, outputs, output_scale, group_size, output_group_scale, scale_ue8m0,
+        reads=dict(outputs=outputs, lses=lses, output_lse=output_lse))
     checks.check_tensor("lses", lses, ndim=3, dtypes=(torch.float32,), device=device)
     stride_lse_n, stride_lse_h, stride_lse_t = checks.lses_strides(lses, lse_layout, num_partials, num_heads,
                                                                    num_tokens)
