@@ -118,3 +118,13 @@ def prefill_tokens_array(prefill_tokens_with_context, num_tokens: int):
         return jnp.full((1,), num_tokens, jnp.int32)
     x = jnp.asarray(prefill_tokens_with_context).astype(jnp.int32)
     return jnp.clip(x, 0, num_tokens).reshape(1)
+
+
+def check_output_options(out_dtype, in_dtype, output_scale, group_size, scale_ue8m0, scale_layout, head_dim: int):
+    """The merges' output options: (out_dtype as a dtype, the per-group FP8 options or None); with group_size the
+    output is fp8 (out_dtype None or float8_e4m3fn; docs/spec.md 4.7)."""
+    group = check_group(group_size, scale_ue8m0, scale_layout, head_dim, output_scale)
+    out_dtype = check_out_dtype(FP8 if group and out_dtype is None else out_dtype, in_dtype, output_scale,
+                                grouped=group is not None)
+    return out_dtype, group
+

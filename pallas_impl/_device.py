@@ -106,16 +106,17 @@ def _store_output(out_block, out, last, copy_t, scale_ref, thd_mask, fp8_out):
         pltriton.store(out_block, out.astype(out_block.dtype), mask=thd_mask)
 
 
-def _store_group_fp8(out_block, scale_block, out, last, copy_t, th_mask, thd_mask, group_size, ue8m0):
-    """The merged f32 tile `out` [block_t, block_h, D] quantized per group of `group_size` elements of a head row
-    (docs/spec.md 4.7) to `out_block` (fp8), its scales to `scale_block` [block_t, block_h * D / G]: pass-through
-    tokens take `last` as f32 (4.4) and are quantized like any other row."""
+def _store_group_fp8(out_block, scale_ref, t0, h0, out, last, copy_t, th_mask, thd_mask, group_size, ue8m0):
+    """The merged f32 tile `out` [block_t, block_h, D] (D a power of two: the whole head) quantized per group of
+    `group_size` elements of a head row (docs/spec.md 4.7) to `out_block` (fp8), its scales to this tile's block of
+    `scale_ref` f32[T, H * D / G]: pass-through tokens take `last` as f32 (4.4), quantized like any other row."""
     out = jnp.where(copy_t[:, None, None], last.astype(jnp.float32), out)
     q, scale = _math.group_quant(out, group_size, ue8m0)
     pltriton.store(out_block, q.astype(out_block.dtype), mask=thd_mask)
     block_t, block_h, groups = scale.shape
     g_mask = jnp.broadcast_to(th_mask[:, :, None], scale.shape).reshape(block_t, block_h * groups)
-    pltriton.store(scale_block, scale.reshape(block_t, block_h * groups), mask=g_mask)
+    pltriton.store(scale_ref.at[pl.ds(t0, block_t), pl.ds(h0 * groups, block_h * groups)],
+                   scale.reshape(block_t, block_h * groups), mask=g_mask)
 
 
 def _merged_lse(z, m, empty, copy_t, passthrough, lse_base2):

@@ -167,9 +167,8 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
     num_tokens, num_heads, head_dim = out.shape
     checks.check_array("lse", lse, ndim=2, dtypes=(jnp.float32,))
     checks.check_lse_shape("lse", lse.shape, lse_layout, num_heads, num_tokens)
-    group = checks.check_group(group_size, scale_ue8m0, scale_layout, head_dim, output_scale)
-    out_dtype = checks.check_out_dtype(checks.FP8 if group and out_dtype is None else out_dtype, out.dtype,
-                                       output_scale, grouped=group is not None)
+    out_dtype, group = checks.check_output_options(out_dtype, out.dtype, output_scale, group_size, scale_ue8m0,
+                                                   scale_layout, head_dim)
     if method == "reduce_scatter" and num_heads % num_partials:
         raise ValueError(f"method='reduce_scatter' splits the H={num_heads} heads over the N={num_partials} devices of "
                          f"axis {axis_name!r}: H must be a multiple of N (use method='gather')")

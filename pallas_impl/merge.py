@@ -73,10 +73,8 @@ def _merge_attn_states_kernel(
     out = jnp.where(both_empty[:, :, None], 0.0, out)
     copy_t = t >= ptwc_ref[0]  # docs/spec.md 4.4
     out_block = out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)]
-    if group is not None:  # docs/spec.md 4.7 (block_d == D: the head dim is a power of two)
-        per_head = head_dim // group[0]
-        scale_block = more_out_refs[-1].at[pl.ds(t0, block_t), pl.ds(h0 * per_head, block_h * per_head)]
-        _store_group_fp8(out_block, scale_block, out, b, copy_t, th_mask, thd_mask, group[0], group[1])
+    if group is not None:  # docs/spec.md 4.7
+        _store_group_fp8(out_block, more_out_refs[-1], t0, h0, out, b, copy_t, th_mask, thd_mask, *group)
     else:
         _store_output(out_block, out, b, copy_t, scale_ref, thd_mask, fp8_out)
 
@@ -208,9 +206,8 @@ def _merge_plan(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sca
     for name, x in (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse)):
         checks.check_array(name, x, ndim=2, dtypes=(jnp.float32,))
         checks.check_lse_shape(name, x.shape, lse_layout, num_heads, num_tokens)
-    group = checks.check_group(group_size, scale_ue8m0, scale_layout, prefix_output.shape[2], output_scale)
-    out_dtype = checks.check_out_dtype(checks.FP8 if group and out_dtype is None else out_dtype, prefix_output.dtype,
-                                       output_scale, grouped=group is not None)
+    out_dtype, group = checks.check_output_options(out_dtype, prefix_output.dtype, output_scale, group_size,
+                                                   scale_ue8m0, scale_layout, prefix_output.shape[2])
     if checks.check_fused_pair(query_start_loc, prefix_cu_seq_lens, "prefix_cu_seq_lens"):
         checks.check_offsets(query_start_loc, prefix_cu_seq_lens, cu_name="prefix_cu_seq_lens")
     checks.check_prefill_tokens(prefill_tokens_with_context, num_tokens, False)

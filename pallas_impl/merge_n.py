@@ -148,10 +148,8 @@ def _merge_attn_states_n_kernel(
     out = jnp.where(all_empty[:, :, None], 0.0, out)
     copy_t = t >= ptwc_ref[0]  # 8.4
     out_block = out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)]
-    if group is not None:  # 4.7 (block_d == D: the head dim is a power of two)
-        per_head = head_dim // group[0]
-        scale_block = more_out_refs[-1].at[pl.ds(t0, block_t), pl.ds(h0 * per_head, block_h * per_head)]
-        _store_group_fp8(out_block, scale_block, out, b, copy_t, th_mask, thd_mask, group[0], group[1])
+    if group is not None:  # docs/spec.md 4.7
+        _store_group_fp8(out_block, more_out_refs[-1], t0, h0, out, b, copy_t, th_mask, thd_mask, *group)
     else:
         _store_output(out_block, out, b, copy_t, scale_ref, thd_mask, fp8_out)
 
@@ -295,9 +293,8 @@ def _merge_n_plan(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pre
         raise ValueError(f"outputs and lses disagree on N: outputs has {num_partials} partials, "
                          f"lses.shape={tuple(lses.shape)}")
     checks.check_lse_shape("lses", lses.shape, lse_layout, num_heads, num_tokens, num_partials=num_partials)
-    group = checks.check_group(group_size, scale_ue8m0, scale_layout, outputs.shape[3], output_scale)
-    out_dtype = checks.check_out_dtype(checks.FP8 if group and out_dtype is None else out_dtype, outputs.dtype,
-                                       output_scale, grouped=group is not None)
+    out_dtype, group = checks.check_output_options(out_dtype, outputs.dtype, output_scale, group_size, scale_ue8m0,
+                                                   scale_layout, outputs.shape[3])
     if checks.check_fused_pair(query_start_loc, cu_seq_lens, "cu_seq_lens"):
         checks.check_array("query_start_loc", query_start_loc, ndim=1, dtypes=(jnp.int32,))
         checks.check_array("cu_seq_lens", cu_seq_lens, ndim=2, dtypes=(jnp.int32,))
