@@ -15,6 +15,13 @@ UE8M0_ROUND_UP = 0x007FFFFF
 UE8M0_EXPONENT = 0x7F800000
 SCALE_LAYOUTS = ("row", "col", "col_tma")  # f32[T, G#], f32[G#, T], f32[G#, T padded to TMA_ALIGN_T]
 TMA_ALIGN_T = 4  # DeepGEMM's TMA-aligned column-major scales: T padded to a multiple of 16 bytes of f32
+# NVFP4 output (docs/spec.md 4.8): e2m1 values (largest 6), one e4m3 block scale per NVFP4_BLOCK elements, and the
+# thresholds of the e2m1 magnitude codes 1..7 as (value, inclusive): |y| > 0.25, >= 0.75, ... (ties to the even code).
+FP4_E2M1_MAX = 6.0
+NVFP4_BLOCK = 16
+FP4_E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True),
+                       (5.0, False))
+NVFP4_SWIZZLE = (128, 4)  # the FP4 GEMMs' scale tiles: 128 rows (tokens) x 4 scale columns, 512 bytes each
 LSE_LAYOUTS = ("HT", "TH")  # f32[H, T] (vLLM, FA2) or f32[T, H] (FlashInfer, SGLang)
 # The N-way loops over the partials (docs/spec.md 8, "Any N"): unrolled up to N = UNROLLED_PARTIALS (fast code, a
 # short compile); beyond, runtime loops whose partition is a launch knob (`tiles.N_LOOPS`): a compile that does

@@ -149,6 +149,79 @@ def to_fp8(q):
     return np.asarray(q, np.float32).astype(ml_dtypes.float8_e4m3fn)
 
 
+FP4_E2M1_MAX = 6.0
+NVFP4_BLOCK = 16
+# docs/spec.md 4.8: the e2m1 magnitude code of |y| counts these thresholds it passes ((value, inclusive)).
+FP4_E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True),
+                       (5.0, False))
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude code -> value
+
+
+def quant_nvfp4(x, global_scale):
+    """Section 4.8: NVFP4 quantization of f32 rows, in f32 arithmetic (each step one IEEE f32 operation).
+
+    `x`: [T, ..., K] values, taken as f32 and flattened to [T, K]; K a multiple of 16. `global_scale`: the f32
+    global scale g (finite, > 0). Returns (codes u8[T, K], one e2m1 code per element: bit 3 the sign, bits 0-2 the
+    magnitude code; scales float8_e4m3fn[T, K // 16]). Per block of 16: amax = max |x| over the non-NaN elements
+    (0 if none); s = e4m3((amax * f32(1/6)) * g) saturated at 448; inv = 1 / (f32(s) * f32(1/g)), 0 where s is 0;
+    y = clamp(x * inv, -6, 6) with comparisons; the code of y by its thresholds, its sign bit from y's bits.
+    `pack_fp4` packs two codes per byte, `swizzle_nvfp4_scales` lays the scales out for the FP4 GEMMs.
+    """
+    import ml_dtypes
+
+    x = np.asarray(x, np.float32)
+    rows = x.reshape(x.shape[0], -1)
+    blocks = rows.reshape(rows.shape[0], -1, NVFP4_BLOCK)
+    g = np.float32(global_scale)
+    with np.errstate(invalid="ignore", over="ignore"):
+        mag = np.where(np.isnan(blocks), np.float32(0), np.abs(blocks))
+        amax = mag.max(axis=-1, initial=np.float32(0))
+        s = (amax * np.float32(1 / FP4_E2M1_MAX)).astype(np.float32) * g
+        s = np.where(s > np.float32(FP8_E4M3_MAX), np.float32(FP8_E4M3_MAX), s).astype(np.float32)
+        scales = s.astype(ml_dtypes.float8_e4m3fn)
+        sf = scales.astype(np.float32)
+        denom = (sf * np.float32(np.float32(1) / g)).astype(np.float32)
+        inv = np.where(sf == 0, np.float32(0), np.float32(1) / np.where(sf == 0, np.float32(1), denom))
+        y = (blocks * inv.astype(np.float32)[..., None]).astype(np.float32)
+        y = np.where(y < -FP4_E2M1_MAX, np.float32(-FP4_E2M1_MAX), y)
+        y = np.where(y > FP4_E2M1_MAX, np.float32(FP4_E2M1_MAX), y).astype(np.float32)
+        a = np.abs(y)
+        code = np.zeros(y.shape, np.uint8)
+        for value, inclusive in FP4_E2M1_THRESHOLDS:
+            code += (a >= np.float32(value)) if inclusive else (a > np.float32(value))
+    sign = (y.view(np.uint32) >> 31).astype(np.uint8)
+    return (code | (sign << 3)).reshape(rows.shape), scales
+
+
+def fp4_values(codes):
+    """f32 values of e2m1 codes (bit 3 the sign): the dequantized elements before their block scale."""
+    codes = np.asarray(codes, np.uint8)
+    mag = np.asarray(FP4_E2M1_VALUES, np.float32)[codes & 7]
+    return np.where(codes & 8, -mag, mag).astype(np.float32)
+
+
+def pack_fp4(codes):
+    """u8[T, K] e2m1 codes -> u8[T, K // 2]: byte j holds element 2j in its low nibble, 2j + 1 in its high one."""
+    codes = np.asarray(codes, np.uint8)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+
+
+def swizzle_nvfp4_scales(scales):
+    """[T, K] block scales (any 1-byte dtype) -> the same dtype, flat, in the 128x4-swizzled layout (section 4.8):
+    T padded to a multiple of 128 and K to a multiple of 4 with zeros; scale (t, k) at
+    ((t // 128) * (K_pad / 4) + k // 4) * 512 + (t % 32) * 16 + ((t % 128) // 32) * 4 + k % 4."""
+    scales = np.asarray(scales)
+    t, k = scales.shape
+    tp, kp = -(-t // 128) * 128, -(-k // 4) * 4
+    bits = np.zeros((tp, kp), np.uint8)
+    bits[:t, :k] = scales.view(np.uint8)
+    tt, kk = np.meshgrid(np.arange(tp), np.arange(kp), indexing="ij")
+    offset = ((tt // 128) * (kp // 4) + kk // 4) * 512 + (tt % 32) * 16 + ((tt % 128) // 32) * 4 + kk % 4
+    out = np.zeros(tp * kp, np.uint8)
+    out[offset.ravel()] = bits.ravel()
+    return out.view(scales.dtype)
+
+
 def _from_th(lse_th: np.ndarray, lse_layout: str) -> np.ndarray:
     return lse_th.T if lse_layout == "HT" else lse_th
 
