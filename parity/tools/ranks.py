@@ -20,6 +20,10 @@ def _entry(rank: int, world_size: int, backend: str, init_file: str, out_dir: st
 
     if backend == "nccl":
         torch.cuda.set_device(rank)
+    else:
+        from parity.harness.impls.runtime import patch_triton_language_once_per_launch
+
+        patch_triton_language_once_per_launch()
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
