@@ -56,21 +56,27 @@ def patch_triton_language_once_per_launch() -> None:
     if executor is None or patch is None or not hasattr(ti, "tl"):
         return
 
+    seen = {}  # function -> the language modules its globals hold (a module's globals keep their modules)
+
     def langs_of(fn):
-        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (ti.tl, ti.tl.core))
+        langs = seen.get(fn)
+        if langs is None:
+            langs = seen[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                         if inspect.ismodule(v) and v in (ti.tl, ti.tl.core))
+        return langs
 
     class _Kept:
         def restore(self):
             pass
 
-    launches = []  # per running launch: None until its own swap, then the ids of the modules it swapped
+    launches = []  # per running launch: None until its own swap, then the ids of the modules swapped so far
 
     def patch_lang(fn):
         if launches and launches[-1] is not None and langs_of(fn) <= launches[-1]:
             return _Kept()
         scope = patch(fn)
-        if launches and launches[-1] is None:
-            launches[-1] = langs_of(fn)
+        if launches:  # the launch's own swap, or a device function seeing another module (tl.core): once each
+            launches[-1] = langs_of(fn) | (launches[-1] or frozenset())
         return scope
 
     run = executor.__call__
