@@ -37,12 +37,12 @@ def patch_triton_language_once_per_launch() -> None:
     The interpreter swaps `triton.language`'s builtins for interpreted ones when a kernel launches and puts them
     back when it returns; it also redoes the swap at every call of a device function (`_patch_lang(fn)`, through
     `inspect.getmembers` of the language modules), which finds them swapped already and sets equivalent functions
-    again. The kernels call device helpers per tile: that repeat was 41% of the interpreter's time in
-    tests/test_merge_limits.py (cProfile), and `python -m parity check`'s default suite went from 152 to 132 s
-    (2026-12-05, this 2-core CPU machine). Here a device function's call skips it while a launch's swap covers the
-    language modules it sees; the launch's own swap and its restore are untouched. A Triton whose interpreter is
-    laid out otherwise (this is triton 3.6-3.9's) is left as it is. Called by `configure()` on CPU, by the gloo
-    ranks of `parity.tools.ranks` and by the tests' conftest.
+    again. The kernels call device helpers per tile, so that repeat was most of the interpreter's overhead
+    (docs/results.md, "CI on a CPU machine", has the check's and CI's times with and without this). Here a device
+    function's call skips it once the running launch has swapped the language modules it sees (a helper of
+    `triton.language.core` swaps that module once per launch); the launch's own swap and its restore are untouched.
+    A Triton whose interpreter is laid out otherwise (this is triton 3.6-3.9's) is left as it is. Called by
+    `configure()` on CPU, by the gloo ranks of `parity.tools.ranks` and by the tests' conftest.
     """
     if _LAUNCH_PATCH:
         return
