@@ -222,9 +222,7 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
     reduced = lax.psum_scatter(scaled, axis_name, scatter_dimension=1, tiled=True)  # [T, H / N, D]
     scales = None
     if group is not None:  # 4.7, after the sum: this device's rows quantized per group
-        q, scales = _math.group_quant(reduced.astype(jnp.float32), group_size, scale_ue8m0)
-        result = q.astype(out_dtype)
-        scales = _math.scale_layout(scales.reshape(num_tokens, -1), scale_layout)
+        result, scales = jnp_fallback._stored_grouped(reduced.astype(jnp.float32), group)
     elif out_dtype == checks.FP8:  # 4.6, after the sum
         result = reduced.astype(jnp.float32) / jnp.asarray(output_scale, jnp.float32).reshape(-1)[0]
         result = jnp.where(result < -_math.FP8_E4M3_MAX, -_math.FP8_E4M3_MAX, result)

@@ -58,12 +58,14 @@ def _stored(out, last, copy_t, output_scale, out_dtype):
     return jnp.where(copy, last.astype(jnp.float32), out).astype(out_dtype)
 
 
-def _stored_grouped(out, last, copy_t, group):
-    """The f32 merge `out` [T, H, D] quantized per group (docs/spec.md 4.7; `group` = (group_size, ue8m0,
-    scale_layout)): (fp8 [T, H, D], scales in scale_layout); pass-through tokens take `last` as f32 (4.4)."""
+def _stored_grouped(out, group, last=None, copy_t=None):
+    """The f32 rows `out` [T, ...] quantized per group (docs/spec.md 4.7; `group` = (group_size, ue8m0,
+    scale_layout)): (fp8 of out's shape, scales in scale_layout); pass-through tokens (`copy_t`) take `last` as f32
+    (4.4)."""
     group_size, ue8m0, layout = group
     num_tokens = out.shape[0]
-    out = jnp.where(copy_t[:, None, None], last.astype(jnp.float32), out)
+    if copy_t is not None:
+        out = jnp.where(copy_t[:, None, None], last.astype(jnp.float32), out)
     q, scale = _math.group_quant(out, group_size, ue8m0)
     return q.astype(_checks.FP8), _math.scale_layout(scale.reshape(num_tokens, -1), layout)
 
@@ -87,7 +89,7 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, outp
     out = jnp.where(both_empty[..., None], 0.0, out)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill_tokens[0]
     if group is not None:  # 4.7: (fp8, scales)
-        out, scales = _stored_grouped(out, suffix_output, copy_t, group)
+        out, scales = _stored_grouped(out, group, suffix_output, copy_t)
     else:
         out = _stored(out, suffix_output, copy_t, output_scale, out_dtype)
     lse = _merged_lse(z, m, both_empty, copy_t, s_raw, lse_base2) if return_lse else None
@@ -149,7 +151,7 @@ def merge_attn_states_n(outputs, lses, output_scale, query_start_loc, cu_seq_len
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill_tokens[0]
     scales = None
     if group is not None:  # 4.7: (fp8, scales)
-        out, scales = _stored_grouped(out, outputs[-1], copy_t, group)
+        out, scales = _stored_grouped(out, group, outputs[-1], copy_t)
     else:
         out = _stored(out, outputs[-1], copy_t, output_scale, out_dtype)
     lse_out = _merged_lse(z, m, all_empty, copy_t, _copied_lse(l_raw[-1], empty), lse_base2) if return_lse else None
@@ -166,7 +168,7 @@ def empty_merge_n(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pre
     out = jnp.zeros(outputs.shape[1:], out_dtype)
     scales = None
     if group is not None:
-        _, scales = _stored_grouped(out.astype(jnp.float32), out, jnp.zeros((outputs.shape[1],), bool), group)
+        _, scales = _stored_grouped(out.astype(jnp.float32), group)
     return _results(out, jnp.full(lses.shape[1:], -jnp.inf, jnp.float32) if return_lse else None, scales)
 
 

@@ -7,30 +7,17 @@ module imports `triton_impl`: interpreter without CUDA, compiled with it.
 import os
 import random
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+from parity.harness.impls.runtime import configure
 
-
-def _has_cuda() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-HAS_CUDA = _has_cuda()
+# The harness's run mode (parity.harness.impls.runtime.configure): without CUDA, TRITON_INTERPRET=1 and Pallas in
+# interpret mode, Triton's interpreter without its per-device-call repeat; XLA_PYTHON_CLIENT_PREALLOCATE=false.
+HAS_CUDA = configure()
 try:  # two torch threads fight XLA's for a 2-core CI machine (parity.library.compare runs torch ops)
     import torch
 
     torch.set_num_threads(1)
 except ImportError:
     pass
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-    # The interpreter without its per-device-call repeat, as the harness runs it (parity.harness.impls.runtime).
-    from parity.harness.impls.runtime import patch_triton_language_once_per_launch
-
-    patch_triton_language_once_per_launch()
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
