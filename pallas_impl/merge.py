@@ -222,9 +222,6 @@ def _merge_plan(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sca
     interpret = _backend.resolve_interpret(interpret, backend)
     lse_axis = 0 if lse_layout == "HT" else 1
     if backend == "mosaic_gpu":
-        if group is not None:
-            raise NotImplementedError("backend='mosaic_gpu' has no per-group FP8 output yet (group_size); use the "
-                                      "Triton backend or implementation='jnp'")
         from pallas_impl.mosaic.merge import merge_mosaic
 
         fn = functools.partial(merge_mosaic, **options, interpret=interpret)

@@ -234,7 +234,7 @@ def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, quer
 
     Args:
       outputs: dtype[N, T, H, D], fp32/fp16/bf16 (an all-gather of the partials along a new leading axis);
-        any N >= 0 (N = 0: output 0, LSE -inf; backend="mosaic_gpu": 1 <= N <= 64).
+        any N >= 0 (N = 0: output 0, LSE -inf).
       lses: f32[N, H, T] ([N, T, H] with lse_layout="TH"), natural log unless lse_base=2. +inf and NaN mean an
         empty partial.
       prefill_tokens_with_context: None (= T) or an integer scalar, traced or not. Tokens at or past it copy
@@ -318,9 +318,6 @@ def _merge_n_plan(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pre
     interpret = _backend.resolve_interpret(interpret, backend)
     lse_axis = 0 if lse_layout == "HT" else 1
     if backend == "mosaic_gpu":
-        if group is not None:
-            raise NotImplementedError("backend='mosaic_gpu' has no per-group FP8 output yet (group_size); use the "
-                                      "Triton backend or implementation='jnp'")
         from pallas_impl.mosaic.merge_n import merge_n_mosaic
 
         fn = functools.partial(merge_n_mosaic, **options, interpret=interpret)

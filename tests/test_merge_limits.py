@@ -502,22 +502,3 @@ def test_reference_base2_identity_is_exact():
     out, lse = reference.merge_attn_states_n(outputs, lses, lse_base=2)
     np.testing.assert_array_equal(lse.astype(np.float32).view(np.uint32), lses[2].view(np.uint32))
     np.testing.assert_array_equal(out, outputs[2].astype(np.float64))
-
-
-# -- the Mosaic GPU backend's refusals ---------------------------------------------------------------------
-
-
-def test_mosaic_refuses_what_its_kernels_cannot_do():
-    """backend="mosaic_gpu" unrolls over the partials and stores the partials' dtype: it raises for the rest
-    (an explicit backend never falls back). N = 0 runs no kernel on any backend."""
-    from pallas_impl.mosaic import _common as mc
-
-    mc.check_partials(1)
-    mc.check_partials(mc.MAX_PARTIALS)
-    for n in (0, mc.MAX_PARTIALS + 1):
-        with pytest.raises(NotImplementedError, match="backend='triton'"):
-            mc.check_partials(n)
-    mc.check_out_dtype(jnp.bfloat16, jnp.bfloat16)
-    mc.check_out_dtype(jnp.float32, jnp.float8_e4m3fn)
-    with pytest.raises(NotImplementedError, match="out_dtype=bfloat16"):
-        mc.check_out_dtype(jnp.float32, jnp.bfloat16)

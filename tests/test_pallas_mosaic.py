@@ -72,7 +72,7 @@ def _check_against_reference(case, op, inputs, got):
         compare.assert_bitwise_equal(got["lse"], ref["lse"], name="mask.lse", layout=case.lse_layout, **loc)
         compare.assert_bitwise_equal(got["output"], ref["output"], name="mask.output", **loc)
         return
-    assert_merge_matches_reference(case, op, inputs, got["out"], got["lse"], mode="mosaic")
+    assert_merge_matches_reference(case, op, inputs, got["out"], got["lse"], mode="mosaic", scales=got.get("scales"))
 
 
 @needs_mosaic
@@ -86,6 +86,11 @@ def test_ci_cases_match_reference(case, op):
 @needs_mosaic
 @pytest.mark.parametrize("case, op", CI_OPS)
 def test_ci_cases_lower_for_the_gpu(case, op):
+    _lowers_for_the_gpu(case, op)
+
+
+def _lowers_for_the_gpu(case, op):
+    """`op` on `case` lowers to a Mosaic GPU kernel for the GPU (`jax.export`, platforms=["cuda"]), on any machine."""
     inputs = _operands(case, op)
     keys = sorted(inputs)
 
@@ -113,6 +118,34 @@ def test_ci_cases_bits_match_the_triton_backend(case, op):
     for key, w in want.items():
         if w is not None:
             compare.assert_bitwise_equal(got[key], w, name=f"{op}.{key}", case=case, mode="mosaic vs triton")
+
+
+def _past_the_old_limits(case) -> bool:
+    """The options Mosaic GPU refused until 2026-12-05 (N > 64, an output dtype other than the partials' or fp8,
+    per-group FP8): the full suite's cases of them."""
+    mixed = case.out_dtype is not None and np.dtype(case.out_dtype) not in (np.dtype(case.dtype),
+                                                                             np.dtype(jnp.float8_e4m3fn))
+    return (case.n_way and case.partials > 64) or mixed or bool(case.group_size)
+
+
+WIDER_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in cases.select("full", kind="all")
+             if _past_the_old_limits(case) for op in impls.ops_of(case) if op != "mask"]
+
+
+@needs_mosaic
+@pytest.mark.parametrize("case, op", WIDER_OPS)
+def test_wide_merges_other_output_dtypes_and_group_fp8_match_reference(case, op):
+    """N > 64 (the weights in blocks of 64, runtime loops over the partials), f32 / f16 / bf16 outputs from other
+    partial dtypes (one rounding at the store) and per-group FP8 (the kernel's f32 rows quantized after it)."""
+    inputs = _operands(case, op)
+    got = impls.run(RT, "mosaic", op, case, _device(inputs))
+    _check_against_reference(case, op, inputs, got)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("case, op", WIDER_OPS)
+def test_wide_merges_other_output_dtypes_and_group_fp8_lower_for_the_gpu(case, op):
+    _lowers_for_the_gpu(case, op)
 
 
 def _long_tiles_differ(case) -> bool:

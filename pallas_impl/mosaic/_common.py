@@ -28,9 +28,9 @@ from pallas_impl import _backend, _math, jnp_fallback
 
 BLOCK_T = 128  # tokens per tile: a Warpgroup row vector needs a multiple of 128 elements
 MAX_COLS = 256  # a TMA box dimension holds at most 256 elements: wider heads are split into column chunks
-# The N-way kernels unroll their loops over the partials at trace time and keep a shared-memory weight row per
-# partial: N beyond it is the Triton backend's (its loops over the partials are runtime loops).
-MAX_PARTIALS = 64
+# The N-way merge keeps a shared-memory weight row per partial up to WEIGHT_ROWS partials (its loops over them
+# unrolled); beyond, its loops run at runtime and the weights of WEIGHT_ROWS partials at a time.
+WEIGHT_ROWS = 64
 # Launch choices per kernel (they change which CTA owns a tile, never an element's arithmetic):
 # steps: token tiles per CTA (one emit_pipeline); concurrent: pipelined steps in flight; tile_bytes: the most bytes
 # of one [128, dc] input tile; stores: output tiles whose TMA stores may be in flight (1 or 2 shared-memory slots;
@@ -116,20 +116,6 @@ def store_tile(result, o_scr, dst, count) -> None:
     m.copy_smem_to_gmem(slot, dst)
 
 
-def check_partials(num_partials: int) -> None:
-    """The N-way kernels take 1 to MAX_PARTIALS partials (N = 0 runs no kernel: `jnp_fallback.empty_merge_n`)."""
-    if not 1 <= num_partials <= MAX_PARTIALS:
-        raise NotImplementedError(f"backend='mosaic_gpu' merges 1 to {MAX_PARTIALS} partials (its loops over them "
-                                  f"unroll); got N={num_partials}: use backend='triton'")
-
-
-def check_out_dtype(in_dtype, out_dtype) -> None:
-    """The merge kernels store the partials' dtype (or f32 for fp8, cast in XLA): another output dtype is refused."""
-    if jnp.dtype(out_dtype) not in (jnp.dtype(in_dtype), jnp.dtype(jnp.float8_e4m3fn)):
-        raise NotImplementedError(f"backend='mosaic_gpu' writes the partials' dtype {jnp.dtype(in_dtype).name} (or "
-                                  f"float8_e4m3fn); got out_dtype={jnp.dtype(out_dtype).name}: use backend='triton'")
-
-
 def column_chunk(head_dim: int, itemsize: int, tile_bytes: int = 32 * 1024) -> int:
     """Columns of one TMA tile: the largest divisor of D of 16-byte rows and a multiple of 8 columns (the WGMMA
     register layout's tile, 8 wide) within MAX_COLS and `tile_bytes` (at least the narrowest such column)."""
@@ -202,22 +188,43 @@ def padded_rows(x, num_tokens: int, fill, axis: int = -2):
     return jnp.pad(x, widths, constant_values=fill)
 
 
+def out_type_of(out_dtype, quantized: bool):
+    """The dtype a merge kernel stores: the output dtype (one rounding at the store), or f32 rows that XLA scales
+    and casts to fp8 after the kernel (static `output_scale`, 4.6, or per group, 4.7)."""
+    return jnp.float32 if quantized else out_dtype
+
+
+def stored(out, last, copy, dtype):
+    """A merged f32 tile `out` as the kernel stores it in `dtype` (docs/spec.md 4.4): pass-through rows (`copy`, a
+    bool tile, or None for none) take the tile `last` bit for bit where it has that dtype, else `last` as f32,
+    rounded once at the store (`store_tile`) like a merged row."""
+    if copy is None:
+        return out
+    if last.dtype == dtype:
+        return jnp.where(copy, last, out.astype(dtype))
+    return jnp.where(copy, last.astype(jnp.float32), out)
+
+
 def finish(results, shape, copy_t, last_output, last_lse, output_scale, *, out_dtype, return_lse: bool,
-           lse_layout: str, pass_through: bool):
-    """XLA after a merge kernel (docs/spec.md 4.4, 4.6, 8.4): the `[T, H, D]` output (fp8: the last partial's
-    rows copied, scaled, clamped, cast) and the merged LSE (the kernel writes it in the caller's base; with
-    `pass_through`, the rows of `copy_t` take `last_lse`'s `[H, T]` bits), in the caller's layout. `results`: the
-    kernel's padded `[T', H * D]` output (and `[H * T']` LSE); for T >= BLOCK_T, an `[H, T]` LSE and no
-    pass-through or fp8 these are reshapes only."""
+           lse_layout: str, pass_through: bool, group=None):
+    """XLA after a merge kernel (docs/spec.md 4.4, 4.6, 4.7, 8.4): the `[T, H, D]` output (fp8: the last partial's
+    rows copied, then scaled, clamped and cast, or quantized per `group`, which adds the scales), and the merged LSE
+    (the kernel writes it in the caller's base; with `pass_through`, the rows of `copy_t` take `last_lse`'s
+    `[H, T]` bits), in the caller's layout. `results`: the kernel's padded `[T', H * D]` output (and `[H * T']`
+    LSE); for T >= BLOCK_T, an `[H, T]` LSE and no pass-through or fp8 these are reshapes only."""
     num_tokens, num_heads, head_dim = shape
     out = results[0][:num_tokens].reshape(shape)
-    if output_scale is not None:
+    scales = None
+    if group is not None:
+        out, scales = jnp_fallback._stored_grouped(out, group, last_output, copy_t)
+    elif output_scale is not None:
         out = jnp.where(copy_t[:, None, None], last_output.astype(jnp.float32), out) / output_scale.reshape(-1)[0]
         out = jnp.where(out < -_math.FP8_E4M3_MAX, -_math.FP8_E4M3_MAX, out)
         out = jnp.where(out > _math.FP8_E4M3_MAX, _math.FP8_E4M3_MAX, out).astype(out_dtype)
-    if not return_lse:
-        return out
-    merged = results[1].reshape(num_heads, -1)[:, :num_tokens]  # [H, T]
-    if pass_through:
-        merged = jnp.where(copy_t[None, :], last_lse, merged)
-    return out, (merged if lse_layout == "HT" else merged.T)
+    merged = None
+    if return_lse:
+        merged = results[1].reshape(num_heads, -1)[:, :num_tokens]  # [H, T]
+        if pass_through:
+            merged = jnp.where(copy_t[None, :], last_lse, merged)
+        merged = merged if lse_layout == "HT" else merged.T
+    return jnp_fallback._results(out, merged, scales)

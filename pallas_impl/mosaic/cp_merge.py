@@ -57,8 +57,11 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                     row = jnp.where(mc.strided_row(e_g, k * num_tokens + t0) > 0, -jnp.inf, row)
                 return _math.clean_lse(row)
 
-            rows = [row_of(k) for k in range(num_partials)]
-            m, all_empty, _, z = _math.n_way_max_and_sum(rows.__getitem__, num_partials, lse_base2, unroll=True)
+            if num_partials <= mc.WEIGHT_ROWS:  # unrolled, each row loaded once
+                rows = [row_of(k) for k in range(num_partials)]
+                m, all_empty, _, z = _math.n_way_max_and_sum(rows.__getitem__, num_partials, lse_base2, unroll=True)
+            else:  # runtime loops over the devices (`_math.fold_partials`), each row loaded per loop
+                m, all_empty, _, z = _math.n_way_max_and_sum(row_of, num_partials, lse_base2)
             w_smem[0] = _math.exp_base(row_of(rank) - m, lse_base2) / z  # 8.2, 8.3: partial `rank`'s weight
             w_smem[1] = jnp.where(all_empty, 1.0, 0.0)
             if copy_rows:
@@ -92,7 +95,6 @@ def rescale_mosaic(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with
                    return_lse, lse_layout, lse_base2, interpret):
     """`pallas_impl.cp_merge`'s rescale (`_rescale_jit`'s arguments and results) with backend="mosaic_gpu"."""
     num_partials = lses.shape[0]
-    mc.check_partials(num_partials)
     num_tokens, num_heads, head_dim = part.shape
     dc = mc.column_chunk(head_dim, jnp.dtype(part.dtype).itemsize, mc.TUNING["cp_rescale"]["tile_bytes"])
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)

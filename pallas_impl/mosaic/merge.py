@@ -89,7 +89,8 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             # 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
             out = jnp.where(wpb > 0, a.astype(F32) * wpb, 0.0) + jnp.where(wsb > 0, b.astype(F32) * wsb, 0.0)
             out = jnp.where(row(2) > 0, 0.0, out)
-            result = jnp.where(row(3) > 0, b, out.astype(b.dtype)) if copy_rows else out  # 4.4: the suffix's bits
+            # 4.4: the suffix's bits (its value rounded once, for another output dtype)
+            result = mc.stored(out, b, row(3) > 0 if copy_rows else None, o_scr.dtype)
             mc.store_tile(result, o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * dc, dc)], i)
             return following
 
@@ -103,16 +104,16 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
                      scratch_types=scratch, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2", "interpret"))
+@functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2", "group",
+                                          "interpret"))
 def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc,
                  prefix_cu_seq_lens, prefill_tokens_with_context, *, return_lse, out_dtype, lse_layout, lse_base2,
-                 interpret):
+                 interpret, group=None):
     """`pallas_impl.merge_attn_states` with backend="mosaic_gpu" (its arguments, checked there)."""
     num_tokens, num_heads, head_dim = prefix_output.shape
-    mc.check_out_dtype(prefix_output.dtype, out_dtype)
     tp = max(num_tokens, mc.BLOCK_T)
     dc = mc.column_chunk(head_dim, jnp.dtype(prefix_output.dtype).itemsize, mc.merge_tuning(tp)["tile_bytes"])
-    fp8 = output_scale is not None
+    fp8 = output_scale is not None or group is not None  # the kernel stores f32 rows, quantized in XLA after it
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     # XLA before the kernel: the fused mask's token flags (4.5), the layout, T < 128.
@@ -125,13 +126,13 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
         args.append(mc.flag_rows(empty))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
-    out_type = [_sharding.out_struct((tp, num_heads * head_dim), F32 if fp8 else out_dtype, *args)]
+    out_type = [_sharding.out_struct((tp, num_heads * head_dim), mc.out_type_of(out_dtype, fp8), *args)]
     if return_lse:
         out_type.append(_sharding.out_struct((num_heads * tp,), F32, *args))
     results = _kernel(tp, num_heads, head_dim, dc, out_type, output_lse=return_lse, empty_rows=empty is not None,
                       copy_rows=copy_rows, lse_base2=lse_base2, interpret=interpret)(*args)
-    # XLA after the kernel: fp8 (4.6), the pass-through LSE (4.4: the suffix's raw bits), the layout.
+    # XLA after the kernel: fp8 (4.6, 4.7), the pass-through LSE (4.4: the suffix's raw bits), the layout.
     return mc.finish(results, prefix_output.shape, copy_t, suffix_output,
-                     suffix_lse if lse_layout == "HT" else suffix_lse.T, output_scale if fp8 else None,
-                     out_dtype=out_dtype, return_lse=return_lse, lse_layout=lse_layout,
-                     pass_through=prefill_tokens_with_context is not None)
+                     suffix_lse if lse_layout == "HT" else suffix_lse.T, output_scale, out_dtype=out_dtype,
+                     return_lse=return_lse, lse_layout=lse_layout,
+                     pass_through=prefill_tokens_with_context is not None, group=group)

@@ -42,10 +42,15 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     nsplit = pl.cdiv(pl.cdiv(num_tokens, bt), steps)
     L = plgpu.Layout.WGMMA
 
+    # The weights live in shared memory, `rows` partials at a time: every partial's up to WEIGHT_ROWS, else
+    # blocks of WEIGHT_ROWS, each computed at its first partial from m and z (rows + 1, rows + 2).
+    rows = min(num_partials, mc.WEIGHT_ROWS)
+    blocks = num_partials > rows
+
     def body(x_g, l_g, *rest):  # x_g: the partials; l_g: f32[N * H * T'] raw LSE rows ((k * H + h) * T' + t)
         # e_g: f32[N * T'], 1 on the fused mask's tokens; c_g: f32[T'], 1 where t copies the last partial
         e_g, c_g, o_g, lo_g, *rest = mc.optional_refs(rest, empty_rows, copy_rows, True, output_lse)
-        w_smem, row_smem, o_scr = rest  # (N + 1) rows: the weights, then the all-empty flag
+        w_smem, row_smem, o_scr = rest  # rows: the weights, the all-empty flag (, m, z with blocks)
         hc = lax.axis_index("hc")
         sp = lax.axis_index("s")
         h = hc // nc
@@ -54,24 +59,40 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
             i, n = idx
             t0 = mc.tile_start(sp, i, num_tokens, steps)
 
-            @pl.when(n == 0)
-            def _weights():  # docs/spec.md 8.2, 8.3
-                ls = [mc.strided_row(l_g, (k * num_heads + h) * num_tokens + t0) for k in range(num_partials)]
+            def lse_of(k):  # partial k's raw LSE row of the tile (k may be traced), one element per thread
+                x = mc.strided_row(l_g, (k * num_heads + h) * num_tokens + t0)
                 if empty_rows:
-                    ls = [jnp.where(mc.strided_row(e_g, k * num_tokens + t0) > 0, -jnp.inf, x)
-                          for k, x in enumerate(ls)]
-                ls = [_math.clean_lse(x) for x in ls]
-                m, all_empty, e, z = _math.n_way_max_and_sum(ls.__getitem__, num_partials, lse_base2, unroll=True)
-                for k in range(num_partials):
-                    w_smem[k] = e[k] / z
-                w_smem[num_partials] = jnp.where(all_empty, 1.0, 0.0)
+                    x = jnp.where(mc.strided_row(e_g, k * num_tokens + t0) > 0, -jnp.inf, x)
+                return _math.clean_lse(x)
+
+            @pl.when(n == 0)
+            def _sums():  # docs/spec.md 8.2, 8.3
+                if blocks:  # the loops over the partials run at runtime (`_math.fold_partials`)
+                    m, all_empty, _, z = _math.n_way_max_and_sum(lse_of, num_partials, lse_base2)
+                    w_smem[rows + 1] = m
+                    w_smem[rows + 2] = z
+                else:
+                    ls = [lse_of(k) for k in range(num_partials)]
+                    m, all_empty, e, z = _math.n_way_max_and_sum(ls.__getitem__, num_partials, lse_base2,
+                                                                 unroll=True)
+                    for k in range(num_partials):
+                        w_smem[k] = e[k] / z
+                w_smem[rows] = jnp.where(all_empty, 1.0, 0.0)
                 if output_lse:
                     @pl.when(hc % nc == 0)
                     def _():
                         # per-thread stores: any alignment
                         lo_g[pl.ds(h * num_tokens + t0, bt)] = _math.merged_lse(z, m, all_empty, lse_base2)
 
-            w = mc.load(w_smem.at[n], L.reduce(1))
+            if blocks:
+                @pl.when(n % rows == 0)
+                def _weights():  # w_k = e_k / z of partials n .. n + rows - 1, e_k as the sum took it
+                    m, z = mc.strided_row(w_smem.at[rows + 1], 0), mc.strided_row(w_smem.at[rows + 2], 0)
+                    for j in range(rows):
+                        k = jnp.minimum(n + j, num_partials - 1)  # past N: a row never read
+                        w_smem[j] = _math.exp_base(lse_of(k) - m, lse_base2) / z
+
+            w = mc.load(w_smem.at[n % rows if blocks else n], L.reduce(1))
             wb = jnp.broadcast_to(w[:, None], (bt, dc))
             x = mc.load(x_s, L)
             term = jnp.where(wb > 0, x.astype(F32) * wb, 0.0)  # 4.3: a zero weight gives exactly 0
@@ -79,13 +100,12 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
 
             @pl.when(n == num_partials - 1)
             def _store():
-                empty = mc.load(w_smem.at[num_partials], L.reduce(1)) > 0
+                empty = mc.load(w_smem.at[rows], L.reduce(1)) > 0
                 out = jnp.where(jnp.broadcast_to(empty[:, None], (bt, dc)), 0.0, acc)
+                copy = None
                 if copy_rows:  # 8.4: the last partial's own bits (x is its tile at this step)
                     copy = jnp.broadcast_to((mc.load_row(c_g, t0, row_smem) > 0)[:, None], (bt, dc))
-                    result = jnp.where(copy, x, out.astype(x.dtype))
-                else:
-                    result = out.astype(o_scr.dtype)
+                result = mc.stored(out, x, copy, o_scr.dtype)
                 mc.store_tile(result, o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * dc, dc)], i)
 
             return acc
@@ -97,21 +117,20 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                             init_carry=plgpu.layout_cast(jnp.zeros((bt, dc), F32), L))(x_g)
         plgpu.wait_smem_to_gmem(0)
 
-    scratch = [plgpu.SMEM((num_partials + 1, bt), F32), plgpu.SMEM((bt,), F32),
+    scratch = [plgpu.SMEM((rows + (3 if blocks else 1), bt), F32), plgpu.SMEM((bt,), F32),
                plgpu.SMEM((tune["stores"], bt, dc), out_type[0].dtype)]
     return mc.kernel(body, out_type=tuple(out_type), grid=(num_heads * nc, nsplit), grid_names=("hc", "s"),
                         scratch_types=scratch, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2", "interpret"))
+@functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2", "group",
+                                          "interpret"))
 def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context, *,
-                   return_lse, out_dtype, lse_layout, lse_base2, interpret):
+                   return_lse, out_dtype, lse_layout, lse_base2, interpret, group=None):
     """`pallas_impl.merge_attn_states_n` with backend="mosaic_gpu" (its arguments, checked there)."""
     num_partials, num_tokens, num_heads, head_dim = outputs.shape
-    mc.check_partials(num_partials)
-    mc.check_out_dtype(outputs.dtype, out_dtype)
     dc = mc.column_chunk(head_dim, jnp.dtype(outputs.dtype).itemsize, mc.TUNING["merge_n"]["tile_bytes"])
-    fp8 = output_scale is not None
+    fp8 = output_scale is not None or group is not None  # the kernel stores f32 rows, quantized in XLA after it
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     # XLA before the kernel: the fused mask's token flags (docs/spec.md 8.1), the layout, T < 128.
@@ -125,13 +144,13 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
         args.append(mc.flag_rows(empties))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
-    out_type = [_sharding.out_struct((tp, num_heads * head_dim), F32 if fp8 else out_dtype, *args)]
+    out_type = [_sharding.out_struct((tp, num_heads * head_dim), mc.out_type_of(out_dtype, fp8), *args)]
     if return_lse:
         out_type.append(_sharding.out_struct((num_heads * tp,), F32, *args))
     results = _kernel(num_partials, tp, num_heads, head_dim, dc, out_type, output_lse=return_lse,
                       empty_rows=empties is not None, copy_rows=copy_rows, lse_base2=lse_base2,
                       interpret=interpret)(*args)
-    # XLA after the kernel: fp8 (4.6), the pass-through LSE (8.4), the layout.
+    # XLA after the kernel: fp8 (4.6, 4.7), the pass-through LSE (8.4), the layout.
     return mc.finish(results, outputs.shape[1:], copy_t, outputs[-1], mc.last_lse_ht(lses, lse_layout, empties),
-                     output_scale if fp8 else None, out_dtype=out_dtype, return_lse=return_lse, lse_layout=lse_layout,
-                     pass_through=prefill_tokens_with_context is not None)
+                     output_scale, out_dtype=out_dtype, return_lse=return_lse, lse_layout=lse_layout,
+                     pass_through=prefill_tokens_with_context is not None, group=group)

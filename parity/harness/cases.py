@@ -95,8 +95,8 @@ def _random_empty(seed: int, num_requests: int, frac: float = 0.4) -> tuple[int,
 
 _CI = frozenset({"ci", "default", "full"})
 _FULL = frozenset({"full"})
-# The `check` suites only, not "ci": what the Mosaic GPU backend refuses (N > 64, an output dtype other than the
-# partials' or fp8), which every ci case runs through; their CPU tests are tests/test_merge_limits.py's.
+# The `check` suites only, not "ci": N > 64 and output dtypes other than the partials' (their CPU tests are
+# tests/test_merge_limits.py's; on Mosaic GPU, tests/test_pallas_mosaic.py's).
 _CHECK = frozenset({"default", "full"})
 _SEED = frozenset({"seed", "bench", "full"})
 _SEED_BENCH_ONLY = frozenset({"seed", "bench"})  # too large for a float64 host reference in `check`

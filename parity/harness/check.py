@@ -45,8 +45,8 @@ def _error_text(e: BaseException) -> str:
 
 def _record_error(rec: OpRecord, e: BaseException) -> None:
     """An exception of one record: `unsupported` when the explicitly chosen experimental Pallas backend, available in
-    this jax, refuses spec-valid input it documents it cannot run (NotImplementedError: more than 64 partials, an
-    output dtype other than the partials'), else an error (a failure; also a backend this jax lacks)."""
+    this jax, refuses spec-valid input it documents it cannot run (NotImplementedError: a head row TMA cannot
+    move), else an error (a failure; also a backend this jax lacks)."""
     import pallas_impl._backend
 
     if isinstance(e, NotImplementedError) and impls.pallas_backend() == "mosaic_gpu" and pallas_impl._backend.has_mosaic_gpu():
