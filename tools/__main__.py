@@ -19,6 +19,7 @@ COMMANDS = {
     "check-shards": ("check_shards.sh", "`parity check --suite full` in CHECK_SHARDS parallel processes"),
     "tune": ("tune", "the tile and launch sweeps of the merges and the mask (a GPU)"),
     "wide-n": ("wide_n", "the N-way merge's first call and bandwidth at large N (a GPU)"),
+    "mosaic-cpu": ("mosaic_cpu.sh", "the Mosaic GPU tests on a CPU: jax 0.11 in a Debian trixie root (root, network)"),
     "mosaic-speed": ("mosaic_speed", "the Mosaic GPU kernels beside the Pallas Triton backend's (a GPU)"),
     "mask-floor": ("mask_floor", "the mask's candidates beside `fill_` and upstream's design (a GPU)"),
     "group-fp8-speed": ("group_fp8_speed", "the merges with per-group FP8 fused beside bf16 and merge + quantizer"),

@@ -19,6 +19,7 @@ in these kernels is behind a `jnp.where`, as in the Triton kernels).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -116,13 +117,27 @@ def store_tile(result, o_scr, dst, count) -> None:
     m.copy_smem_to_gmem(slot, dst)
 
 
+def head_columns(head_dim: int, itemsize: int) -> int:
+    """The columns a merge kernel gives a head: D itself when its rows are whole 16-byte TMA rows and a multiple of
+    8 columns (the register layout's tile, 8 wide), else D padded to the next such width (`padded_heads`: zero
+    columns, cut after the kernel; an output element's arithmetic is its own column's, so the bits do not move)."""
+    step = math.lcm(8, 16 // math.gcd(16, itemsize))
+    return -(-head_dim // step) * step
+
+
+def padded_heads(x, columns: int):
+    """`[..., D]` with zero columns up to `columns` (`head_columns`), or `x` itself."""
+    pad = columns - x.shape[-1]
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
+
+
 def column_chunk(head_dim: int, itemsize: int, tile_bytes: int = 32 * 1024) -> int:
     """Columns of one TMA tile: the largest divisor of D of 16-byte rows and a multiple of 8 columns (the WGMMA
-    register layout's tile, 8 wide) within MAX_COLS and `tile_bytes` (at least the narrowest such column)."""
+    register layout's tile, 8 wide) within MAX_COLS and `tile_bytes` (at least the narrowest such column). D is
+    a kernel's head width (`head_columns`)."""
     if head_dim * itemsize % 16 or head_dim % 8:
-        raise NotImplementedError(f"backend='mosaic_gpu' needs D * itemsize to be a multiple of 16 bytes (TMA rows) and "
-                                  f"D a multiple of 8 (the register layout's tile); got D={head_dim} with "
-                                  f"{itemsize}-byte elements: use backend='triton'")
+        raise ValueError(f"a kernel's head is whole 16-byte rows of a multiple of 8 columns (head_columns); got "
+                         f"D={head_dim} with {itemsize}-byte elements")
     narrowest = max(8, 16 // itemsize)
     for dc in range(min(head_dim, MAX_COLS), 0, -1):
         fits = BLOCK_T * dc * itemsize <= tile_bytes or dc == narrowest
@@ -211,9 +226,11 @@ def finish(results, shape, copy_t, last_output, last_lse, output_scale, *, out_d
     rows copied, then scaled, clamped and cast, or quantized per `group`, which adds the scales), and the merged LSE
     (the kernel writes it in the caller's base; with `pass_through`, the rows of `copy_t` take `last_lse`'s
     `[H, T]` bits), in the caller's layout. `results`: the kernel's padded `[T', H * D]` output (and `[H * T']`
-    LSE); for T >= BLOCK_T, an `[H, T]` LSE and no pass-through or fp8 these are reshapes only."""
+    LSE), its heads of `head_columns`; for T >= BLOCK_T, an `[H, T]` LSE, whole heads and no pass-through or fp8
+    these are reshapes only."""
     num_tokens, num_heads, head_dim = shape
-    out = results[0][:num_tokens].reshape(shape)
+    out = results[0][:num_tokens]
+    out = out.reshape(num_tokens, num_heads, out.shape[1] // num_heads)[..., :head_dim]  # padded heads cut
     scales = None
     if group is not None:
         out, scales = jnp_fallback._stored_grouped(out, group, last_output, copy_t)

@@ -96,23 +96,25 @@ def rescale_mosaic(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with
     """`pallas_impl.cp_merge`'s rescale (`_rescale_jit`'s arguments and results) with backend="mosaic_gpu"."""
     num_partials = lses.shape[0]
     num_tokens, num_heads, head_dim = part.shape
-    dc = mc.column_chunk(head_dim, jnp.dtype(part.dtype).itemsize, mc.TUNING["cp_rescale"]["tile_bytes"])
+    itemsize = jnp.dtype(part.dtype).itemsize
+    cols = mc.head_columns(head_dim, itemsize)  # D, or D padded to whole TMA rows
+    dc = mc.column_chunk(cols, itemsize, mc.TUNING["cp_rescale"]["tile_bytes"])
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     empties = mc.fused_empties(query_start_loc, cu_seq_lens, num_tokens)
     lf = mc.stacked_lse_rows(lses, lse_layout)
     copy_rows = prefill_tokens_with_context is not None
-    args = [mc.padded_rows(part.reshape(num_tokens, num_heads * head_dim), num_tokens, 0), lf,
+    args = [mc.padded_rows(mc.padded_heads(part, cols).reshape(num_tokens, num_heads * cols), num_tokens, 0), lf,
             jnp.asarray(rank, jnp.int32).reshape(1)]
     if empties is not None:
         args.append(mc.flag_rows(empties))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
     tp = max(num_tokens, mc.BLOCK_T)
-    out_type = [_sharding.out_struct((tp, num_heads * head_dim), reduce_dtype, *args)]
+    out_type = [_sharding.out_struct((tp, num_heads * cols), reduce_dtype, *args)]
     if return_lse:
         out_type.append(_sharding.out_struct((num_heads * tp,), F32, *args))
-    results = _kernel(num_partials, tp, num_heads, head_dim, dc, out_type, output_lse=return_lse,
+    results = _kernel(num_partials, tp, num_heads, cols, dc, out_type, output_lse=return_lse,
                       empty_rows=empties is not None, copy_rows=copy_rows, lse_base2=lse_base2,
                       interpret=interpret)(*args)
     res = mc.finish(results, part.shape, copy_t, None, mc.last_lse_ht(lses, lse_layout, empties), None,

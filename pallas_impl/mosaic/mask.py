@@ -18,7 +18,8 @@ by construction: the mask does no arithmetic):
   a loop over those requests; per-thread accesses, any alignment; overlapping blocks write the same values);
 - the output rows of the block's own empty tokens are zeroed by TMA stores from a zero tile in shared memory, each
   head group its share of the `[H * D]` row (viewed as a `[rows, cols]` TMA box), `TUNING["mask"]["tokens"]`
-  tokens per store while a request's run allows, then one by one.
+  tokens per store while a request's run allows, then one by one. A row no such tile holds (H * D * itemsize not a
+  multiple of 16 bytes, or over 96 KiB) is zeroed by XLA after the kernel masks the LSE (a pass over the output).
 `T < 128` runs on a padded copy. Under `jax.shard_map` with `check_vma`, where refs of varying values cannot enter
 a Mosaic GPU kernel, the mask runs in XLA (the jnp path: the same bits).
 """
@@ -92,19 +93,17 @@ def _offsets_to_smem(qsl_g, cu_g, q_s, c_s, bar) -> None:
         plgpu.barrier_wait(bar)
 
 
-def _zero_tile(row_elems: int, itemsize: int) -> tuple[int, int]:
+def _zero_tile(row_elems: int, itemsize: int) -> tuple[int, int] | None:
     """(rows, cols) of one token's output row `[H * D]` for a single TMA store: cols the largest divisor within a
-    TMA box (`MAX_COLS`) of 16-byte multiples; the tile must fit shared memory."""
+    TMA box (`MAX_COLS`) of 16-byte multiples; the tile must fit shared memory. None where no such tile exists (a
+    row of H * D * itemsize not a multiple of 16 bytes, or over the zero tile's budget): the kernel then masks the
+    LSE only and XLA zeroes the output rows (`mask_mosaic`)."""
     if row_elems * itemsize % 16:
-        raise NotImplementedError(f"backend='mosaic_gpu' zeroes output rows with TMA stores, which need H * D * "
-                                  f"itemsize to be a multiple of 16 bytes; got {row_elems} x {itemsize}: use "
-                                  "backend='triton'")
+        return None
     cols = next(d for d in range(min(row_elems, mc.MAX_COLS), 0, -1) if row_elems % d == 0 and d * itemsize % 16 == 0)
     rows = row_elems // cols
     if rows > mc.MAX_COLS or row_elems * itemsize > SMEM_ZERO_TILE_BYTES:
-        raise NotImplementedError(f"backend='mosaic_gpu' zeroes an output row [H * D = {row_elems}] from one tile in "
-                                  f"shared memory (at most {SMEM_ZERO_TILE_BYTES} bytes, {mc.MAX_COLS} x "
-                                  f"{mc.MAX_COLS}): use backend='triton'")
+        return None
     return rows, cols
 
 
@@ -225,7 +224,12 @@ def mask_mosaic(lse, query_start_loc, cu_seq_lens, output, *, lse_layout, interp
     zero_tile = (1, 1, 1, 1)
     if zero_output:
         itemsize = jnp.dtype(output.dtype).itemsize
-        zero_tile = _group_tile(_zero_tile(num_heads * output.shape[2], itemsize), num_heads, itemsize)
+        row_tile = _zero_tile(num_heads * output.shape[2], itemsize)
+        if row_tile is None:  # rows TMA cannot zero: the LSE in the kernel, the output rows in XLA (one more pass)
+            (new,) = mask_mosaic(lse, query_start_loc, cu_seq_lens, None, lse_layout=lse_layout, interpret=interpret)
+            empty = jnp_fallback._empty_tokens(query_start_loc, cu_seq_lens, num_tokens)
+            return new, jnp.where(empty[:, None, None], jnp.zeros((), output.dtype), output)
+        zero_tile = _group_tile(row_tile, num_heads, itemsize)
     tp = max(num_tokens, mc.BLOCK_T)
     pad = tp - num_tokens  # T < 128: a padded copy (rows past T belong to no request: untouched, then cut)
     if pad:

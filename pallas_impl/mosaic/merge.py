@@ -112,13 +112,16 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
     """`pallas_impl.merge_attn_states` with backend="mosaic_gpu" (its arguments, checked there)."""
     num_tokens, num_heads, head_dim = prefix_output.shape
     tp = max(num_tokens, mc.BLOCK_T)
-    dc = mc.column_chunk(head_dim, jnp.dtype(prefix_output.dtype).itemsize, mc.merge_tuning(tp)["tile_bytes"])
+    itemsize = jnp.dtype(prefix_output.dtype).itemsize
+    cols = mc.head_columns(head_dim, itemsize)  # D, or D padded to whole TMA rows
+    dc = mc.column_chunk(cols, itemsize, mc.merge_tuning(tp)["tile_bytes"])
     fp8 = output_scale is not None or group is not None  # the kernel stores f32 rows, quantized in XLA after it
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     # XLA before the kernel: the fused mask's token flags (4.5), the layout, T < 128.
     empty = mc.fused_empties(query_start_loc, prefix_cu_seq_lens, num_tokens)
-    rows = lambda x: mc.padded_rows(x.reshape(num_tokens, num_heads * head_dim), num_tokens, 0)  # noqa: E731
+    rows = lambda x: mc.padded_rows(mc.padded_heads(x, cols).reshape(num_tokens, num_heads * cols),  # noqa: E731
+                                    num_tokens, 0)
     copy_rows = prefill_tokens_with_context is not None and not fp8
     args = [rows(prefix_output), rows(suffix_output), mc.lse_rows(prefix_lse, lse_layout),
             mc.lse_rows(suffix_lse, lse_layout)]
@@ -126,10 +129,10 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
         args.append(mc.flag_rows(empty))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
-    out_type = [_sharding.out_struct((tp, num_heads * head_dim), mc.out_type_of(out_dtype, fp8), *args)]
+    out_type = [_sharding.out_struct((tp, num_heads * cols), mc.out_type_of(out_dtype, fp8), *args)]
     if return_lse:
         out_type.append(_sharding.out_struct((num_heads * tp,), F32, *args))
-    results = _kernel(tp, num_heads, head_dim, dc, out_type, output_lse=return_lse, empty_rows=empty is not None,
+    results = _kernel(tp, num_heads, cols, dc, out_type, output_lse=return_lse, empty_rows=empty is not None,
                       copy_rows=copy_rows, lse_base2=lse_base2, interpret=interpret)(*args)
     # XLA after the kernel: fp8 (4.6, 4.7), the pass-through LSE (4.4: the suffix's raw bits), the layout.
     return mc.finish(results, prefix_output.shape, copy_t, suffix_output,

@@ -129,7 +129,9 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
                    return_lse, out_dtype, lse_layout, lse_base2, interpret, group=None):
     """`pallas_impl.merge_attn_states_n` with backend="mosaic_gpu" (its arguments, checked there)."""
     num_partials, num_tokens, num_heads, head_dim = outputs.shape
-    dc = mc.column_chunk(head_dim, jnp.dtype(outputs.dtype).itemsize, mc.TUNING["merge_n"]["tile_bytes"])
+    itemsize = jnp.dtype(outputs.dtype).itemsize
+    cols = mc.head_columns(head_dim, itemsize)  # D, or D padded to whole TMA rows
+    dc = mc.column_chunk(cols, itemsize, mc.TUNING["merge_n"]["tile_bytes"])
     fp8 = output_scale is not None or group is not None  # the kernel stores f32 rows, quantized in XLA after it
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
@@ -137,17 +139,18 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
     empties = mc.fused_empties(query_start_loc, cu_seq_lens, num_tokens)
     lf = mc.stacked_lse_rows(lses, lse_layout)
     tp = max(num_tokens, mc.BLOCK_T)
-    x = mc.padded_rows(outputs.reshape(num_partials, num_tokens, num_heads * head_dim), num_tokens, 0)
+    x = mc.padded_rows(mc.padded_heads(outputs, cols).reshape(num_partials, num_tokens, num_heads * cols),
+                       num_tokens, 0)
     copy_rows = prefill_tokens_with_context is not None and not fp8
     args = [x, lf]
     if empties is not None:
         args.append(mc.flag_rows(empties))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
-    out_type = [_sharding.out_struct((tp, num_heads * head_dim), mc.out_type_of(out_dtype, fp8), *args)]
+    out_type = [_sharding.out_struct((tp, num_heads * cols), mc.out_type_of(out_dtype, fp8), *args)]
     if return_lse:
         out_type.append(_sharding.out_struct((num_heads * tp,), F32, *args))
-    results = _kernel(num_partials, tp, num_heads, head_dim, dc, out_type, output_lse=return_lse,
+    results = _kernel(num_partials, tp, num_heads, cols, dc, out_type, output_lse=return_lse,
                       empty_rows=empties is not None, copy_rows=copy_rows, lse_base2=lse_base2,
                       interpret=interpret)(*args)
     # XLA after the kernel: fp8 (4.6, 4.7), the pass-through LSE (8.4), the layout.
