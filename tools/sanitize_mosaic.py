@@ -1,6 +1,6 @@
 """The Mosaic GPU kernels of pallas_impl once each on a small ragged batch, for `compute-sanitizer` (memcheck): the
 mask in place (donated; LSE only and with output zeroing), the 2-way merge (plain and fused, with pass-through
-rows), the N-way merge (fused, N = 4) and the context-parallel rescale (reduce_scatter over 4 ranks simulated by a
+rows), the N-way merge (fused, N = 4; N = 256; D = 20; other output dtypes; per-group FP8) and the context-parallel rescale (reduce_scatter over 4 ranks simulated by a
 named vmap); then 200 requests over 16384 tokens (the mask's window search, the 2-way merge's long tiles).
 jax >= 0.11 on a GPU.
 
@@ -40,6 +40,16 @@ def main() -> int:
     jax.block_until_ready(pallas_impl.merge_attn_states_n(o, lse, query_start_loc=qsl, cu_seq_lens=cus,
                                                           prefill_tokens_with_context=290, **KW))
     print("merge_n ok", flush=True)
+    # N = 256 (the weights in blocks of 64, runtime loops over the partials), to f32, and heads of D = 20 (padded to
+    # whole TMA rows) with an f16 output; per-group FP8 (the f32 rows quantized in XLA).
+    wide = jnp.tile(o[:, :, :2], (64, 1, 1, 1))
+    wide_lse = jnp.tile(lse[:, :2], (64, 1, 1))
+    jax.block_until_ready(pallas_impl.merge_attn_states_n(wide, wide_lse, query_start_loc=qsl,
+                                                          cu_seq_lens=jnp.tile(cu, (4 * N, 1)), out_dtype=jnp.float32,
+                                                          prefill_tokens_with_context=290, **KW))
+    jax.block_until_ready(pallas_impl.merge_attn_states_n(o[..., :20], lse, out_dtype=jnp.float16, **KW))
+    jax.block_until_ready(pallas_impl.merge_attn_states(o[0], lse[0], o[1], lse[1], group_size=64, **KW))
+    print("merge_n (N = 256, D = 20), group fp8 ok", flush=True)
     combine = jax.vmap(lambda a, b, c: pallas_impl.cp_merge_attn_states(
         a, b, axis_name="cp", method="reduce_scatter", query_start_loc=qsl, cu_seq_lens=c, **KW), axis_name="cp")
     jax.block_until_ready(jax.jit(combine)(o, lse, cus))
