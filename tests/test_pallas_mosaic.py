@@ -288,6 +288,28 @@ def test_cp_rescale_gives_the_triton_backends_bits(lse_layout, lse_base, reduce_
 
 
 @needs_mosaic
+@pytest.mark.parametrize("fused", [False, True])
+def test_cp_rescale_past_64_devices_matches_the_jnp_path(fused):
+    """N = 70 devices (the rescale's loops over the partials at runtime, each LSE row loaded per loop): ranks 0, 37
+    and 69 against the jnp path's rescale, within f32 rounding (the interpreter runs XLA:CPU arithmetic; the bits
+    are the GPU's check)."""
+    from pallas_impl import jnp_fallback
+    from pallas_impl.mosaic.cp_merge import rescale_mosaic
+
+    case = dataclasses.replace(CP_CASE, name="n70_cp", partials=70)
+    inputs = {k: jnp.asarray(v) for k, v in cases.make_inputs_n(case).items()}
+    outs, lses = inputs["outputs"], inputs["lses"]
+    qsl, cus = (inputs["query_start_loc"], inputs["cu_seq_lens"]) if fused else (None, None)
+    kw = dict(reduce_dtype=jnp.dtype(jnp.float32), return_lse=True, lse_layout="HT", lse_base2=False)
+    for rank in (0, 37, 69):
+        args = (outs[rank], lses, qsl, cus, case.prefill_tokens_with_context, jnp.int32(rank))
+        got = rescale_mosaic(*args, **kw, interpret=jax.default_backend() == "cpu")
+        want = jnp_fallback.cp_rescale(*args, **kw)
+        for name, g, w in zip(("scaled", "lse"), got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=1e-6, err_msg=f"rank {rank} {name}")
+
+
+@needs_mosaic
 def test_cp_reduce_scatter_lowers_for_the_gpu():
     outs, lses, qsl, cus = _cp_operands("HT", math.e)
 
