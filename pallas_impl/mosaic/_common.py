@@ -5,7 +5,8 @@ and NaN read as -inf, `_math.clean_lse`), the maximum, the exponentials (of base
 their sum, the weights, the weighted sum, the log (`_math.merged_lse`) — and leave the per-row bookkeeping to XLA
 around the call, as the same operations in the same order (the jnp path's, which gives the Triton kernels' bits on
 the GPU): the fused mask's per-token emptiness from the offsets (`jnp_fallback._empty_tokens`), the pass-through
-LSE, `[T, H]` layouts (transposed), and `T < 128` (padded with empty rows). Inside the kernel, per-token flag rows
+LSE, `[T, H]` layouts (transposed), `T < 128` (padded with empty rows), heads that are not whole TMA rows (padded
+with zero columns, `head_columns`) and fp8 outputs (scaled, or quantized per group, after the kernel). Inside the kernel, per-token flag rows
 set the fused mask's raw LSEs to -inf and give pass-through rows of the output the last partial's own bits. For the
 common call (`[H, T]` LSEs, T >= 128, no fused mask, no pass-through, no fp8) what runs in XLA is reshapes only: no
 kernel but the merge.
@@ -129,6 +130,14 @@ def padded_heads(x, columns: int):
     """`[..., D]` with zero columns up to `columns` (`head_columns`), or `x` itself."""
     pad = columns - x.shape[-1]
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
+
+
+def head_plan(head_dim: int, dtype, tile_bytes: int) -> tuple[int, int]:
+    """(columns of a kernel's head, columns of one TMA tile) for heads of `head_dim` elements of `dtype`:
+    `head_columns`, then `column_chunk` of that width."""
+    itemsize = jnp.dtype(dtype).itemsize
+    cols = head_columns(head_dim, itemsize)
+    return cols, column_chunk(cols, itemsize, tile_bytes)
 
 
 def column_chunk(head_dim: int, itemsize: int, tile_bytes: int = 32 * 1024) -> int:

@@ -96,9 +96,7 @@ def rescale_mosaic(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with
     """`pallas_impl.cp_merge`'s rescale (`_rescale_jit`'s arguments and results) with backend="mosaic_gpu"."""
     num_partials = lses.shape[0]
     num_tokens, num_heads, head_dim = part.shape
-    itemsize = jnp.dtype(part.dtype).itemsize
-    cols = mc.head_columns(head_dim, itemsize)  # D, or D padded to whole TMA rows
-    dc = mc.column_chunk(cols, itemsize, mc.TUNING["cp_rescale"]["tile_bytes"])
+    cols, dc = mc.head_plan(head_dim, part.dtype, mc.TUNING["cp_rescale"]["tile_bytes"])  # cols >= D: TMA rows
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     empties = mc.fused_empties(query_start_loc, cu_seq_lens, num_tokens)

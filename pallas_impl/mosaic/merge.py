@@ -112,9 +112,7 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
     """`pallas_impl.merge_attn_states` with backend="mosaic_gpu" (its arguments, checked there)."""
     num_tokens, num_heads, head_dim = prefix_output.shape
     tp = max(num_tokens, mc.BLOCK_T)
-    itemsize = jnp.dtype(prefix_output.dtype).itemsize
-    cols = mc.head_columns(head_dim, itemsize)  # D, or D padded to whole TMA rows
-    dc = mc.column_chunk(cols, itemsize, mc.merge_tuning(tp)["tile_bytes"])
+    cols, dc = mc.head_plan(head_dim, prefix_output.dtype, mc.merge_tuning(tp)["tile_bytes"])  # cols >= D: TMA rows
     fp8 = output_scale is not None or group is not None  # the kernel stores f32 rows, quantized in XLA after it
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]

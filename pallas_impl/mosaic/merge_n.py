@@ -8,7 +8,8 @@ Grid: (H * D / dc, token splits) CTAs. A CTA pipelines `TUNING["merge_n"]["steps
 (`emit_pipeline`: TMA copies of `[128, dc]` tiles of every partial, `concurrent` in flight) over
 (token tile, partial), carrying the f32 accumulator. The last tile is shifted to end at T, so no copy leaves
 the arrays and overlapping tiles write identical values. At partial 0 a tile's weights are computed from the
-N LSE rows (per-thread loads, any alignment) into shared memory; at partial N - 1 the tile is stored by hand
+N LSE rows (per-thread loads, any alignment) into shared memory (up to N = `WEIGHT_ROWS`; beyond, m and z at
+partial 0 by runtime loops, and the weights of `WEIGHT_ROWS` partials at a time at the first of them); at partial N - 1 the tile is stored by hand
 (`emit_pipeline` writes an output block at the first step of its index, not the last).
 
 Float math, in the order of `pallas_impl/merge_n.py`: f32, `jnp.exp`/`jnp.log` (libdevice, approx_math off),
@@ -129,9 +130,7 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
                    return_lse, out_dtype, lse_layout, lse_base2, interpret, group=None):
     """`pallas_impl.merge_attn_states_n` with backend="mosaic_gpu" (its arguments, checked there)."""
     num_partials, num_tokens, num_heads, head_dim = outputs.shape
-    itemsize = jnp.dtype(outputs.dtype).itemsize
-    cols = mc.head_columns(head_dim, itemsize)  # D, or D padded to whole TMA rows
-    dc = mc.column_chunk(cols, itemsize, mc.TUNING["merge_n"]["tile_bytes"])
+    cols, dc = mc.head_plan(head_dim, outputs.dtype, mc.TUNING["merge_n"]["tile_bytes"])  # cols >= D: TMA rows
     fp8 = output_scale is not None or group is not None  # the kernel stores f32 rows, quantized in XLA after it
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
