@@ -17,6 +17,7 @@
 #                 JAX), the probe in one process, then GPU tests (GPU_TESTS, default all) in the time left
 #   mosaic        the Mosaic GPU backend of pallas_impl: its tests, the full check on it, compute-sanitizer
 #   mosaic_speed  the Mosaic GPU kernels timed beside the Triton backend's, with a sweep of their launch choices
+#                 (MOSAIC_SPEED_ARGS="--grid --budget-s 480": the merges' whole table instead)
 #   verify        after a kernel or launch change: the full parity check (Pallas on its Triton backend; with
 #                 VERIFY_MOSAIC=1 on Mosaic GPU too), the N-way merge at large N (wide-n speed; with
 #                 VERIFY_KERNELS=1 each kernel of the split fused merge), the GPU tests of the N-way merge and the
@@ -125,7 +126,10 @@ if [ "$PLAN" = mosaic ] || [ "$PLAN" = mosaic_speed ]; then
         step sanitize 150 5 "$OUT/sanitize.log" env XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer \
             --tool memcheck --error-exitcode 1 "$PY" -m tools.sanitize_mosaic
     else
-        step mosaic_speed 200 5 "$OUT/mosaic_speed.log" "$PY" -m tools.mosaic_speed --json "$OUT/mosaic_speed.json"
+        # MOSAIC_SPEED_ARGS: e.g. "--grid --budget-s 480" for the merges' whole table (with DEADLINE_S=560)
+        # shellcheck disable=SC2086
+        step mosaic_speed $([ -n "${MOSAIC_SPEED_ARGS:-}" ] && echo 540 || echo 200) 5 "$OUT/mosaic_speed.log" "$PY" \
+            -m tools.mosaic_speed ${MOSAIC_SPEED_ARGS:-} --json "$OUT/mosaic_speed.json"
     fi
     echo "== summary ($(( $(date +%s) - START ))s of ${DEADLINE_S}s)"
     printf '%s' "$SUMMARY"

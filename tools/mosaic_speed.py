@@ -1,7 +1,7 @@
 """GPU time of the Mosaic GPU kernels of pallas_impl beside the Pallas Triton backend's, and a sweep of the Mosaic GPU
 launch choices (`pallas_impl.mosaic._common.TUNING`), in one process on one GPU (jax >= 0.11).
 
-    python -m tools mosaic-speed [--json OUT.json] [--budget-s 140] [--no-sweep]
+    python -m tools mosaic-speed [--json OUT.json] [--budget-s 140] [--no-sweep | --grid]
 
 What it times (jax.profiler kernel time per call, `parity.tools.bench.timers.time_jax_gpu`; median of 20 calls):
 - the mask on the docs/spec.md 7 seed workloads (`parity.harness.cases`, tag "seed"), LSE only and with output zeroing,
@@ -12,7 +12,7 @@ What it times (jax.profiler kernel time per call, `parity.tools.bench.timers.tim
 Every point runs on the Triton backend and on Mosaic GPU with the shipped defaults first, then with the other
 candidates of `CANDIDATES` (until `--budget-s`). The table ends with each kernel's candidates ranked over its
 points (the mask's two variants apart): put the best in `TUNING` if it is not the default. `--no-sweep` times
-the defaults only.
+the defaults only; `--grid` times the merges' whole table (`GRID_PARTIALS`, both LSE layouts) with the defaults.
 """
 
 from __future__ import annotations
@@ -103,13 +103,15 @@ def mask_point(case, with_out: bool, backend: str) -> float:
     return gpu_us(call, lambda: state["lse"].block_until_ready())
 
 
-def merge_point(T: int, n: int, variant: str, backend: str) -> tuple[float, int]:
+def merge_point(T: int, n: int, variant: str, backend: str, lse_layout: str = "HT") -> tuple[float, int]:
     """(GPU us, bytes) of the 2-way merge (n = 0) or the N-way merge."""
     key = jax.random.key(1)
     parts = max(n, 2)
     o = jax.random.normal(key, (parts, T, H, D), DTYPE)
     lse = jax.random.normal(key, (parts, H, T), jnp.float32) * 3 + 4
-    kw = dict(return_lse=variant != "plain", backend=backend)
+    if lse_layout == "TH":
+        lse = jnp.swapaxes(lse, 1, 2)
+    kw = dict(return_lse=variant != "plain", backend=backend, lse_layout=lse_layout)
     if variant == "fused":  # 128-token requests, every even one empty in the prefix (every partial but the last)
         qsl = np.arange(0, T + 1, 128, dtype=np.int32)
         lens = np.where(np.arange(len(qsl) - 1) % 2 == 0, 0, 64)
@@ -134,6 +136,27 @@ def merge_point(T: int, n: int, variant: str, backend: str) -> tuple[float, int]
     return us, nbytes
 
 
+# --grid: every merge cell of the Mosaic GPU speed table (docs/design.md, "Mosaic GPU backend"): the 2-way merge
+# (N = 0 here) and the N-way merge at N = 2-16 at T = 2K / 32K / 131K, N = 128 and 256 at T = 8K (their partials
+# at 131K would not fit the GPU: 256 x 131K x 64 x 128 bf16 is 550 GB); plain, + LSE, fused; [H, T] and [T, H].
+GRID_TOKENS = (2048, 32768, 131072)
+GRID_PARTIALS = ((0, GRID_TOKENS), (2, GRID_TOKENS), (4, GRID_TOKENS), (8, GRID_TOKENS), (16, GRID_TOKENS),
+                 (128, (8192,)), (256, (8192,)))
+
+
+def grid_points():
+    """(kernel, label, fn(backend)) of every --grid cell, N = 0 for the 2-way merge."""
+    out = []
+    for n, tokens in GRID_PARTIALS:
+        for T in tokens:
+            for variant in ("plain", "lse", "fused"):
+                for layout in ("HT", "TH"):
+                    label = f"{'merge' if not n else f'merge_n N={n}'} T={T} {variant} {layout}"
+                    out.append(("merge_n" if n else "merge", label,
+                                lambda b, n=n, T=T, v=variant, lay=layout: merge_point(T, n, v, b, lay)))
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default=None)
@@ -142,7 +165,11 @@ def main(argv=None) -> int:
     p.add_argument("--first", type=int, default=None, help="sweep only the first FIRST candidates of each kernel")
     p.add_argument("--kernels", nargs="+", choices=sorted(CANDIDATES), default=None,
                    help="only the points of these kernels (TUNING keys)")
+    p.add_argument("--grid", action="store_true",
+                   help="the merges' whole table instead of the default points (GRID; implies --no-sweep)")
     args = p.parse_args(argv)
+    if args.grid:
+        args.no_sweep = True
     if jax.default_backend() != "gpu":
         print("mosaic_speed: needs a GPU (jax sees none)", file=sys.stderr)
         return 2
@@ -166,6 +193,8 @@ def main(argv=None) -> int:
             points.append(("merge_n", f"merge_n N={n} T=32768 {variant}",
                            lambda b, n=n, v=variant: merge_point(32768, n, v, b)))
 
+    if args.grid:
+        points = points[:1] + grid_points()
     if args.kernels:
         points = [p for p in points if p[0] in args.kernels or p[0] == "empty"]
 
