@@ -19,7 +19,7 @@ TORCH_VERSION=${TORCH_VERSION:-2.11.0}
 REPO=$(pwd)
 CA=${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}
 
-if [ ! -x "$ROOT/opt/venv/bin/python" ]; then
+if [ ! -f "$ROOT/opt/venv/pyvenv.cfg" ]; then  # built already: reuse it
     debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates trixie "$ROOT" \
         http://deb.debian.org/debian
     cp /etc/resolv.conf "$ROOT/etc/"
