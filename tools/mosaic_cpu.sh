@@ -9,7 +9,8 @@
 # What runs: jax's Mosaic GPU interpreter (the kernels' semantics against the float64 reference) and the lowering of
 # every kernel for the GPU (`jax.export`, platforms=["cuda"]: layout inference, shared-memory budgets, TMA shapes).
 # Not the GPU's float bits (XLA:CPU arithmetic): those are the GPU check's. The root (MOSAIC_ROOT, default
-# /tmp/mosaic-root) is built once, ~3.5 GB with torch (PyPI's CUDA build, which imports on a CPU); later runs reuse it.
+# /tmp/mosaic-root) is built once (about 4 minutes, 5.5 GB with torch: PyPI's CUDA build, which imports on a CPU;
+# 2026-12-05); later runs reuse it.
 # docs/design.md, "Mosaic GPU backend", says what CI covers and why this is not in it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
