@@ -75,34 +75,6 @@ def _check_against_reference(case, op, inputs, got):
     assert_merge_matches_reference(case, op, inputs, got["out"], got["lse"], mode="mosaic", scales=got.get("scales"))
 
 
-@needs_mosaic
-@pytest.mark.parametrize("case, op", CI_OPS)
-def test_ci_cases_match_reference(case, op):
-    inputs = _operands(case, op)
-    got = impls.run(RT, "mosaic", op, case, _device(inputs))
-    _check_against_reference(case, op, inputs, got)
-
-
-@needs_mosaic
-@pytest.mark.parametrize("case, op", CI_OPS)
-def test_ci_cases_lower_for_the_gpu(case, op):
-    _lowers_for_the_gpu(case, op)
-
-
-def _lowers_for_the_gpu(case, op):
-    """`op` on `case` lowers to a Mosaic GPU kernel for the GPU (`jax.export`, platforms=["cuda"]), on any machine."""
-    inputs = _operands(case, op)
-    keys = sorted(inputs)
-
-    def run(*xs):
-        got = impls.run(RT, "mosaic-lowered", op, case, dict(zip(keys, xs)))
-        return {k: v for k, v in got.items() if v is not None}
-
-    exported = jax.export.export(jax.jit(run), platforms=["cuda"])(
-        *[jax.ShapeDtypeStruct(inputs[k].shape, inputs[k].dtype) for k in keys])
-    assert "mosaic_gpu" in exported.mlir_module()
-
-
 @pytest.mark.gpu
 @needs_mosaic
 @pytest.mark.parametrize("case, op", CI_OPS)
@@ -132,22 +104,6 @@ WIDER_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in cases.se
              if _past_the_old_limits(case) for op in impls.ops_of(case) if op != "mask"]
 
 
-@needs_mosaic
-@pytest.mark.parametrize("case, op", WIDER_OPS)
-def test_wide_merges_other_output_dtypes_and_group_fp8_match_reference(case, op):
-    """N > 64 (the weights in blocks of 64, runtime loops over the partials), f32 / f16 / bf16 outputs from other
-    partial dtypes (one rounding at the store) and per-group FP8 (the kernel's f32 rows quantized after it)."""
-    inputs = _operands(case, op)
-    got = impls.run(RT, "mosaic", op, case, _device(inputs))
-    _check_against_reference(case, op, inputs, got)
-
-
-@needs_mosaic
-@pytest.mark.parametrize("case, op", WIDER_OPS)
-def test_wide_merges_other_output_dtypes_and_group_fp8_lower_for_the_gpu(case, op):
-    _lowers_for_the_gpu(case, op)
-
-
 def _odd_heads(name: str, head_dim: int):
     case = cases.by_name(name)
     return dataclasses.replace(case, name=f"{name}_d{head_dim}", head_dim=head_dim)
@@ -160,18 +116,34 @@ ODD_HEAD_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in (
     _odd_heads("n3_fp16_th_specials", 33), _odd_heads("n2_fp32_d80_ptwc", 5)) for op in impls.ops_of(case)]
 
 
+# Every case group above: the ci cases; N > 64 (the weights in blocks of 64, runtime loops over the partials), f32 /
+# f16 / bf16 outputs from other partial dtypes (one rounding at the store) and per-group FP8 (the kernel's f32 rows
+# quantized after it); heads of any width.
+MOSAIC_OPS = CI_OPS + WIDER_OPS + ODD_HEAD_OPS
+
+
 @needs_mosaic
-@pytest.mark.parametrize("case, op", ODD_HEAD_OPS)
-def test_heads_of_any_width_match_reference(case, op):
+@pytest.mark.parametrize("case, op", MOSAIC_OPS)
+def test_cases_match_reference(case, op):
     inputs = _operands(case, op)
     got = impls.run(RT, "mosaic", op, case, _device(inputs))
     _check_against_reference(case, op, inputs, got)
 
 
 @needs_mosaic
-@pytest.mark.parametrize("case, op", ODD_HEAD_OPS)
-def test_heads_of_any_width_lower_for_the_gpu(case, op):
-    _lowers_for_the_gpu(case, op)
+@pytest.mark.parametrize("case, op", MOSAIC_OPS)
+def test_cases_lower_for_the_gpu(case, op):
+    """`op` on `case` lowers to a Mosaic GPU kernel for the GPU (`jax.export`, platforms=["cuda"]), on any machine."""
+    inputs = _operands(case, op)
+    keys = sorted(inputs)
+
+    def run(*xs):
+        got = impls.run(RT, "mosaic-lowered", op, case, dict(zip(keys, xs)))
+        return {k: v for k, v in got.items() if v is not None}
+
+    exported = jax.export.export(jax.jit(run), platforms=["cuda"])(
+        *[jax.ShapeDtypeStruct(inputs[k].shape, inputs[k].dtype) for k in keys])
+    assert "mosaic_gpu" in exported.mlir_module()
 
 
 def _long_tiles_differ(case) -> bool:

@@ -9,8 +9,9 @@ Grid: (H * D / dc, token splits) CTAs. A CTA pipelines `TUNING["merge_n"]["steps
 (token tile, partial), carrying the f32 accumulator. The last tile is shifted to end at T, so no copy leaves
 the arrays and overlapping tiles write identical values. At partial 0 a tile's weights are computed from the
 N LSE rows (per-thread loads, any alignment) into shared memory (up to N = `WEIGHT_ROWS`; beyond, m and z at
-partial 0 by runtime loops, and the weights of `WEIGHT_ROWS` partials at a time at the first of them); at partial N - 1 the tile is stored by hand
-(`emit_pipeline` writes an output block at the first step of its index, not the last).
+partial 0 by runtime loops, and the weights of `WEIGHT_ROWS` partials at a time at the first of them); at
+partial N - 1 the tile is stored by hand (`emit_pipeline` writes an output block at the first step of its
+index, not the last).
 
 Float math, in the order of `pallas_impl/merge_n.py`: f32, `jnp.exp`/`jnp.log` (libdevice, approx_math off),
 `/` (div.full, as Triton's), every product behind a `jnp.where` (Mosaic contracts a bare multiply-add into an
