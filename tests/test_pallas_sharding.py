@@ -17,12 +17,14 @@ import pytest
 import jax
 
 HERE = Path(__file__).resolve().parent
+# 4 CPU devices, with the session's other XLA flags (the CPU run mode's, conftest.py)
+FOUR_DEVICES = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=4"]).strip()
 
 
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
     out = tmp_path_factory.mktemp("multidevice") / "checks.json"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=FOUR_DEVICES, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, str(HERE / "multidevice_jax.py"), str(out)], env=env, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0 and out.exists(), r.stdout[-3000:] + r.stderr[-3000:]
@@ -82,7 +84,7 @@ def test_interpreted_kernels_under_shard_map_on_more_devices_than_cores_do_not_h
     methods), interpreted under jit(shard_map) with check_vma=True on 4 CPU devices, 21 runs in all, each with the
     unsharded call's bits (`shard_map_interpret_jax.py`). A kernel that waits inside the sharded computation for
     another JAX computation (a host callback) hangs there: the run times out."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=FOUR_DEVICES, JAX_PLATFORMS="cpu")
     try:
         r = subprocess.run([sys.executable, str(HERE / "shard_map_interpret_jax.py")], env=env, capture_output=True,
                            text=True, timeout=HANG_TIMEOUT_S)

@@ -1,6 +1,7 @@
 """`python -m parity check` end to end on one tiny case: exit codes, JSON schema, a planted failure."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -184,3 +185,35 @@ def test_a_case_the_chosen_backend_refuses_is_unsupported_not_failed(monkeypatch
         summary = check.build_report(impls.make_runtime(), [rec], suite="ci", name_filter=None, seed=0, argv=[])["summary"]
         assert summary["failed"] == (status == "ERROR") and summary["ok"] is (status != "ERROR")
         assert summary["unsupported"] == (status == "UNSUPPORTED")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The CPU run mode's XLA flags (parity.harness.impls.runtime.CPU_COMPILE_FLAGS)
+
+
+def test_add_xla_flags_keeps_a_flag_already_set(monkeypatch):
+    from parity.harness.impls.runtime import add_xla_flags
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=2 --xla_force_host_platform_device_count=2")
+    assert add_xla_flags("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false").split() == [
+        "--xla_backend_optimization_level=2", "--xla_force_host_platform_device_count=2",
+        "--xla_cpu_use_fusion_emitters=false"]
+    monkeypatch.delenv("XLA_FLAGS")
+    assert add_xla_flags("--xla_cpu_use_fusion_emitters=false") == "--xla_cpu_use_fusion_emitters=false"
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU run mode only")
+def test_cpu_run_mode_compiles_with_its_flags_and_jax_accepts_them():
+    """The session's XLA_FLAGS carry the CPU run mode's flags (conftest.py calls `configure()`), and a JAX process
+    starts with them (an unknown flag aborts it; the control: one that is not a flag)."""
+    from parity.harness.impls.runtime import CPU_COMPILE_FLAGS
+
+    assert set(CPU_COMPILE_FLAGS) <= set(os.environ["XLA_FLAGS"].split())
+
+    def starts(flags):
+        env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+        return subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; print(float(jnp.ones(3).sum()))"],
+                              env=env, capture_output=True, text=True, timeout=120)
+
+    assert starts(" ".join(CPU_COMPILE_FLAGS)).stdout.strip() == "3.0"
+    assert starts("--xla_cpu_no_such_flag=true").returncode != 0

@@ -13,7 +13,6 @@ return records, export, verify, measure...), imported inside the handler, so the
 
 from __future__ import annotations
 
-import os
 import sys
 
 from parity.cli.codes import EXIT_FAIL, EXIT_OK, EXIT_USAGE, SUITES
@@ -35,10 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (argparse usage errors give 2)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     from parity.harness import impls
+    from parity.harness.impls.runtime import add_xla_flags
 
     cp = _cp_ranks(argv)
     if cp and "jax" not in sys.modules:  # the CP demo's JAX side wants N devices: N CPU devices without a GPU
-        os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={cp}")
+        add_xla_flags(f"--xla_force_host_platform_device_count={cp}")
     impls.configure()
     parser = build_parser(argv)
     try:

@@ -6,11 +6,38 @@ import dataclasses
 import os
 import sys
 
+CPU_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+"""XLA:CPU settings of the CPU run mode. Without a GPU every interpreted Pallas kernel and jnp program is compiled
+once per shape and run once or a few times on small arrays, so compiling is most of its time: LLVM at -O0 and the
+classic elemental emitters instead of the fusion emitters cut XLA's compile time by about 2/3 and the test suite's by
+about 1/4 (docs/results.md, "CI on a CPU machine"). They change how XLA:CPU builds the code, not the float math of
+any operation: the suite's bit-exact checks hold with them. Both exist in jax 0.10.0-0.11.2 (an unknown flag aborts
+the process)."""
+
+
+def add_xla_flags(*flags: str) -> str:
+    """Adds `flags` to $XLA_FLAGS, each unless a flag of the same name is set there already (the user's wins); returns
+    the new value. XLA reads it when JAX starts its first backend: call this before the first JAX computation."""
+    existing = os.environ.get("XLA_FLAGS", "").split()
+    have = {f.split("=", 1)[0] for f in existing}
+    os.environ["XLA_FLAGS"] = " ".join([*existing, *(f for f in flags if f.split("=", 1)[0] not in have)])
+    return os.environ["XLA_FLAGS"]
+
+
+def _jax_backend_started() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge
+
+    return bool(getattr(xla_bridge, "_backends", None))
+
+
 def configure() -> bool:
     """Set the environment the kernels read at import; returns whether torch sees a CUDA GPU.
 
-    Without CUDA, Triton kernels run in its interpreter and Pallas kernels in interpret mode;
-    `XLA_PYTHON_CLIENT_PREALLOCATE=false` lets torch and JAX share a GPU.
+    Without CUDA, Triton kernels run in its interpreter and Pallas kernels in interpret mode, and XLA:CPU compiles
+    with `CPU_COMPILE_FLAGS` (when JAX has not started yet); `XLA_PYTHON_CLIENT_PREALLOCATE=false` lets torch and
+    JAX share a GPU.
     """
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     try:
@@ -25,6 +52,8 @@ def configure() -> bool:
                                "run on the CPU in this process")
         os.environ["TRITON_INTERPRET"] = "1"
         patch_triton_language_once_per_launch()
+        if not _jax_backend_started():
+            add_xla_flags(*CPU_COMPILE_FLAGS)
     return has_cuda
 
 
