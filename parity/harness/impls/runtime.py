@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 
-CPU_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
-"""XLA:CPU settings of the CPU run mode. Without a GPU every interpreted Pallas kernel and jnp program is compiled
-once per shape and run once or a few times on small arrays, so compiling is most of its time: LLVM at -O0 and the
-classic elemental emitters instead of the fusion emitters cut XLA's compile time by about 2/3 and the test suite's by
-about 1/4 (docs/results.md, "CI on a CPU machine"). They change how XLA:CPU builds the code, not the float math of
-any operation: the suite's bit-exact checks hold with them. Both exist in jax 0.10.0-0.11.2 (an unknown flag aborts
-the process)."""
+def cpu_compile_flags() -> tuple[str, ...]:
+    """XLA:CPU settings of the CPU run mode, for the installed jaxlib (none without one). Without a GPU every
+    interpreted Pallas kernel and jnp program is compiled once per shape and run once or a few times on small
+    arrays, so compiling is most of its time: LLVM at -O0 and, in jaxlib < 0.11, the elemental emitters instead of
+    the fusion emitters cut XLA's compile time by about 2/3 and the test suite's by about 1/4 (docs/results.md, "CI
+    on a CPU machine"). They change how XLA:CPU builds the code, not the float math of any operation: the suite's
+    bit-exact checks hold with them. jaxlib 0.11 removed `--xla_cpu_use_fusion_emitters` (an unknown flag aborts
+    the process), so it is set only before."""
+    from importlib import metadata
+
+    try:
+        version = tuple(int(x) for x in re.findall(r"\d+", metadata.version("jaxlib"))[:2])
+    except metadata.PackageNotFoundError:
+        return ()
+    flags = ("--xla_backend_optimization_level=0",)
+    return flags + (("--xla_cpu_use_fusion_emitters=false",) if version < (0, 11) else ())
 
 
 def add_xla_flags(*flags: str) -> str:
@@ -36,7 +46,7 @@ def configure() -> bool:
     """Set the environment the kernels read at import; returns whether torch sees a CUDA GPU.
 
     Without CUDA, Triton kernels run in its interpreter and Pallas kernels in interpret mode, and XLA:CPU compiles
-    with `CPU_COMPILE_FLAGS` (when JAX has not started yet); `XLA_PYTHON_CLIENT_PREALLOCATE=false` lets torch and
+    with `cpu_compile_flags()` (when JAX has not started yet); `XLA_PYTHON_CLIENT_PREALLOCATE=false` lets torch and
     JAX share a GPU.
     """
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -53,7 +63,7 @@ def configure() -> bool:
         os.environ["TRITON_INTERPRET"] = "1"
         patch_triton_language_once_per_launch()
         if not _jax_backend_started():
-            add_xla_flags(*CPU_COMPILE_FLAGS)
+            add_xla_flags(*cpu_compile_flags())
     return has_cuda
 
 
