@@ -12,11 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from mla_lse_common import checks as _shared
+from mla_lse_common import constants
+from pallas_impl import _math
 from mla_lse_common.checks import (check_cp_method, check_fused_pair, check_lse_base,  # noqa: F401 (re-exported)
                                    check_lse_layout, check_lse_shape)
 
 OUTPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
+FP4 = jnp.dtype(jnp.float4_e2m1fn)  # out_dtype of NVFP4 output (docs/spec.md 4.8), returned packed: u8[T, H, D / 2]
 
 
 def has_empty_context(chunk_seq_lens) -> bool:
@@ -120,9 +123,32 @@ def prefill_tokens_array(prefill_tokens_with_context, num_tokens: int):
     return jnp.clip(x, 0, num_tokens).reshape(1)
 
 
+def check_nvfp4(output_scale, group_size, scale_ue8m0, scale_layout, head_dim: int):
+    """NVFP4 output (docs/spec.md 4.8: out_dtype float4_e2m1fn): output_scale is the f32 global scale, the block
+    scales' layout "row" or "swizzled", D a power of two from 16; returns the `group` option (16, "nvfp4", layout)."""
+    if group_size is not None or scale_ue8m0:
+        raise ValueError("group_size and scale_ue8m0 are per-group FP8's; NVFP4 (out_dtype float4_e2m1fn) has blocks "
+                         f"of {constants.NVFP4_BLOCK} and e4m3 scales; got group_size={group_size!r}, "
+                         f"scale_ue8m0={scale_ue8m0!r}")
+    if scale_layout not in ("row", "swizzled"):
+        raise ValueError(f"scale_layout of NVFP4 block scales must be 'row' or 'swizzled'; got {scale_layout!r}")
+    if output_scale is None:
+        raise ValueError("NVFP4 output (out_dtype float4_e2m1fn) needs output_scale, the f32 global scale")
+    if getattr(output_scale, "dtype", None) != jnp.float32 or getattr(output_scale, "size", 0) != 1:
+        raise TypeError(f"output_scale (the NVFP4 global scale) must be an f32 scalar or f32[1] array; got "
+                        f"{output_scale!r}")
+    if head_dim % constants.NVFP4_BLOCK or head_dim & (head_dim - 1):
+        raise NotImplementedError(f"NVFP4 output needs a head dim D that is a power of two from "
+                                  f"{constants.NVFP4_BLOCK} (a block never straddles two heads); got D={head_dim}")
+    return (constants.NVFP4_BLOCK, _math.NVFP4, scale_layout)
+
+
 def check_output_options(out_dtype, in_dtype, output_scale, group_size, scale_ue8m0, scale_layout, head_dim: int):
-    """The merges' output options: (out_dtype as a dtype, the per-group FP8 options or None); with group_size the
-    output is fp8 (out_dtype None or float8_e4m3fn; docs/spec.md 4.7)."""
+    """The merges' output options: (out_dtype as a dtype, the quantized-output option or None); with group_size the
+    output is fp8 (out_dtype None or float8_e4m3fn; docs/spec.md 4.7); with out_dtype float4_e2m1fn it is NVFP4
+    (4.8: packed u8, returned as such)."""
+    if out_dtype is not None and jnp.dtype(out_dtype) == FP4:
+        return jnp.dtype(jnp.uint8), check_nvfp4(output_scale, group_size, scale_ue8m0, scale_layout, head_dim)
     group = check_group(group_size, scale_ue8m0, scale_layout, head_dim, output_scale)
     out_dtype = check_out_dtype(FP8 if group and out_dtype is None else out_dtype, in_dtype, output_scale,
                                 grouped=group is not None)

@@ -119,6 +119,23 @@ def _store_group_fp8(out_block, scale_ref, t0, h0, out, last, copy_t, th_mask, t
                    scale.reshape(block_t, block_h * groups), mask=g_mask)
 
 
+def _store_nvfp4(out_ref, scale_ref, t0, h0, out, last, copy_t, th_mask, global_scale):
+    """The merged f32 tile `out` [block_t, block_h, D] (D a power of two from 16: the whole head) quantized to NVFP4
+    (docs/spec.md 4.8) with the f32 `global_scale`: two e2m1 codes a byte to this tile's block of `out_ref` u8[T, H,
+    D / 2], its e4m3 block scales to `scale_ref` [T, H * D / 16]; pass-through tokens take `last` as f32 (4.4),
+    quantized like any other row."""
+    out = jnp.where(copy_t[:, None, None], last.astype(jnp.float32), out)
+    codes, scales = _math.nvfp4_quant(out, global_scale)
+    packed = _math.pack_fp4(codes)
+    block_t, block_h, half = packed.shape
+    pltriton.store(out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, half)], packed,
+                   mask=jnp.broadcast_to(th_mask[:, :, None], packed.shape))
+    blocks = scales.shape[-1]
+    s_mask = jnp.broadcast_to(th_mask[:, :, None], scales.shape).reshape(block_t, block_h * blocks)
+    pltriton.store(scale_ref.at[pl.ds(t0, block_t), pl.ds(h0 * blocks, block_h * blocks)],
+                   scales.reshape(block_t, block_h * blocks), mask=s_mask)
+
+
 def _merged_lse(z, m, empty, copy_t, passthrough, lse_base2):
     """The merge's LSE tile (docs/spec.md 4.2, 4.3, 4.4, 8.4), in the LSEs' base (`_math.merged_lse`)."""
     return jnp.where(copy_t[:, None], passthrough, _math.merged_lse(z, m, empty, lse_base2))

@@ -162,11 +162,81 @@ def group_quant(x, group_size: int, ue8m0: bool):
     return q.reshape(x.shape), scale
 
 
+NVFP4 = "nvfp4"  # the middle item of a `group` option for NVFP4 output: (NVFP4_BLOCK, NVFP4, scale layout)
+
+
+def is_nvfp4(group) -> bool:
+    """Whether the merges' quantized-output option `group` is NVFP4 (docs/spec.md 4.8), not per-group FP8 (4.7)."""
+    return group is not None and group[1] == NVFP4
+
+
+def quantized_shapes(num_tokens: int, num_heads: int, head_dim: int, group):
+    """((out shape, out dtype), (scales shape, scales dtype)) of a merge quantized per `group` (4.7 or 4.8), the
+    scales row-major: NVFP4 packs two e2m1 codes a byte and keeps e4m3 block scales, per-group FP8 f32 scales."""
+    blocks = (num_tokens, num_heads * head_dim // group[0])
+    if is_nvfp4(group):
+        return ((num_tokens, num_heads, head_dim // 2), jnp.uint8), (blocks, jnp.float8_e4m3fn)
+    return ((num_tokens, num_heads, head_dim), jnp.float8_e4m3fn), (blocks, jnp.float32)
+
+
+def nvfp4_quant(x, global_scale):
+    """NVFP4 quantization of f32 `x` [..., K] (K a multiple of 16) in blocks of 16 consecutive elements of its last
+    axis (docs/spec.md 4.8), each step one f32 operation: (codes i32 [..., K], the e2m1 code of each element, bit 3
+    its sign; block scales float8_e4m3fn [..., K // 16]). amax over the block's non-NaN |x|; s = e4m3((amax *
+    f32(1/6)) * g) saturated at 448 with a comparison; inv = 1 / (f32(s) * (1 / g)), 0 where s is 0; y = clamp(x *
+    inv, -6, 6) with comparisons; the magnitude code counts the thresholds |y| passes (a NaN passes none)."""
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // constants.NVFP4_BLOCK, constants.NVFP4_BLOCK)
+    g = global_scale.astype(jnp.float32)
+    amax = jnp.max(jnp.where(blocks == blocks, jnp.abs(blocks), 0.0), axis=-1)  # NaN left out of the maximum
+    s = (amax * jnp.float32(1 / constants.FP4_E2M1_MAX)) * g
+    scales = jnp.where(s > FP8_E4M3_MAX, jnp.float32(FP8_E4M3_MAX), s).astype(jnp.float8_e4m3fn)
+    sf = scales.astype(jnp.float32)
+    inv = jnp.where(sf == 0.0, 0.0, 1.0 / jnp.where(sf == 0.0, 1.0, sf * (1.0 / g)))
+    y = blocks * inv[..., None]
+    y = jnp.where(y < -constants.FP4_E2M1_MAX, -constants.FP4_E2M1_MAX, y)  # comparisons: NaN stays NaN
+    y = jnp.where(y > constants.FP4_E2M1_MAX, constants.FP4_E2M1_MAX, y)
+    a = jnp.abs(y)
+    code = jnp.zeros(y.shape, jnp.int32)
+    for value, inclusive in constants.FP4_E2M1_THRESHOLDS:
+        code = code + ((a >= value) if inclusive else (a > value)).astype(jnp.int32)
+    sign = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(y, jnp.int32), 31)
+    return (code | (sign << 3)).reshape(x.shape), scales
+
+
+def pack_fp4(codes):
+    """e2m1 codes i32 [..., K] -> u8 [..., K // 2]: byte j holds element 2j in its low nibble, 2j + 1 in its high one
+    (a reduction of pairs, shifted by a 1-D iota: what Pallas' Triton lowering takes)."""
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    shift = jax.lax.broadcast_in_dim(4 * jax.lax.iota(jnp.int32, 2), pairs.shape, (pairs.ndim - 1,))
+    return jnp.sum(pairs << shift, axis=-1).astype(jnp.uint8)
+
+
+def with_swizzled_scales(results):
+    """A merge's results with their last, NVFP4's row-major block scales, in the swizzled layout (the public
+    functions' step after the call for scale_layout="swizzled")."""
+    return (*results[:-1], swizzle_nvfp4_scales(results[-1]))
+
+
+def swizzle_nvfp4_scales(scales):
+    """Block scales [T, K] (1 byte each) in the 128x4-swizzled layout of the FP4 GEMMs (docs/spec.md 4.8), flat:
+    T padded to a multiple of 128 and K to a multiple of 4 with zeros, scale (t, k) at ((t // 128) * (K_pad / 4) +
+    k // 4) * 512 + (t % 32) * 16 + ((t % 128) // 32) * 4 + k % 4: a reshape and a transpose."""
+    rows, cols = constants.NVFP4_SWIZZLE
+    t, k = scales.shape
+    padded = jnp.pad(scales, ((0, -t % rows), (0, -k % cols)))
+    tiles_t, tiles_k = padded.shape[0] // rows, padded.shape[1] // cols
+    # [t // 128, (t % 128) // 32, t % 32, k // 4, k % 4] -> [t // 128, k // 4, t % 32, (t % 128) // 32, k % 4]
+    x = padded.reshape(tiles_t, 4, 32, tiles_k, cols).transpose(0, 3, 2, 1, 4)
+    return x.reshape(-1)
+
+
 def scale_layout(scales, layout: str):
     """Per-group scales f32[T, G#] in `layout` (constants.SCALE_LAYOUTS): row-major as they are, column-major
     [G#, T], or column-major with T padded with zeros to a multiple of TMA_ALIGN_T (DeepGEMM's TMA alignment)."""
     if layout == "row":
         return scales
+    if layout == "swizzled":  # NVFP4's block scales (docs/spec.md 4.8)
+        return swizzle_nvfp4_scales(scales)
     if layout == "col_tma":
         pad = -scales.shape[0] % constants.TMA_ALIGN_T
         scales = jnp.pad(scales, ((0, pad), (0, 0)))

@@ -58,14 +58,18 @@ def _stored(out, last, copy_t, output_scale, out_dtype):
     return jnp.where(copy, last.astype(jnp.float32), out).astype(out_dtype)
 
 
-def _stored_grouped(out, group, last=None, copy_t=None):
-    """The f32 rows `out` [T, ...] quantized per group (docs/spec.md 4.7; `group` = (group_size, ue8m0,
-    scale_layout)): (fp8 of out's shape, scales in scale_layout); pass-through tokens (`copy_t`) take `last` as f32
-    (4.4)."""
+def _stored_grouped(out, group, last=None, copy_t=None, global_scale=None):
+    """The f32 rows `out` [T, H, D] quantized per group (docs/spec.md 4.7; `group` = (group_size, ue8m0,
+    scale_layout)): (fp8 of out's shape, scales in scale_layout), or NVFP4 (4.8; `group` = (16, "nvfp4",
+    scale_layout), `global_scale` f32[1]): (u8[T, H, D / 2] two e2m1 codes a byte, e4m3 block scales in
+    scale_layout); pass-through tokens (`copy_t`) take `last` as f32 (4.4)."""
     group_size, ue8m0, layout = group
     num_tokens = out.shape[0]
     if copy_t is not None:
         out = jnp.where(copy_t[:, None, None], last.astype(jnp.float32), out)
+    if _math.is_nvfp4(group):
+        codes, scale = _math.nvfp4_quant(out, global_scale.reshape(-1)[0])
+        return _math.pack_fp4(codes), _math.scale_layout(scale.reshape(num_tokens, -1), layout)
     q, scale = _math.group_quant(out, group_size, ue8m0)
     return q.astype(_checks.FP8), _math.scale_layout(scale.reshape(num_tokens, -1), layout)
 
@@ -88,8 +92,8 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, outp
     out = jnp.where(wp > 0, a * wp, 0.0) + jnp.where(ws > 0, b * ws, 0.0)
     out = jnp.where(both_empty[..., None], 0.0, out)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill_tokens[0]
-    if group is not None:  # 4.7: (fp8, scales)
-        out, scales = _stored_grouped(out, group, suffix_output, copy_t)
+    if group is not None:  # 4.7 / 4.8: (fp8 or packed fp4, scales)
+        out, scales = _stored_grouped(out, group, suffix_output, copy_t, output_scale)
     else:
         out = _stored(out, suffix_output, copy_t, output_scale, out_dtype)
     lse = _merged_lse(z, m, both_empty, copy_t, s_raw, lse_base2) if return_lse else None
@@ -150,8 +154,8 @@ def merge_attn_states_n(outputs, lses, output_scale, query_start_loc, cu_seq_len
     out = jnp.where(all_empty[..., None], 0.0, out)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill_tokens[0]
     scales = None
-    if group is not None:  # 4.7: (fp8, scales)
-        out, scales = _stored_grouped(out, group, outputs[-1], copy_t)
+    if group is not None:  # 4.7 / 4.8: (fp8 or packed fp4, scales)
+        out, scales = _stored_grouped(out, group, outputs[-1], copy_t, output_scale)
     else:
         out = _stored(out, outputs[-1], copy_t, output_scale, out_dtype)
     lse_out = _merged_lse(z, m, all_empty, copy_t, _copied_lse(l_raw[-1], empty), lse_base2) if return_lse else None
@@ -164,11 +168,11 @@ def empty_merge_n(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pre
     """The N-way merge of N = 0 partials (docs/spec.md 8.2), on every implementation and backend: every row is
     empty, output 0 and LSE -inf, pass-through rows too (there is no last partial to copy); per-group FP8 (4.7):
     q = 0 and the floor's scale."""
-    del output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context, lse_layout, lse_base2
+    del query_start_loc, cu_seq_lens, prefill_tokens_with_context, lse_layout, lse_base2
     out = jnp.zeros(outputs.shape[1:], out_dtype)
     scales = None
     if group is not None:
-        _, scales = _stored_grouped(out.astype(jnp.float32), group)
+        out, scales = _stored_grouped(jnp.zeros(outputs.shape[1:], jnp.float32), group, global_scale=output_scale)
     return _results(out, jnp.full(lses.shape[1:], -jnp.inf, jnp.float32) if return_lse else None, scales)
 
 

@@ -26,8 +26,8 @@ from pallas_impl import _math, jnp_fallback
 from pallas_impl import _plans as plans
 from pallas_impl import _sharding as sharding
 from pallas_impl._backend import pltriton
-from pallas_impl._device import (_load_lse, _merged_lse, _program_tile, _store_group_fp8, _store_lse, _store_output,
-                                 _token_requests)
+from pallas_impl._device import (_load_lse, _merged_lse, _program_tile, _store_group_fp8, _store_lse, _store_nvfp4,
+                                 _store_output, _token_requests)
 from pallas_impl._math import two_way_weights
 
 
@@ -43,7 +43,7 @@ def _merge_attn_states_kernel(
     ptwc_ref,  # i32[1] prefill_tokens_with_context: tokens at or past it are suffix copies (docs/spec.md 4.4)
     # outputs
     out_ref,  # out_dtype[T, H, D]
-    *more_out_refs,  # f32 LSE of the merge, when output_lse; f32[T, H * D / G] per-group scales, when group
+    *more_out_refs,  # f32 LSE of the merge, when output_lse; the scales [T, H * D / G], when group (4.7, 4.8)
     num_tokens: int, num_heads: int, head_dim: int, num_requests: int,
     block_t: int, block_h: int, block_d: int,
     lse_layout: str, lse_base2: bool, output_lse: bool, fused_mask: bool, fp8_out: bool, group=None,
@@ -73,7 +73,9 @@ def _merge_attn_states_kernel(
     out = jnp.where(both_empty[:, :, None], 0.0, out)
     copy_t = t >= ptwc_ref[0]  # docs/spec.md 4.4
     out_block = out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)]
-    if group is not None:  # docs/spec.md 4.7
+    if _math.is_nvfp4(group):  # docs/spec.md 4.8: scale_ref holds the global scale
+        _store_nvfp4(out_ref, more_out_refs[-1], t0, h0, out, b, copy_t, th_mask, scale_ref[0])
+    elif group is not None:  # docs/spec.md 4.7
         _store_group_fp8(out_block, more_out_refs[-1], t0, h0, out, b, copy_t, th_mask, thd_mask, *group)
     else:
         _store_output(out_block, out, b, copy_t, scale_ref, thd_mask, fp8_out)
@@ -92,10 +94,11 @@ def _merge_jit(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scal
                interpret, group=None):
     num_tokens, num_heads, head_dim = prefix_output.shape
     prefill_tokens = checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
-    groups = 0 if group is None else num_heads * head_dim // group[0]
+    out_struct, scale_struct = ((prefix_output.shape, out_dtype), None) if group is None else \
+        _math.quantized_shapes(num_tokens, num_heads, head_dim, group)
     if num_tokens == 0 or num_heads == 0:
-        empty_out = jnp.zeros(prefix_output.shape, out_dtype)
-        scales = None if group is None else _math.scale_layout(jnp.zeros((num_tokens, groups), jnp.float32), group[2])
+        empty_out = jnp.zeros(*out_struct)
+        scales = None if group is None else _math.scale_layout(jnp.zeros(*scale_struct), group[2])
         return jnp_fallback._results(empty_out, jnp.zeros(prefix_lse.shape, jnp.float32) if return_lse else None,
                                      scales)
     fused = query_start_loc is not None and query_start_loc.shape[0] > 1  # R = 0: nothing to mask
@@ -111,11 +114,11 @@ def _merge_jit(prefix_output, prefix_lse, suffix_output, suffix_lse, output_scal
         lse_layout=lse_layout, lse_base2=lse_base2, output_lse=return_lse, fused_mask=fused, fp8_out=fp8,
         group=None if group is None else group[:2])
     operands = (prefix_output, prefix_lse, suffix_output, suffix_lse)
-    out_shape = [sharding.out_struct(prefix_output.shape, out_dtype, *operands)]
+    out_shape = [sharding.out_struct(*out_struct, *operands)]
     if return_lse:
         out_shape.append(sharding.out_struct(prefix_lse.shape, jnp.float32, *operands))
     if group is not None:
-        out_shape.append(sharding.out_struct((num_tokens, groups), jnp.float32, *operands))
+        out_shape.append(sharding.out_struct(*scale_struct, *operands))
     results = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -185,7 +188,8 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
         if query_start_loc is not None:
             checks.check_offset_values(query_start_loc, prefix_cu_seq_lens, num_tokens, cu_name="prefix_cu_seq_lens")
         checks.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
-    return plan(*args)
+    results = plan(*args)
+    return _math.with_swizzled_scales(results) if scale_layout == "swizzled" else results
 
 
 _PLANS: dict = {}  # plans.cached_plan
@@ -214,14 +218,17 @@ def _merge_plan(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sca
     impl = _backend.resolve_implementation(implementation, backend)
     backend = _backend.resolve_backend(backend)
     options = dict(return_lse=return_lse, out_dtype=out_dtype, lse_layout=lse_layout, lse_base2=lse_base2)
-    if group is not None:
-        options["group"] = group
+    if group is not None:  # NVFP4's swizzled block scales: the call's row-major ones, rearranged after it
+        options["group"] = group[:2] + ("row",) if group[2] == "swizzled" else group
     if impl == "jnp":
         return functools.partial(jnp_fallback.merge_attn_states, **options)
     _backend.filter_triton_deprecation()
     interpret = _backend.resolve_interpret(interpret, backend)
     lse_axis = 0 if lse_layout == "HT" else 1
     if backend == "mosaic_gpu":
+        if _math.is_nvfp4(group):
+            raise NotImplementedError("NVFP4 output (out_dtype float4_e2m1fn) on backend='mosaic_gpu' is not "
+                                      "implemented yet: use the Triton backend or implementation='jnp'")
         from pallas_impl.mosaic.merge import merge_mosaic
 
         fn = functools.partial(merge_mosaic, **options, interpret=interpret)

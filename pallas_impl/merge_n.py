@@ -35,8 +35,8 @@ from pallas_impl import _plans as plans
 from pallas_impl import _sharding as sharding
 from pallas_impl._backend import pltriton
 from pallas_impl._device import (_copied_lse, _load_lse, _lse_where, _max_and_sum, _merged_lse, _partial_lse,
-                                 _program_tile, _store_group_fp8, _store_lse, _store_output, _token_requests,
-                                 _weighted)
+                                 _program_tile, _store_group_fp8, _store_lse, _store_nvfp4, _store_output,
+                                 _token_requests, _weighted)
 
 
 def _store_max_and_sum(wlse_ref, t0, h0, block_t, block_h, th_mask, w_layout, m, all_empty, z):
@@ -148,7 +148,9 @@ def _merge_attn_states_n_kernel(
     out = jnp.where(all_empty[:, :, None], 0.0, out)
     copy_t = t >= ptwc_ref[0]  # 8.4
     out_block = out_ref.at[pl.ds(t0, block_t), pl.ds(h0, block_h), pl.ds(0, block_d)]
-    if group is not None:  # docs/spec.md 4.7
+    if _math.is_nvfp4(group):  # docs/spec.md 4.8: scale_ref holds the global scale
+        _store_nvfp4(out_ref, more_out_refs[-1], t0, h0, out, b, copy_t, th_mask, scale_ref[0])
+    elif group is not None:  # docs/spec.md 4.7
         _store_group_fp8(out_block, more_out_refs[-1], t0, h0, out, b, copy_t, th_mask, thd_mask, *group)
     else:
         _store_output(out_block, out, b, copy_t, scale_ref, thd_mask, fp8_out)
@@ -168,10 +170,11 @@ def _merge_n_jit(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pref
     num_partials, num_tokens, num_heads, head_dim = outputs.shape
     lse_shape = lses.shape[1:]
     prefill_tokens = checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
-    groups = 0 if group is None else num_heads * head_dim // group[0]
+    out_struct, scale_struct = ((outputs.shape[1:], out_dtype), None) if group is None else \
+        _math.quantized_shapes(num_tokens, num_heads, head_dim, group)
     if num_tokens == 0 or num_heads == 0:
-        empty_out = jnp.zeros(outputs.shape[1:], out_dtype)
-        scales = None if group is None else _math.scale_layout(jnp.zeros((num_tokens, groups), jnp.float32), group[2])
+        empty_out = jnp.zeros(*out_struct)
+        scales = None if group is None else _math.scale_layout(jnp.zeros(*scale_struct), group[2])
         return jnp_fallback._results(empty_out, jnp.zeros(lse_shape, jnp.float32) if return_lse else None, scales)
     fused = query_start_loc is not None and query_start_loc.shape[0] > 1  # R = 0: nothing to mask
     fp8 = output_scale is not None
@@ -207,11 +210,11 @@ def _merge_n_jit(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pref
         head_dim=head_dim, num_requests=num_requests, block_t=block_t, block_h=block_h, block_d=block_d,
         lse_layout=lse_layout, w_layout=w_layout, lse_base2=lse_base2, output_lse=return_lse, fused_mask=fused,
         fp8_out=fp8, given_mz=split, given_w=weights, group=None if group is None else group[:2])
-    out_shape = [sharding.out_struct(outputs.shape[1:], out_dtype, outputs, lses)]
+    out_shape = [sharding.out_struct(*out_struct, outputs, lses)]
     if return_lse:
         out_shape.append(sharding.out_struct(lse_shape, jnp.float32, outputs, lses))
     if group is not None:
-        out_shape.append(sharding.out_struct((num_tokens, groups), jnp.float32, outputs, lses))
+        out_shape.append(sharding.out_struct(*scale_struct, outputs, lses))
     results = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -274,7 +277,8 @@ def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, quer
         if query_start_loc is not None:
             checks.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
         checks.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
-    return plan(*args)
+    results = plan(*args)
+    return _math.with_swizzled_scales(results) if scale_layout == "swizzled" else results
 
 
 _PLANS: dict = {}  # plans.cached_plan
@@ -308,8 +312,8 @@ def _merge_n_plan(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pre
     impl = _backend.resolve_implementation(implementation, backend)
     backend = _backend.resolve_backend(backend)
     options = dict(return_lse=return_lse, out_dtype=out_dtype, lse_layout=lse_layout, lse_base2=lse_base2)
-    if group is not None:
-        options["group"] = group
+    if group is not None:  # NVFP4's swizzled block scales: the call's row-major ones, rearranged after it
+        options["group"] = group[:2] + ("row",) if group[2] == "swizzled" else group
     if num_partials == 0:  # 8.2: no partial, every row empty (pass-through rows too); no kernel on any backend
         return functools.partial(jnp_fallback.empty_merge_n, **options)
     if impl == "jnp":
@@ -318,6 +322,9 @@ def _merge_n_plan(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pre
     interpret = _backend.resolve_interpret(interpret, backend)
     lse_axis = 0 if lse_layout == "HT" else 1
     if backend == "mosaic_gpu":
+        if _math.is_nvfp4(group):
+            raise NotImplementedError("NVFP4 output (out_dtype float4_e2m1fn) on backend='mosaic_gpu' is not "
+                                      "implemented yet: use the Triton backend or implementation='jnp'")
         from pallas_impl.mosaic.merge_n import merge_n_mosaic
 
         fn = functools.partial(merge_n_mosaic, **options, interpret=interpret)

@@ -42,8 +42,9 @@ def test_the_ops_are_registered_with_the_functions_arguments():
         assert args == params, (name, args, params)
         mutable = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
         assert mutable == {"mask_empty_context_lse": {"lse", "output"},
-                           "merge_attn_states": {"output", "output_lse", "output_group_scale"},
-                           "merge_attn_states_n": {"output", "output_lse", "output_group_scale"}}[name]
+                           "merge_attn_states": {"output", "output_lse", "output_group_scale", "output_block_scale"},
+                           "merge_attn_states_n": {"output", "output_lse", "output_group_scale",
+                                                   "output_block_scale"}}[name]
 
 
 @pytest.mark.parametrize("fused,output_lse", [(True, True), (False, True), (True, False)])

@@ -22,7 +22,7 @@
 #                 VERIFY_MOSAIC=1 on Mosaic GPU too), the N-way merge at large N (wide-n speed; with
 #                 VERIFY_KERNELS=1 each kernel of the split fused merge), the GPU tests of the N-way merge and the
 #                 loop (GPU_TESTS): check*.json check*.log wide_n_speed.* kernels_* pytest.log
-#   fp8           per-group FP8: its GPU tests, the full check's group cases, the fused merges' speed
+#   fp8           per-group FP8 and NVFP4: their GPU tests, the full check's group cases, the fused merges' speed
 #                 (group-fp8-speed): pytest.log check_group.json group_fp8_speed.*
 #   verify_tests  the GPU tests (`pytest -m gpu -v -rf`: a timeout still names what ran and failed), then the
 #                 first-call compile times (wide-n compile): pytest.log wide_n_compile.*
@@ -164,7 +164,7 @@ fi
 if [ "$PLAN" = fp8 ]; then
     # Per-group FP8 (docs/spec.md 4.7): its GPU tests (Triton = Pallas = jnp bit for bit), its records of the full
     # check on the Pallas Triton backend, then the fused merges beside bf16 and merge + separate quantizer.
-    step pytest 120 330 "$OUT/pytest.log" "$PY" -m pytest -v -rfs -m gpu tests/test_group_fp8.py
+    step pytest 120 330 "$OUT/pytest.log" "$PY" -m pytest -v -rfs -m gpu tests/test_group_fp8.py tests/test_nvfp4.py
     step check 120 200 "$OUT/check.log" "$PY" -m parity check --suite full -k group --json "$OUT/check_group.json"
     step group_fp8_speed 190 0 "$OUT/group_fp8_speed.log" "$PY" -m tools.group_fp8_speed \
         --json "$OUT/group_fp8_speed.json"

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from mla_lse_common import checks as _shared
+from mla_lse_common import constants
 from mla_lse_common.checks import (check_cp_method, check_fused_pair, check_lse_base,  # noqa: F401 (re-exported)
                                    check_lse_layout)
 from triton_impl._backend import tracing
@@ -204,11 +205,70 @@ def check_group_scale(output_group_scale, group_size, scale_ue8m0, output: torch
 group_floor_scale = _shared.group_floor_scale
 
 
+def check_nvfp4(output, like: torch.Tensor, output_scale, output_block_scale, scale_layout, group_size, scale_ue8m0,
+                *, shape=None, reads: dict) -> tuple[tuple, tuple]:
+    """NVFP4 output (docs/spec.md 4.8): `output` u8[T, H, D / 2] (two e2m1 codes a byte; D a power of two from 16),
+    `output_scale` the f32[1] global scale, `output_block_scale` float8_e4m3fn [T, H * D / 16] with any strides
+    (scale_layout "row"), or a contiguous buffer of the 128x4-swizzled layout's T_pad * K_pad scales (scale_layout
+    "swizzled": T padded to a multiple of 128, K = H * D / 16 to a multiple of 4; the padding is the caller's, left
+    untouched); returns ((stride_t, stride_k), the per-signature overlap checks)."""
+    device = like.device
+    num_tokens, num_heads, head_dim = tuple(like.shape[-3:]) if shape is None else tuple(shape)
+    if group_size is not None or scale_ue8m0:
+        raise ValueError("group_size and scale_ue8m0 are per-group FP8's; NVFP4 output (output_block_scale given) "
+                         f"has blocks of {constants.NVFP4_BLOCK} and e4m3 scales; got group_size={group_size!r}, "
+                         f"scale_ue8m0={scale_ue8m0!r}")
+    if scale_layout not in ("row", "swizzled"):
+        raise ValueError(f"scale_layout of NVFP4 block scales must be 'row' or 'swizzled'; got {scale_layout!r}")
+    if head_dim % constants.NVFP4_BLOCK or head_dim & (head_dim - 1):
+        raise NotImplementedError(f"NVFP4 output needs a head dim D that is a power of two from "
+                                  f"{constants.NVFP4_BLOCK} (a block never straddles two heads); got D={head_dim}")
+    check_tensor("output", output, ndim=3, dtypes=(torch.uint8,), device=device)
+    want = (num_tokens, num_heads, head_dim // 2)
+    if tuple(output.shape) != want:
+        raise ValueError(f"output of NVFP4 (two e2m1 codes a byte) must be u8[T, H, D / 2] = {list(want)}; got "
+                         f"output.shape={tuple(output.shape)}")
+    check_no_internal_overlap("output", output)
+    if output_scale is None:
+        raise ValueError("NVFP4 output needs output_scale, the f32[1] global scale")
+    check_tensor("output_scale", output_scale, ndim=1, dtypes=(torch.float32,), device=device)
+    if output_scale.numel() != 1:
+        raise ValueError(f"output_scale (the NVFP4 global scale) must be f32[1]; got shape={tuple(output_scale.shape)}")
+    blocks = num_heads * head_dim // constants.NVFP4_BLOCK
+    check_tensor("output_block_scale", output_block_scale, dtypes=(torch.float8_e4m3fn,), device=device,
+                 ndim=2 if scale_layout == "row" else getattr(output_block_scale, "ndim", 1))
+    if scale_layout == "row":
+        if tuple(output_block_scale.shape) != (num_tokens, blocks):
+            raise ValueError(f"output_block_scale must be e4m3 [T, H * D / 16] = {[num_tokens, blocks]}; got "
+                             f"output_block_scale.shape={tuple(output_block_scale.shape)}")
+        check_no_internal_overlap("output_block_scale", output_block_scale)
+        strides = tuple(output_block_scale.stride())
+    else:
+        rows, cols = constants.NVFP4_SWIZZLE
+        size = -(-num_tokens // rows) * rows * (-(-blocks // cols) * cols)
+        if output_block_scale.numel() != size or not output_block_scale.is_contiguous():
+            raise ValueError(f"output_block_scale of the swizzled layout must be a contiguous buffer of {size} scales "
+                             f"(T padded to {rows}, H * D / 16 to {cols}); got shape="
+                             f"{tuple(output_block_scale.shape)}, contiguous={output_block_scale.is_contiguous()}")
+        strides = (0, 0)
+    overlaps = check_no_partial_overlap("output_block_scale", output_block_scale, output=output,
+                                        **{k: v for k, v in reads.items() if v is not None})
+    return strides, overlaps
+
+
 def check_outputs(output, like: torch.Tensor, output_scale, group_size, output_group_scale, scale_ue8m0, *,
-                  shape=None, reads: dict) -> tuple[bool, tuple, tuple]:
-    """The merge output with its static fp8 scale (`check_output`) or its per-group FP8 scales (`check_group_scale`,
-    docs/spec.md 4.7), for every merge wrapper: (per-tensor fp8, the scales' (stride_t, stride_g), their overlap
-    checks); `reads` are the tensors the merge reads (and the output LSE), which the scales must not overlap."""
+                  shape=None, reads: dict, output_block_scale=None, scale_layout="row") -> tuple[bool, tuple, tuple]:
+    """The merge output with its static fp8 scale (`check_output`), its per-group FP8 scales (`check_group_scale`,
+    docs/spec.md 4.7) or, with `output_block_scale`, NVFP4's block scales (`check_nvfp4`, 4.8), for every merge
+    wrapper: (per-tensor fp8, the scales' (stride_t, stride_g), their overlap checks); `reads` are the tensors the
+    merge reads (and the output LSE), which the scales must not overlap."""
+    if output_block_scale is not None:
+        if output_group_scale is not None:
+            raise ValueError("output_group_scale (per-group FP8) and output_block_scale (NVFP4) exclude each other")
+        return (False, *check_nvfp4(output, like, output_scale, output_block_scale, scale_layout, group_size,
+                                    scale_ue8m0, shape=shape, reads=reads))
+    if scale_layout != "row":
+        raise ValueError(f"scale_layout goes with output_block_scale (NVFP4); got scale_layout={scale_layout!r}")
     group = group_size is not None
     if not group and (output_group_scale is not None or scale_ue8m0):
         raise ValueError("output_group_scale and scale_ue8m0 go with group_size (per-group FP8); got group_size=None")

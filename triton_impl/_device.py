@@ -26,6 +26,9 @@ FP8_MAX = tl.constexpr(constants.FP8_E4M3_MAX)
 GROUP_EPS = tl.constexpr(constants.GROUP_EPS)
 UE8M0_ROUND_UP = tl.constexpr(constants.UE8M0_ROUND_UP)
 UE8M0_EXPONENT = tl.constexpr(constants.UE8M0_EXPONENT)
+FP4_MAX = tl.constexpr(constants.FP4_E2M1_MAX)
+FP4_INV_MAX = tl.constexpr(1 / constants.FP4_E2M1_MAX)  # f32(1/6), as the reference's
+NVFP4_BLOCK = tl.constexpr(constants.NVFP4_BLOCK)
 
 
 @triton.jit
@@ -181,6 +184,51 @@ def _store_group_fp8(out_ptr, out_ptrs, out, last, copy_t, gs_ptr, t64, h64, str
     g = tl.arange(0, GROUPS)
     g_ptrs = gs_ptr + t64[:, :, None] * stride_gs_t + (h64[:, :, None] * (HEAD_DIM // GROUP_SIZE) + g) * stride_gs_g
     tl.store(g_ptrs, scale, mask=th_mask[:, :, None] & (g < HEAD_DIM // GROUP_SIZE)[None, None, :])
+
+
+@triton.jit
+def _e2m1_code(a):
+    """The e2m1 magnitude code (0..7) of |y| = `a` (docs/spec.md 4.8): the thresholds it passes, ties to even."""
+    return ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
+            + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
+
+
+@triton.jit
+def _store_nvfp4(out_ptr, out, last, copy_t, scale_ptr, bs_ptr, t64, h64, stride_out_t, stride_out_h,
+                 stride_out_d, stride_bs_t, stride_bs_k, th_mask, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SWIZZLED: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """The merged f32 tile `out` quantized to NVFP4 (docs/spec.md 4.8) with the f32 global scale at `scale_ptr`: two
+    e2m1 codes a byte to `out_ptr` u8[T, H, D / 2], the e4m3 block scales to `bs_ptr` [T, H * D / 16] through
+    (stride_bs_t, stride_bs_k), or at their offsets in the 128x4-swizzled layout; pass-through tokens take `last` as
+    f32 (4.4), quantized like any other row."""
+    out = tl.where(copy_t[:, None, None], last.to(tl.float32), out)
+    g = tl.load(scale_ptr)
+    BLOCKS: tl.constexpr = BLOCK_D // NVFP4_BLOCK
+    x = tl.reshape(out, (BLOCK_T, BLOCK_H, BLOCKS, NVFP4_BLOCK))
+    amax = tl.max(tl.where(x == x, tl.abs(x), 0.0), axis=3)  # NaN left out of the maximum
+    s = (amax * FP4_INV_MAX) * g
+    s8 = _cast_rne(tl.where(s > FP8_MAX, FP8_MAX, s), bs_ptr.dtype.element_ty, INTERPRET)
+    sf = s8.to(tl.float32)
+    inv = tl.where(sf == 0.0, 0.0, 1.0 / tl.where(sf == 0.0, 1.0, sf * (1.0 / g)))
+    y = x * inv[:, :, :, None]
+    y = tl.where(y < -FP4_MAX, -FP4_MAX, y)  # comparisons, not min/max: NaN stays NaN
+    y = tl.where(y > FP4_MAX, FP4_MAX, y)
+    sign = (y.to(tl.uint32, bitcast=True) >> 31).to(tl.int32)
+    codes = tl.reshape(_e2m1_code(tl.abs(y)) | (sign << 3), (BLOCK_T, BLOCK_H, BLOCK_D // 2, 2))
+    lo, hi = tl.split(codes)
+    j = tl.arange(0, BLOCK_D // 2)
+    tl.store(out_ptr + t64[:, :, None] * stride_out_t + h64[:, :, None] * stride_out_h + j * stride_out_d,
+             (lo | (hi << 4)).to(tl.uint8), mask=th_mask[:, :, None] & (j < HEAD_DIM // 2)[None, None, :])
+    k = h64[:, :, None] * (HEAD_DIM // NVFP4_BLOCK) + tl.arange(0, BLOCKS)  # the block's scale column
+    if SWIZZLED:  # scale (t, k) at ((t // 128) * (K_pad / 4) + k // 4) * 512 + (t % 32) * 16 + ((t % 128) // 32) * 4 + k % 4
+        K_TILES: tl.constexpr = (NUM_HEADS * HEAD_DIM // NVFP4_BLOCK + 3) // 4
+        t3 = t64[:, :, None]
+        offsets = ((t3 // 128) * K_TILES + k // 4) * 512 + (t3 % 32) * 16 + ((t3 % 128) // 32) * 4 + k % 4
+    else:
+        offsets = t64[:, :, None] * stride_bs_t + k * stride_bs_k
+    tl.store(bs_ptr + offsets, s8,
+             mask=th_mask[:, :, None] & (tl.arange(0, BLOCKS) < HEAD_DIM // NVFP4_BLOCK)[None, None, :])
 
 
 @triton.jit

@@ -23,8 +23,8 @@ from triton_impl import _backend
 from triton_impl import _checks as checks
 from triton_impl import _launch as launcher
 from triton_impl import _plans as plans
-from triton_impl._device import (_clean_lse, _exp_base, _merged_lse, _program_tile, _store_group_fp8, _store_output,
-                                 _token_requests)
+from triton_impl._device import (_clean_lse, _exp_base, _merged_lse, _program_tile, _store_group_fp8, _store_nvfp4,
+                                 _store_output, _token_requests)
 
 
 @triton.jit
@@ -53,8 +53,8 @@ def _merge_attn_states_kernel(
     prefix_lse_ptr,  # f32[H, T] via (stride_plse_h, stride_plse_t)
     suffix_ptr,  # dtype[T, H, D] via (stride_s_t, stride_s_h, stride_s_d)
     suffix_lse_ptr,  # f32[H, T] via (stride_slse_h, stride_slse_t)
-    scale_ptr,  # f32[1] output scale; unused unless FP8_OUT
-    gs_ptr,  # f32[T, H * D / G] per-group scales via (stride_gs_t, stride_gs_g); unused unless GROUP_SIZE
+    scale_ptr,  # f32[1] output scale (NVFP4: the global scale); unused unless FP8_OUT or NVFP4
+    gs_ptr,  # per-group f32 scales or NVFP4's e4m3 block scales [T, H * D / G] via (stride_gs_t, stride_gs_g)
     qsl_ptr,  # i32[R+1] query_start_loc; unused unless FUSED_MASK
     cu_ptr,  # i32[R+1] the prefix chunk's cu_seq_lens; unused unless FUSED_MASK
     stride_out_t, stride_out_h, stride_out_d,
@@ -71,7 +71,8 @@ def _merge_attn_states_kernel(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     SCAN: tl.constexpr, N_INTERPRET: tl.constexpr,
     LSE_BASE2: tl.constexpr, OUTPUT_LSE: tl.constexpr, FUSED_MASK: tl.constexpr, FP8_OUT: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, UE8M0: tl.constexpr, INTERPRET: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, UE8M0: tl.constexpr, NVFP4: tl.constexpr, SWIZZLED: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     t, t_mask, th_mask, thd_mask, t64, h64, d64 = _program_tile(num_tokens, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H,
                                                                   BLOCK_D)
@@ -99,7 +100,11 @@ def _merge_attn_states_kernel(
     out = tl.where(both_empty[:, :, None], 0.0, out)
     copy_t = t >= prefill_tokens_with_context  # docs/spec.md 4.4
     out_ptrs = out_ptr + t64[:, :, None] * stride_out_t + h64[:, :, None] * stride_out_h + d64 * stride_out_d
-    if GROUP_SIZE:  # docs/spec.md 4.7
+    if NVFP4:  # docs/spec.md 4.8
+        _store_nvfp4(out_ptr, out, b, copy_t, scale_ptr, gs_ptr, t64, h64, stride_out_t, stride_out_h, stride_out_d,
+                     stride_gs_t, stride_gs_g, th_mask, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H, BLOCK_D, SWIZZLED,
+                     INTERPRET)
+    elif GROUP_SIZE:  # docs/spec.md 4.7
         _store_group_fp8(out_ptr, out_ptrs, out, b, copy_t, gs_ptr, t64, h64, stride_gs_t, stride_gs_g, th_mask,
                          thd_mask, HEAD_DIM, BLOCK_T, BLOCK_H, BLOCK_D, GROUP_SIZE, UE8M0, INTERPRET)
     else:
@@ -113,7 +118,8 @@ def _merge_attn_states_kernel(
 def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None,
                       prefill_tokens_with_context=None, output_scale=None, *, query_start_loc=None,
                       prefix_cu_seq_lens=None, lse_layout="HT", lse_base=math.e, group_size=None,
-                      output_group_scale=None, scale_ue8m0=False, validate=False) -> None:
+                      output_group_scale=None, scale_ue8m0=False, output_block_scale=None, scale_layout="row",
+                      validate=False) -> None:
     """Merge two attention partials by their LSEs (docs/spec.md 4), vLLM's positional signature, in place.
 
     Args:
@@ -138,27 +144,34 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
         [H * D / group_size, T or T padded] viewed as `buf[:, :T].t()` (DeepGEMM's TMA-aligned layout). Written
         in place.
       scale_ue8m0: the per-group scales rounded up to powers of two (DeepGEMM's UE8M0).
+      output_block_scale: NVFP4 output (docs/spec.md 4.8): `output` is u8[T, H, D / 2] (two e2m1 codes a byte, D a
+        power of two from 16), `output_scale` the f32[1] global scale, and the e4m3 block scales are written here:
+        float8_e4m3fn [T, H * D / 16] with any strides, or with scale_layout="swizzled" a contiguous buffer of the
+        FP4 GEMMs' 128x4-swizzled layout (T padded to 128, H * D / 16 to 4; its padding left as it is).
+      scale_layout: "row" or "swizzled", NVFP4's block scales' layout.
       validate: also check offset values and prefill_tokens_with_context (reads offsets: a device sync).
 
     Raises:
       TypeError: a tensor of the wrong dtype.
       ValueError: wrong ranks or shapes, different devices, mismatched offsets, bad options.
-      NotImplementedError: a group size the kernels do not take for this head dim.
+      NotImplementedError: a group size (or NVFP4) the kernels do not take for this head dim.
     """
+    scales = output_group_scale if output_block_scale is None else output_block_scale  # the kernel's one slot
     key, plan = (None, None) if validate else plans.find_plan(
         "merge", (output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse, output_scale,
-                  query_start_loc, prefix_cu_seq_lens, output_group_scale),
-        (lse_layout, lse_base, group_size, scale_ue8m0))
+                  query_start_loc, prefix_cu_seq_lens, output_group_scale, output_block_scale),
+        (lse_layout, lse_base, group_size, scale_ue8m0, scale_layout))
     if plan is not None:  # every metadata check passed for this signature: the per-call ones only
         overlaps, num_tokens, launch = plan
         if not checks.partial_overlap(overlaps, dict(output=output, output_lse=output_lse, prefix_output=prefix_output,
                                                      prefix_lse=prefix_lse, suffix_output=suffix_output,
-                                                     suffix_lse=suffix_lse, output_group_scale=output_group_scale)):
+                                                     suffix_lse=suffix_lse, output_group_scale=output_group_scale,
+                                                     output_block_scale=output_block_scale)):
             prefill_tokens = num_tokens if prefill_tokens_with_context is None else checks.check_prefill_tokens(
                 prefill_tokens_with_context, num_tokens, False)
             if launch is not None:
                 _launch(launch, output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale,
-                        query_start_loc, prefix_cu_seq_lens, prefill_tokens, lse_layout, output_group_scale)
+                        query_start_loc, prefix_cu_seq_lens, prefill_tokens, lse_layout, scales)
             return
         # an overlap: the checked path below raises its error
 
@@ -174,7 +187,8 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
     fp8, gs_strides, gs_overlaps = checks.check_outputs(
         output, prefix_output, output_scale, group_size, output_group_scale, scale_ue8m0,
         reads=dict(prefix_output=prefix_output, suffix_output=suffix_output, prefix_lse=prefix_lse,
-                   suffix_lse=suffix_lse, output_lse=output_lse))
+                   suffix_lse=suffix_lse, output_lse=output_lse),
+        output_block_scale=output_block_scale, scale_layout=scale_layout)
     lse_strides = []  # (h, t) strides in the kernel's order: output_lse, prefix_lse, suffix_lse
     for name, x in (("output_lse", output_lse), ("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse)):
         if x is None:
@@ -211,6 +225,7 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
                             SCAN=tiles.SCAN, N_INTERPRET=_backend.n_interpret(num_requests + 1), LSE_BASE2=base2,
                             OUTPUT_LSE=output_lse is not None, FUSED_MASK=fused, FP8_OUT=fp8,
                             GROUP_SIZE=group_size or 0, UE8M0=bool(scale_ue8m0),
+                            NVFP4=output_block_scale is not None, SWIZZLED=scale_layout == "swizzled",
                             INTERPRET=_backend.interpreting(), num_warps=tiles.merge_num_warps("triton", variant),
                             **_backend.PARITY_LAUNCH),
             state=launcher.launch_state(key))
@@ -218,7 +233,7 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
                                    launch=launch))
     if launch is not None:
         _launch(launch, output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale,
-                query_start_loc, prefix_cu_seq_lens, prefill_tokens, lse_layout, output_group_scale)
+                query_start_loc, prefix_cu_seq_lens, prefill_tokens, lse_layout, scales)
 
 
 def _launch(launch, output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale,

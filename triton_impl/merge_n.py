@@ -39,7 +39,7 @@ from triton_impl import _checks as checks
 from triton_impl import _launch as launcher
 from triton_impl import _plans as plans
 from triton_impl._device import (_copied_lse, _max_and_sum, _merged_lse, _partial_exp, _program_tile,
-                                 _store_group_fp8, _store_output, _token_requests, _weighted)
+                                 _store_group_fp8, _store_nvfp4, _store_output, _token_requests, _weighted)
 
 
 @triton.jit
@@ -129,11 +129,11 @@ def _merge_attn_states_n_kernel(
     out_lse_ptr,  # f32[H, T] via (stride_olse_h, stride_olse_t); unused unless OUTPUT_LSE
     outs_ptr,  # dtype[N, T, H, D] via (stride_o_n, stride_o_t, stride_o_h, stride_o_d)
     lses_ptr,  # f32[N, H, T] via (stride_lse_n, stride_lse_h, stride_lse_t)
-    scale_ptr,  # f32[1] output scale; unused unless FP8_OUT
+    scale_ptr,  # f32[1] output scale (NVFP4: the global scale); unused unless FP8_OUT or NVFP4
     qsl_ptr,  # i32[R+1] query_start_loc; unused unless FUSED_MASK
     cu_ptr,  # i32[N, R+1] each partial's KV offsets via (stride_cu_n, 1); unused unless FUSED_MASK
     wlse_ptr,  # f32[2 (+ N), H, T] ([.., T, H]): the first kernel's m, z (, e_i); unused unless GIVEN_MZ
-    gs_ptr,  # f32[T, H * D / G] per-group scales via (stride_gs_t, stride_gs_g); unused unless GROUP_SIZE
+    gs_ptr,  # per-group f32 scales or NVFP4's e4m3 block scales [T, H * D / G] via (stride_gs_t, stride_gs_g)
     stride_out_t, stride_out_h, stride_out_d,
     stride_o_n, stride_o_t, stride_o_h, stride_o_d,
     stride_olse_h, stride_olse_t,
@@ -151,7 +151,7 @@ def _merge_attn_states_n_kernel(
     INTERPRET: tl.constexpr, LSE_STEPS: tl.constexpr, OUT_STEPS: tl.constexpr, EXP_STEP: tl.constexpr,
     OUT_STEP: tl.constexpr, MAX_CHUNKS: tl.constexpr, MAX_CHUNK: tl.constexpr, OUT_EVICT: tl.constexpr,
     GIVEN_MZ: tl.constexpr, GIVEN_W: tl.constexpr, OUT_STAGES: tl.constexpr, EARLY_OUTPUTS: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, UE8M0: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, UE8M0: tl.constexpr, NVFP4: tl.constexpr, SWIZZLED: tl.constexpr,
 ):
     t, t_mask, th_mask, thd_mask, t64, h64, d64 = _program_tile(num_tokens, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H,
                                                                   BLOCK_D)
@@ -213,7 +213,11 @@ def _merge_attn_states_n_kernel(
     out = tl.where(all_empty[:, :, None], 0.0, out)
     copy_t = t >= prefill_tokens_with_context  # 8.4
     out_ptrs = out_ptr + t64[:, :, None] * stride_out_t + h64[:, :, None] * stride_out_h + d64 * stride_out_d
-    if GROUP_SIZE:  # docs/spec.md 4.7
+    if NVFP4:  # docs/spec.md 4.8
+        _store_nvfp4(out_ptr, out, b, copy_t, scale_ptr, gs_ptr, t64, h64, stride_out_t, stride_out_h, stride_out_d,
+                     stride_gs_t, stride_gs_g, th_mask, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H, BLOCK_D, SWIZZLED,
+                     INTERPRET)
+    elif GROUP_SIZE:  # docs/spec.md 4.7
         _store_group_fp8(out_ptr, out_ptrs, out, b, copy_t, gs_ptr, t64, h64, stride_gs_t, stride_gs_g, th_mask,
                          thd_mask, HEAD_DIM, BLOCK_T, BLOCK_H, BLOCK_D, GROUP_SIZE, UE8M0, INTERPRET)
     else:
@@ -232,7 +236,7 @@ EMPTY = "empty"  # the launch plan of N = 0: no kernel, output 0 and LSE -inf (d
 def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_with_context=None,
                         output_scale=None, *, query_start_loc=None, cu_seq_lens=None, lse_layout="HT",
                         lse_base=math.e, group_size=None, output_group_scale=None, scale_ue8m0=False,
-                        validate=False) -> None:
+                        output_block_scale=None, scale_layout="row", validate=False) -> None:
     """Merge N attention partials by their LSEs (docs/spec.md section 8), in place.
 
     Args:
@@ -254,26 +258,31 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
       lse_base: math.e or 2, for all LSEs.
       group_size, output_group_scale, scale_ue8m0: per-group FP8 output, as for `merge_attn_states`
         (docs/spec.md 4.7); output_group_scale f32[T, H * D / group_size], any strides, written in place.
+      output_block_scale, scale_layout: NVFP4 output, as for `merge_attn_states` (docs/spec.md 4.8): output
+        u8[T, H, D / 2], output_scale the f32[1] global scale (N = 0 zeroes the whole swizzled buffer).
       validate: also check offset values and prefill_tokens_with_context (reads offsets: a device sync).
 
     Raises:
       TypeError: a tensor of the wrong dtype.
       ValueError: wrong ranks or shapes (outputs and lses disagreeing on N, cu_seq_lens not [N, R+1]),
         different devices, an overlapping output, bad options.
-      NotImplementedError: a group size the kernels do not take for this head dim.
+      NotImplementedError: a group size (or NVFP4) the kernels do not take for this head dim.
     """
+    scales = output_group_scale if output_block_scale is None else output_block_scale  # the kernel's one slot
     key, plan = (None, None) if validate else plans.find_plan(
-        "merge_n", (output, outputs, lses, output_lse, output_scale, query_start_loc, cu_seq_lens, output_group_scale),
-        (lse_layout, lse_base, group_size, scale_ue8m0))
+        "merge_n", (output, outputs, lses, output_lse, output_scale, query_start_loc, cu_seq_lens, output_group_scale,
+                    output_block_scale),
+        (lse_layout, lse_base, group_size, scale_ue8m0, scale_layout))
     if plan is not None:  # every metadata check passed for this signature: the per-call ones only
         overlaps, num_tokens, launch = plan
         if not checks.partial_overlap(overlaps, dict(output=output, output_lse=output_lse, outputs=outputs, lses=lses,
-                                                     output_group_scale=output_group_scale)):
+                                                     output_group_scale=output_group_scale,
+                                                     output_block_scale=output_block_scale)):
             prefill_tokens = num_tokens if prefill_tokens_with_context is None else checks.check_prefill_tokens(
                 prefill_tokens_with_context, num_tokens, False)
             if launch is not None:
                 _launch(launch, output, output_lse, outputs, lses, output_scale, query_start_loc, cu_seq_lens,
-                        prefill_tokens, lse_layout, output_group_scale)
+                        prefill_tokens, lse_layout, scales)
             return
         # an overlap: the checked path below raises its error
 
@@ -282,10 +291,11 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
     checks.check_tensor("outputs", outputs, ndim=4, dtypes=checks.OUTPUT_DTYPES)
     device = outputs.device
     num_partials, num_tokens, num_heads, head_dim = outputs.shape
-    group = group_size is not None
+    group = group_size is not None or output_block_scale is not None
     fp8, gs_strides, gs_overlaps = checks.check_outputs(
         output, outputs, output_scale, group_size, output_group_scale, scale_ue8m0,
-        reads=dict(outputs=outputs, lses=lses, output_lse=output_lse))
+        reads=dict(outputs=outputs, lses=lses, output_lse=output_lse), output_block_scale=output_block_scale,
+        scale_layout=scale_layout)
     checks.check_tensor("lses", lses, ndim=3, dtypes=(torch.float32,), device=device)
     stride_lse_n, stride_lse_h, stride_lse_t = checks.lses_strides(lses, lse_layout, num_partials, num_heads,
                                                                    num_tokens)
@@ -316,7 +326,9 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
         checks.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
     launch = None
     if num_partials == 0:  # 8.2: no partial, every row empty (pass-through rows too: there is no last partial)
-        launch = (EMPTY, checks.group_floor_scale(scale_ue8m0)) if group else EMPTY
+        # 4.7: q = 0 and the floor's scale; 4.8: codes 0 and scales 0
+        floor = 0.0 if output_block_scale is not None else group and checks.group_floor_scale(scale_ue8m0)
+        launch = (EMPTY, floor) if group else EMPTY
     elif num_tokens and num_heads:
         variant = tiles.merge_variant(output_lse is not None, fused)
         itemsize = outputs.element_size()
@@ -356,6 +368,7 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
                             OUT_EVICT=tiles.outputs_evict("triton", num_partials), GIVEN_MZ=split, GIVEN_W=weights,
                             EARLY_OUTPUTS=tiles.early_outputs("triton", variant, num_partials),
                             GROUP_SIZE=group_size or 0, UE8M0=bool(scale_ue8m0),
+                            NVFP4=output_block_scale is not None, SWIZZLED=scale_layout == "swizzled",
                             num_warps=tiles.merge_num_warps("triton", variant, num_partials, lse_layout),
                             **_backend.PARITY_LAUNCH),
             state=launcher.launch_state(key)))
@@ -365,7 +378,7 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
                                        launch=launch))
     if launch is not None:
         _launch(launch, output, output_lse, outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens,
-                lse_layout, output_group_scale)
+                lse_layout, scales)
 
 
 def _launch(launch, output, output_lse, outputs, lses, output_scale, query_start_loc, cu_seq_lens,
@@ -378,7 +391,7 @@ def _launch(launch, output, output_lse, outputs, lses, output_scale, query_start
         output.zero_()
         if output_lse is not None:
             output_lse.fill_(float("-inf"))
-        if output_group_scale is not None:  # 4.7: q = 0 and the floor's scale
+        if output_group_scale is not None:  # 4.7: q = 0 and the floor's scale; 4.8: scales 0
             output_group_scale.fill_(launch[1])
         return
     first, (grid, fused, ints, num_requests, constexprs, state) = launch

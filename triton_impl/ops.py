@@ -31,13 +31,14 @@ SCHEMAS = {
         "Tensor(b!)? output_lse=None, int? prefill_tokens_with_context=None, Tensor? output_scale=None, *, "
         f"Tensor? query_start_loc=None, Tensor? prefix_cu_seq_lens=None, str lse_layout=\"HT\", float lse_base={_E}, "
         "int? group_size=None, Tensor(c!)? output_group_scale=None, bool scale_ue8m0=False, "
-        "bool validate=False) -> ()"),
+        "Tensor(d!)? output_block_scale=None, str scale_layout=\"row\", bool validate=False) -> ()"),
     "merge_attn_states_n": (
         merge_attn_states_n,
         "(Tensor(a!) output, Tensor outputs, Tensor lses, Tensor(b!)? output_lse=None, "
         "int? prefill_tokens_with_context=None, Tensor? output_scale=None, *, Tensor? query_start_loc=None, "
         f"Tensor? cu_seq_lens=None, str lse_layout=\"HT\", float lse_base={_E}, int? group_size=None, "
-        "Tensor(c!)? output_group_scale=None, bool scale_ue8m0=False, bool validate=False) -> ()"),
+        "Tensor(c!)? output_group_scale=None, bool scale_ue8m0=False, Tensor(d!)? output_block_scale=None, "
+        "str scale_layout=\"row\", bool validate=False) -> ()"),
 }
 
 _LIB = torch.library.Library(NAMESPACE, "DEF")
