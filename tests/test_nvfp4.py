@@ -248,3 +248,26 @@ def test_what_takes_no_nvfp4_yet_says_so():
         with pytest.raises(NotImplementedError, match="NVFP4 output"):
             pallas_impl.merge_attn_states(o[0], l[0], o[1], l[1], out_dtype=jnp.float4_e2m1fn, output_scale=
                                           jnp.float32(G), implementation="pallas", backend="mosaic_gpu")
+
+
+def test_fused_equals_merge_then_the_separate_quantizer_kernel():
+    """The fused Triton N-way merge against the Triton merge into f32 followed by the separate NVFP4 quantizer of
+    `python -m tools group-fp8-speed --format nvfp4` (the merges' own store on given rows): bit for bit, under
+    the interpreter as compiled."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tools.group_fp8_speed import _nvfp4_kernel
+    from triton_impl._backend import PARITY_LAUNCH
+
+    outs, lses = _inputs(3, seed=9)
+    got, scales, f32 = _triton(outs, lses, "row")
+    x = torch.from_numpy(f32).to(DEV)
+    q = torch.empty((T, H, D // 2), dtype=torch.uint8, device=DEV)
+    s = torch.empty((T, K), dtype=torch.float8_e4m3fn, device=DEV)
+    with np.errstate(all="ignore"):
+        _nvfp4_kernel[(T,)](x, q, s, torch.tensor([G], device=DEV), T, NUM_HEADS=H, HEAD_DIM=D, BLOCK_T=1,
+                            INTERPRET=not GPU, **PARITY_LAUNCH)
+    np.testing.assert_array_equal(got, q.cpu().numpy())
+    np.testing.assert_array_equal(scales, s.view(torch.uint8).cpu().numpy())

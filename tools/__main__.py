@@ -22,7 +22,7 @@ COMMANDS = {
     "mosaic-cpu": ("mosaic_cpu.sh", "the Mosaic GPU tests on a CPU: jax 0.11 in a Debian trixie root (root, network)"),
     "mosaic-speed": ("mosaic_speed", "the Mosaic GPU kernels beside the Pallas Triton backend's (a GPU)"),
     "mask-floor": ("mask_floor", "the mask's candidates beside `fill_` and upstream's design (a GPU)"),
-    "group-fp8-speed": ("group_fp8_speed", "the merges with per-group FP8 fused beside bf16 and merge + quantizer"),
+    "group-fp8-speed": ("group_fp8_speed", "the merges with per-group FP8 or NVFP4 fused, beside bf16 and unfused"),
     "host-cost": ("host_cost", "per-call host cost of every Triton entry point"),
     "host-cost-jax": ("host_cost_jax", "per-call host cost of the pallas_impl entry points"),
     "sanitize-triton": ("sanitize_triton", "every Triton entry point, for compute-sanitizer"),

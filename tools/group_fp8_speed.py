@@ -1,9 +1,10 @@
-"""GPU time of the merges with per-group FP8 fused (docs/spec.md 4.7) beside the same merge with a bf16 output and
-beside that merge followed by a separate per-token-group quantizer, with the bytes each must move against the copy
+"""GPU time of the merges with per-group FP8 (docs/spec.md 4.7) or NVFP4 (4.8) fused beside the same merge with a
+bf16 output and beside that merge followed by a separate quantizer, with the bytes each must move against the copy
 ceiling of the same run; both frameworks, one process per call of this script.
 
     python -m tools group-fp8-speed [--json OUT.json] [--tokens 2048 32768 131072] [--heads 16 128]
                                     [--partials 2 4 8] [--frameworks triton pallas] [--group-size 128]
+                                    [--format fp8|nvfp4]
     TRITON_INTERPRET=1 python -m tools group-fp8-speed --smoke     # the plumbing on a CPU: tiny shapes, no timing
 
 Per point (T tokens, H heads, D = 128, N bf16 partials with f32 [H, T] LSEs, no output LSE): N = 2 runs the 2-way
@@ -13,6 +14,9 @@ merge, N > 2 the N-way merge.
   the scales;
 - `unfused`: the bf16 merge, then a separate quantizer reading its output (Triton: `_quant_kernel` below, vLLM's
   per_token_group_quant_fp8 re-expressed from its documented algorithm; JAX: the same jnp operations, jitted).
+With --format nvfp4, `fused` writes two e2m1 codes a byte and an e4m3 scale per 16 elements (row-major), and
+`unfused` quantizes with `_nvfp4_kernel` below (the kernels' own store, `triton_impl._device._store_nvfp4`, on
+the bf16 rows) or the jnp quantizer, jitted.
 GPU time p50 (Triton: CUDA-graph replay; JAX: profiler kernel time), and for `fused` its bytes / time as a share of
 the two-read-one-write ceiling (`torch.add`) of the run; the fused merge wants 95% of it and to beat `unfused`.
 """
@@ -30,7 +34,7 @@ import triton.language as tl
 
 from mla_lse_common import constants
 from triton_impl._backend import interpreting
-from triton_impl._device import _cast_rne
+from triton_impl._device import _cast_rne, _store_nvfp4
 
 SMOKE = dict(tokens=[64], heads=[2], partials=[2, 3], head_dim=64, group_size=64)
 FP8_MAX = tl.constexpr(constants.FP8_E4M3_MAX)
@@ -58,6 +62,76 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, num_groups, GROUP: tl.constexpr, BLOCK: t
     q = tl.where(q > FP8_MAX, FP8_MAX, q)
     tl.store(q_ptr + offs, _cast_rne(q, q_ptr.dtype.element_ty, INTERPRET), mask=mask)
     tl.store(s_ptr + g, scale, mask=g < num_groups)
+
+
+@triton.jit
+def _nvfp4_kernel(x_ptr, q_ptr, s_ptr, g_ptr, num_tokens, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr = False):
+    """The separate NVFP4 quantizer: BLOCK_T tokens' rows [H, D] per program, through the merges' own store."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.arange(0, NUM_HEADS)
+    d = tl.arange(0, HEAD_DIM)
+    t64, h64 = t[:, None].to(tl.int64), h[None, :].to(tl.int64)
+    th_mask = (t < num_tokens)[:, None] & (h < NUM_HEADS)[None, :]
+    x = tl.load(x_ptr + (t64[:, :, None] * NUM_HEADS + h64[:, :, None]) * HEAD_DIM + d, mask=th_mask[:, :, None],
+                other=0.0).to(tl.float32)
+    _store_nvfp4(q_ptr, x, x, t < 0, g_ptr, s_ptr, t64, h64, NUM_HEADS * HEAD_DIM // 2, HEAD_DIM // 2, 1,
+                 NUM_HEADS * HEAD_DIM // 16, 1, th_mask, NUM_HEADS, HEAD_DIM, BLOCK_T, NUM_HEADS, HEAD_DIM, False,
+                 INTERPRET)
+
+
+def _torch_nvfp4_calls(T, H, D, N, device):
+    import triton_impl
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    outs = torch.randn(N, T, H, D, generator=gen, device=device, dtype=torch.bfloat16)
+    lses = torch.randn(N, H, T, generator=gen, device=device).mul_(3.0).add_(4.0)
+    bf16 = torch.empty(T, H, D, dtype=torch.bfloat16, device=device)
+    q = torch.empty(T, H, D // 2, dtype=torch.uint8, device=device)
+    scales = torch.empty(T, H * D // 16, dtype=torch.float8_e4m3fn, device=device)
+    g = torch.full((1,), 448 * 6 / 8.0, device=device)
+    block_t = 1
+
+    def merge(out, **kw):
+        if N == 2:
+            triton_impl.merge_attn_states(out, outs[0], lses[0], outs[1], lses[1], **kw)
+        else:
+            triton_impl.merge_attn_states_n(out, outs, lses, **kw)
+
+    def unfused():
+        merge(bf16)
+        _nvfp4_kernel[(triton.cdiv(T, block_t),)](bf16, q, scales, g, T, NUM_HEADS=H, HEAD_DIM=D, BLOCK_T=block_t,
+                                                  INTERPRET=interpreting(), num_warps=4)
+
+    return {"bf16": lambda: merge(bf16), "fused": lambda: merge(q, output_scale=g, output_block_scale=scales),
+            "unfused": unfused}
+
+
+def _jax_nvfp4_calls(T, H, D, N):
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_impl
+    from pallas_impl import _math
+
+    key = jax.random.PRNGKey(0)
+    outs = jax.random.normal(key, (N, T, H, D), jnp.bfloat16)
+    lses = jax.random.normal(key, (N, H, T), jnp.float32) * 3 + 4
+    g = jnp.float32(448 * 6 / 8.0)
+    kw = dict(return_lse=False, implementation="pallas")
+
+    def merge(**more):
+        if N == 2:
+            return pallas_impl.merge_attn_states(outs[0], lses[0], outs[1], lses[1], **kw, **more)
+        return pallas_impl.merge_attn_states_n(outs, lses, **kw, **more)
+
+    def quant(x):
+        codes, scales = _math.nvfp4_quant(x.astype(jnp.float32), g)
+        return _math.pack_fp4(codes), scales.reshape(T, -1)
+
+    quant = jax.jit(quant)
+    return {"bf16": lambda: merge(), "fused": lambda: merge(out_dtype=jnp.float4_e2m1fn, output_scale=g),
+            "unfused": lambda: quant(merge())}
 
 
 def _torch_calls(T, H, D, N, G, device):
@@ -109,13 +183,15 @@ def _jax_calls(T, H, D, N, G):
     return {"bf16": lambda: merge(), "fused": lambda: merge(group_size=G), "unfused": lambda: quant(merge())}
 
 
-def _bytes(T, H, D, N, G, variant):
+def _bytes(T, H, D, N, G, variant, fmt="fp8"):
     reads = N * T * H * (D * 2 + 4)
+    # the quantized row and its scales: fp8 bytes and f32 scales per G, or half a byte and an e4m3 scale per 16
+    quantized = T * H * D + T * H * D // G * 4 if fmt == "fp8" else T * H * D // 2 + T * H * D // 16
     if variant == "bf16":
         return reads + T * H * D * 2
     if variant == "fused":
-        return reads + T * H * D + T * H * D // G * 4
-    return reads + T * H * D * 2 + T * H * D * 2 + T * H * D + T * H * D // G * 4
+        return reads + quantized
+    return reads + T * H * D * 2 + T * H * D * 2 + quantized
 
 
 def main(argv=None) -> int:
@@ -125,6 +201,7 @@ def main(argv=None) -> int:
     p.add_argument("--partials", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--frameworks", nargs="+", default=["triton", "pallas"], choices=["triton", "pallas"])
     p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--format", default="fp8", choices=["fp8", "nvfp4"], help="per-group FP8 or NVFP4 output")
     p.add_argument("--json", help="write the records to this file")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, each call once, no timing (a CPU check)")
     args = p.parse_args(argv)
@@ -144,9 +221,15 @@ def main(argv=None) -> int:
         for T in args.tokens:
             for H in args.heads:
                 for N in args.partials:
-                    calls = (_torch_calls(T, H, D, N, G, "cuda" if on_gpu else "cpu") if fw == "triton"
-                             else _jax_calls(T, H, D, N, G))
-                    row = dict(framework=fw, T=T, H=H, D=D, N=N, group_size=G)
+                    device = "cuda" if on_gpu else "cpu"
+                    if args.format == "nvfp4":
+                        calls = _torch_nvfp4_calls(T, H, D, N, device) if fw == "triton" else _jax_nvfp4_calls(
+                            T, H, D, N)
+                    else:
+                        calls = (_torch_calls(T, H, D, N, G, device) if fw == "triton"
+                                 else _jax_calls(T, H, D, N, G))
+                    row = dict(framework=fw, format=args.format, T=T, H=H, D=D, N=N,
+                               group_size=G if args.format == "fp8" else 16)
                     for variant, call in calls.items():
                         if args.smoke:
                             call()
@@ -159,7 +242,7 @@ def main(argv=None) -> int:
 
                             us = timers.time_jax_gpu(call, lambda: jax.block_until_ready(call()), 20, 3, True)[0][1]
                         row[f"{variant}_us"] = us
-                        row[f"{variant}_pct"] = 100 * _bytes(T, H, D, N, G, variant) / us / 1e6 / ceiling
+                        row[f"{variant}_pct"] = 100 * _bytes(T, H, D, N, G, variant, args.format) / us / 1e6 / ceiling
                     records.append(row)
                     print(json.dumps(row), flush=True)
     if args.json:
