@@ -221,7 +221,8 @@ def _store_nvfp4(out_ptr, out, last, copy_t, scale_ptr, bs_ptr, t64, h64, stride
     tl.store(out_ptr + t64[:, :, None] * stride_out_t + h64[:, :, None] * stride_out_h + j * stride_out_d,
              (lo | (hi << 4)).to(tl.uint8), mask=th_mask[:, :, None] & (j < HEAD_DIM // 2)[None, None, :])
     k = h64[:, :, None] * (HEAD_DIM // NVFP4_BLOCK) + tl.arange(0, BLOCKS)  # the block's scale column
-    if SWIZZLED:  # scale (t, k) at ((t // 128) * (K_pad / 4) + k // 4) * 512 + (t % 32) * 16 + ((t % 128) // 32) * 4 + k % 4
+    if SWIZZLED:  # scale (t, k) at ((t // 128) * (K_pad / 4) + k // 4) * 512 + (t % 32) * 16
+        #                              + ((t % 128) // 32) * 4 + k % 4
         K_TILES: tl.constexpr = (NUM_HEADS * HEAD_DIM // NVFP4_BLOCK + 3) // 4
         t3 = t64[:, :, None]
         offsets = ((t3 // 128) * K_TILES + k // 4) * 512 + (t3 % 32) * 16 + ((t3 % 128) // 32) * 4 + k % 4
