@@ -20,12 +20,25 @@ IMPLEMENTATIONS = ("pallas", "jnp")
 BACKENDS = ("triton", "mosaic_gpu")  # the Pallas GPU backend of implementation="pallas" (resolve_backend)
 BACKEND_ENV = "PALLAS_IMPL_BACKEND"  # the process-wide default of backend=None
 MOSAIC_MIN_JAX = (0, 11)  # Mosaic GPU: Warpgroup lowering by default, plgpu.kernel(out_type=...), its interpreter
+FP8_LOWERING_MIN_JAX = (0, 10, 2)  # the Pallas Triton lowering of jax 0.10.0 cannot cast to float8_e4m3fn
 
 
 @functools.cache
 def has_mosaic_gpu() -> bool:
     """Whether this jax's Mosaic GPU Pallas API is one the `pallas_impl/mosaic` kernels take (jax >= 0.11)."""
     return tuple(int(x) for x in re.findall(r"\d+", jax.__version__)[:2]) >= MOSAIC_MIN_JAX
+
+
+def check_fp8_lowering(quantized: bool, interpret: bool, backend: str) -> None:
+    """An fp8 or NVFP4 output (`quantized`: an fp8 store in the kernel) compiled on the Pallas Triton backend needs a
+    jax whose Triton lowering casts to float8_e4m3fn (0.10.2 does, 0.10.0 does not): a clear error here instead of
+    the lowering's. Interpret mode, the jnp path and Mosaic GPU take it on any jax."""
+    if quantized and not interpret and backend == "triton":
+        version = tuple(int(x) for x in re.findall(r"\d+", jax.__version__)[:3])
+        if version < FP8_LOWERING_MIN_JAX:
+            raise NotImplementedError(f"fp8 and NVFP4 outputs of the Pallas Triton backend need jax >= 0.10.2 (the "
+                                      f"Triton lowering of jax {jax.__version__} cannot cast to float8_e4m3fn); use "
+                                      "implementation='jnp' or a newer jax")
 
 
 def resolve_interpret(interpret: bool | None, backend: str = "triton") -> bool:

@@ -154,6 +154,10 @@ def test_pallas_nvfp4_kernels_lower_for_the_gpu(op):
         args = [S((20, 64, 4, 128), jnp.bfloat16), S((20, 4, 64), jnp.float32), S((), jnp.float32)]
         fn = lambda o, l, g: pallas_impl.merge_attn_states_n(o, l, output_scale=g, **kw)  # noqa: E731
     checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    if tuple(int(x) for x in jax.__version__.split(".")[:3]) < (0, 10, 2):  # every fp8 store: a clear refusal
+        with pytest.raises(NotImplementedError, match="need jax >= 0.10.2"):
+            jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
+        return
     exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
     assert "xla.gpu.triton" in exported.mlir_module()
     assert [a.shape for a in exported.out_avals] == [(64, 4, 64), (4, 64), (128 * 32,)]  # K = 4 * 128 / 16
@@ -271,3 +275,33 @@ def test_fused_equals_merge_then_the_separate_quantizer_kernel():
                             INTERPRET=not GPU, **PARITY_LAUNCH)
     np.testing.assert_array_equal(got, q.cpu().numpy())
     np.testing.assert_array_equal(scales, s.view(torch.uint8).cpu().numpy())
+
+
+@pytest.mark.skipif(GPU, reason="the CPU variant: on a GPU tests/test_triton_host.py compiles the kernels")
+@pytest.mark.parametrize("layout", ["row", "swizzled"])
+def test_triton_nvfp4_traces_fullgraph(monkeypatch, layout):
+    """Under torch.compile(fullgraph=True) the NVFP4 merges' checks and launch arguments trace in one graph (the
+    interpreter's launch is recorded: Dynamo cannot follow it), with the eager launches' arguments."""
+    from triton_impl import _launch
+
+    outs, lses = _inputs(3)
+    o, l = torch.from_numpy(outs), torch.from_numpy(lses)
+    q = torch.zeros((T, H, D // 2), dtype=torch.uint8)
+    scales = torch.zeros((T, K) if layout == "row" else (SWIZZLED_SIZE,), dtype=torch.float8_e4m3fn)
+    g = torch.tensor([G])
+
+    def step(o, l, q, scales, g):
+        triton_impl.merge_attn_states(q, o[0], l[0], o[1], l[1], None, PTWC, g, output_block_scale=scales,
+                                      scale_layout=layout)
+        triton_impl.merge_attn_states_n(q, o, l, None, PTWC, g, output_block_scale=scales, scale_layout=layout)
+        return q * 1
+
+    launches = []
+    monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, constexprs, state: launches.append(
+        (kernel, grid, [a for a in args if not isinstance(a, torch.Tensor)], constexprs)))
+    step(o, l, q, scales, g)
+    eager = list(launches)
+    launches.clear()
+    torch.compile(step, backend="eager", fullgraph=True, dynamic=False)(o, l, q, scales, g)
+    assert len(eager) == 2 and launches == eager and all(c["NVFP4"] for *_, c in eager)
+    assert all(c["SWIZZLED"] == (layout == "swizzled") for *_, c in eager)
