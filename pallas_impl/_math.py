@@ -223,6 +223,10 @@ def swizzle_nvfp4_scales(scales):
     k // 4) * 512 + (t % 32) * 16 + ((t % 128) // 32) * 4 + k % 4: a reshape and a transpose."""
     rows, cols = constants.NVFP4_SWIZZLE
     t, k = scales.shape
+    if any(axis is not None for axis in getattr(jax.typeof(scales).sharding, "spec", ())):
+        # scales sharded over an Explicit mesh (heads): the swizzle interleaves every head's columns, so the
+        # swizzled array is replicated (an all-gather of T * H * D / 16 bytes)
+        scales = jax.sharding.reshard(scales, jax.sharding.PartitionSpec())
     padded = jnp.pad(scales, ((0, -t % rows), (0, -k % cols)))
     tiles_t, tiles_k = padded.shape[0] // rows, padded.shape[1] // cols
     # [t // 128, (t % 128) // 32, t % 32, k // 4, k % 4] -> [t // 128, k // 4, t % 32, (t % 128) // 32, k % 4]

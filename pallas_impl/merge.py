@@ -242,4 +242,4 @@ def _merge_plan(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sca
         (prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale, query_start_loc, prefix_cu_seq_lens,
          prefill_tokens_with_context),
         (1, lse_axis, 1, lse_axis, None, None, None, None),
-        sharding.out_head_axes(return_lse, lse_axis, group), interpret=interpret)
+        sharding.out_head_axes(return_lse, lse_axis, options.get("group")), interpret=interpret)

@@ -335,5 +335,5 @@ def _merge_n_plan(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pre
         fn,
         ("outputs", "lses", "output_scale", "query_start_loc", "cu_seq_lens", "prefill_tokens_with_context"),
         (outputs, lses, output_scale, query_start_loc, cu_seq_lens, prefill_tokens_with_context),
-        (2, lse_axis + 1, None, None, None, None), sharding.out_head_axes(return_lse, lse_axis, group),
-        interpret=interpret)
+        (2, lse_axis + 1, None, None, None, None),
+        sharding.out_head_axes(return_lse, lse_axis, options.get("group")), interpret=interpret)

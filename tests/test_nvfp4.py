@@ -305,3 +305,28 @@ def test_triton_nvfp4_traces_fullgraph(monkeypatch, layout):
     torch.compile(step, backend="eager", fullgraph=True, dynamic=False)(o, l, q, scales, g)
     assert len(eager) == 2 and launches == eager and all(c["NVFP4"] for *_, c in eager)
     assert all(c["SWIZZLED"] == (layout == "swizzled") for *_, c in eager)
+
+
+@pytest.mark.parametrize("layout", ["row", "swizzled"])
+@pytest.mark.parametrize("implementation", ["pallas", "jnp"])
+def test_jax_nvfp4_with_heads_sharded_on_an_explicit_mesh(implementation, layout):
+    """Operands head-sharded on an Explicit mesh (one device here; tests/test_pallas_sharding.py runs four for the
+    other options): the sharded call's results are the unsharded call's bits; the swizzled scales, which
+    interleave every head's columns, come back replicated."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    outs, lses = _inputs(3)
+    o, l = jnp.asarray(outs), jnp.asarray(lses)
+    kw = dict(return_lse=False, implementation=implementation, out_dtype=jnp.float4_e2m1fn,
+              output_scale=jnp.float32(G), scale_layout=layout)
+    want_q, want_s = pallas_impl.merge_attn_states_n(o, l, **kw)
+    mesh = jax.make_mesh((1,), ("heads",), axis_types=(AxisType.Explicit,))
+    with jax.sharding.set_mesh(mesh):
+        o = jax.device_put(o, NamedSharding(mesh, P(None, None, "heads", None)))
+        l = jax.device_put(l, NamedSharding(mesh, P(None, "heads", None)))
+        q, s = pallas_impl.merge_attn_states_n(o, l, **kw)
+    np.testing.assert_array_equal(np.asarray(q), np.asarray(want_q))
+    np.testing.assert_array_equal(np.asarray(s).view(np.uint8), np.asarray(want_s).view(np.uint8))
+    if layout == "swizzled":
+        assert all(axis is None for axis in jax.typeof(s).sharding.spec)
