@@ -99,8 +99,31 @@ def call_plan(fn, names, args, head_axes, out_head_axes, *, interpret: bool):
     mesh, _ = _explicit_head_sharding(names, args, head_axes)
     arrays = [x for x in args if x is not None and hasattr(x, "shape")]
     if mesh is None and not (interpret and any(varying(x) for x in arrays)):
-        return fn
+        return (lambda *xs: _interpreted_call(fn, xs)) if interpret else fn
     return lambda *xs: sharded_call(fn, names, xs, head_axes, out_head_axes, interpret=interpret)
+
+
+def _interpreted_call(fn, args):
+    """`fn(*args)` in interpret mode on unsharded operands. Under `jax.sharding.set_mesh` of an Explicit mesh the
+    Pallas interpreter's discharged stores fail (jax 0.10-0.11: its padded buffers and the stored values get
+    different sharding types), so there the call runs inside a `jax.shard_map` with every operand and result
+    replicated: each device computes the unsharded call, its bits. Decided per call (the operands' types are the
+    same inside and outside the context, so a plan cannot tell); compiled kernels never take this path."""
+    context = jax.sharding.get_abstract_mesh()
+    types = context.axis_types
+    if context.empty or jax.sharding.AxisType.Explicit not in types or jax.sharding.AxisType.Manual in types:
+        return fn(*args)  # no Explicit mesh set, or inside a shard_map already
+    keep = [i for i, x in enumerate(args) if x is not None and hasattr(x, "shape")]
+
+    def local(*xs):
+        full = list(args)
+        for i, x in zip(keep, xs):
+            full[i] = x
+        return fn(*full)
+
+    P = jax.sharding.PartitionSpec
+    return jax.shard_map(local, mesh=context, in_specs=P(), out_specs=P(), check_vma=False)(
+        *[args[i] for i in keep])
 
 
 def _local_call(fn, args, interpret: bool):

@@ -90,3 +90,29 @@ def test_wrapper_jit_cache_is_keyed_by_shape_and_options_only():
         pallas_impl.merge_attn_states_n(kw["outputs"], kw["lses"], prefill_tokens_with_context=ptwc,
                                         implementation="pallas", interpret=True)
     assert pallas_merge_n._merge_n_jit._cache_size() - before <= 1
+
+
+def test_interpreted_call_under_an_explicit_mesh_context_on_unsharded_operands():
+    """Under `jax.sharding.set_mesh` of an Explicit mesh, interpreted kernels on unsharded operands (which the
+    Pallas interpreter's stores reject there) give the bits of the call outside it (`_sharding._interpreted_call`),
+    for the N-way and 2-way merges and the mask."""
+    import numpy as np
+    from jax.sharding import AxisType
+
+    rng = np.random.default_rng(0)
+    o = jnp.asarray((rng.standard_normal((3, 21, 2, 64)) * 3).astype(np.float16))
+    l = jnp.asarray(rng.standard_normal((3, 2, 21)).astype(np.float32))
+    qsl, cu = jnp.array([0, 10, 21], jnp.int32), jnp.array([0, 0, 5], jnp.int32)
+
+    def calls():
+        return (pallas_impl.merge_attn_states_n(o, l, implementation="pallas", interpret=True,
+                                                prefill_tokens_with_context=18)
+                + pallas_impl.merge_attn_states(o[0], l[0], o[1], l[1], implementation="pallas", interpret=True,
+                                                group_size=16)
+                + (pallas_impl.mask_empty_context_lse(l[0], qsl, cu, implementation="pallas", interpret=True),))
+
+    want = calls()
+    with jax.sharding.set_mesh(jax.make_mesh((1,), ("x",), axis_types=(AxisType.Explicit,))):
+        got = calls()
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
