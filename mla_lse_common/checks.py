@@ -121,6 +121,26 @@ def check_group_quant(group_size, scale_ue8m0, head_dim: int) -> int:
     return head_dim // group_size
 
 
+def check_nvfp4_options(group_size, scale_ue8m0, scale_layout, head_dim: int) -> None:
+    """The NVFP4 options both packages check alike (docs/spec.md 4.8): none of per-group FP8's, a block-scale layout
+    of NVFP4_SCALE_LAYOUTS, D a power of two from 16 (a block never straddles two heads)."""
+    if group_size is not None or scale_ue8m0:
+        raise ValueError(f"group_size and scale_ue8m0 are per-group FP8's; NVFP4 output has blocks of "
+                         f"{constants.NVFP4_BLOCK} and e4m3 scales; got group_size={group_size!r}, "
+                         f"scale_ue8m0={scale_ue8m0!r}")
+    if scale_layout not in constants.NVFP4_SCALE_LAYOUTS:
+        raise ValueError(f"scale_layout of NVFP4 block scales must be 'row' or 'swizzled'; got {scale_layout!r}")
+    if head_dim % constants.NVFP4_BLOCK or head_dim & (head_dim - 1):
+        raise NotImplementedError(f"NVFP4 output needs a head dim D that is a power of two from "
+                                  f"{constants.NVFP4_BLOCK} (a block never straddles two heads); got D={head_dim}")
+
+
+def nvfp4_swizzled_size(num_tokens: int, num_blocks: int) -> int:
+    """Scales in the 128x4-swizzled layout of [T, K] block scales: T padded to 128, K to 4 (docs/spec.md 4.8)."""
+    rows, cols = constants.NVFP4_SWIZZLE
+    return -(-num_tokens // rows) * rows * (-(-num_blocks // cols) * cols)
+
+
 def check_scale_layout(scale_layout) -> None:
     """The per-group scales' layout (constants.SCALE_LAYOUTS: row-major, column-major, TMA-aligned column-major)."""
     if scale_layout not in constants.SCALE_LAYOUTS:

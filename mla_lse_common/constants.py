@@ -22,6 +22,7 @@ NVFP4_BLOCK = 16
 FP4_E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True),
                        (5.0, False))
 NVFP4_SWIZZLE = (128, 4)  # the FP4 GEMMs' scale tiles: 128 rows (tokens) x 4 scale columns, 512 bytes each
+NVFP4_SCALE_LAYOUTS = ("row", "swizzled")  # e4m3[T, H * D / 16], or the 128x4-swizzled tiles (flat)
 LSE_LAYOUTS = ("HT", "TH")  # f32[H, T] (vLLM, FA2) or f32[T, H] (FlashInfer, SGLang)
 # The N-way loops over the partials (docs/spec.md 8, "Any N"): unrolled up to N = UNROLLED_PARTIALS (fast code, a
 # short compile); beyond, runtime loops whose partition is a launch knob (`tiles.N_LOOPS`): a compile that does

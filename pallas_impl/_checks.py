@@ -126,20 +126,12 @@ def prefill_tokens_array(prefill_tokens_with_context, num_tokens: int):
 def check_nvfp4(output_scale, group_size, scale_ue8m0, scale_layout, head_dim: int):
     """NVFP4 output (docs/spec.md 4.8: out_dtype float4_e2m1fn): output_scale is the f32 global scale, the block
     scales' layout "row" or "swizzled", D a power of two from 16; returns the `group` option (16, "nvfp4", layout)."""
-    if group_size is not None or scale_ue8m0:
-        raise ValueError("group_size and scale_ue8m0 are per-group FP8's; NVFP4 (out_dtype float4_e2m1fn) has blocks "
-                         f"of {constants.NVFP4_BLOCK} and e4m3 scales; got group_size={group_size!r}, "
-                         f"scale_ue8m0={scale_ue8m0!r}")
-    if scale_layout not in ("row", "swizzled"):
-        raise ValueError(f"scale_layout of NVFP4 block scales must be 'row' or 'swizzled'; got {scale_layout!r}")
+    _shared.check_nvfp4_options(group_size, scale_ue8m0, scale_layout, head_dim)
     if output_scale is None:
         raise ValueError("NVFP4 output (out_dtype float4_e2m1fn) needs output_scale, the f32 global scale")
     if getattr(output_scale, "dtype", None) != jnp.float32 or getattr(output_scale, "size", 0) != 1:
         raise TypeError(f"output_scale (the NVFP4 global scale) must be an f32 scalar or f32[1] array; got "
                         f"{output_scale!r}")
-    if head_dim % constants.NVFP4_BLOCK or head_dim & (head_dim - 1):
-        raise NotImplementedError(f"NVFP4 output needs a head dim D that is a power of two from "
-                                  f"{constants.NVFP4_BLOCK} (a block never straddles two heads); got D={head_dim}")
     return (constants.NVFP4_BLOCK, _math.NVFP4, scale_layout)
 
 

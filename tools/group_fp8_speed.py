@@ -80,23 +80,50 @@ def _nvfp4_kernel(x_ptr, q_ptr, s_ptr, g_ptr, num_tokens, NUM_HEADS: tl.constexp
                  INTERPRET)
 
 
-def _torch_nvfp4_calls(T, H, D, N, device):
+def _torch_merge(T, H, D, N, device):
+    """`merge(out, **options)`: the 2-way merge (N = 2) or the N-way merge of N bf16 partials, into `out`."""
     import triton_impl
 
     gen = torch.Generator(device=device).manual_seed(0)
     outs = torch.randn(N, T, H, D, generator=gen, device=device, dtype=torch.bfloat16)
     lses = torch.randn(N, H, T, generator=gen, device=device).mul_(3.0).add_(4.0)
-    bf16 = torch.empty(T, H, D, dtype=torch.bfloat16, device=device)
-    q = torch.empty(T, H, D // 2, dtype=torch.uint8, device=device)
-    scales = torch.empty(T, H * D // 16, dtype=torch.float8_e4m3fn, device=device)
-    g = torch.full((1,), 448 * 6 / 8.0, device=device)
-    block_t = 1
 
     def merge(out, **kw):
         if N == 2:
             triton_impl.merge_attn_states(out, outs[0], lses[0], outs[1], lses[1], **kw)
         else:
             triton_impl.merge_attn_states_n(out, outs, lses, **kw)
+
+    return merge
+
+
+def _jax_merge(T, H, D, N):
+    """`merge(**options)`: the Pallas 2-way merge (N = 2) or N-way merge of N bf16 partials, without the LSE."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_impl
+
+    key = jax.random.PRNGKey(0)
+    outs = jax.random.normal(key, (N, T, H, D), jnp.bfloat16)
+    lses = jax.random.normal(key, (N, H, T), jnp.float32) * 3 + 4
+    kw = dict(return_lse=False, implementation="pallas")
+
+    def merge(**more):
+        if N == 2:
+            return pallas_impl.merge_attn_states(outs[0], lses[0], outs[1], lses[1], **kw, **more)
+        return pallas_impl.merge_attn_states_n(outs, lses, **kw, **more)
+
+    return merge
+
+
+def _torch_nvfp4_calls(T, H, D, N, device):
+    merge = _torch_merge(T, H, D, N, device)
+    bf16 = torch.empty(T, H, D, dtype=torch.bfloat16, device=device)
+    q = torch.empty(T, H, D // 2, dtype=torch.uint8, device=device)
+    scales = torch.empty(T, H * D // 16, dtype=torch.float8_e4m3fn, device=device)
+    g = torch.full((1,), 448 * 6 / 8.0, device=device)
+    block_t = 1
 
     def unfused():
         merge(bf16)
@@ -111,19 +138,10 @@ def _jax_nvfp4_calls(T, H, D, N):
     import jax
     import jax.numpy as jnp
 
-    import pallas_impl
     from pallas_impl import _math
 
-    key = jax.random.PRNGKey(0)
-    outs = jax.random.normal(key, (N, T, H, D), jnp.bfloat16)
-    lses = jax.random.normal(key, (N, H, T), jnp.float32) * 3 + 4
+    merge = _jax_merge(T, H, D, N)
     g = jnp.float32(448 * 6 / 8.0)
-    kw = dict(return_lse=False, implementation="pallas")
-
-    def merge(**more):
-        if N == 2:
-            return pallas_impl.merge_attn_states(outs[0], lses[0], outs[1], lses[1], **kw, **more)
-        return pallas_impl.merge_attn_states_n(outs, lses, **kw, **more)
 
     def quant(x):
         codes, scales = _math.nvfp4_quant(x.astype(jnp.float32), g)
@@ -135,22 +153,12 @@ def _jax_nvfp4_calls(T, H, D, N):
 
 
 def _torch_calls(T, H, D, N, G, device):
-    import triton_impl
-
-    gen = torch.Generator(device=device).manual_seed(0)
-    outs = torch.randn(N, T, H, D, generator=gen, device=device, dtype=torch.bfloat16)
-    lses = torch.randn(N, H, T, generator=gen, device=device).mul_(3.0).add_(4.0)
+    merge = _torch_merge(T, H, D, N, device)
     bf16 = torch.empty(T, H, D, dtype=torch.bfloat16, device=device)
     fp8 = torch.empty(T, H, D, dtype=torch.float8_e4m3fn, device=device)
     scales = torch.empty(T, H * D // G, dtype=torch.float32, device=device)
     groups = T * H * D // G
     block = 8
-
-    def merge(out, **kw):
-        if N == 2:
-            triton_impl.merge_attn_states(out, outs[0], lses[0], outs[1], lses[1], **kw)
-        else:
-            triton_impl.merge_attn_states_n(out, outs, lses, **kw)
 
     def unfused():
         merge(bf16)
@@ -165,19 +173,9 @@ def _jax_calls(T, H, D, N, G):
     import jax
     import jax.numpy as jnp
 
-    import pallas_impl
     from pallas_impl import _math
 
-    key = jax.random.PRNGKey(0)
-    outs = jax.random.normal(key, (N, T, H, D), jnp.bfloat16)
-    lses = jax.random.normal(key, (N, H, T), jnp.float32) * 3 + 4
-    kw = dict(return_lse=False, implementation="pallas")
-
-    def merge(**more):
-        if N == 2:
-            return pallas_impl.merge_attn_states(outs[0], lses[0], outs[1], lses[1], **kw, **more)
-        return pallas_impl.merge_attn_states_n(outs, lses, **kw, **more)
-
+    merge = _jax_merge(T, H, D, N)
     quant = jax.jit(lambda x: tuple(a.astype(t) for a, t in zip(
         _math.group_quant(x.astype(jnp.float32).reshape(T, -1), G, False), (jnp.float8_e4m3fn, jnp.float32))))
     return {"bf16": lambda: merge(), "fused": lambda: merge(group_size=G), "unfused": lambda: quant(merge())}

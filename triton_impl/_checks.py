@@ -214,15 +214,7 @@ def check_nvfp4(output, like: torch.Tensor, output_scale, output_block_scale, sc
     untouched); returns ((stride_t, stride_k), the per-signature overlap checks)."""
     device = like.device
     num_tokens, num_heads, head_dim = tuple(like.shape[-3:]) if shape is None else tuple(shape)
-    if group_size is not None or scale_ue8m0:
-        raise ValueError("group_size and scale_ue8m0 are per-group FP8's; NVFP4 output (output_block_scale given) "
-                         f"has blocks of {constants.NVFP4_BLOCK} and e4m3 scales; got group_size={group_size!r}, "
-                         f"scale_ue8m0={scale_ue8m0!r}")
-    if scale_layout not in ("row", "swizzled"):
-        raise ValueError(f"scale_layout of NVFP4 block scales must be 'row' or 'swizzled'; got {scale_layout!r}")
-    if head_dim % constants.NVFP4_BLOCK or head_dim & (head_dim - 1):
-        raise NotImplementedError(f"NVFP4 output needs a head dim D that is a power of two from "
-                                  f"{constants.NVFP4_BLOCK} (a block never straddles two heads); got D={head_dim}")
+    _shared.check_nvfp4_options(group_size, scale_ue8m0, scale_layout, head_dim)
     check_tensor("output", output, ndim=3, dtypes=(torch.uint8,), device=device)
     want = (num_tokens, num_heads, head_dim // 2)
     if tuple(output.shape) != want:
@@ -244,11 +236,10 @@ def check_nvfp4(output, like: torch.Tensor, output_scale, output_block_scale, sc
         check_no_internal_overlap("output_block_scale", output_block_scale)
         strides = tuple(output_block_scale.stride())
     else:
-        rows, cols = constants.NVFP4_SWIZZLE
-        size = -(-num_tokens // rows) * rows * (-(-blocks // cols) * cols)
+        size = _shared.nvfp4_swizzled_size(num_tokens, blocks)
         if output_block_scale.numel() != size or not output_block_scale.is_contiguous():
             raise ValueError(f"output_block_scale of the swizzled layout must be a contiguous buffer of {size} scales "
-                             f"(T padded to {rows}, H * D / 16 to {cols}); got shape="
+                             f"(T padded to 128, H * D / 16 to 4); got shape="
                              f"{tuple(output_block_scale.shape)}, contiguous={output_block_scale.is_contiguous()}")
         strides = (0, 0)
     overlaps = check_no_partial_overlap("output_block_scale", output_block_scale, output=output,

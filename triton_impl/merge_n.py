@@ -326,9 +326,9 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
         checks.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
     launch = None
     if num_partials == 0:  # 8.2: no partial, every row empty (pass-through rows too: there is no last partial)
-        # 4.7: q = 0 and the floor's scale; 4.8: codes 0 and scales 0
-        floor = 0.0 if output_block_scale is not None else group and checks.group_floor_scale(scale_ue8m0)
-        launch = (EMPTY, floor) if group else EMPTY
+        launch = EMPTY
+        if group:  # 4.7: q = 0 and the floor's scale; 4.8: codes 0 and scales 0
+            launch = (EMPTY, 0.0 if output_block_scale is not None else checks.group_floor_scale(scale_ue8m0))
     elif num_tokens and num_heads:
         variant = tiles.merge_variant(output_lse is not None, fused)
         itemsize = outputs.element_size()

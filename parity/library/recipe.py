@@ -61,13 +61,25 @@ def triton_launch(**launch) -> dict:
     return {**launch, **TRITON_LAUNCH}
 
 
+def merge_xla_flags(existing: str, flags) -> str:
+    """The XLA_FLAGS string `existing` with each of `flags` added unless a flag of its name is set there already."""
+    have = {f.split("=", 1)[0] for f in existing.split()}
+    return " ".join([*existing.split(), *(f for f in flags if f.split("=", 1)[0] not in have)])
+
+
+def jax_backend_started() -> bool:
+    """Whether JAX has started a backend in this process (it has read XLA_FLAGS then, once)."""
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge
+
+    return bool(getattr(xla_bridge, "_backends", None))
+
+
 def xla_flags(existing: str | None = None) -> str:
     """`existing` (default: $XLA_FLAGS) with the recipe's `XLA_FLAGS` added; a flag already set there is kept
     as it is (check with `xla_flag_conflicts`)."""
-    existing = os.environ.get("XLA_FLAGS", "") if existing is None else existing
-    have = {f.split("=", 1)[0] for f in existing.split()}
-    extra = [f for f in XLA_FLAGS if f.split("=", 1)[0] not in have]
-    return " ".join([*existing.split(), *extra])
+    return merge_xla_flags(os.environ.get("XLA_FLAGS", "") if existing is None else existing, XLA_FLAGS)
 
 
 def xla_flag_conflicts(existing: str | None = None) -> list[str]:
@@ -84,15 +96,12 @@ def xla_flag_conflicts(existing: str | None = None) -> list[str]:
 
 def apply_xla_flags() -> str:
     """Adds the recipe to $XLA_FLAGS. XLA reads it when JAX starts its first backend: call this before."""
-    if "jax" in sys.modules:
-        from jax._src import xla_bridge
-
-        if getattr(xla_bridge, "_backends", None):
-            raise RuntimeError("JAX has started a backend already; XLA_FLAGS is read once: call apply_xla_flags() "
-                               "before the first JAX computation (or set XLA_FLAGS in the environment)")
+    if jax_backend_started():
+        raise RuntimeError("JAX has started a backend already; XLA_FLAGS is read once: call apply_xla_flags() "
+                           "before the first JAX computation (or set XLA_FLAGS in the environment)")
     os.environ["XLA_FLAGS"] = xla_flags()
     return os.environ["XLA_FLAGS"]
 
 
-__all__ = ["MATH", "MOSAIC_GPU", "TRITON_LAUNCH", "XLA_FLAGS", "apply_xla_flags", "triton_launch", "xla_flags",
-           "xla_flag_conflicts"]
+__all__ = ["MATH", "MOSAIC_GPU", "TRITON_LAUNCH", "XLA_FLAGS", "apply_xla_flags", "jax_backend_started",
+           "merge_xla_flags", "triton_launch", "xla_flags", "xla_flag_conflicts"]

@@ -7,6 +7,9 @@ import os
 import re
 import sys
 
+from parity.library import recipe
+
+
 def cpu_compile_flags() -> tuple[str, ...]:
     """XLA:CPU settings of the CPU run mode, for the installed jaxlib (none without one). Without a GPU every
     interpreted Pallas kernel and jnp program is compiled once per shape and run once or a few times on small
@@ -28,18 +31,8 @@ def cpu_compile_flags() -> tuple[str, ...]:
 def add_xla_flags(*flags: str) -> str:
     """Adds `flags` to $XLA_FLAGS, each unless a flag of the same name is set there already (the user's wins); returns
     the new value. XLA reads it when JAX starts its first backend: call this before the first JAX computation."""
-    existing = os.environ.get("XLA_FLAGS", "").split()
-    have = {f.split("=", 1)[0] for f in existing}
-    os.environ["XLA_FLAGS"] = " ".join([*existing, *(f for f in flags if f.split("=", 1)[0] not in have)])
+    os.environ["XLA_FLAGS"] = recipe.merge_xla_flags(os.environ.get("XLA_FLAGS", ""), flags)
     return os.environ["XLA_FLAGS"]
-
-
-def _jax_backend_started() -> bool:
-    if "jax" not in sys.modules:
-        return False
-    from jax._src import xla_bridge
-
-    return bool(getattr(xla_bridge, "_backends", None))
 
 
 def configure() -> bool:
@@ -62,7 +55,7 @@ def configure() -> bool:
                                "run on the CPU in this process")
         os.environ["TRITON_INTERPRET"] = "1"
         patch_triton_language_once_per_launch()
-        if not _jax_backend_started():
+        if not recipe.jax_backend_started():
             add_xla_flags(*cpu_compile_flags())
     return has_cuda
 
