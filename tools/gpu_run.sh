@@ -22,8 +22,9 @@
 #                 VERIFY_MOSAIC=1 on Mosaic GPU too), the N-way merge at large N (wide-n speed; with
 #                 VERIFY_KERNELS=1 each kernel of the split fused merge), the GPU tests of the N-way merge and the
 #                 loop (GPU_TESTS): check*.json check*.log wide_n_speed.* kernels_* pytest.log
-#   fp8           per-group FP8 and NVFP4: their GPU tests, the full check's group cases, the fused merges' speed
-#                 (group-fp8-speed): pytest.log check_group.json group_fp8_speed.* nvfp4_speed.*
+#   fp8           per-group FP8 and NVFP4: their GPU tests, the full check's group cases on both Pallas backends,
+#                 the fused merges' speed (group-fp8-speed): pytest.log check_group*.json group_fp8_speed.*
+#                 nvfp4_speed.*
 #   verify_tests  the GPU tests (`pytest -m gpu -v -rf`: a timeout still names what ran and failed), then the
 #                 first-call compile times (wide-n compile): pytest.log wide_n_compile.*
 #   all           tests, bench, then more
@@ -163,10 +164,12 @@ if [ "$PLAN" = verify ]; then
 fi
 if [ "$PLAN" = fp8 ]; then
     # Per-group FP8 (docs/spec.md 4.7) and NVFP4 (4.8): their GPU tests (Triton = Pallas = jnp bit for bit), the
-    # per-group records of the full check on the Pallas Triton backend, then the fused merges beside bf16 and
-    # merge + separate quantizer (NVFP4 at T = 32K only: the time left).
+    # per-group records of the full check on both Pallas backends (Triton, Mosaic GPU), then the fused merges beside
+    # bf16 and merge + separate quantizer (NVFP4 at T = 32K only: the time left).
     step pytest 120 400 "$OUT/pytest.log" "$PY" -m pytest -v -rfs -m gpu tests/test_group_fp8.py tests/test_nvfp4.py
-    step check 100 290 "$OUT/check.log" "$PY" -m parity check --suite full -k group --json "$OUT/check_group.json"
+    step check 100 350 "$OUT/check.log" "$PY" -m parity check --suite full -k group --json "$OUT/check_group.json"
+    step check_mosaic 80 290 "$OUT/check_mosaic.log" "$PY" -m parity check --suite full -k group \
+        --pallas-backend mosaic_gpu --json "$OUT/check_group_mosaic.json"
     step group_fp8_speed 190 100 "$OUT/group_fp8_speed.log" "$PY" -m tools.group_fp8_speed \
         --json "$OUT/group_fp8_speed.json"
     step nvfp4_speed 100 0 "$OUT/nvfp4_speed.log" "$PY" -m tools.group_fp8_speed --format nvfp4 --tokens 32768 \
