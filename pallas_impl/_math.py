@@ -188,9 +188,11 @@ def nvfp4_quant(x, global_scale):
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // constants.NVFP4_BLOCK, constants.NVFP4_BLOCK)
     g = global_scale.astype(jnp.float32)
     amax = jnp.max(jnp.where(blocks == blocks, jnp.abs(blocks), 0.0), axis=-1)  # NaN left out of the maximum
-    s = (amax * jnp.float32(1 / constants.FP4_E2M1_MAX)) * g
+    # (amax * f32(1/6)) * g with a factor XLA cannot fold: it reassociates a product of two broadcast scalars into
+    # amax * (g * f32(1/6)), which moves bits (amax is never NaN, so the select always takes 1/6).
+    s = (amax * jnp.where(amax == amax, jnp.float32(1 / constants.FP4_E2M1_MAX), jnp.float32(0))) * g
     scales = jnp.where(s > FP8_E4M3_MAX, jnp.float32(FP8_E4M3_MAX), s).astype(jnp.float8_e4m3fn)
-    sf = scales.astype(jnp.float32)
+    sf = e4m3_value(scales)
     inv = jnp.where(sf == 0.0, 0.0, 1.0 / jnp.where(sf == 0.0, 1.0, sf * (1.0 / g)))
     y = blocks * inv[..., None]
     y = jnp.where(y < -constants.FP4_E2M1_MAX, -constants.FP4_E2M1_MAX, y)  # comparisons: NaN stays NaN
@@ -201,6 +203,19 @@ def nvfp4_quant(x, global_scale):
         code = code + ((a >= value) if inclusive else (a > value)).astype(jnp.int32)
     sign = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(y, jnp.int32), 31)
     return (code | (sign << 3)).reshape(x.shape), scales
+
+
+def e4m3_value(v):
+    """f32 of float8_e4m3fn `v` decoded from its bits with integer operations: the value of `v.astype(float32)`. XLA
+    on the GPU may drop an f32 -> e4m3 -> f32 round trip as "excess precision" (the f32 before the cast comes out);
+    it cannot see through the bits. e4m3fn: sign bit 7, exponent bits 6-3 (bias 7), mantissa bits 2-0; exponent 0
+    is subnormal (m * 2^-9), S.1111.111 is NaN, there is no infinity."""
+    bits = jax.lax.bitcast_convert_type(v, jnp.uint8).astype(jnp.int32)
+    e, m = (bits >> 3) & 0xF, bits & 7
+    normal = jax.lax.bitcast_convert_type(((e + 120) << 23) | (m << 20), jnp.float32)
+    mag = jnp.where(e == 0, m.astype(jnp.float32) * jnp.float32(2.0 ** -9), normal)
+    mag = jnp.where((bits & 0x7F) == 0x7F, jnp.float32(jnp.nan), mag)
+    return jnp.where(bits >= 0x80, -mag, mag)
 
 
 def pack_fp4(codes):

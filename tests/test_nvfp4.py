@@ -7,6 +7,7 @@ the GPU; bad arguments raise before anything is written."""
 from __future__ import annotations
 
 import jax
+import ml_dtypes
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -330,3 +331,11 @@ def test_jax_nvfp4_with_heads_sharded_on_an_explicit_mesh(implementation, layout
     np.testing.assert_array_equal(np.asarray(s).view(np.uint8), np.asarray(want_s).view(np.uint8))
     if layout == "swizzled":
         assert all(axis is None for axis in jax.typeof(s).sharding.spec)
+
+
+def test_e4m3_value_decodes_every_code_as_the_cast():
+    """`_math.e4m3_value` (the jnp quantizer's f32 of its e4m3 scales, from their bits) gives the f32 bits of
+    ml_dtypes' cast for all 256 codes: zeros, subnormals, normals, both signs, NaN."""
+    codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+    got = np.asarray(jax.jit(_math.e4m3_value)(jnp.asarray(codes)))
+    np.testing.assert_array_equal(got.view(np.uint32), codes.astype(np.float32).view(np.uint32))
