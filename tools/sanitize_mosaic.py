@@ -45,7 +45,7 @@ def main() -> int:
     wide = jnp.tile(o[:, :, :2], (64, 1, 1, 1))
     wide_lse = jnp.tile(lse[:, :2], (64, 1, 1))
     jax.block_until_ready(pallas_impl.merge_attn_states_n(wide, wide_lse, query_start_loc=qsl,
-                                                          cu_seq_lens=jnp.tile(cu, (4 * N, 1)), out_dtype=jnp.float32,
+                                                          cu_seq_lens=jnp.tile(cu, (wide.shape[0], 1)), out_dtype=jnp.float32,
                                                           prefill_tokens_with_context=290, **KW))
     jax.block_until_ready(pallas_impl.merge_attn_states_n(o[..., :20], lse, out_dtype=jnp.float16, **KW))
     jax.block_until_ready(pallas_impl.merge_attn_states(o[0], lse[0], o[1], lse[1], group_size=64, **KW))
