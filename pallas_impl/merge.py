@@ -151,8 +151,11 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
       query_start_loc, prefix_cu_seq_lens: i32[R+1] both or neither: the fused mask (docs/spec.md 4.5). Traced.
       return_lse: also return the merged LSE (same layout and base).
       out_dtype: None (the inputs' dtype), float32/float16/bfloat16 whatever the inputs' dtype (one rounding at the
-        store), or float8_e4m3fn, which needs output_scale.
-      output_scale: f32 scalar or f32[1], for (and only for) an fp8 output (docs/spec.md 4.6).
+        store), float8_e4m3fn, which needs output_scale, or float4_e2m1fn: NVFP4 (docs/spec.md 4.8; D a power of
+        two from 16), returned as u8[T, H, D / 2] (two e2m1 codes a byte, element 2j in the low nibble) with its
+        float8_e4m3fn block scales last, one per 16 elements, in scale_layout "row" [T, H * D / 16] or
+        "swizzled" (the FP4 GEMMs' 128x4-swizzled flat buffer, its padding 0).
+      output_scale: f32 scalar or f32[1], for an fp8 output (docs/spec.md 4.6), or NVFP4's global scale (4.8).
       lse_layout: "HT" or "TH", for all LSEs.
       lse_base: math.e or 2, for all LSEs.
       group_size: per-group FP8 (docs/spec.md 4.7): the output is float8_e4m3fn (out_dtype None or fp8, no
@@ -169,7 +172,7 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
       validate: also check offset values and prefill_tokens_with_context on the host (not under jit).
 
     Returns:
-      (out dtype[T, H, D], lse f32) if return_lse else out; with group_size the scales follow: (out, lse,
+      (out dtype[T, H, D], lse f32) if return_lse else out; with group_size or NVFP4 the scales follow: (out, lse,
       scales) or (out, scales).
 
     Raises:
@@ -227,9 +230,6 @@ def _merge_plan(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sca
     _backend.check_fp8_lowering(output_scale is not None or group is not None, interpret, backend)
     lse_axis = 0 if lse_layout == "HT" else 1
     if backend == "mosaic_gpu":
-        if _math.is_nvfp4(group):
-            raise NotImplementedError("NVFP4 output (out_dtype float4_e2m1fn) on backend='mosaic_gpu' is not "
-                                      "implemented yet: use the Triton backend or implementation='jnp'")
         from pallas_impl.mosaic.merge import merge_mosaic
 
         fn = functools.partial(merge_mosaic, **options, interpret=interpret)

@@ -246,11 +246,13 @@ def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, quer
         a request with no KV in partial i gives partial i LSE -inf. Traced.
       return_lse: also return the merged LSE (same layout and base).
       out_dtype: None (the inputs' dtype), float32/float16/bfloat16 whatever the inputs' dtype (one rounding at the
-        store), or float8_e4m3fn, which needs output_scale.
-      output_scale: f32 scalar or f32[1], for (and only for) an fp8 output (4.6).
+        store), float8_e4m3fn, which needs output_scale, or float4_e2m1fn (NVFP4, 4.8), as for
+        `merge_attn_states`.
+      output_scale: f32 scalar or f32[1], for an fp8 output (4.6), or NVFP4's global scale (4.8).
       lse_layout: "HT" or "TH", for all LSEs.
       lse_base: math.e or 2, for all LSEs.
-      group_size, scale_ue8m0, scale_layout: per-group FP8 output, as for `merge_attn_states` (docs/spec.md 4.7).
+      group_size, scale_ue8m0, scale_layout: per-group FP8 output, as for `merge_attn_states` (docs/spec.md 4.7);
+        scale_layout also NVFP4's ("row" or "swizzled").
       interpret: None interprets on CPU and compiles on GPU.
       implementation: None (Pallas on GPU, jnp elsewhere), "pallas" or "jnp"; an explicit choice never falls
         back.
@@ -259,7 +261,8 @@ def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, quer
       validate: also check offset values and prefill_tokens_with_context on the host (not under jit).
 
     Returns:
-      (out dtype[T, H, D], lse f32[H, T] or [T, H]) if return_lse else out; with group_size the scales follow.
+      (out dtype[T, H, D], lse f32[H, T] or [T, H]) if return_lse else out; with group_size or NVFP4 the scales
+      follow.
 
     Raises:
       TypeError: an array of the wrong dtype.
@@ -323,9 +326,6 @@ def _merge_n_plan(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pre
     _backend.check_fp8_lowering(output_scale is not None or group is not None, interpret, backend)
     lse_axis = 0 if lse_layout == "HT" else 1
     if backend == "mosaic_gpu":
-        if _math.is_nvfp4(group):
-            raise NotImplementedError("NVFP4 output (out_dtype float4_e2m1fn) on backend='mosaic_gpu' is not "
-                                      "implemented yet: use the Triton backend or implementation='jnp'")
         from pallas_impl.mosaic.merge_n import merge_n_mosaic
 
         fn = functools.partial(merge_n_mosaic, **options, interpret=interpret)

@@ -1,8 +1,9 @@
 """NVFP4 output of the merges (docs/spec.md 4.8) in every implementation: the fused quantization gives the bits of
 the same implementation's f32-output merge followed by the reference quantizer (`parity.harness.reference.
 quant_nvfp4`, `pack_fp4`, `swizzle_nvfp4_scales`), for the 2-way merge and the N-way merge (unrolled, split, N = 0),
-both block-scale layouts; the JAX quantizer equals the reference on special values; the Pallas kernels lower for
-the GPU; bad arguments raise before anything is written."""
+both block-scale layouts (Pallas on both backends: Mosaic GPU with jax >= 0.11); the JAX quantizer equals the
+reference on special values; the Pallas kernels lower for the GPU; bad arguments raise before anything is
+written."""
 
 from __future__ import annotations
 
@@ -58,7 +59,10 @@ def _triton(outs, lses, layout):
 
 
 def _jax(outs, lses, layout, implementation):
+    """`implementation` "pallas" (its Triton backend), "mosaic" (Pallas on Mosaic GPU, jax >= 0.11) or "jnp"."""
     kw = dict(implementation=implementation, prefill_tokens_with_context=PTWC, return_lse=False)
+    if implementation == "mosaic":
+        kw.update(implementation="pallas", backend="mosaic_gpu")
     o, l = jnp.asarray(outs), jnp.asarray(lses)
     if outs.shape[0] == 2:
         fn = lambda **k: pallas_impl.merge_attn_states(o[0], l[0], o[1], l[1], **kw, **k)  # noqa: E731
@@ -88,8 +92,8 @@ def _codes(packed):
 
 
 # Every implementation through every N kind (2-way, unrolled N-way, split N-way beyond 16, N = 0) and both layouts.
-CASES = [(impl, n, layout) for impl in ("triton", "pallas", "jnp") for n, layout in
-         ((2, "row"), (2, "swizzled"), (3, "swizzled"), (20, "row"), (0, "swizzled"))]
+CASES = [(impl, n, layout) for impl in ("triton", "pallas", "jnp") + (("mosaic",) if JAX_0_11 else ()) for n, layout
+         in ((2, "row"), (2, "swizzled"), (3, "swizzled"), (20, "row"), (0, "swizzled"))]
 
 
 @pytest.mark.parametrize("impl, num_partials, layout", CASES)
@@ -224,19 +228,19 @@ def test_jax_bad_arguments_raise(kw, error, match, implementation):
 def test_triton_pallas_and_jnp_agree_bit_for_bit_on_gpu(num_partials, layout):
     outs, lses = _inputs(num_partials, seed=11)
     t_out, t_scales, _ = _triton(outs, lses, layout)
-    for impl in ("pallas", "jnp"):
+    for impl in ("pallas", "jnp") + (("mosaic",) if JAX_0_11 else ()):
         got, scales, _ = _jax(outs, lses, layout, impl)
-        np.testing.assert_array_equal(got, t_out)
+        np.testing.assert_array_equal(got, t_out, err_msg=impl)
         if layout == "row":
-            np.testing.assert_array_equal(scales, t_scales)
+            np.testing.assert_array_equal(scales, t_scales, err_msg=impl)
         else:  # the padding differs by design (the caller's in PyTorch, 0 in JAX)
             real = R.swizzle_nvfp4_scales(np.ones((T, K), np.uint8)).astype(bool)
             np.testing.assert_array_equal(scales[real], t_scales[real])
 
 
 def test_what_takes_no_nvfp4_yet_says_so():
-    """The CP combine (both frameworks: triton_impl's has no NVFP4 argument) and the Mosaic GPU backend raise
-    NotImplementedError naming NVFP4 (docs/design.md, "Per-group FP8"), before any collective is traced."""
+    """The CP combine (both frameworks: triton_impl's has no NVFP4 argument) raises NotImplementedError naming
+    NVFP4 (docs/design.md, "Per-group FP8"), before any collective is traced."""
     outs, lses = _inputs(2)
     o, l = jnp.asarray(outs), jnp.asarray(lses)
 
@@ -249,10 +253,6 @@ def test_what_takes_no_nvfp4_yet_says_so():
     import inspect
 
     assert "output_block_scale" not in inspect.signature(triton_impl.cp_merge_attn_states).parameters
-    if JAX_0_11:
-        with pytest.raises(NotImplementedError, match="NVFP4 output"):
-            pallas_impl.merge_attn_states(o[0], l[0], o[1], l[1], out_dtype=jnp.float4_e2m1fn, output_scale=
-                                          jnp.float32(G), implementation="pallas", backend="mosaic_gpu")
 
 
 def test_fused_equals_merge_then_the_separate_quantizer_kernel():
@@ -339,3 +339,31 @@ def test_e4m3_value_decodes_every_code_as_the_cast():
     codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
     got = np.asarray(jax.jit(_math.e4m3_value)(jnp.asarray(codes)))
     np.testing.assert_array_equal(got.view(np.uint32), codes.astype(np.float32).view(np.uint32))
+
+
+def test_parity_check_runs_the_nvfp4_cases_and_fails_a_wrong_code(tmp_path, monkeypatch):
+    """`python -m parity check --suite full -k nvfp4`: the NVFP4 cases (2-way with pass-through rows and special
+    LSEs, N-way [T, H] base 2) pass against the reference's quotients within half an e2m1 step, their block scales
+    compared too; one code moved by a whole step in the Triton results fails the check. `export` leaves them out,
+    said in the manifest."""
+    import json
+
+    from parity import cli
+    from parity.harness.impls import kernels
+
+    assert cli.main(["check", "--suite", "full", "-k", "nvfp4", "--quiet", "--json", str(tmp_path / "r.json")]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["summary"]["records"] == 5 and report["summary"]["failed"] == 0
+    assert "scales" in (tmp_path / "r.json").read_text()
+    real = kernels.nvfp4_values
+
+    def off_by_a_step(packed):
+        v = real(packed)
+        return v if type(v).__module__.startswith("jax") else torch.where(v == 1.0, 2.0, v)  # 1.0 -> 2.0: code 2 -> 4
+
+    monkeypatch.setattr(kernels, "nvfp4_values", off_by_a_step)
+    assert cli.main(["check", "--suite", "full", "-k", "nvfp4_ptwc", "--quiet"]) == 1
+    monkeypatch.undo()
+    assert cli.main(["export", str(tmp_path / "gold"), "--suite", "full", "-k", "nvfp4", "--quiet"]) == 0
+    manifest = json.loads((tmp_path / "gold" / "manifest.json").read_text())
+    assert manifest["cases"] == [] and len(manifest["not_exported"]["cases"]) == 2

@@ -231,8 +231,9 @@ def stored(out, last, copy, dtype):
 
 def finish(results, shape, copy_t, last_output, last_lse, output_scale, *, out_dtype, return_lse: bool,
            lse_layout: str, pass_through: bool, group=None):
-    """XLA after a merge kernel (docs/spec.md 4.4, 4.6, 4.7, 8.4): the `[T, H, D]` output (fp8: the last partial's
-    rows copied, then scaled, clamped and cast, or quantized per `group`, which adds the scales), and the merged LSE
+    """XLA after a merge kernel (docs/spec.md 4.4, 4.6, 4.7, 4.8, 8.4): the `[T, H, D]` output (fp8: the last
+    partial's rows copied, then scaled, clamped and cast, or quantized per `group`, per-group FP8 or NVFP4, which
+    adds the scales), and the merged LSE
     (the kernel writes it in the caller's base; with `pass_through`, the rows of `copy_t` take `last_lse`'s
     `[H, T]` bits), in the caller's layout. `results`: the kernel's padded `[T', H * D]` output (and `[H * T']`
     LSE), its heads of `head_columns`; for T >= BLOCK_T, an `[H, T]` LSE, whole heads and no pass-through or fp8
@@ -241,8 +242,8 @@ def finish(results, shape, copy_t, last_output, last_lse, output_scale, *, out_d
     out = results[0][:num_tokens]
     out = out.reshape(num_tokens, num_heads, out.shape[1] // num_heads)[..., :head_dim]  # padded heads cut
     scales = None
-    if group is not None:
-        out, scales = jnp_fallback._stored_grouped(out, group, last_output, copy_t)
+    if group is not None:  # per-group FP8, or NVFP4 with output_scale its global scale (4.8)
+        out, scales = jnp_fallback._stored_grouped(out, group, last_output, copy_t, output_scale)
     elif output_scale is not None:
         out = jnp.where(copy_t[:, None, None], last_output.astype(jnp.float32), out) / output_scale.reshape(-1)[0]
         out = jnp.where(out < -_math.FP8_E4M3_MAX, -_math.FP8_E4M3_MAX, out)

@@ -25,6 +25,7 @@ DTYPES = {
     "float16": np.dtype(np.float16),
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+    "float4_e2m1fn": np.dtype(ml_dtypes.float4_e2m1fn),  # NVFP4 output only (docs/spec.md 4.8)
 }
 
 # Backend-like garbage in rows whose context is empty (docs/spec.md 1): a finite LSE and NaN output.
@@ -48,7 +49,8 @@ class Case:
     suffix_head_pad: int | None = None  # the suffix buffer's own pad (None: head_pad): partials with different strides
     specials: bool = False  # inject +inf / NaN / -inf LSEs, including rows empty on both sides
     prefill_tokens_with_context: int | None = None
-    out_dtype: str | None = None  # None: `dtype`; "float8_e4m3fn" (the fp8 output path) or another float dtype
+    out_dtype: str | None = None  # None: `dtype`; "float8_e4m3fn" (the fp8 output path), "float4_e2m1fn" (NVFP4)
+    # or another float dtype
     group_size: int | None = None  # per-group FP8 scales (docs/spec.md 4.7; out_dtype fp8, no output_scale)
     scale_ue8m0: bool = False  # the per-group scales rounded up to powers of two
     # N-way cases only (docs/spec.md section 8). KV token j of request r lives on partial (j // interleave) % N,
@@ -73,6 +75,11 @@ class Case:
         return self.out_dtype == "float8_e4m3fn"
 
     @property
+    def nvfp4(self) -> bool:
+        """NVFP4 output (docs/spec.md 4.8): e2m1 codes, e4m3 block scales, `NVFP4_GLOBAL_SCALE` as the global one."""
+        return self.out_dtype == "float4_e2m1fn"
+
+    @property
     def n_way(self) -> bool:
         return self.partials > 0
 
@@ -95,6 +102,9 @@ def _random_empty(seed: int, num_requests: int, frac: float = 0.4) -> tuple[int,
 
 _CI = frozenset({"ci", "default", "full"})
 _FULL = frozenset({"full"})
+# NVFP4's global scale g in the cases (docs/spec.md 4.8): vLLM's 448 * 6 / amax for |values| up to 12, so the
+# block scales (amax / 6) * g stay in e4m3's normal range and small blocks reach its subnormals
+NVFP4_GLOBAL_SCALE = 224.0
 # The `check` suites only, not "ci": N > 64 and output dtypes other than the partials' (their CPU tests are
 # tests/test_merge_limits.py's; on Mosaic GPU, tests/test_pallas_mosaic.py's).
 _CHECK = frozenset({"default", "full"})
@@ -134,6 +144,9 @@ CASES: tuple[Case, ...] = (
     Case("group_fp8_g16_ue8m0_th_base2", (33, 0, 12), (1,), num_heads=2, head_dim=128, dtype="float16",
          out_dtype="float8_e4m3fn", group_size=16, scale_ue8m0=True, lse_layout="TH", lse_base=2, specials=True,
          tags=_FULL),
+    # NVFP4 (docs/spec.md 4.8) of the 2-way merge: pass-through rows quantized like the others, special LSEs.
+    Case("nvfp4_ptwc_specials", (40, 20, 70), (0,), num_heads=4, head_dim=64, dtype="bfloat16",
+         out_dtype="float4_e2m1fn", specials=True, prefill_tokens_with_context=100, tags=_FULL),
     Case("d512_h1", (9, 0, 23), (0,), num_heads=1, head_dim=512, dtype="float32", tags=_CI),
     # Another output dtype than the partials' (docs/spec.md 4.3): f32 partials into a bf16 output, base 2, with
     # pass-through rows (rounded once); fp16 partials into an f32 output.
@@ -243,6 +256,10 @@ CASES_N: tuple[Case, ...] = (
     Case("n256_bf16_group_fp8_g64", _ragged(14, 4, 16), (), num_heads=2, head_dim=128, out_dtype="float8_e4m3fn",
          group_size=64, partials=256, context_lens=_contexts(14, 4, 512), interleave=1, specials=True,
          tags=_FULL),
+    # NVFP4 (4.8) of the N-way merge: [T, H] base-2 LSEs, N = 4 with pass-through rows.
+    Case("n4_fp16_nvfp4_th_base2", (24, 16, 3), (), num_heads=2, head_dim=128, dtype="float16",
+         out_dtype="float4_e2m1fn", lse_layout="TH", lse_base=2, partials=4, context_lens=(1, 20, 6), interleave=2,
+         specials=True, prefill_tokens_with_context=40, tags=_FULL),
 ) + _n_way_matrix()
 
 KINDS = ("two_way", "n_way", "all")
@@ -343,8 +360,15 @@ def make_inputs(case: Case, seed: int = 0) -> dict[str, np.ndarray]:
 
     inputs = dict(query_start_loc=qsl, cu_seq_lens=cu, prefix_output=prefix_output,
                   prefix_lse=prefix_lse, suffix_output=suffix_output, suffix_lse=suffix_lse)
+    return _with_output_scale(case, inputs)
+
+
+def _with_output_scale(case: Case, inputs: dict) -> dict:
+    """The static FP8 output's scale (docs/spec.md 4.6) or NVFP4's global scale (4.8) as `output_scale` f32[1]."""
     if case.fp8_out and not case.group_size:
         inputs["output_scale"] = np.array([0.05], dtype=np.float32)
+    if case.nvfp4:
+        inputs["output_scale"] = np.array([NVFP4_GLOBAL_SCALE], dtype=np.float32)
     return inputs
 
 
@@ -417,6 +441,4 @@ def make_inputs_n(case: Case, seed: int = 0) -> dict[str, np.ndarray]:
     if case.lse_layout == "TH":
         lse = np.ascontiguousarray(lse.transpose(0, 2, 1))
     inputs = dict(query_start_loc=qsl, cu_seq_lens=cu, outputs=x.astype(DTYPES[case.dtype]), lses=lse)
-    if case.fp8_out and not case.group_size:
-        inputs["output_scale"] = np.array([0.05], dtype=np.float32)
-    return inputs
+    return _with_output_scale(case, inputs)

@@ -41,7 +41,7 @@ def _required(mode: str, op: str, case: cases_mod.Case) -> tuple[str, ...]:
 
 
 def dtype_label(case: cases_mod.Case) -> str:
-    short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "fp8"}
+    short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "fp8", "float4_e2m1fn": "nvfp4"}
     label = short[case.dtype]
     return label if case.out_dtype is None else f"{label}->{short[case.out_dtype]}"
 

@@ -41,9 +41,10 @@ def merge_weights(case: cases_mod.Case, op: str, arrays: dict[str, np.ndarray]) 
 
 
 def magnitude(case: cases_mod.Case, op: str, arrays: dict[str, np.ndarray], weights: np.ndarray) -> np.ndarray:
-    """f64[T, H, D]: the tolerance magnitude sum_i |o_i| * w_i (divided by the fp8 scale)."""
+    """f64[T, H, D]: the tolerance magnitude sum_i |o_i| * w_i (divided by the static fp8 scale; NVFP4's global
+    scale is the check's to apply, with the block scales)."""
     outputs, _, _ = _partials(case, op, arrays)
-    return merge_magnitude(outputs, weights, arrays.get("output_scale"))
+    return merge_magnitude(outputs, weights, None if case.nvfp4 else arrays.get("output_scale"))
 
 
 def exact_masks(case: cases_mod.Case, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -55,14 +56,15 @@ def exact_masks(case: cases_mod.Case, weights: np.ndarray) -> tuple[np.ndarray, 
       weight is 1, so the row is that partial's (rounded once to another output dtype), and its LSE is that
       partial's LSE, in base 2 as in base e (the merge works in the LSEs' base: log(1) + m == m,
       docs/spec.md 4.3).
-    With an fp8 output only the rows without weight are exact in the output (the others are scaled and cast).
+    With an fp8 or NVFP4 output only the rows without weight are exact in the output (the others are scaled and
+    cast).
     """
     passthrough = np.zeros(weights.shape[1:], dtype=bool)
     if case.prefill_tokens_with_context is not None:
         passthrough[case.prefill_tokens_with_context:] = True
     live = (weights > 0).sum(axis=0)
     none, alone = (live == 0) & ~passthrough, (live == 1) & ~passthrough
-    out_exact = none if case.fp8_out else none | alone | passthrough
+    out_exact = none if case.fp8_out or case.nvfp4 else none | alone | passthrough
     lse_exact = none | passthrough | alone
     return out_exact, (lse_exact.T if case.lse_layout == "HT" else lse_exact)
 

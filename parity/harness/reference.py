@@ -157,7 +157,7 @@ FP4_E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude code -> value
 
 
-def quant_nvfp4(x, global_scale):
+def quant_nvfp4(x, global_scale, *, quotients: bool = False):
     """Section 4.8: NVFP4 quantization of f32 rows, in f32 arithmetic (each step one IEEE f32 operation).
 
     `x`: [T, ..., K] values, taken as f32 and flattened to [T, K]; K a multiple of 16. `global_scale`: the f32
@@ -165,7 +165,9 @@ def quant_nvfp4(x, global_scale):
     magnitude code; scales float8_e4m3fn[T, K // 16]). Per block of 16: amax = max |x| over the non-NaN elements
     (0 if none); s = e4m3((amax * f32(1/6)) * g) saturated at 448; inv = 1 / (f32(s) * f32(1/g)), 0 where s is 0;
     y = clamp(x * inv, -6, 6) with comparisons; the code of y by its thresholds, its sign bit from y's bits.
-    `pack_fp4` packs two codes per byte, `swizzle_nvfp4_scales` lays the scales out for the FP4 GEMMs.
+    `pack_fp4` packs two codes per byte, `swizzle_nvfp4_scales` lays the scales out for the FP4 GEMMs. With
+    `quotients=True` the first result is y f32[T, K] instead, the clamped quotients the codes round (the parity
+    check's reference values).
     """
     import ml_dtypes
 
@@ -185,10 +187,12 @@ def quant_nvfp4(x, global_scale):
         y = (blocks * inv.astype(np.float32)[..., None]).astype(np.float32)
         y = np.where(y < -FP4_E2M1_MAX, np.float32(-FP4_E2M1_MAX), y)
         y = np.where(y > FP4_E2M1_MAX, np.float32(FP4_E2M1_MAX), y).astype(np.float32)
-        a = np.abs(y)
-        code = np.zeros(y.shape, np.uint8)
-        for value, inclusive in FP4_E2M1_THRESHOLDS:
-            code += (a >= np.float32(value)) if inclusive else (a > np.float32(value))
+    if quotients:
+        return y.reshape(rows.shape), scales
+    a = np.abs(y)
+    code = np.zeros(y.shape, np.uint8)
+    for value, inclusive in FP4_E2M1_THRESHOLDS:
+        code += (a >= np.float32(value)) if inclusive else (a > np.float32(value))
     sign = (y.view(np.uint32) >> 31).astype(np.uint8)
     return (code | (sign << 3)).reshape(rows.shape), scales
 

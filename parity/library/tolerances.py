@@ -28,6 +28,9 @@ TOLERANCES: dict[str, Tolerance] = {
     "bfloat16": Tolerance(rtol=2.0**-8 + _F32_COMPUTE + 2.0**-24, atol=2.0**-120),
     "float8_e4m3fn": Tolerance(rtol=2.0**-4 + _F32_COMPUTE + 2.0**-24, atol=2.0**-9),
     "float8_e5m2": Tolerance(rtol=2.0**-3 + _F32_COMPUTE + 2.0**-24, atol=2.0**-16),
+    # NVFP4's e2m1 codes (docs/spec.md 4.8), compared as values in their block's units: half a step, 2^-2 of the
+    # value, and below 1 half the 0.5 step
+    "float4_e2m1fn": Tolerance(rtol=2.0**-2 + _F32_COMPUTE + 2.0**-24, atol=2.0**-2),
     "lse": Tolerance(rtol=2.0**-24 + _F32_COMPUTE, atol=2.0**-20),
 }
 """Tolerances of float outputs against the float64 reference (docs/spec.md 5: on CPU the interpreters do not

@@ -71,8 +71,12 @@ def expected_arrays(case: cases_mod.Case, inputs: dict[str, np.ndarray]) -> dict
 
 def export(out_dir: str, selected: list[cases_mod.Case], *, seed: int = 0, argv: list[str] | None = None,
            progress=None) -> dict[str, Any]:
-    """Write `<case>.npz` per case and `manifest.json`; returns the manifest."""
+    """Write `<case>.npz` per case and `manifest.json`; returns the manifest. NVFP4 cases (docs/spec.md 4.8) are
+    left out, said in the manifest's "not_exported": the vectors' port protocol returns one output array per op,
+    and NVFP4's packed codes with their block scales have no entry in it yet (`parity check` covers them)."""
     os.makedirs(out_dir, exist_ok=True)
+    skipped = [c.name for c in selected if c.nvfp4]
+    selected = [c for c in selected if not c.nvfp4]
     manifest: dict[str, Any] = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "semantics_version": SEMANTICS_VERSION,
         "spec": SPEC_SECTIONS,
@@ -102,6 +106,9 @@ def export(out_dir: str, selected: list[cases_mod.Case], *, seed: int = 0, argv:
         },
         "cases": [],
     }
+    if skipped:
+        manifest["not_exported"] = {"cases": skipped, "why": "NVFP4 output (docs/spec.md 4.8): not in the port "
+                                    "protocol yet; `python -m parity check` covers these cases"}
     for n, case in enumerate(selected, 1):
         t0 = time.perf_counter()
         inputs = (cases_mod.make_inputs_n if case.n_way else cases_mod.make_inputs)(case, seed)

@@ -85,11 +85,13 @@ class ReferenceAdapter(Adapter):
             kw = {} if qsl is None else dict(query_start_loc=qsl, prefix_cu_seq_lens=prefix_cu_seq_lens)
             return reference.merge_attn_states(a[t0:t1], token_slice(prefix_lse, lse_layout, t0, t1), b[t0:t1],
                                                token_slice(suffix_lse, lse_layout, t0, t1),
-                                               prefill_tokens_with_context=ptwc, output_scale=output_scale,
+                                               prefill_tokens_with_context=ptwc, output_scale=static,
                                                lse_layout=lse_layout, lse_base=lse_base, **kw)
 
+        static, global_scale = _scales(out_dtype, output_scale)
         return Bound(lambda: None, lambda: _quantized(_chunked(one, a.shape, lse_layout, prefill_tokens_with_context,
-                                                               query_start_loc), group_size, scale_ue8m0))
+                                                               query_start_loc), group_size, scale_ue8m0,
+                                                      global_scale))
 
     def bind_merge_n(self, outputs, lses, *, head_dim=None, prefill_tokens_with_context=None, query_start_loc=None,
                      cu_seq_lens=None, out_dtype=None, output_scale=None, return_lse=True, lse_layout="HT",
@@ -101,17 +103,33 @@ class ReferenceAdapter(Adapter):
             kw = {} if qsl is None else dict(query_start_loc=qsl, cu_seq_lens=cu_seq_lens)
             sl = lses[:, :, t0:t1] if lse_layout == "HT" else lses[:, t0:t1]
             return reference.merge_attn_states_n(o[:, t0:t1], sl, prefill_tokens_with_context=ptwc,
-                                                 output_scale=output_scale, lse_layout=lse_layout,
+                                                 output_scale=static, lse_layout=lse_layout,
                                                  lse_base=lse_base, **kw)
 
+        static, global_scale = _scales(out_dtype, output_scale)
         return Bound(lambda: None, lambda: _quantized(_chunked(one, o.shape[1:], lse_layout,
                                                                prefill_tokens_with_context, query_start_loc),
-                                                      group_size, scale_ue8m0))
+                                                      group_size, scale_ue8m0, global_scale))
 
 
-def _quantized(results: dict[str, np.ndarray], group_size, scale_ue8m0: bool) -> dict[str, np.ndarray]:
+def _scales(out_dtype, output_scale):
+    """(the merge's static fp8 scale, NVFP4's global scale): `output_scale` is the latter with an NVFP4 output."""
+    return (None, output_scale) if out_dtype == "float4_e2m1fn" else (output_scale, None)
+
+
+def _quantized(results: dict[str, np.ndarray], group_size, scale_ue8m0: bool,
+               global_scale=None) -> dict[str, np.ndarray]:
     """Per-group FP8 (docs/spec.md 4.7) of the reference merge's float64 rows rounded to f32: "out" the clamped
-    quotients before the fp8 cast, "scales" f32[T, H * D / G]; the results unchanged without a group size."""
+    quotients before the fp8 cast, "scales" f32[T, H * D / G]; NVFP4 (4.8, with `global_scale`): "out" the
+    clamped quotients y before the e2m1 rounding (a NaN as the +-0 it encodes to), "scales" e4m3[T, H * D / 16];
+    the results unchanged
+    otherwise."""
+    if global_scale is not None:
+        out = results["out"]
+        g = np.asarray(global_scale, np.float32).reshape(-1)[0]
+        y, scales = reference.quant_nvfp4(out.astype(np.float32), g, quotients=True)
+        y = np.where(np.isnan(y), np.copysign(np.float32(0), y), y)  # a NaN's code is +-0 by its sign bit (4.8)
+        return dict(results, out=y.reshape(out.shape).astype(np.float64), scales=scales)
     if not group_size:
         return results
     out = results["out"]

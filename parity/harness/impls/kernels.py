@@ -81,12 +81,16 @@ class TritonAdapter(Adapter):
                    out_lse=None, group_size=None, scale_ue8m0=False, **_):
         a, b = prefix_output[..., :head_dim], suffix_output[..., :head_dim]
         dtype = out_dtype or str(a.dtype).replace("torch.", "")
-        buf, olse = self._out_buffers(a.shape, dtype, suffix_lse.shape, a.device, head_pad, out, out_lse, return_lse)
-        view = buf[..., :a.shape[2]]
-        scales = self._group_scales(a.shape, group_size, a.device)
         kw = {}
         if query_start_loc is not None:
             kw = dict(query_start_loc=query_start_loc, prefix_cu_seq_lens=prefix_cu_seq_lens)
+        if dtype == "float4_e2m1fn":
+            return self._nvfp4(self.ti.merge_attn_states, a.shape, suffix_lse.shape, a.device, return_lse,
+                               (a, prefix_lse, b, suffix_lse), (prefill_tokens_with_context, output_scale),
+                               dict(kw, lse_layout=lse_layout, lse_base=lse_base))
+        buf, olse = self._out_buffers(a.shape, dtype, suffix_lse.shape, a.device, head_pad, out, out_lse, return_lse)
+        view = buf[..., :a.shape[2]]
+        scales = self._group_scales(a.shape, group_size, a.device)
         if group_size:
             kw.update(group_size=group_size, output_group_scale=scales, scale_ue8m0=scale_ue8m0)
         call = functools.partial(self.ti.merge_attn_states, view, a, prefix_lse, b, suffix_lse, olse,
@@ -99,6 +103,24 @@ class TritonAdapter(Adapter):
 
         return Bound(_quiet(call), results)
 
+    def _nvfp4(self, api, shape, lse_shape, device, return_lse, partials, trailing, kw):
+        """An NVFP4 merge (docs/spec.md 4.8): `api(out, *partials, out_lse, *trailing, **kw)` into a poisoned
+        u8[T, H, D / 2] buffer and poisoned e4m3 block scales [T, H * D / 16] (row-major); "out" the codes'
+        values [T, H, D] (`nvfp4_values`), "scales" the block scales, "out_buffer" the packed bytes."""
+        import torch
+
+        T, H, D = shape
+        packed = torch.full((T, H, D // 2), 0xAB, dtype=torch.uint8, device=device)
+        scales = poisoned((T, H * D // 16), "float8_e4m3fn", device)
+        _, olse = self._out_buffers(shape, "float32", lse_shape, device, 0, None, None, return_lse)
+        call = functools.partial(api, packed, *partials, olse, *trailing, output_block_scale=scales, **kw)
+
+        def results():
+            self.rt.sync()
+            return {"out": nvfp4_values(packed), "lse": olse, "out_buffer": packed, "scales": scales}
+
+        return Bound(_quiet(call), results)
+
     def bind_merge_n(self, outputs, lses, *, head_dim=None, prefill_tokens_with_context=None, query_start_loc=None,
                      cu_seq_lens=None, out_dtype=None, output_scale=None, return_lse=True, lse_layout="HT",
                      lse_base=math.e, head_pad=0, strided=False, out=None, out_lse=None, group_size=None,
@@ -108,6 +130,11 @@ class TritonAdapter(Adapter):
             lses = lses.transpose(1, 2).contiguous().transpose(1, 2)
         o = outputs[..., :head_dim]
         dtype = out_dtype or str(o.dtype).replace("torch.", "")
+        if dtype == "float4_e2m1fn":
+            return self._nvfp4(self.ti.merge_attn_states_n, o.shape[1:], lses.shape[1:], o.device, return_lse,
+                               (o, lses), (prefill_tokens_with_context, output_scale),
+                               dict(query_start_loc=query_start_loc, cu_seq_lens=cu_seq_lens, lse_layout=lse_layout,
+                                    lse_base=lse_base))
         buf, olse = self._out_buffers(o.shape[1:], dtype, lses.shape[1:], o.device, head_pad, out, out_lse,
                                       return_lse)
         view = buf[..., :o.shape[3]]
@@ -223,7 +250,8 @@ class JaxAdapter(Adapter):
             query_start_loc=query_start_loc, prefix_cu_seq_lens=prefix_cu_seq_lens, return_lse=return_lse,
             out_dtype=self._dtype(out_dtype), output_scale=output_scale, lse_layout=lse_layout, lse_base=lse_base,
             **_group_options(group_size, scale_ue8m0), **self.kernel)
-        return self._holder(lambda: _as_results(api(a, prefix_lse, b, suffix_lse), return_lse, group_size))
+        return self._holder(lambda: _as_results(api(a, prefix_lse, b, suffix_lse), return_lse, group_size,
+                                                out_dtype))
 
     def bind_merge_n(self, outputs, lses, *, head_dim=None, prefill_tokens_with_context=None, query_start_loc=None,
                      cu_seq_lens=None, out_dtype=None, output_scale=None, return_lse=True, lse_layout="HT",
@@ -234,7 +262,7 @@ class JaxAdapter(Adapter):
             query_start_loc=query_start_loc, cu_seq_lens=cu_seq_lens, return_lse=return_lse,
             out_dtype=self._dtype(out_dtype), output_scale=output_scale, lse_layout=lse_layout, lse_base=lse_base,
             **_group_options(group_size, scale_ue8m0), **self.kernel)
-        return self._holder(lambda: _as_results(api(o, lses), return_lse, group_size))
+        return self._holder(lambda: _as_results(api(o, lses), return_lse, group_size, out_dtype))
 
 
     def cp_merge(self, out, lse, *, axis_name, method="gather", query_start_loc=None, cu_seq_lens=None,
@@ -255,7 +283,31 @@ def _group_options(group_size, scale_ue8m0: bool) -> dict[str, Any]:
     return dict(group_size=group_size, scale_ue8m0=scale_ue8m0, scale_layout="col_tma") if group_size else {}
 
 
-def _as_results(r, return_lse: bool, group_size=None) -> dict[str, Any]:
+def nvfp4_values(packed):
+    """The values of NVFP4's packed e2m1 codes (docs/spec.md 4.8; byte j: element 2j low nibble, 2j + 1 high),
+    u8[..., K / 2] -> f32[..., K], on the array's own device (torch or JAX): the block's units, before the scales."""
+    import numpy as np
+
+    from parity.harness.reference import FP4_E2M1_VALUES
+
+    if hasattr(packed, "device") and type(packed).__module__.startswith("torch"):
+        import torch
+
+        codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1).long()
+        lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=packed.device)
+        mag = lut[codes & 7]
+        return torch.where((codes & 8) != 0, -mag, mag)
+    import jax.numpy as jnp
+
+    codes = jnp.stack([packed & 15, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1).astype(jnp.int32)
+    mag = jnp.asarray(np.asarray(FP4_E2M1_VALUES, np.float32))[codes & 7]
+    return jnp.where((codes & 8) != 0, -mag, mag)
+
+
+def _as_results(r, return_lse: bool, group_size=None, out_dtype=None) -> dict[str, Any]:
+    if out_dtype == "float4_e2m1fn":  # NVFP4 (docs/spec.md 4.8): packed codes and row-major e4m3 block scales
+        out, lse, scales = r if return_lse else (r[0], None, r[1])
+        return {"out": nvfp4_values(out), "lse": lse, "scales": scales}
     if group_size:
         out, lse, scales = r if return_lse else (r[0], None, r[1])
         return {"out": out, "lse": lse, "scales": scales[:, :out.shape[0]].T}
