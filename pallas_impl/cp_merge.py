@@ -144,6 +144,9 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
       out_dtype, output_scale: None (the partials' dtype), float32/float16/bfloat16 (one rounding), or
         float8_e4m3fn with its scale (4.6).
       reduce_dtype: "reduce_scatter" only: None (float32: one rounding, at the end) or the partials' dtype.
+      out_dtype float4_e2m1fn with output_scale (the global scale) and scale_layout "row" or "swizzled": NVFP4
+        output (docs/spec.md 4.8), as for `merge_attn_states`: "gather" fused into the N-way merge,
+        "reduce_scatter" on this device's reduced rows, after the sum.
       group_size, scale_ue8m0, scale_layout: per-group FP8 output (docs/spec.md 4.7), as for `merge_attn_states`;
         the scales (of this device's rows: every head, or its H / N heads) are returned last. "gather": fused
         into the N-way merge (its bits); "reduce_scatter": on the reduced rows, after the sum.
@@ -151,7 +154,7 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
         merge's and the rescale kernel's Mosaic GPU versions).
 
     Returns:
-      (out, lse) if return_lse else out; with group_size the scales follow.
+      (out, lse) if return_lse else out; with group_size or NVFP4 the scales follow.
 
     Raises:
       ValueError: axis_name not bound by an enclosing shard_map, H not a multiple of N for "reduce_scatter",
@@ -167,11 +170,9 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
     num_tokens, num_heads, head_dim = out.shape
     checks.check_array("lse", lse, ndim=2, dtypes=(jnp.float32,))
     checks.check_lse_shape("lse", lse.shape, lse_layout, num_heads, num_tokens)
+    requested = out_dtype  # the N-way merge of "gather" takes the caller's (NVFP4's float4_e2m1fn, not its bytes)
     out_dtype, group = checks.check_output_options(out_dtype, out.dtype, output_scale, group_size, scale_ue8m0,
                                                    scale_layout, head_dim)
-    if _math.is_nvfp4(group):  # as triton_impl's CP combine, which takes no NVFP4 output
-        raise NotImplementedError("NVFP4 output (out_dtype float4_e2m1fn) is not implemented in the CP combine yet: "
-                                  "all-gather the partials and call merge_attn_states_n")
     if method == "reduce_scatter" and num_heads % num_partials:
         raise ValueError(f"method='reduce_scatter' splits the H={num_heads} heads over the N={num_partials} devices of "
                          f"axis {axis_name!r}: H must be a multiple of N (use method='gather')")
@@ -197,7 +198,7 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
     if method == "gather":
         return merge_attn_states_n(
             gather(out, axis_name), lses, prefill_tokens_with_context=prefill_tokens_with_context,
-            query_start_loc=query_start_loc, cu_seq_lens=cus, return_lse=return_lse, out_dtype=out_dtype,
+            query_start_loc=query_start_loc, cu_seq_lens=cus, return_lse=return_lse, out_dtype=requested,
             output_scale=output_scale, lse_layout=lse_layout, lse_base=lse_base, group_size=group_size,
             scale_ue8m0=scale_ue8m0, scale_layout=scale_layout, interpret=interpret, implementation=impl,
             backend=backend)
@@ -224,7 +225,11 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
     heads = num_heads // num_partials
     reduced = lax.psum_scatter(scaled, axis_name, scatter_dimension=1, tiled=True)  # [T, H / N, D]
     scales = None
-    if group is not None:  # 4.7, after the sum: this device's rows quantized per group
+    nvfp4 = _math.is_nvfp4(group)
+    if nvfp4:  # 4.8, after the sum: this device's rows, block scales row-major (swizzled below)
+        result, scales = jnp_fallback._stored_grouped(reduced.astype(jnp.float32), group[:2] + ("row",),
+                                                      global_scale=jnp.asarray(output_scale, jnp.float32))
+    elif group is not None:  # 4.7, after the sum: this device's rows quantized per group
         result, scales = jnp_fallback._stored_grouped(reduced.astype(jnp.float32), group)
     elif out_dtype == checks.FP8:  # 4.6, after the sum
         result = reduced.astype(jnp.float32) / jnp.asarray(output_scale, jnp.float32).reshape(-1)[0]
@@ -234,4 +239,5 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
         result = reduced.astype(out_dtype)
     axis = 0 if lse_layout == "HT" else 1
     lse_out = lax.dynamic_slice_in_dim(merged, rank * heads, heads, axis=axis) if return_lse else None
-    return jnp_fallback._results(result, lse_out, scales)
+    results = jnp_fallback._results(result, lse_out, scales)
+    return _math.with_swizzled_scales(results) if nvfp4 and group[2] == "swizzled" else results

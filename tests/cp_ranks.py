@@ -3,7 +3,8 @@ test process (`results()`) for tests/test_op_cp_merge.py and tests/test_triton_c
 
 Each rank holds one partial of an N-way case (its KV shard: partials empty for some requests, NaN garbage under
 finite LSEs) and its own KV offsets; one spawn runs every scenario (`worker`): both methods on a bf16 and an fp8
-case, a bf16 reduction, errors every rank finds alone, and validate=True across disagreeing ranks.
+case, per-group FP8 and NVFP4 (both block-scale layouts), a bf16 reduction, errors every rank finds alone, and
+validate=True across disagreeing ranks.
 """
 
 import dataclasses
@@ -20,6 +21,8 @@ WORLD = 4
 CASE = cases.by_name("n4_bf16_fp8_out")  # N = 4, H = 4, R = 3, bf16, specials, partials without KV
 CASE_BF16 = dataclasses.replace(CASE, out_dtype=None, prefill_tokens_with_context=30)
 CASE_GROUP = cases.by_name("n4_bf16_group_fp8_g128_ue8m0")  # per-group FP8 (docs/spec.md 4.7), H = 4, D = 128
+# NVFP4 (4.8) on the same partials; make_inputs_n gives its global scale as output_scale
+CASE_NVFP4 = dataclasses.replace(CASE_GROUP, out_dtype="float4_e2m1fn", group_size=None, scale_ue8m0=False)
 H, D, T = CASE.num_heads, CASE.head_dim, CASE.num_tokens
 
 
@@ -56,6 +59,22 @@ def _combine_group(rank, world, group, method):
     return bridge.to_numpy(out.view(torch.uint8)), bridge.to_numpy(scales)
 
 
+def _combine_nvfp4(rank, world, group, method, scale_layout="row"):
+    """The NVFP4 combine of CASE_NVFP4: this rank's (packed codes u8[T, heads, D / 2], block scales' bytes)."""
+    case = CASE_NVFP4
+    t = {k: bridge.to_torch(v) for k, v in cases.make_inputs_n(case).items()}
+    heads, d = case.num_heads if method == "gather" else case.num_heads // world, case.head_dim
+    out = torch.full((case.num_tokens, heads, d // 2), 0xAB, dtype=torch.uint8)
+    blocks = heads * d // 16
+    shape = (case.num_tokens, blocks) if scale_layout == "row" else (-(-case.num_tokens // 128) * 128 * blocks,)
+    scales = torch.full(shape, 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    triton_impl.cp_merge_attn_states(out, t["outputs"][rank], t["lses"][rank], group, None,
+                                     case.prefill_tokens_with_context, t["output_scale"], method=method,
+                                     query_start_loc=t["query_start_loc"], cu_seq_lens=t["cu_seq_lens"][rank],
+                                     output_block_scale=scales, scale_layout=scale_layout)
+    return bridge.to_numpy(out), bridge.to_numpy(scales.view(torch.uint8))
+
+
 def _error(fn):
     try:
         fn()
@@ -75,6 +94,8 @@ def worker(rank, world, group):
                                                       reduce_dtype=torch.bfloat16)
     for method in ("gather", "reduce_scatter"):
         got[f"group_{method}"] = _combine_group(rank, world, group, method)
+        for layout in ("row", "swizzled"):
+            got[f"nvfp4_{method}_{layout}"] = _combine_nvfp4(rank, world, group, method, layout)
     part, lse, qsl, cu, _ = _local(CASE_BF16, rank)
     out = torch.empty(T, H, D, dtype=part.dtype)
     # Errors every rank finds alone, before any collective (all ranks raise: nobody waits in a collective).
@@ -88,6 +109,9 @@ def worker(rank, world, group):
     got["err_group_size"] = _error(lambda: triton_impl.cp_merge_attn_states(
         torch.empty(T, H, D, dtype=torch.float8_e4m3fn), part, lse, group, group_size=48,
         output_group_scale=torch.empty(T, 1)))
+    got["err_nvfp4_shape"] = _error(lambda: triton_impl.cp_merge_attn_states(
+        torch.empty(T, H // world, D // 2, dtype=torch.uint8), part, lse, group, None, None, torch.ones(1),
+        output_block_scale=torch.empty(T, H * D // 16, dtype=torch.float8_e4m3fn)))  # "gather" writes every head
     # validate=True: inputs that differ between ranks, or a bad input on one rank only: every rank raises.
     bad_part = part.half() if rank == 2 else part
     got["validate_dtype_differs"] = _error(lambda: triton_impl.cp_merge_attn_states(

@@ -238,42 +238,62 @@ def test_triton_pallas_and_jnp_agree_bit_for_bit_on_gpu(num_partials, layout):
             np.testing.assert_array_equal(scales[real], t_scales[real])
 
 
-def test_what_takes_no_nvfp4_yet_says_so():
-    """The CP combine (both frameworks: triton_impl's has no NVFP4 argument) raises NotImplementedError naming
-    NVFP4 (docs/design.md, "Per-group FP8"), before any collective is traced."""
-    outs, lses = _inputs(2)
-    o, l = jnp.asarray(outs), jnp.asarray(lses)
+@pytest.mark.parametrize("method", ["gather", "reduce_scatter"])
+@pytest.mark.parametrize("implementation", ["pallas", "jnp"])
+def test_jax_cp_combine_writes_nvfp4(method, implementation):
+    """The JAX context-parallel combine on 4 vmap-simulated devices (docs/spec.md 9) with NVFP4 output (4.8):
+    each device's rows (every head for "gather", its head for "reduce_scatter") quantized, row-major scales
+    within one e4m3 step and codes within one e2m1 step of the N-way merge's (the interpreters' FMA contraction
+    and the sum's order differ; "gather" is the N-way merge itself), and the swizzled layout of the same
+    combine's row-major scales."""
+    rng = np.random.default_rng(2)
+    heads = 4  # reduce_scatter: one head per device
+    o = jnp.asarray((rng.standard_normal((4, T, heads, D)) * 3).astype(np.float16))
+    l = jnp.asarray(rng.standard_normal((4, heads, T)).astype(np.float32))
 
-    def combine(out, lse):
-        return pallas_impl.cp_merge_attn_states(out, lse, axis_name="cp", out_dtype=jnp.float4_e2m1fn,
-                                                output_scale=jnp.float32(G), implementation="jnp")
+    def combine(layout):
+        return jax.vmap(lambda out, lse: pallas_impl.cp_merge_attn_states(
+            out, lse, axis_name="cp", method=method, return_lse=False, out_dtype=jnp.float4_e2m1fn,
+            output_scale=jnp.float32(G), scale_layout=layout, implementation=implementation), axis_name="cp")(o, l)
 
-    with pytest.raises(NotImplementedError, match="NVFP4 output"):
-        jax.vmap(combine, axis_name="cp")(o, l)
-    import inspect
+    q, scales = combine("row")
+    want_q, want_s = pallas_impl.merge_attn_states_n(o, l, return_lse=False, out_dtype=jnp.float4_e2m1fn,
+                                                     output_scale=jnp.float32(G), implementation=implementation)
+    _, swizzled = combine("swizzled")
+    for r in range(4):
+        np.testing.assert_array_equal(np.asarray(swizzled[r]).view(np.uint8),
+                                      R.swizzle_nvfp4_scales(np.asarray(scales[r]).view(np.uint8)))
+    if method == "gather":  # every device holds every head
+        q, scales = q[0], scales[0]
+    else:  # device r: head r, its D / 16 blocks
+        q, scales = jnp.concatenate(list(q), axis=1), jnp.concatenate(list(scales), axis=1)
+    got_s, want_s = np.asarray(scales).view(np.uint8).astype(int), np.asarray(want_s).view(np.uint8).astype(int)
+    assert np.abs(got_s - want_s).max() <= 1
+    got, want = _codes(np.asarray(q).reshape(T, -1)), _codes(np.asarray(want_q).reshape(T, -1))
+    step = np.abs((got & 7).astype(int) - (want & 7).astype(int))
+    assert step.max() <= 1 and (step > 0).mean() < 0.02
 
-    assert "output_block_scale" not in inspect.signature(triton_impl.cp_merge_attn_states).parameters
 
-
-def test_fused_equals_merge_then_the_separate_quantizer_kernel():
-    """The fused Triton N-way merge against the Triton merge into f32 followed by the separate NVFP4 quantizer of
-    `python -m tools group-fp8-speed --format nvfp4` (the merges' own store on given rows): bit for bit, under
-    the interpreter as compiled."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tools.group_fp8_speed import _nvfp4_kernel
+@pytest.mark.parametrize("layout", ["row", "swizzled"])
+def test_fused_equals_merge_then_the_separate_quantizer_kernel(layout):
+    """The fused Triton N-way merge against the Triton merge into f32 followed by the separate NVFP4 quantizer
+    (`triton_impl.cp_merge._nvfp4_rows_kernel`, the merges' own store on given rows: the reduce-scatter CP
+    combine's and `python -m tools group-fp8-speed --format nvfp4`'s), two heads a program: bit for bit, under
+    the interpreter as compiled, both scale layouts."""
     from triton_impl._backend import PARITY_LAUNCH
+    from triton_impl.cp_merge import _nvfp4_rows_kernel
 
     outs, lses = _inputs(3, seed=9)
-    got, scales, f32 = _triton(outs, lses, "row")
+    got, scales, f32 = _triton(outs, lses, layout)
     x = torch.from_numpy(f32).to(DEV)
     q = torch.empty((T, H, D // 2), dtype=torch.uint8, device=DEV)
-    s = torch.empty((T, K), dtype=torch.float8_e4m3fn, device=DEV)
+    s = torch.full((T, K) if layout == "row" else (SWIZZLED_SIZE,), MARK, dtype=torch.uint8,
+                   device=DEV).view(torch.float8_e4m3fn)
     with np.errstate(all="ignore"):
-        _nvfp4_kernel[(T,)](x, q, s, torch.tensor([G], device=DEV), T, NUM_HEADS=H, HEAD_DIM=D, BLOCK_T=1,
-                            INTERPRET=not GPU, **PARITY_LAUNCH)
+        _nvfp4_rows_kernel[(T // 4 + 1, 1)](x, q, torch.tensor([G], device=DEV), s, T, *q.stride(),
+                                            *((0, 0) if layout == "swizzled" else s.stride()), NUM_HEADS=H,
+                                            HEAD_DIM=D, BLOCK_T=4, BLOCK_H=H, SWIZZLED=layout == "swizzled",
+                                            INTERPRET=not GPU, **PARITY_LAUNCH)
     np.testing.assert_array_equal(got, q.cpu().numpy())
     np.testing.assert_array_equal(scales, s.view(torch.uint8).cpu().numpy())
 

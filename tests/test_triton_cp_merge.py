@@ -23,6 +23,7 @@ def results():
     ("err_out_shape", r"output must be \[T, H/N, D\]"),
     ("err_group", "group must be a torch.distributed.ProcessGroup"),
     ("err_group_size", "group_size must be a power of two"),
+    ("err_nvfp4_shape", r"output of NVFP4 \(two e2m1 codes a byte\) must be u8\[T, H, D / 2\]"),
 ])
 def test_local_errors_raise_on_every_rank_before_any_collective(results, key, match):
     import re
@@ -76,3 +77,43 @@ def test_per_group_fp8_gather_gives_the_n_way_bits_and_reduce_scatter_its_values
     got = q.view(np.dtype("uint8")).astype(np.int64)
     assert np.abs(got - want_q.astype(np.int64)).max() <= 1
 
+
+
+def test_nvfp4_gather_gives_the_n_way_bits_and_reduce_scatter_its_values(results):
+    """docs/spec.md 4.8 and 9: "gather" quantizes inside the N-way merge (the single-process merge's bits on every
+    rank); "reduce_scatter" quantizes each rank's reduced heads after the sum with the merges' own store (block
+    scales within one e4m3 step, codes within one e2m1 step: the sum's order differs); the swizzled layout holds
+    the row-major scales at the FP4 GEMMs' offsets, its padding the caller's."""
+    import numpy as np
+    import torch
+
+    import triton_impl
+    from parity.harness import cases
+    from parity.harness import reference as R
+    from parity.library import bridge
+
+    case = cp_ranks.CASE_NVFP4
+    t = {k: bridge.to_torch(v) for k, v in cases.make_inputs_n(case).items()}
+    T, H, D = case.num_tokens, case.num_heads, case.head_dim
+    out = torch.empty((T, H, D // 2), dtype=torch.uint8)
+    scales = torch.empty((T, H * D // 16), dtype=torch.float8_e4m3fn)
+    triton_impl.merge_attn_states_n(out, t["outputs"][..., :D], t["lses"], None, case.prefill_tokens_with_context,
+                                    t["output_scale"], query_start_loc=t["query_start_loc"],
+                                    cu_seq_lens=t["cu_seq_lens"], output_block_scale=scales)
+    want_q, want_s = out.numpy().reshape(T, -1), scales.view(torch.uint8).numpy()
+    for rank in range(WORLD):
+        q, s = results[rank]["nvfp4_gather_row"]
+        np.testing.assert_array_equal(q.reshape(T, -1), want_q)
+        np.testing.assert_array_equal(s, want_s)
+    for method in ("gather", "reduce_scatter"):
+        for rank in range(WORLD):
+            row, swizzled = results[rank][f"nvfp4_{method}_row"][1], results[rank][f"nvfp4_{method}_swizzled"][1]
+            real = R.swizzle_nvfp4_scales(np.ones_like(row)).astype(bool)
+            np.testing.assert_array_equal(swizzled[real], R.swizzle_nvfp4_scales(row)[real])
+            assert (swizzled[~real] == 0x38).all()  # the caller's padding, untouched
+    q = np.concatenate([results[r]["nvfp4_reduce_scatter_row"][0].reshape(T, -1) for r in range(WORLD)], axis=1)
+    s = np.concatenate([results[r]["nvfp4_reduce_scatter_row"][1] for r in range(WORLD)], axis=1)
+    assert np.abs(s.astype(int) - want_s.astype(int)).max() <= 1
+    codes = lambda p: np.stack([p & 15, p >> 4], axis=-1).reshape(T, -1)  # noqa: E731
+    step = np.abs((codes(q) & 7).astype(int) - (codes(want_q) & 7).astype(int))
+    assert step.max() <= 1 and (step > 0).mean() < 0.02

@@ -15,8 +15,8 @@ merge, N > 2 the N-way merge.
 - `unfused`: the bf16 merge, then a separate quantizer reading its output (Triton: `_quant_kernel` below, vLLM's
   per_token_group_quant_fp8 re-expressed from its documented algorithm; JAX: the same jnp operations, jitted).
 With --format nvfp4, `fused` writes two e2m1 codes a byte and an e4m3 scale per 16 elements (row-major), and
-`unfused` quantizes with `_nvfp4_kernel` below (the kernels' own store, `triton_impl._device._store_nvfp4`, on
-the bf16 rows) or the jnp quantizer, jitted.
+`unfused` quantizes with `triton_impl.cp_merge._nvfp4_rows_kernel` (the merges' own store, `_store_nvfp4`, on the
+bf16 rows; one program per token, all heads) or the jnp quantizer, jitted.
 GPU time p50 (Triton: CUDA-graph replay; JAX: profiler kernel time), and for `fused` its bytes / time as a share of
 the two-read-one-write ceiling (`torch.add`) of the run; the fused merge wants 95% of it and to beat `unfused`.
 """
@@ -35,7 +35,8 @@ import triton.language as tl
 
 from mla_lse_common import constants
 from triton_impl._backend import interpreting
-from triton_impl._device import _cast_rne, _store_nvfp4
+from triton_impl._device import _cast_rne
+from triton_impl.cp_merge import _nvfp4_rows_kernel
 
 SMOKE = dict(tokens=[64], heads=[2], partials=[2, 3], head_dim=64, group_size=64)
 FP8_MAX = tl.constexpr(constants.FP8_E4M3_MAX)
@@ -63,22 +64,6 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, num_groups, GROUP: tl.constexpr, BLOCK: t
     q = tl.where(q > FP8_MAX, FP8_MAX, q)
     tl.store(q_ptr + offs, _cast_rne(q, q_ptr.dtype.element_ty, INTERPRET), mask=mask)
     tl.store(s_ptr + g, scale, mask=g < num_groups)
-
-
-@triton.jit
-def _nvfp4_kernel(x_ptr, q_ptr, s_ptr, g_ptr, num_tokens, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr = False):
-    """The separate NVFP4 quantizer: BLOCK_T tokens' rows [H, D] per program, through the merges' own store."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = tl.arange(0, NUM_HEADS)
-    d = tl.arange(0, HEAD_DIM)
-    t64, h64 = t[:, None].to(tl.int64), h[None, :].to(tl.int64)
-    th_mask = (t < num_tokens)[:, None] & (h < NUM_HEADS)[None, :]
-    x = tl.load(x_ptr + (t64[:, :, None] * NUM_HEADS + h64[:, :, None]) * HEAD_DIM + d, mask=th_mask[:, :, None],
-                other=0.0).to(tl.float32)
-    _store_nvfp4(q_ptr, x, x, t < 0, g_ptr, s_ptr, t64, h64, NUM_HEADS * HEAD_DIM // 2, HEAD_DIM // 2, 1,
-                 NUM_HEADS * HEAD_DIM // 16, 1, th_mask, NUM_HEADS, HEAD_DIM, BLOCK_T, NUM_HEADS, HEAD_DIM, False,
-                 INTERPRET)
 
 
 def _torch_merge(T, H, D, N, device):
@@ -130,8 +115,9 @@ def _torch_nvfp4_calls(T, H, D, N, device):
 
     def unfused():
         merge(bf16)
-        _nvfp4_kernel[(triton.cdiv(T, block_t),)](bf16, q, scales, g, T, NUM_HEADS=H, HEAD_DIM=D, BLOCK_T=block_t,
-                                                  INTERPRET=interpreting(), num_warps=4)
+        _nvfp4_rows_kernel[(triton.cdiv(T, block_t), 1)](bf16, q, g, scales, T, *q.stride(), *scales.stride(),
+                                                         NUM_HEADS=H, HEAD_DIM=D, BLOCK_T=block_t, BLOCK_H=H,
+                                                         SWIZZLED=False, INTERPRET=interpreting(), num_warps=4)
 
     return {"bf16": lambda: merge(bf16), "fused": lambda: merge(q, output_scale=g, output_block_scale=scales),
             "unfused": unfused}

@@ -21,6 +21,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import triton
 import triton.language as tl
 
 from mla_lse_common import constants, tiles
@@ -30,7 +31,7 @@ from triton_impl import _checks as checks
 from triton_impl import _launch as launcher
 from triton_impl import _plans as plans
 from triton_impl._device import (_cast_rne, _copied_lse, _max_and_sum, _merged_lse, _partial_exp, _program_tile,
-                                 _token_requests, _weighted)
+                                 _store_nvfp4, _token_requests, _weighted)
 from triton_impl.merge_n import merge_attn_states_n
 
 
@@ -96,6 +97,25 @@ def _cp_rescale_kernel(
         tl.store(out_lse_ptr + h64 * stride_olse_h + t64 * stride_olse_t, lse, mask=th_mask)
 
 
+@triton.jit
+def _nvfp4_rows_kernel(x_ptr, q_ptr, scale_ptr, bs_ptr, num_tokens, stride_q_t, stride_q_h, stride_q_d,
+                       stride_bs_t, stride_bs_k, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, SWIZZLED: tl.constexpr,
+                       INTERPRET: tl.constexpr):
+    """NVFP4 (docs/spec.md 4.8) of contiguous rows `x` [T, H, D] (the reduce-scatter combine's f32 sum; any float
+    dtype, taken as f32), through the merges' own store (`_store_nvfp4`): BLOCK_T tokens x BLOCK_H heads per
+    program. Also the separate quantizer `python -m tools group-fp8-speed --format nvfp4` times."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HEAD_DIM)
+    t64, h64 = t[:, None].to(tl.int64), h[None, :].to(tl.int64)
+    th_mask = (t < num_tokens)[:, None] & (h < NUM_HEADS)[None, :]
+    x = tl.load(x_ptr + (t64[:, :, None] * NUM_HEADS + h64[:, :, None]) * HEAD_DIM + d, mask=th_mask[:, :, None],
+                other=0.0).to(tl.float32)
+    _store_nvfp4(q_ptr, x, x, t < 0, scale_ptr, bs_ptr, t64, h64, stride_q_t, stride_q_h, stride_q_d, stride_bs_t,
+                 stride_bs_k, th_mask, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H, HEAD_DIM, SWIZZLED, INTERPRET)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Host side
 
@@ -107,8 +127,8 @@ def _code(x) -> int:
 
 
 def _local_checks(output, partial_output, partial_lse, output_lse, prefill_tokens_with_context, output_scale,
-                  query_start_loc, cu_seq_lens, output_group_scale=None, *, method, num_partials, lse_layout,
-                  lse_base, reduce_dtype, group_size, scale_ue8m0, validate):
+                  query_start_loc, cu_seq_lens, output_group_scale=None, output_block_scale=None, *, method,
+                  num_partials, lse_layout, lse_base, reduce_dtype, group_size, scale_ue8m0, scale_layout, validate):
     """Every check this rank can make alone (metadata; with validate=True also offset values). Returns the
     plan of the call's signature, the checked prefill_tokens_with_context and the descriptor the ranks must agree
     on."""
@@ -127,15 +147,18 @@ def _local_checks(output, partial_output, partial_lse, output_lse, prefill_token
                              "ranks: H must be a multiple of N (use method='gather')")
         heads_out = num_heads // num_partials
     want = (num_tokens, heads_out, head_dim)
-    checks.check_tensor("output", output, ndim=3, dtypes=checks.OUTPUT_DTYPES + (torch.float8_e4m3fn,), device=device)
-    if tuple(output.shape) != want:
-        raise ValueError(f"output must be [T, H{'/N' if heads_out != num_heads else ''}, D] = {list(want)} for "
-                         f"method={method!r} with N={num_partials} ranks; got output.shape={tuple(output.shape)}")
-    # docs/spec.md 4.7: the scales of this rank's rows (every head for "gather", its heads for "reduce_scatter")
+    if output_block_scale is None:  # NVFP4's u8[T, H or H / N, D / 2] output: check_outputs checks it
+        checks.check_tensor("output", output, ndim=3, dtypes=checks.OUTPUT_DTYPES + (torch.float8_e4m3fn,),
+                            device=device)
+        if tuple(output.shape) != want:
+            raise ValueError(f"output must be [T, H{'/N' if heads_out != num_heads else ''}, D] = {list(want)} for "
+                             f"method={method!r} with N={num_partials} ranks; got output.shape={tuple(output.shape)}")
+    # docs/spec.md 4.7, 4.8: the scales of this rank's rows (every head for "gather", its heads for "reduce_scatter")
     fp8, _, _ = checks.check_outputs(output, partial_output, output_scale, group_size, output_group_scale,
                                      scale_ue8m0, shape=want, reads=dict(partial_output=partial_output,
                                                                          partial_lse=partial_lse,
-                                                                         output_lse=output_lse))
+                                                                         output_lse=output_lse),
+                                     output_block_scale=output_block_scale, scale_layout=scale_layout)
     if output_lse is not None:
         checks.check_tensor("output_lse", output_lse, ndim=2, dtypes=(torch.float32,), device=device)
         checks.lse_ht_strides("output_lse", output_lse, lse_layout, heads_out, num_tokens)
@@ -155,29 +178,30 @@ def _local_checks(output, partial_output, partial_lse, output_lse, prefill_token
     descriptor = [constants.CP_METHODS.index(method), _code(partial_output), _code(output), num_tokens, num_heads,
                   head_dim, num_requests, constants.LSE_LAYOUTS.index(lse_layout), int(base2),
                   int(output_lse is not None), ptwc, _code(torch.empty(0, dtype=reduce_dtype or torch.float32))]
-    descriptor += [group_size or 0, int(scale_ue8m0)]
+    descriptor += [group_size or 0, int(scale_ue8m0),
+                   -1 if output_block_scale is None else constants.NVFP4_SCALE_LAYOUTS.index(scale_layout)]
     return plans.CpPlan(fp8=fp8, base2=base2, num_requests=num_requests), ptwc, descriptor
 
 
 def _local_params(output, partial_output, partial_lse, output_lse, prefill_tokens_with_context, output_scale,
-                  query_start_loc, cu_seq_lens, output_group_scale, **options):
+                  query_start_loc, cu_seq_lens, output_group_scale, output_block_scale, **options):
     """`_local_checks` through the plan cache: (plan, prefill_tokens_with_context, descriptor); the descriptor is
     None where the plan was found (validate=False only)."""
     key, plan = (None, None) if options["validate"] else plans.find_plan(
         "cp_merge", (output, partial_output, partial_lse, output_lse, output_scale, query_start_loc, cu_seq_lens,
-                     output_group_scale), tuple(options.values()))
+                     output_group_scale, output_block_scale), tuple(options.values()))
     if plan is not None:  # every metadata check passed for this signature: prefill_tokens_with_context only
         return plan, checks.check_prefill_tokens(prefill_tokens_with_context, partial_output.shape[0], False), None
     plan, ptwc, descriptor = _local_checks(output, partial_output, partial_lse, output_lse,
                                            prefill_tokens_with_context, output_scale, query_start_loc, cu_seq_lens,
-                                           output_group_scale, **options)
+                                           output_group_scale, output_block_scale, **options)
     plans.remember(key, plan)
     return plan, ptwc, descriptor
 
 
 DESCRIPTOR_FIELDS = ("method", "partial_output.dtype", "output.dtype", "T", "H", "D", "R", "lse_layout",
                      "lse_base", "output_lse given", "prefill_tokens_with_context", "reduce_dtype", "group_size",
-                     "scale_ue8m0")
+                     "scale_ue8m0", "NVFP4 scale_layout")
 
 
 def _agree(group, descriptor, error, device) -> None:
@@ -219,7 +243,7 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
                          prefill_tokens_with_context=None, output_scale=None, *, method="gather",
                          query_start_loc=None, cu_seq_lens=None, lse_layout="HT", lse_base=math.e,
                          reduce_dtype=None, group_size=None, output_group_scale=None, scale_ue8m0=False,
-                         validate=False) -> None:
+                         output_block_scale=None, scale_layout="row", validate=False) -> None:
     """Combine the attention partials of a context-parallel group (docs/spec.md section 9), in place.
 
     Call on every rank of `group` with that rank's partial over its local KV. Rank i is partial i of the N-way
@@ -245,6 +269,11 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
       group_size, output_group_scale, scale_ue8m0: per-group FP8 output (docs/spec.md 4.7), as for
         `merge_attn_states`; output_group_scale f32[T, (H or H / N) * D / group_size], this rank's rows. "gather":
         fused into the N-way merge (its bits); "reduce_scatter": on the reduced rows, after the sum.
+      output_block_scale, scale_layout: NVFP4 output (docs/spec.md 4.8), as for `merge_attn_states`: `output`
+        u8[T, H or H / N, D / 2], output_scale the f32[1] global scale, output_block_scale this rank's e4m3 block
+        scales ("row" [T, (H or H / N) * D / 16], any strides, or "swizzled", the FP4 GEMMs' buffer of this rank's
+        rows). "gather": fused into the N-way merge (its bits); "reduce_scatter": on the reduced rows, after the
+        sum, by the merges' own NVFP4 store.
       validate: also check offset values, and before anything else make every rank agree on the inputs: one
         small all-gather of each rank's verdict and metadata (a host sync), after which every rank raises if any
         rank's inputs were bad or the ranks disagree (dtype, T, H, D, R, layout, base, method, ...).
@@ -262,9 +291,9 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
     try:
         params, ptwc, descriptor = _local_params(
             output, partial_output, partial_lse, output_lse, prefill_tokens_with_context, output_scale,
-            query_start_loc, cu_seq_lens, output_group_scale, method=method, num_partials=num_partials,
-            lse_layout=lse_layout, lse_base=lse_base, reduce_dtype=reduce_dtype, group_size=group_size,
-            scale_ue8m0=scale_ue8m0, validate=validate)
+            query_start_loc, cu_seq_lens, output_group_scale, output_block_scale, method=method,
+            num_partials=num_partials, lse_layout=lse_layout, lse_base=lse_base, reduce_dtype=reduce_dtype,
+            group_size=group_size, scale_ue8m0=scale_ue8m0, scale_layout=scale_layout, validate=validate)
     except (TypeError, ValueError) as e:
         if not validate:
             raise
@@ -296,6 +325,8 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
     if method == "gather":
         group = dict(group_size=group_size, output_group_scale=output_group_scale,
                      scale_ue8m0=scale_ue8m0) if group_size else {}
+        if output_block_scale is not None:
+            group = dict(output_block_scale=output_block_scale, scale_layout=scale_layout)
         merge_attn_states_n(output, outs.view(num_partials, num_tokens, num_heads, head_dim), lses, output_lse,
                             ptwc, output_scale, query_start_loc=qsl, cu_seq_lens=cus,
                             lse_layout=lse_layout, lse_base=lse_base, **group)
@@ -310,11 +341,13 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
     if output_lse is not None:  # this rank's heads of the merged LSE
         own = slice(rank * heads, (rank + 1) * heads)
         output_lse.copy_(merged_lse[own] if lse_layout == "HT" else merged_lse[:, own])
-    direct = output.dtype == rdt and output.is_contiguous()
+    direct = output.dtype == rdt and output.is_contiguous() and output_block_scale is None
     reduced = output if direct else torch.empty((num_tokens, heads, head_dim), dtype=rdt, device=device)
     _quiet_collective(dist.reduce_scatter_tensor, reduced, scaled.view(num_partials * num_tokens, heads, head_dim),
                       op=dist.ReduceOp.SUM, group=group)
-    if group_size:  # 4.7, after the sum: this rank's rows quantized per group (torch's cast: nearest even)
+    if output_block_scale is not None:  # 4.8, after the sum: this rank's rows through the merges' NVFP4 store
+        _nvfp4_rows(output, reduced.float().contiguous(), output_scale, output_block_scale, scale_layout)
+    elif group_size:  # 4.7, after the sum: this rank's rows quantized per group (torch's cast: nearest even)
         q, scales = _group_quant(reduced.float().reshape(num_tokens, -1), group_size, scale_ue8m0)
         output.copy_(q.view(output.shape))
         output_group_scale.copy_(scales)
@@ -322,6 +355,19 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
         output.copy_((reduced.float() / output_scale).clamp(-constants.FP8_E4M3_MAX, constants.FP8_E4M3_MAX))
     elif not direct:
         output.copy_(reduced)
+
+
+def _nvfp4_rows(output, rows, output_scale, output_block_scale, scale_layout) -> None:
+    """NVFP4 of contiguous f32 `rows` [T, H', D] into `output` u8[T, H', D / 2] and `output_block_scale` (4.8)."""
+    num_tokens, heads, head_dim = rows.shape
+    if not num_tokens or not heads:
+        return
+    block_t, block_h = 4, min(triton.next_power_of_2(heads), 16)
+    swizzled = scale_layout == "swizzled"
+    _nvfp4_rows_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(heads, block_h))](
+        rows, output, output_scale, output_block_scale, num_tokens, *output.stride(),
+        *((0, 0) if swizzled else output_block_scale.stride()), NUM_HEADS=heads, HEAD_DIM=head_dim,
+        BLOCK_T=block_t, BLOCK_H=block_h, SWIZZLED=swizzled, INTERPRET=_backend.interpreting())
 
 
 def _group_quant(x: torch.Tensor, group_size: int, ue8m0: bool):
