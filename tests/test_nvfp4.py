@@ -364,8 +364,7 @@ def test_e4m3_value_decodes_every_code_as_the_cast():
 def test_parity_check_runs_the_nvfp4_cases_and_fails_a_wrong_code(tmp_path, monkeypatch):
     """`python -m parity check --suite full -k nvfp4`: the NVFP4 cases (2-way with pass-through rows and special
     LSEs, N-way [T, H] base 2) pass against the reference's quotients within half an e2m1 step, their block scales
-    compared too; one code moved by a whole step in the Triton results fails the check. `export` leaves them out,
-    said in the manifest."""
+    compared too; one code moved by a whole step in the Triton results fails the check."""
     import json
 
     from parity import cli
@@ -383,7 +382,61 @@ def test_parity_check_runs_the_nvfp4_cases_and_fails_a_wrong_code(tmp_path, monk
 
     monkeypatch.setattr(kernels, "nvfp4_values", off_by_a_step)
     assert cli.main(["check", "--suite", "full", "-k", "nvfp4_ptwc", "--quiet"]) == 1
-    monkeypatch.undo()
-    assert cli.main(["export", str(tmp_path / "gold"), "--suite", "full", "-k", "nvfp4", "--quiet"]) == 0
-    manifest = json.loads((tmp_path / "gold" / "manifest.json").read_text())
-    assert manifest["cases"] == [] and len(manifest["not_exported"]["cases"]) == 2
+
+
+def test_golden_vectors_carry_nvfp4(tmp_path, capsys):
+    """`export` writes the NVFP4 cases (merge.out the reference's quotients, merge.out_bits its codes' values,
+    merge.scales the e4m3 block scales); `verify` passes the implementations and a port returning packed codes
+    with row-major scales (pallas_impl's jnp path), and fails that port with one block scale a step off."""
+    from parity import cli
+    from parity.harness import golden
+
+    gold = tmp_path / "gold"
+    assert cli.main(["export", str(gold), "--suite", "full", "-k", "nvfp4", "--quiet"]) == 0
+    entries = golden.load_manifest(str(gold))["cases"]
+    assert [e["name"] for e in entries] == ["nvfp4_ptwc_specials", "n4_fp16_nvfp4_th_base2"]
+    a = golden.load_case(str(gold), entries[0])
+    T = entries[0]["params"]["num_tokens"] if "num_tokens" in entries[0]["params"] else a["prefix_output"].shape[0]
+    assert a["merge.scales"].dtype == ml_dtypes.float8_e4m3fn and a["merge.scales"].shape == (T, 4 * 64 // 16)
+    assert set(np.unique(np.abs(a["merge.out_bits"]))) <= set(R.FP4_E2M1_VALUES)
+    for impl in ("reference", "triton", "jnp"):
+        assert cli.main(["verify", str(gold), "--impl", impl, "--quiet"]) == 0, impl
+    port = tmp_path / "port.py"
+    port.write_text(PORT.format(bump=0))
+    assert cli.main(["verify", str(gold), "--impl", f"{port}:run", "--quiet"]) == 0
+    port.write_text(PORT.format(bump=1))
+    capsys.readouterr()
+    assert cli.main(["verify", str(gold), "--impl", f"{port}:run", "--quiet"]) == 1
+    assert "scales" in capsys.readouterr().out
+
+
+PORT = """
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pallas_impl
+
+
+def run(op, x, params):
+    D = params["head_dim"]
+    if op == "mask":
+        lse, out = pallas_impl.mask_empty_context_lse(x["lse"], x["query_start_loc"], x["cu_seq_lens"],
+                                                      x["output"][..., :D], lse_layout=params["lse_layout"],
+                                                      implementation="jnp")
+        return dict(lse=np.asarray(lse), output=np.asarray(out))
+    kw = dict(out_dtype=jnp.float4_e2m1fn, output_scale=jnp.asarray(x["output_scale"]), implementation="jnp",
+              prefill_tokens_with_context=params.get("prefill_tokens_with_context"), lse_layout=params["lse_layout"],
+              lse_base=math.e if params["lse_base"] == "e" else 2)
+    if op.startswith("merge_n"):
+        fused = dict(query_start_loc=x["query_start_loc"], cu_seq_lens=x["cu_seq_lens"]) if op.endswith("fused") else {{}}
+        q, lse, s = pallas_impl.merge_attn_states_n(x["outputs"][..., :D], x["lses"], **fused, **kw)
+    else:
+        fused = dict(query_start_loc=x["query_start_loc"], prefix_cu_seq_lens=x["prefix_cu_seq_lens"]) \
+            if op.endswith("fused") else {{}}
+        q, lse, s = pallas_impl.merge_attn_states(x["prefix_output"][..., :D], x["prefix_lse"],
+                                                  x["suffix_output"][..., :D], x["suffix_lse"], **fused, **kw)
+    s = np.asarray(s).view(np.uint8).copy()
+    s[0, 0] += {bump}  # a block scale one e4m3 step off
+    return dict(out=np.asarray(q), lse=np.asarray(lse), scales=s)
+"""

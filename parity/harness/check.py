@@ -116,12 +116,7 @@ def _judge_merge(rec: OpRecord, judge: _Judge, case: cases_mod.Case, op: str, re
         judge.all_bits(rec, results, "scales", op)
         judge.to_reference(rec, results, "scales", op, ref["scales"], False, tol="float32")
     if case.nvfp4:  # NVFP4 (4.8): the magnitude in each block's units (x * g / s), and the e4m3 block scales
-        T, H, _ = mag.shape
-        sf = np.asarray(ref["scales"], np.float32).astype(np.float64)
-        g = float(np.asarray(ref_arrays["output_scale"], np.float32).reshape(-1)[0])
-        unit = np.where(sf > 0, g / np.where(sf > 0, sf, 1.0), 0.0)
-        mag = (mag.reshape(T, -1, 16) * unit[..., None]).reshape(T, H, D)
-        mag = np.where(np.isnan(mag), 0.0, mag)  # a NaN element (a pass-through NaN row): its code is +-0
+        mag = expected.nvfp4_units(mag, ref["scales"], ref_arrays["output_scale"])
         judge.all_bits(rec, results, "scales", op)
         judge.to_reference(rec, results, "scales", op, ref["scales"], False, tol="float8_e4m3fn")
     judge.all_bits(rec, results, "out", op)

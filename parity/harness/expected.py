@@ -47,6 +47,18 @@ def magnitude(case: cases_mod.Case, op: str, arrays: dict[str, np.ndarray], weig
     return merge_magnitude(outputs, weights, None if case.nvfp4 else arrays.get("output_scale"))
 
 
+def nvfp4_units(mag: np.ndarray, scales, global_scale) -> np.ndarray:
+    """NVFP4 (docs/spec.md 4.8): the magnitude `mag` f64[T, H, D] in each block's units (x * g / s, s the e4m3 block
+    scales [T, H * D / 16]; 0 in an all-zero block), the scale of the codes' values; NaN (a NaN element, whose code
+    is +-0) as 0."""
+    T, H, D = mag.shape
+    sf = np.asarray(scales, np.float32).astype(np.float64)
+    g = float(np.asarray(global_scale, np.float32).reshape(-1)[0])
+    unit = np.where(sf > 0, g / np.where(sf > 0, sf, 1.0), 0.0)
+    mag = (mag.reshape(T, -1, 16) * unit[..., None]).reshape(T, H, D)
+    return np.where(np.isnan(mag), 0.0, mag)
+
+
 def exact_masks(case: cases_mod.Case, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(out_exact bool[T, H], lse_exact bool in the case's LSE layout): where the result is a bit copy.
 

@@ -189,12 +189,20 @@ def quant_nvfp4(x, global_scale, *, quotients: bool = False):
         y = np.where(y > FP4_E2M1_MAX, np.float32(FP4_E2M1_MAX), y).astype(np.float32)
     if quotients:
         return y.reshape(rows.shape), scales
+    return e2m1_codes(y).reshape(rows.shape), scales
+
+
+def e2m1_codes(y):
+    """Section 4.8: the e2m1 codes (bit 3 the sign bit of y, bits 0-2 the thresholds |y| passes; a NaN passes
+    none) of the clamped f32 quotients `y`."""
+    y = np.asarray(y, np.float32)
     a = np.abs(y)
     code = np.zeros(y.shape, np.uint8)
-    for value, inclusive in FP4_E2M1_THRESHOLDS:
-        code += (a >= np.float32(value)) if inclusive else (a > np.float32(value))
+    with np.errstate(invalid="ignore"):
+        for value, inclusive in FP4_E2M1_THRESHOLDS:
+            code += (a >= np.float32(value)) if inclusive else (a > np.float32(value))
     sign = (y.view(np.uint32) >> 31).astype(np.uint8)
-    return (code | (sign << 3)).reshape(rows.shape), scales
+    return code | (sign << 3)
 
 
 def fp4_values(codes):
@@ -208,6 +216,12 @@ def pack_fp4(codes):
     """u8[T, K] e2m1 codes -> u8[T, K // 2]: byte j holds element 2j in its low nibble, 2j + 1 in its high one."""
     codes = np.asarray(codes, np.uint8)
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+
+
+def unpack_fp4(packed):
+    """u8[..., K // 2] -> u8[..., K] e2m1 codes: `pack_fp4`'s inverse (element 2j the low nibble of byte j)."""
+    packed = np.asarray(packed, np.uint8)
+    return np.stack([packed & 15, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
 
 
 def swizzle_nvfp4_scales(scales):

@@ -37,6 +37,8 @@ SPEC_SECTIONS = {
     "pass_through": "docs/spec.md section 4.4",
     "fused_mask": "docs/spec.md section 4.5",
     "fp8_output": "docs/spec.md section 4.6",
+    "per_group_fp8_output": "docs/spec.md section 4.7",
+    "nvfp4_output": "docs/spec.md section 4.8",
     "parity": "docs/spec.md section 5",
     "merge_n": "docs/spec.md section 8",
 }
@@ -203,11 +205,13 @@ _DESCRIPTIONS = {
     "output_scale": "f32[1] fp8 output scale (docs/spec.md 4.6)",
     "mask.lse": "expected prefix LSE after the mask (exact)",
     "mask.output": "expected prefix_output[..., :D] after the mask (exact)",
-    "merge.out": "float64 reference output (fp8: the clamped, scaled value before the cast)",
+    "merge.out": "float64 reference output (fp8: the clamped, scaled value before the cast; NVFP4: the clamped "
+                 "quotient y before the e2m1 code, a NaN as the +-0 it encodes to)",
     "merge.out_bits": "merge.out rounded to the output dtype (nearest even); pass-through rows are the last partial's "
-                      "(the suffix's) bits",
+                      "(the suffix's) bits; NVFP4: the f32 values of the reference's e2m1 codes",
     "merge.out_exact": "bool[T, H]: rows of the output that are bit copies (compared bit for bit)",
-    "merge.scales": "f32[T, H * D / group_size]: the per-group FP8 scales (docs/spec.md 4.7; group_size cases only)",
+    "merge.scales": "f32[T, H * D / group_size]: the per-group FP8 scales (docs/spec.md 4.7; group_size cases), or "
+                    "float8_e4m3fn[T, H * D / 16]: NVFP4's block scales, row-major (4.8; float4_e2m1fn cases)",
     "merge.lse": "float64 reference LSE (lse_layout, lse_base)",
     "merge.lse_bits": "merge.lse rounded to f32; pass-through rows are the raw LSE bits of the last partial",
     "merge.lse_exact": "bool in lse_layout: LSE elements that are bit copies (compared bit for bit)",

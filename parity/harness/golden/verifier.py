@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.harness import expected, impls, provenance
+from parity.harness import expected, impls, provenance, reference
 from parity.harness.golden.store import (OPS, GoldenError, _np_dtype, case_from_params, case_params, load_case,
                                          load_manifest, to_stored)
 from parity.library.loading import load_callable
@@ -62,7 +62,18 @@ def _result_shapes(case, op: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]
     shapes = {"out": ((T, H, D), _np_dtype(case.out_dtype or case.dtype)), "lse": (lse_shape, np.dtype(np.float32))}
     if case.group_size:  # per-group FP8 (docs/spec.md 4.7)
         shapes["scales"] = ((T, H * D // case.group_size), np.dtype(np.float32))
+    if case.nvfp4:  # NVFP4 (4.8): the packed codes, two a byte, and the row-major e4m3 block scales
+        shapes["out"] = ((T, H, D // 2), np.dtype(np.uint8))
+        shapes["scales"] = ((T, H * D // 16), _np_dtype("float8_e4m3fn"))
     return shapes
+
+
+def _values(case, results: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A port's NVFP4 results with their packed codes as values f32[T, H, D] (docs/spec.md 4.8: the codes' e2m1
+    values, the block's units); other results as they are."""
+    if not case.nvfp4 or "out" not in results:
+        return results
+    return dict(results, out=reference.fp4_values(reference.unpack_fp4(results["out"])))
 
 
 def _as_result(case, op: str, key: str, x) -> np.ndarray:
@@ -92,13 +103,16 @@ class Runner:
     def run(self, case, a: dict, op: str, params: dict | None = None) -> dict[str, Any]:
         if self.fn is not None:
             got = self.fn(op, port_inputs(case, a, op), dict(params or case_params(case, 0)))
-            return {k: _as_result(case, op, k, got[k]) for k in _result_shapes(case, op)}
+            return _values(case, {k: _as_result(case, op, k, got[k]) for k in _result_shapes(case, op)})
         if self.outputs_dir is not None:
-            return self._read(case, op)
+            return _values(case, self._read(case, op))
         inputs = _operands(case, a, op)
         if self.impl == "reference":
             got = impls.run(self.rt, "reference", op, case, inputs)
-            if op != "mask":  # the reference leaves the final rounding to the caller (docs/spec.md 4.6 for fp8)
+            if case.nvfp4 and op != "mask":  # 4.8: the values of the e2m1 codes of the quotients
+                got = dict(got, out=reference.fp4_values(reference.e2m1_codes(got["out"].astype(np.float32))),
+                           lse=got["lse"].astype(np.float32))
+            elif op != "mask":  # the reference leaves the final rounding to the caller (docs/spec.md 4.6 for fp8)
                 got = dict(got, out=got["out"].astype(_np_dtype(case.out_dtype or case.dtype)),
                            lse=got["lse"].astype(np.float32))
             return got
@@ -175,9 +189,14 @@ def verify_case(entry: dict[str, Any], a: dict[str, np.ndarray], runner: Runner,
                     want["scales"] = a["merge.scales"]
                     tolerance["scales"] = compare.Tolerance(**tolerances["float32"])
                     keys.append("scales")
+                if case.nvfp4:  # 4.8: the magnitude in each block's units, and the e4m3 block scales
+                    mag = expected.nvfp4_units(mag, a["merge.scales"], a["output_scale"])
+                    want["scales"] = a["merge.scales"]
+                    tolerance["scales"] = compare.Tolerance(**tolerances["float8_e4m3fn"])
+                    keys.append("scales")
                 compared = crosscheck.compare_results(
                     {"got": got}, keys, pairs=(), reference=want, against=("got",), locating=locating,
-                    axes=dict(axes(want), **({"scales": ("token", "group")} if case.group_size else {})),
+                    axes=dict(axes(want), **({"scales": ("token", "group")} if "scales" in want else {})),
                     prefix=f"{op}.", tolerance=tolerance,
                     exact={"out": np.broadcast_to(a["merge.out_exact"][:, :, None], mag.shape),
                            "lse": a["merge.lse_exact"]},

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from parity.harness import cases as cases_mod
-from parity.harness import expected, impls, provenance
+from parity.harness import expected, impls, provenance, reference
 from parity.harness.golden.store import (_DESCRIPTIONS, FORMAT, FORMAT_VERSION, MANIFEST, SEMANTICS_VERSION,
                                          SPEC_SECTIONS, _np_dtype, _role, _tolerances, case_params, sha256,
                                          to_stored)
@@ -32,7 +32,10 @@ def _merge_expectations(case: cases_mod.Case, op: str, arrays: dict[str, np.ndar
     ref = impls.run(impls.HOST, "reference", op, case, arrays)
     w = expected.merge_weights(case, op, arrays)
     out_exact, lse_exact = expected.exact_masks(case, w)
-    out_bits = ref["out"].astype(_np_dtype(case.out_dtype or case.dtype))
+    if case.nvfp4:  # docs/spec.md 4.8: the e2m1 values (f32) of the reference's codes; out holds the quotients
+        out_bits = reference.fp4_values(reference.e2m1_codes(ref["out"].astype(np.float32)))
+    else:
+        out_bits = ref["out"].astype(_np_dtype(case.out_dtype or case.dtype))
     lse_bits = ref["lse"].astype(np.float32)
     ptwc = case.prefill_tokens_with_context
     if ptwc is not None:  # docs/spec.md 4.4, 8.4: bit copies (float64 cannot carry NaN payloads)
@@ -40,7 +43,7 @@ def _merge_expectations(case: cases_mod.Case, op: str, arrays: dict[str, np.ndar
             out_bits[ptwc:] = last_output[ptwc:, :, :case.head_dim]
         impls.token_slice(lse_bits, case.lse_layout, ptwc, case.num_tokens)[...] = \
             impls.token_slice(last_lse, case.lse_layout, ptwc, case.num_tokens)
-    scales = {"merge.scales": ref["scales"]} if case.group_size else {}  # docs/spec.md 4.7
+    scales = {"merge.scales": ref["scales"]} if case.group_size or case.nvfp4 else {}  # docs/spec.md 4.7, 4.8
     return {"merge.out": ref["out"], "merge.out_bits": out_bits, "merge.out_exact": out_exact,
             "merge.lse": ref["lse"], "merge.lse_bits": lse_bits, "merge.lse_exact": lse_exact, "merge.weights": w,
             **scales}
@@ -71,12 +74,8 @@ def expected_arrays(case: cases_mod.Case, inputs: dict[str, np.ndarray]) -> dict
 
 def export(out_dir: str, selected: list[cases_mod.Case], *, seed: int = 0, argv: list[str] | None = None,
            progress=None) -> dict[str, Any]:
-    """Write `<case>.npz` per case and `manifest.json`; returns the manifest. NVFP4 cases (docs/spec.md 4.8) are
-    left out, said in the manifest's "not_exported": the vectors' port protocol returns one output array per op,
-    and NVFP4's packed codes with their block scales have no entry in it yet (`parity check` covers them)."""
+    """Write `<case>.npz` per case and `manifest.json`; returns the manifest."""
     os.makedirs(out_dir, exist_ok=True)
-    skipped = [c.name for c in selected if c.nvfp4]
-    selected = [c for c in selected if not c.nvfp4]
     manifest: dict[str, Any] = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "semantics_version": SEMANTICS_VERSION,
         "spec": SPEC_SECTIONS,
@@ -87,8 +86,9 @@ def export(out_dir: str, selected: list[cases_mod.Case], *, seed: int = 0, argv:
         "tolerance_rule": ("exact elements: identical bits (a NaN matches any NaN); other elements: the value "
                            "classes (finite, +inf, -inf, NaN) agree and |got - want| <= atol + rtol * mag in "
                            "float64, with want = merge.out / merge.lse, mag = sum_i |o_i| * w_i over the partials "
-                           "with w = merge.weights (divided by output_scale for fp8) for the output and |merge.lse| "
-                           "for the LSE; rtol, atol from "
+                           "with w = merge.weights (divided by output_scale for fp8, by each group's scale for "
+                           "per-group FP8; for NVFP4 times output_scale / the block's scale, its codes compared as "
+                           "values) for the output and |merge.lse| for the LSE; rtol, atol from "
                            "tolerances[output dtype] and tolerances['lse']"),
         "tolerances": _tolerances(),
         "ops": {
@@ -106,9 +106,6 @@ def export(out_dir: str, selected: list[cases_mod.Case], *, seed: int = 0, argv:
         },
         "cases": [],
     }
-    if skipped:
-        manifest["not_exported"] = {"cases": skipped, "why": "NVFP4 output (docs/spec.md 4.8): not in the port "
-                                    "protocol yet; `python -m parity check` covers these cases"}
     for n, case in enumerate(selected, 1):
         t0 = time.perf_counter()
         inputs = (cases_mod.make_inputs_n if case.n_way else cases_mod.make_inputs)(case, seed)
