@@ -59,6 +59,22 @@ def nvfp4_units(mag: np.ndarray, scales, global_scale) -> np.ndarray:
     return np.where(np.isnan(mag), 0.0, mag)
 
 
+def nvfp4_in_reference_units(values, scales, ref_scales) -> np.ndarray:
+    """NVFP4 (docs/spec.md 4.8): an implementation's code values [T, H, D] in the reference's block units, times
+    its block scale over the reference's (1 where the reference's is 0): a block whose scale is one e4m3 step off
+    the reference's (an ulp of its f32 rows moved the amax across a rounding boundary) still compares within half
+    a code step, since its quotients were taken in its own units. Any array type in, numpy f32 out (one
+    rounding)."""
+    from parity.library import bridge
+
+    values = np.asarray(bridge.to_numpy(values), np.float64)
+    T, H, D = values.shape
+    got = np.asarray(bridge.to_numpy(scales), np.float32).astype(np.float64)
+    ref = np.asarray(ref_scales, np.float32).astype(np.float64)
+    ratio = np.where(ref > 0, got / np.where(ref > 0, ref, 1.0), 1.0)
+    return (values.reshape(T, -1, 16) * ratio[..., None]).reshape(T, H, D).astype(np.float32)
+
+
 def exact_masks(case: cases_mod.Case, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(out_exact bool[T, H], lse_exact bool in the case's LSE layout): where the result is a bit copy.
 

@@ -88,8 +88,9 @@ def export(out_dir: str, selected: list[cases_mod.Case], *, seed: int = 0, argv:
                            "float64, with want = merge.out / merge.lse, mag = sum_i |o_i| * w_i over the partials "
                            "with w = merge.weights (divided by output_scale for fp8, by each group's scale for "
                            "per-group FP8; for NVFP4 times output_scale / the block's scale, its codes compared as "
-                           "values) for the output and |merge.lse| for the LSE; rtol, atol from "
-                           "tolerances[output dtype] and tolerances['lse']"),
+                           "values times their block scale / merge.scales, the scales within "
+                           "tolerances['nvfp4_block_scale']) for the output and |merge.lse| for the LSE; rtol, atol "
+                           "from tolerances[output dtype] and tolerances['lse']"),
         "tolerances": _tolerances(),
         "ops": {
             "mask": "mask_empty_context_lse(prefix_lse, query_start_loc, cu_seq_lens, output=prefix_output[..., :D]) "
