@@ -201,7 +201,7 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
             query_start_loc=query_start_loc, cu_seq_lens=cus, return_lse=return_lse, out_dtype=requested,
             output_scale=output_scale, lse_layout=lse_layout, lse_base=lse_base, group_size=group_size,
             scale_ue8m0=scale_ue8m0, scale_layout=scale_layout, interpret=interpret, implementation=impl,
-            backend=backend)
+            backend=None if impl == "jnp" else backend)  # the jnp path takes no backend (Mosaic GPU refuses it)
 
     rank = lax.axis_index(axis_name).astype(jnp.int32)
     rdt = jnp.dtype(reduce_dtype or jnp.float32)

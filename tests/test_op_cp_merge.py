@@ -33,6 +33,9 @@ def _triton(name, method, reduce_dtype):
 def _jax(impl, case, method, reduce_dtype):
     """The same combine with `jax.vmap(axis_name="cp")` over the N partials, and this implementation's
     single-device N-way merge of them."""
+    if impl == "mosaic" and not RT.on_gpu:
+        pytest.skip("JAX's Mosaic GPU interpreter runs no kernel under a vmap axis name (jax 0.11.2: 'unbound axis "
+                    "name'); tests/test_pallas_mosaic.py runs the Mosaic combine under shard_map on one CPU device")
     inp = cases.make_inputs_n(case)
     D = case.head_dim
     adapter = impls.adapter(RT, impl)
