@@ -85,10 +85,7 @@ def _want(f32, layout, padding):
 
 
 def _codes(packed):
-    packed = packed.reshape(T, -1)
-    out = np.empty((T, packed.shape[1] * 2), np.uint8)
-    out[:, 0::2], out[:, 1::2] = packed & 15, packed >> 4
-    return out
+    return R.unpack_fp4(packed.reshape(T, -1))
 
 
 # Every implementation through every N kind (2-way, unrolled N-way, split N-way beyond 16, N = 0) and both layouts.
