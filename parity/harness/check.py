@@ -121,12 +121,12 @@ def _judge_merge(rec: OpRecord, judge: _Judge, case: cases_mod.Case, op: str, re
         judge.to_reference(rec, results, "scales", op, ref["scales"], False, tol="nvfp4_block_scale")
     judge.all_bits(rec, results, "out", op)
     judge.all_bits(rec, results, "lse", op)
+    against = results
     if case.nvfp4:  # the codes' values against the reference's quotients, in the reference's block units
-        for impl in impls.KERNEL_IMPLS:
-            r = results.get(impl)
-            if r and r.get("out") is not None and r.get("scales") is not None:
-                r["out"] = expected.nvfp4_in_reference_units(r["out"], r["scales"], ref["scales"])
-    judge.to_reference(rec, results, "out", op, ref["out"], np.broadcast_to(out_exact[..., None], mag.shape), mag=mag,
+        against = {impl: dict(r, out=expected.nvfp4_in_reference_units(r["out"], r["scales"], ref["scales"]))
+                   if impl in impls.KERNEL_IMPLS and r and r.get("out") is not None and r.get("scales") is not None
+                   else r for impl, r in results.items()}
+    judge.to_reference(rec, against, "out", op, ref["out"], np.broadcast_to(out_exact[..., None], mag.shape), mag=mag,
                        tol="float4_e2m1fn" if case.nvfp4 else None)
     judge.to_reference(rec, results, "lse", op, ref["lse"], lse_exact, tol="lse")
     if case.head_pad:  # the columns past D of Triton's output buffer keep their NaN poison
