@@ -225,12 +225,8 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
     heads = num_heads // num_partials
     reduced = lax.psum_scatter(scaled, axis_name, scatter_dimension=1, tiled=True)  # [T, H / N, D]
     scales = None
-    nvfp4 = _math.is_nvfp4(group)
-    if nvfp4:  # 4.8, after the sum: this device's rows, block scales row-major (swizzled below)
-        result, scales = jnp_fallback._stored_grouped(reduced.astype(jnp.float32), group[:2] + ("row",),
-                                                      global_scale=jnp.asarray(output_scale, jnp.float32))
-    elif group is not None:  # 4.7, after the sum: this device's rows quantized per group
-        result, scales = jnp_fallback._stored_grouped(reduced.astype(jnp.float32), group)
+    if group is not None:  # 4.7 / 4.8, after the sum: this device's rows quantized, its scales in their layout
+        result, scales = jnp_fallback._stored_grouped(reduced.astype(jnp.float32), group, global_scale=output_scale)
     elif out_dtype == checks.FP8:  # 4.6, after the sum
         result = reduced.astype(jnp.float32) / jnp.asarray(output_scale, jnp.float32).reshape(-1)[0]
         result = jnp.where(result < -_math.FP8_E4M3_MAX, -_math.FP8_E4M3_MAX, result)
@@ -239,5 +235,4 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
         result = reduced.astype(out_dtype)
     axis = 0 if lse_layout == "HT" else 1
     lse_out = lax.dynamic_slice_in_dim(merged, rank * heads, heads, axis=axis) if return_lse else None
-    results = jnp_fallback._results(result, lse_out, scales)
-    return _math.with_swizzled_scales(results) if nvfp4 and group[2] == "swizzled" else results
+    return jnp_fallback._results(result, lse_out, scales)

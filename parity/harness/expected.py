@@ -55,7 +55,7 @@ def nvfp4_units(mag: np.ndarray, scales, global_scale) -> np.ndarray:
     sf = np.asarray(scales, np.float32).astype(np.float64)
     g = float(np.asarray(global_scale, np.float32).reshape(-1)[0])
     unit = np.where(sf > 0, g / np.where(sf > 0, sf, 1.0), 0.0)
-    mag = (mag.reshape(T, -1, 16) * unit[..., None]).reshape(T, H, D)
+    mag = (mag.reshape(T, -1, reference.NVFP4_BLOCK) * unit[..., None]).reshape(T, H, D)
     return np.where(np.isnan(mag), 0.0, mag)
 
 
@@ -72,7 +72,7 @@ def nvfp4_in_reference_units(values, scales, ref_scales) -> np.ndarray:
     got = np.asarray(bridge.to_numpy(scales), np.float32).astype(np.float64)
     ref = np.asarray(ref_scales, np.float32).astype(np.float64)
     ratio = np.where(ref > 0, got / np.where(ref > 0, ref, 1.0), 1.0)
-    return (values.reshape(T, -1, 16) * ratio[..., None]).reshape(T, H, D).astype(np.float32)
+    return (values.reshape(T, -1, reference.NVFP4_BLOCK) * ratio[..., None]).reshape(T, H, D).astype(np.float32)
 
 
 def exact_masks(case: cases_mod.Case, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -205,6 +205,12 @@ def e2m1_codes(y):
     return code | (sign << 3)
 
 
+def e2m1_values(y):
+    """Section 4.8: the f32 values the e2m1 codes of the clamped quotients `y` stand for (`fp4_values` of
+    `e2m1_codes`)."""
+    return fp4_values(e2m1_codes(y))
+
+
 def fp4_values(codes):
     """f32 values of e2m1 codes (bit 3 the sign): the dequantized elements before their block scale."""
     codes = np.asarray(codes, np.uint8)

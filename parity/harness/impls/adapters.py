@@ -122,8 +122,7 @@ def _quantized(results: dict[str, np.ndarray], group_size, scale_ue8m0: bool,
     """Per-group FP8 (docs/spec.md 4.7) of the reference merge's float64 rows rounded to f32: "out" the clamped
     quotients before the fp8 cast, "scales" f32[T, H * D / G]; NVFP4 (4.8, with `global_scale`): "out" the
     clamped quotients y before the e2m1 rounding (a NaN as the +-0 it encodes to), "scales" e4m3[T, H * D / 16];
-    the results unchanged
-    otherwise."""
+    the results unchanged otherwise."""
     if global_scale is not None:
         out = results["out"]
         g = np.asarray(global_scale, np.float32).reshape(-1)[0]
