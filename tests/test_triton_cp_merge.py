@@ -114,6 +114,5 @@ def test_nvfp4_gather_gives_the_n_way_bits_and_reduce_scatter_its_values(results
     q = np.concatenate([results[r]["nvfp4_reduce_scatter_row"][0].reshape(T, -1) for r in range(WORLD)], axis=1)
     s = np.concatenate([results[r]["nvfp4_reduce_scatter_row"][1] for r in range(WORLD)], axis=1)
     assert np.abs(s.astype(int) - want_s.astype(int)).max() <= 1
-    codes = lambda p: np.stack([p & 15, p >> 4], axis=-1).reshape(T, -1)  # noqa: E731
-    step = np.abs((codes(q) & 7).astype(int) - (codes(want_q) & 7).astype(int))
+    step = np.abs((R.unpack_fp4(q) & 7).astype(int) - (R.unpack_fp4(want_q) & 7).astype(int))
     assert step.max() <= 1 and (step > 0).mean() < 0.02

@@ -127,16 +127,13 @@ def _jax_nvfp4_calls(T, H, D, N):
     import jax
     import jax.numpy as jnp
 
-    from pallas_impl import _math
+    from pallas_impl import _math, jnp_fallback
 
     merge = _jax_merge(T, H, D, N)
     g = jnp.float32(448 * 6 / 8.0)
-
-    def quant(x):
-        codes, scales = _math.nvfp4_quant(x.astype(jnp.float32), g)
-        return _math.pack_fp4(codes), scales.reshape(T, -1)
-
-    quant = jax.jit(quant)
+    # the jnp path's own NVFP4 store (packed codes, row-major block scales) on the bf16 rows
+    quant = jax.jit(lambda x: jnp_fallback._stored_grouped(x.astype(jnp.float32), (16, _math.NVFP4, "row"),
+                                                           global_scale=g))
     return {"bf16": lambda: merge(), "fused": lambda: merge(out_dtype=jnp.float4_e2m1fn, output_scale=g),
             "unfused": lambda: quant(merge())}
 

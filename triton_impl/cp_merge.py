@@ -367,7 +367,8 @@ def _nvfp4_rows(output, rows, output_scale, output_block_scale, scale_layout) ->
     _nvfp4_rows_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(heads, block_h))](
         rows, output, output_scale, output_block_scale, num_tokens, *output.stride(),
         *((0, 0) if swizzled else output_block_scale.stride()), NUM_HEADS=heads, HEAD_DIM=head_dim,
-        BLOCK_T=block_t, BLOCK_H=block_h, SWIZZLED=swizzled, INTERPRET=_backend.interpreting())
+        BLOCK_T=block_t, BLOCK_H=block_h, SWIZZLED=swizzled, INTERPRET=_backend.interpreting(),
+        **_backend.PARITY_LAUNCH)  # the fused merges' float settings: the store's bits
 
 
 def _group_quant(x: torch.Tensor, group_size: int, ue8m0: bool):
