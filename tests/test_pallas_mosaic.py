@@ -523,3 +523,88 @@ def test_mask_of_many_short_requests_matches_the_reference(lse_layout, num_reque
     compare.assert_bitwise_equal(np.asarray(got_lse), want_lse.astype(np.float32), name="mask.lse", layout=lse_layout)
     if with_output:
         compare.assert_bitwise_equal(np.asarray(got[1]), want_out.astype(np.float32), name="mask.output")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shared memory at every tile size: long-T tiles with an f32 (or quantized, stored as f32) output
+
+
+def _smem(dc, itemsize, out_itemsize, input_tiles, out_slots, other):
+    from pallas_impl.mosaic import _common as mc
+
+    return mc.BLOCK_T * dc * (input_tiles * itemsize + out_slots * out_itemsize) + other
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 192, 256, 512])
+def test_every_merge_tile_fits_shared_memory(dtype, out_dtype, head_dim):
+    """`head_plan` narrows a kernel's tile until its shared memory fits: the 2-way merge at its short and long
+    tiles, the N-way merge at N = 2 and past WEIGHT_ROWS, the CP rescale. Before 2026-12-07 the 2-way merge's
+    long-T tiles with an f32 output of bf16 partials (every quantized output: f32 rows) asked for 258 KiB and
+    failed to compile at T >= 32K."""
+    from pallas_impl.mosaic import _common as mc
+
+    itemsize, out_itemsize = np.dtype(dtype).itemsize, np.dtype(jnp.dtype(out_dtype)).itemsize
+    for tokens in (mc.BLOCK_T, mc.TUNING["merge"]["long_tokens"]):
+        tune = mc.merge_tuning(tokens)
+        shape = dict(input_tiles=2 * tune["concurrent"], out_slots=tune["stores"], other_bytes=4 * mc.BLOCK_T * 4)
+        cols, dc = mc.head_plan(head_dim, dtype, tune["tile_bytes"], out_dtype=out_dtype, **shape)
+        assert cols % dc == 0 and _smem(dc, itemsize, out_itemsize, *shape.values()) <= mc.SMEM_BYTES
+        # the widest tile within the budget: a tile twice as wide (where one divides the head) would not fit
+        wider = mc.column_chunk(cols, itemsize, tune["tile_bytes"])
+        if wider != dc:
+            assert _smem(2 * dc, itemsize, out_itemsize, *shape.values()) > mc.SMEM_BYTES
+    tune = mc.TUNING["merge_n"]
+    for partials in (2, 300):
+        other = (min(partials, mc.WEIGHT_ROWS) + 4) * mc.BLOCK_T * 4
+        _, dc = mc.head_plan(head_dim, dtype, tune["tile_bytes"], out_dtype=out_dtype, input_tiles=tune["concurrent"],
+                             out_slots=tune["stores"], other_bytes=other)
+        assert _smem(dc, itemsize, out_itemsize, tune["concurrent"], tune["stores"], other) <= mc.SMEM_BYTES
+
+
+def test_long_tiles_of_bf16_into_f32_are_narrowed():
+    from pallas_impl.mosaic import _common as mc
+
+    tune = mc.merge_tuning(mc.TUNING["merge"]["long_tokens"])
+    shape = dict(input_tiles=2 * tune["concurrent"], out_slots=tune["stores"], other_bytes=4 * mc.BLOCK_T * 4)
+    assert mc.head_plan(128, "bfloat16", tune["tile_bytes"], out_dtype="bfloat16", **shape) == (128, 128)
+    assert mc.head_plan(128, "bfloat16", tune["tile_bytes"], out_dtype="float32", **shape) == (128, 64)
+
+
+LONG_T_OUTPUTS = {
+    "float32": dict(out_dtype=jnp.float32),
+    "static_fp8": dict(out_dtype=jnp.float8_e4m3fn, output_scale=jnp.float32(0.5)),
+    "group_fp8": dict(group_size=128),
+    "group_fp8_ue8m0": dict(group_size=64, scale_ue8m0=True),
+    "nvfp4_row": dict(out_dtype=jnp.float4_e2m1fn, output_scale=jnp.float32(40.0)),
+    "nvfp4_swizzled": dict(out_dtype=jnp.float4_e2m1fn, output_scale=jnp.float32(40.0), scale_layout="swizzled"),
+}
+
+
+@pytest.mark.gpu
+@needs_mosaic
+@pytest.mark.parametrize("num_tokens", [2048, 16384, 32768, 131072])
+@pytest.mark.parametrize("output", list(LONG_T_OUTPUTS))
+def test_quantized_and_f32_outputs_at_long_t_give_the_triton_backends_bits(num_tokens, output):
+    """Every quantized output and an f32 one, 2-way (the fused mask, pass-through rows) and N = 4, bf16, H = 16,
+    D = 128, at T = 2K to 131K on Mosaic GPU: the Triton backend's bits (at T >= 32K the 2-way merge's long
+    tiles failed to compile before 2026-12-07)."""
+    heads, head_dim, partials = 16, 128, 4
+    keys = jax.random.split(jax.random.PRNGKey(num_tokens), 2)
+    outs = jax.random.normal(keys[0], (partials, num_tokens, heads, head_dim), jnp.bfloat16) * 3
+    lses = jax.random.normal(keys[1], (partials, heads, num_tokens), jnp.float32)
+    qsl = jnp.asarray([0, 7, num_tokens // 2, num_tokens - 5], jnp.int32)
+    cu = jnp.asarray([0, 3, 3, 9], jnp.int32)  # request 1: an empty prefix chunk
+    kw = LONG_T_OUTPUTS[output]
+    results = {}
+    for backend in ("triton", "mosaic_gpu"):
+        two = pallas_impl.merge_attn_states(outs[0], lses[0], outs[1], lses[1], query_start_loc=qsl,
+                                            prefix_cu_seq_lens=cu, prefill_tokens_with_context=num_tokens - 3,
+                                            implementation="pallas", backend=backend, **kw)
+        many = pallas_impl.merge_attn_states_n(outs, lses, implementation="pallas", backend=backend, **kw)
+        results[backend] = [np.asarray(x) for x in jax.tree.leaves((two, many))]
+    for g, w in zip(results["mosaic_gpu"], results["triton"]):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(g.view(np.uint8) if g.dtype.itemsize == 1 else g,
+                                      w.view(np.uint8) if w.dtype.itemsize == 1 else w)

@@ -96,7 +96,10 @@ def merge_partials(outputs, lses_th, empty, params):
         out = np.where(out < -FP8_MAX, -FP8_MAX, np.where(out > FP8_MAX, FP8_MAX, out)).astype(out_dtype)
     else:
         out = np.where(copy[:, None, None], outputs[-1], out.astype(out_dtype))
-    lse = np.where(copy[:, None], lses_th[-1], lse).astype(np.float32)
+    last_lse = lses_th[-1]  # 8.4: the last partial's raw bits; -inf where the fused mask empties that partial
+    if empty is not None:
+        last_lse = np.where(empty[-1][:, None], np.float32(-np.inf), last_lse)
+    lse = np.where(copy[:, None], last_lse, lse).astype(np.float32)
     return out, lse
 
 

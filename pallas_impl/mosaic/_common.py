@@ -30,6 +30,8 @@ from pallas_impl import _backend, _math, jnp_fallback
 
 BLOCK_T = 128  # tokens per tile: a Warpgroup row vector needs a multiple of 128 elements
 MAX_COLS = 256  # a TMA box dimension holds at most 256 elements: wider heads are split into column chunks
+# Dynamic shared memory of one CTA on an H100 / H200 (227 KiB), less 1 KiB for the pipelines' barriers.
+SMEM_BYTES = 227 * 1024 - 1024
 # The N-way merge keeps a shared-memory weight row per partial up to WEIGHT_ROWS partials (its loops over them
 # unrolled); beyond, its loops run at runtime and the weights of WEIGHT_ROWS partials at a time.
 WEIGHT_ROWS = 64
@@ -132,12 +134,24 @@ def padded_heads(x, columns: int):
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
 
 
-def head_plan(head_dim: int, dtype, tile_bytes: int) -> tuple[int, int]:
+def head_plan(head_dim: int, dtype, tile_bytes: int, *, out_dtype, input_tiles: int, out_slots: int,
+              other_bytes: int) -> tuple[int, int]:
     """(columns of a kernel's head, columns of one TMA tile) for heads of `head_dim` elements of `dtype`:
-    `head_columns`, then `column_chunk` of that width."""
+    `head_columns`, then `column_chunk` of that width, narrowed (halving `tile_bytes`) until the kernel's shared
+    memory fits `SMEM_BYTES`: `input_tiles` `[BLOCK_T, dc]` input tiles in flight, `out_slots` output tiles of
+    `out_dtype` and `other_bytes` of other scratch. (An f32 output of bf16 inputs doubles the output slots: at the
+    2-way merge's long-T tiles it needed 258 KiB.)"""
     itemsize = jnp.dtype(dtype).itemsize
+    out_itemsize = jnp.dtype(out_dtype).itemsize
     cols = head_columns(head_dim, itemsize)
-    return cols, column_chunk(cols, itemsize, tile_bytes)
+    dc = column_chunk(cols, itemsize, tile_bytes)
+    while BLOCK_T * dc * (input_tiles * itemsize + out_slots * out_itemsize) + other_bytes > SMEM_BYTES:
+        tile_bytes //= 2
+        narrower = column_chunk(cols, itemsize, tile_bytes)
+        if narrower == dc:
+            raise ValueError(f"no tile of a {head_dim}-column head fits {SMEM_BYTES} bytes of shared memory")
+        dc = narrower
+    return cols, dc
 
 
 def column_chunk(head_dim: int, itemsize: int, tile_bytes: int = 32 * 1024) -> int:

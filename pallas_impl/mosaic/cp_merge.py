@@ -96,7 +96,9 @@ def rescale_mosaic(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with
     """`pallas_impl.cp_merge`'s rescale (`_rescale_jit`'s arguments and results) with backend="mosaic_gpu"."""
     num_partials = lses.shape[0]
     num_tokens, num_heads, head_dim = part.shape
-    cols, dc = mc.head_plan(head_dim, part.dtype, mc.TUNING["cp_rescale"]["tile_bytes"])  # cols >= D: TMA rows
+    tune = mc.TUNING["cp_rescale"]
+    cols, dc = mc.head_plan(head_dim, part.dtype, tune["tile_bytes"], out_dtype=reduce_dtype,  # cols >= D: TMA rows
+                            input_tiles=tune["concurrent"], out_slots=tune["stores"], other_bytes=3 * mc.BLOCK_T * 4)
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     empties = mc.fused_empties(query_start_loc, cu_seq_lens, num_tokens)

@@ -112,8 +112,11 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
     """`pallas_impl.merge_attn_states` with backend="mosaic_gpu" (its arguments, checked there)."""
     num_tokens, num_heads, head_dim = prefix_output.shape
     tp = max(num_tokens, mc.BLOCK_T)
-    cols, dc = mc.head_plan(head_dim, prefix_output.dtype, mc.merge_tuning(tp)["tile_bytes"])  # cols >= D: TMA rows
     fp8 = output_scale is not None or group is not None  # the kernel stores f32 rows, quantized in XLA after it
+    tune = mc.merge_tuning(tp)
+    cols, dc = mc.head_plan(head_dim, prefix_output.dtype, tune["tile_bytes"],  # cols >= D: TMA rows
+                            out_dtype=mc.out_type_of(out_dtype, fp8), input_tiles=2 * tune["concurrent"],
+                            out_slots=tune["stores"], other_bytes=4 * mc.BLOCK_T * 4)
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     # XLA before the kernel: the fused mask's token flags (4.5), the layout, T < 128.

@@ -131,8 +131,12 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
                    return_lse, out_dtype, lse_layout, lse_base2, interpret, group=None):
     """`pallas_impl.merge_attn_states_n` with backend="mosaic_gpu" (its arguments, checked there)."""
     num_partials, num_tokens, num_heads, head_dim = outputs.shape
-    cols, dc = mc.head_plan(head_dim, outputs.dtype, mc.TUNING["merge_n"]["tile_bytes"])  # cols >= D: TMA rows
     fp8 = output_scale is not None or group is not None  # the kernel stores f32 rows, quantized in XLA after it
+    tune = mc.TUNING["merge_n"]
+    rows = min(num_partials, mc.WEIGHT_ROWS)
+    cols, dc = mc.head_plan(head_dim, outputs.dtype, tune["tile_bytes"],  # cols >= D: TMA rows
+                            out_dtype=mc.out_type_of(out_dtype, fp8), input_tiles=tune["concurrent"],
+                            out_slots=tune["stores"], other_bytes=(rows + 4) * mc.BLOCK_T * 4)
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     # XLA before the kernel: the fused mask's token flags (docs/spec.md 8.1), the layout, T < 128.
