@@ -102,8 +102,21 @@ def check_offset_values(query_start_loc, cu_seq_lens, num_tokens: int, *, cu_nam
 
 
 def has_zero_length(chunk_seq_lens) -> bool:
-    """Whether host data (a sequence or a numpy array of per-request KV lengths) holds a 0."""
-    return bool((np.asarray(chunk_seq_lens) == 0).any())
+    """Whether host data (a sequence or a numpy array of per-request KV lengths) holds a 0.
+
+    Raises:
+      TypeError: not a one-dimensional sequence of integers (a string, floats, nested lists...).
+      ValueError: a negative length.
+    """
+    if isinstance(chunk_seq_lens, (str, bytes)):
+        raise TypeError(f"chunk_seq_lens must be a sequence of integer lengths; got {chunk_seq_lens!r}")
+    lens = np.asarray(chunk_seq_lens)
+    if lens.ndim != 1 or not (np.issubdtype(lens.dtype, np.integer) or (lens.size == 0 and lens.dtype == float)):
+        raise TypeError(f"chunk_seq_lens must be a one-dimensional sequence of integer lengths; got dtype="
+                        f"{lens.dtype}, shape={lens.shape}")
+    if lens.size and lens.min() < 0:
+        raise ValueError(f"chunk_seq_lens must be >= 0; got {int(lens.min())} at index {int(lens.argmin())}")
+    return bool((lens == 0).any())
 
 
 def check_group_quant(group_size, scale_ue8m0, head_dim: int) -> int:

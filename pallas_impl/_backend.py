@@ -52,6 +52,19 @@ def resolve_interpret(interpret: bool | None, backend: str = "triton") -> bool:
     return bool(interpret)
 
 
+def check_compile_target(interpret, implementation, backend, x) -> None:
+    """interpret=False compiles the Pallas kernels for a GPU. Called eagerly where JAX's platform is the CPU, that
+    cannot run (JAX would fail inside its lowering): refused here. Under a trace (`jax.jit`, `jax.export` for a GPU
+    from a CPU host) it is the caller's lowering target, left alone; the jnp path ignores `interpret`."""
+    kernel = implementation == "pallas" or backend == "mosaic_gpu"
+    if interpret is False and kernel and jax.default_backend() == "cpu" and not isinstance(x, _TRACER):
+        raise NotImplementedError("interpret=False compiles the Pallas kernels for a GPU, and JAX's platform is the "
+                                  "CPU: use interpret=None or True (the Pallas interpreter), or implementation='jnp'")
+
+
+_TRACER = getattr(jax.core, "Tracer", None) or __import__("jax._src.core", fromlist=["Tracer"]).Tracer
+
+
 def resolve_backend(backend: str | None) -> str:
     """The Pallas GPU backend. None: the environment's `PALLAS_IMPL_BACKEND` if set, else "triton" while jax has
     the Pallas Triton backend and "mosaic_gpu" once it is gone (experimental; docs/design.md, "Mosaic GPU

@@ -29,7 +29,9 @@ def has_empty_context(chunk_seq_lens) -> bool:
       chunk_seq_lens: host data (a sequence or a numpy array), as serving stacks keep it before the upload.
 
     Raises:
-      ValueError: for a jax.Array, since reading it would synchronise the device (or fail under jit).
+      ValueError: for a jax.Array, since reading it would synchronise the device (or fail under jit); a negative
+        length.
+      TypeError: not a one-dimensional sequence of integers.
     """
     if isinstance(chunk_seq_lens, jax.Array):
         raise ValueError("has_empty_context needs host data; got a jax.Array (reading it would synchronise "

@@ -178,6 +178,7 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
                              (has_empty is False, lse_layout, interpret, implementation, backend), backend)
     if validate:
         checks.check_offset_values(query_start_loc, cu_seq_lens, lse.shape[1 if lse_layout == "HT" else 0])
+    _backend.check_compile_target(interpret, implementation, backend, lse)
     return plan(*args)
 
 

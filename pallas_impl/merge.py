@@ -191,6 +191,7 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
         if query_start_loc is not None:
             checks.check_offset_values(query_start_loc, prefix_cu_seq_lens, num_tokens, cu_name="prefix_cu_seq_lens")
         checks.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
+    _backend.check_compile_target(interpret, implementation, backend, prefix_output)
     results = plan(*args)
     return _math.with_swizzled_scales(results) if scale_layout == "swizzled" else results
 

@@ -280,6 +280,7 @@ def merge_attn_states_n(outputs, lses, *, prefill_tokens_with_context=None, quer
         if query_start_loc is not None:
             checks.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
         checks.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
+    _backend.check_compile_target(interpret, implementation, backend, outputs)
     results = plan(*args)
     return _math.with_swizzled_scales(results) if scale_layout == "swizzled" else results
 

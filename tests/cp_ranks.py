@@ -92,6 +92,13 @@ def worker(rank, world, group):
         got[f"{name}_single"] = _single_process(case) if rank == 0 else None
     got["bf16_reduce_scatter_bf16_reduce"] = _combine(CASE_BF16, rank, world, group, "reduce_scatter",
                                                       reduce_dtype=torch.bfloat16)
+    # The torch path (implementation="torch"): the same scenarios, keys prefixed "torch_".
+    for name, case in (("bf16", CASE_BF16), ("fp8", CASE)):
+        for method in ("gather", "reduce_scatter"):
+            got[f"torch_{name}_{method}"] = _combine(case, rank, world, group, method, implementation="torch")
+        got[f"torch_{name}_single"] = _single_process(case, "torch") if rank == 0 else None
+    got["torch_bf16_reduce_scatter_bf16_reduce"] = _combine(CASE_BF16, rank, world, group, "reduce_scatter",
+                                                            reduce_dtype=torch.bfloat16, implementation="torch")
     for method in ("gather", "reduce_scatter"):
         got[f"group_{method}"] = _combine_group(rank, world, group, method)
         for layout in ("row", "swizzled"):
@@ -124,11 +131,12 @@ def worker(rank, world, group):
     return got
 
 
-def _single_process(case):
-    """The single-process N-way merge of the same partials (Triton): the bits `gather` must give."""
+def _single_process(case, impl="triton"):
+    """The single-process N-way merge of the same partials (Triton, or its torch path): the bits `gather` must
+    give."""
     inp = cases.make_inputs_n(case)
     t = {k: bridge.to_torch(v) for k, v in inp.items()}
-    r = impls.run(impls.make_runtime(), "triton", "merge_n_fused", case, t)
+    r = impls.run(impls.make_runtime(), impl, "merge_n_fused", case, t)
     return inp, bridge.to_numpy(r["out"]), bridge.to_numpy(r["lse"])
 
 

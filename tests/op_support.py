@@ -5,8 +5,9 @@ and judge it against the float64 reference (`parity.harness.reference`, `parity.
 comparison helper, `parity.library.compare`. Options the adapters do not carry (`validate=True`, bad arguments)
 go through `public`, one call of the implementation's public API.
 
-- `IMPLS`: "triton", "pallas" (interpret mode on CPU, compiled on a GPU), "jnp", "mosaic" (jax >= 0.11 only: the
-  param skips with the reason elsewhere); marked `gpu` on a CUDA machine (the GPU run selects `-m gpu`);
+- `IMPLS`: "triton", "pallas" (interpret mode on CPU, compiled on a GPU), "jnp", "torch" (triton_impl's torch path),
+  "mosaic" (jax >= 0.11 only: the param skips with the reason elsewhere); marked `gpu` on a CUDA machine (the GPU
+  run selects `-m gpu`);
 - `to_impl(impl, arrays)`: numpy arrays in the implementation's own type (torch on `RT.device`, JAX arrays);
 - `run(impl, op, case, arrays, **options)`: one operation of `impls.OPS` on numpy arrays, the options of
   `impls.op_call` updated by `options`; results as numpy-comparable arrays of the implementation;
@@ -33,13 +34,14 @@ HAS_MOSAIC = tuple(int(x) for x in re.findall(r"\d+", jax.__version__)[:2]) >= (
 _NEEDS_MOSAIC = pytest.mark.skipif(not HAS_MOSAIC, reason=f"backend='mosaic_gpu' needs jax >= 0.11; this is jax "
                                                           f"{jax.__version__}")
 JAX_IMPLS = ("pallas", "jnp", "mosaic")
+TORCH_IMPLS = ("triton", "torch")  # triton_impl's Triton kernels and its torch path
 
 
 def _impls(gpu=()):
     """The params of every implementation. On a CUDA machine each carries the `gpu` mark, so that the GPU run's
     `pytest -m gpu` (`python -m tools gpu-run`) runs the per-op suites compiled; on CPU only those named in `gpu`."""
     out = []
-    for name in ("triton", "pallas", "jnp", "mosaic"):
+    for name in ("triton", "pallas", "jnp", "torch", "mosaic"):
         marks = [_NEEDS_MOSAIC] if name == "mosaic" else []
         if RT.on_gpu or name in gpu:
             marks.append(pytest.mark.gpu)
@@ -61,7 +63,7 @@ def to_impl(impl: str, arrays: dict) -> dict:
     narrow them to 32 bits with x64 off; the wrappers' dtype checks must see them)."""
     if impl == "reference":
         return dict(arrays)
-    if impl == "triton":
+    if impl in TORCH_IMPLS:
         return {k: None if v is None else bridge.to_torch(np.asarray(v), RT.device) for k, v in arrays.items()}
     return {k: v if v is None or (isinstance(v, np.ndarray) and v.dtype.itemsize == 8) else jnp.asarray(v)
             for k, v in arrays.items()}
@@ -122,11 +124,11 @@ def _jax_kernel(impl: str) -> dict:
 
 def public_mask(impl: str, lse, query_start_loc, cu_seq_lens, output=None, **kw):
     """One call of the mask's public API on the implementation's arrays (Triton: in place, returns the arguments)."""
-    if impl == "triton":
+    if impl in TORCH_IMPLS:
         import triton_impl
 
         with np.errstate(all="ignore"):
-            triton_impl.mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output, **kw)
+            triton_impl.mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output, implementation=impl, **kw)
         return lse if output is None else (lse, output)
     import pallas_impl
 
@@ -144,7 +146,7 @@ def _triton_out(like, out_dtype, lse_shape):
 def public_merge(impl: str, prefix_output, prefix_lse, suffix_output, suffix_lse, *, out_dtype=None,
                  prefill_tokens_with_context=None, output_scale=None, return_lse=True, **kw):
     """One call of the 2-way merge's public API (`out_dtype` by name; Triton allocates `output` of that dtype)."""
-    if impl == "triton":
+    if impl in TORCH_IMPLS:
         import triton_impl
 
         T, H = prefix_output.shape[:2]
@@ -152,7 +154,7 @@ def public_merge(impl: str, prefix_output, prefix_lse, suffix_output, suffix_lse
         out_lse = out_lse if return_lse else None
         with np.errstate(all="ignore"):
             triton_impl.merge_attn_states(out, prefix_output, prefix_lse, suffix_output, suffix_lse, out_lse,
-                                          prefill_tokens_with_context, output_scale, **kw)
+                                          prefill_tokens_with_context, output_scale, implementation=impl, **kw)
         return (out, out_lse) if return_lse else out
     import pallas_impl
 
@@ -165,14 +167,14 @@ def public_merge(impl: str, prefix_output, prefix_lse, suffix_output, suffix_lse
 def public_merge_n(impl: str, outputs, lses, *, out_dtype=None, prefill_tokens_with_context=None,
                    output_scale=None, return_lse=True, **kw):
     """One call of the N-way merge's public API (`out_dtype` by name)."""
-    if impl == "triton":
+    if impl in TORCH_IMPLS:
         import triton_impl
 
         out, out_lse = _triton_out(outputs, out_dtype, lses.shape[1:])
         out_lse = out_lse if return_lse else None
         with np.errstate(all="ignore"):
             triton_impl.merge_attn_states_n(out, outputs, lses, out_lse, prefill_tokens_with_context, output_scale,
-                                            **kw)
+                                            implementation=impl, **kw)
         return (out, out_lse) if return_lse else out
     import pallas_impl
 

@@ -37,7 +37,7 @@ def _to_rows(scales, layout):
     return s if layout == "row" else s[:, :T].T
 
 
-def _triton(outs, lses, group_size, ue8m0, layout, two_way):
+def _triton(outs, lses, group_size, ue8m0, layout, two_way, implementation="triton"):
     out = torch.empty((T, H, D), dtype=torch.float8_e4m3fn, device=DEV)
     groups = H * D // group_size
     buf = torch.full((groups, 24) if layout == "col_tma" else (groups, T) if layout == "col" else (T, groups), -1.0,
@@ -46,14 +46,14 @@ def _triton(outs, lses, group_size, ue8m0, layout, two_way):
     f32 = torch.empty((T, H, D), dtype=torch.float32, device=DEV)
     o, l = torch.from_numpy(outs).to(DEV), torch.from_numpy(lses).to(DEV)
     if two_way:
-        kw = dict(prefill_tokens_with_context=PTWC)
+        kw = dict(prefill_tokens_with_context=PTWC, implementation=implementation)
         triton_impl.merge_attn_states(out, o[0], l[0], o[1], l[1], group_size=group_size, output_group_scale=scales,
                                       scale_ue8m0=ue8m0, **kw)
         triton_impl.merge_attn_states(f32, o[0], l[0], o[1], l[1], **kw)
     else:
         triton_impl.merge_attn_states_n(out, o, l, prefill_tokens_with_context=PTWC, group_size=group_size,
-                                        output_group_scale=scales, scale_ue8m0=ue8m0)
-        triton_impl.merge_attn_states_n(f32, o, l, prefill_tokens_with_context=PTWC)
+                                        output_group_scale=scales, scale_ue8m0=ue8m0, implementation=implementation)
+        triton_impl.merge_attn_states_n(f32, o, l, prefill_tokens_with_context=PTWC, implementation=implementation)
     if layout == "col_tma":
         assert (buf[:, T:] == -1).all(), "the padding columns are the caller's: untouched"
     return out.view(torch.uint8).cpu().numpy(), _to_rows(buf.cpu().numpy(), layout), f32.cpu().numpy()
@@ -75,7 +75,7 @@ def _pallas(outs, lses, group_size, ue8m0, layout, two_way, implementation):
 
 # Every implementation through every N kind (2-way, unrolled N-way, split N-way beyond 16), every scale layout,
 # both scale kinds and three group sizes: one option set per N (the options are independent of N's code path).
-CASES = [(impl, n, g, ue, layout) for impl in ("triton", "pallas", "jnp")
+CASES = [(impl, n, g, ue, layout) for impl in ("triton", "torch", "pallas", "jnp")
          for n, g, ue, layout in ((2, 64, False, "row"), (3, 16, True, "col"), (20, 32, False, "col_tma"),
                                   (2, 32, True, "col_tma"))]
 
@@ -84,8 +84,8 @@ CASES = [(impl, n, g, ue, layout) for impl in ("triton", "pallas", "jnp")
 def test_fused_quantization_is_merge_then_quantize(impl, num_partials, group_size, ue8m0, layout):
     outs, lses = _inputs(num_partials)
     two_way = num_partials == 2
-    if impl == "triton":
-        got, scales, f32 = _triton(outs, lses, group_size, ue8m0, layout, two_way)
+    if impl in ("triton", "torch"):
+        got, scales, f32 = _triton(outs, lses, group_size, ue8m0, layout, two_way, impl)
     else:
         got, scales, f32 = _pallas(outs, lses, group_size, ue8m0, layout, two_way, impl)
     q, want_scales = R.per_token_group_quant_fp8(f32, group_size, scale_ue8m0=ue8m0)
@@ -93,8 +93,9 @@ def test_fused_quantization_is_merge_then_quantize(impl, num_partials, group_siz
     got = got.reshape(T, -1)
     # On the CPU, XLA contracts FMAs per compile (the jnp and interpreted Pallas merges' f32 rows may differ
     # between the two calls); on a GPU the kernels divide with div.full.f32, the reference with numpy's correctly
-    # rounded f32 division (docs/spec.md 5): within one rounding there; bit for bit under Triton's interpreter.
-    if impl != "triton" or GPU:
+    # rounded f32 division (docs/spec.md 5): within one rounding there; bit for bit under Triton's interpreter and
+    # the torch path on a CPU.
+    if impl not in ("triton", "torch") or GPU:
         assert np.allclose(scales, want_scales, rtol=2**-20, atol=0)
         assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
     else:

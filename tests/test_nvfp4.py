@@ -40,7 +40,7 @@ def _inputs(num_partials, seed=0):
     return outs.astype(np.float16), lses
 
 
-def _triton(outs, lses, layout):
+def _triton(outs, lses, layout, implementation="triton"):
     two_way = outs.shape[0] == 2
     q = torch.full((T, H, D // 2), 0xAB, dtype=torch.uint8, device=DEV)
     shape = (T, K) if layout == "row" else (SWIZZLED_SIZE,)
@@ -48,13 +48,13 @@ def _triton(outs, lses, layout):
     f32 = torch.empty((T, H, D), dtype=torch.float32, device=DEV)
     o, l = torch.from_numpy(outs).to(DEV), torch.from_numpy(lses).to(DEV)
     g = torch.tensor([G], device=DEV)
-    kw = dict(output_block_scale=scales, scale_layout=layout)
+    kw = dict(output_block_scale=scales, scale_layout=layout, implementation=implementation)
     if two_way:
         triton_impl.merge_attn_states(q, o[0], l[0], o[1], l[1], None, PTWC, g, **kw)
-        triton_impl.merge_attn_states(f32, o[0], l[0], o[1], l[1], None, PTWC)
+        triton_impl.merge_attn_states(f32, o[0], l[0], o[1], l[1], None, PTWC, implementation=implementation)
     else:
         triton_impl.merge_attn_states_n(q, o, l, None, PTWC, g, **kw)
-        triton_impl.merge_attn_states_n(f32, o, l, None, PTWC)
+        triton_impl.merge_attn_states_n(f32, o, l, None, PTWC, implementation=implementation)
     return q.cpu().numpy(), scales.view(torch.uint8).cpu().numpy(), f32.cpu().numpy()
 
 
@@ -89,21 +89,21 @@ def _codes(packed):
 
 
 # Every implementation through every N kind (2-way, unrolled N-way, split N-way beyond 16, N = 0) and both layouts.
-CASES = [(impl, n, layout) for impl in ("triton", "pallas", "jnp") + (("mosaic",) if JAX_0_11 else ()) for n, layout
+CASES = [(impl, n, layout) for impl in ("triton", "torch", "pallas", "jnp") + (("mosaic",) if JAX_0_11 else ()) for n, layout
          in ((2, "row"), (2, "swizzled"), (3, "swizzled"), (20, "row"), (0, "swizzled"))]
 
 
 @pytest.mark.parametrize("impl, num_partials, layout", CASES)
 def test_fused_nvfp4_is_merge_then_the_reference_quantizer(impl, num_partials, layout):
     outs, lses = _inputs(num_partials)
-    if impl == "triton":
-        got, scales, f32 = _triton(outs, lses, layout)
+    if impl in ("triton", "torch"):
+        got, scales, f32 = _triton(outs, lses, layout, impl)
     else:
         got, scales, f32 = _jax(outs, lses, layout, impl)
     # the padding of a swizzled buffer: the caller's in PyTorch (untouched; N = 0 zeroes the buffer), 0 in JAX
-    padding = MARK if impl == "triton" and num_partials else 0
+    padding = MARK if impl in ("triton", "torch") and num_partials else 0
     want, want_codes, want_scales = _want(f32, layout, padding)
-    if impl == "triton" and not GPU:  # Triton's interpreter: numpy's f32 arithmetic, the reference's
+    if impl in ("triton", "torch") and not GPU:  # Triton's interpreter, torch on a CPU: IEEE f32, the reference's
         np.testing.assert_array_equal(got.reshape(T, -1), want)
         np.testing.assert_array_equal(scales.ravel(), want_scales.ravel())
     else:

@@ -20,13 +20,14 @@ import jax.numpy as jnp
 from parity.harness import cases, expected, impls
 from parity.library import compare
 
-def _triton(name, method, reduce_dtype):
-    """(per-rank (out, lse) list, single-process N-way (out, lse)) from the gloo ranks."""
+def _triton(name, method, reduce_dtype, prefix=""):
+    """(per-rank (out, lse) list, single-process N-way (out, lse)) from the gloo ranks (`prefix` "torch_": the torch
+    path's)."""
     import cp_ranks
 
     res = cp_ranks.results()
-    key = f"{name}_{method}" + ("_bf16_reduce" if reduce_dtype else "")
-    _, out, lse = res[0][f"{name}_single"]
+    key = f"{prefix}{name}_{method}" + ("_bf16_reduce" if reduce_dtype else "")
+    _, out, lse = res[0][f"{prefix}{name}_single"]
     return [res[r][key] for r in range(WORLD)], (out, lse)
 
 
@@ -57,15 +58,15 @@ def _jax(impl, case, method, reduce_dtype):
 
 
 def _results(impl, case, name, method, reduce_dtype):
-    if impl == "triton":
-        return _triton(name, method, reduce_dtype)
+    if impl in ("triton", "torch"):
+        return _triton(name, method, reduce_dtype, "torch_" if impl == "torch" else "")
     return _jax(impl, case, method, reduce_dtype)
 
 
 def _bitwise(impl) -> bool:
     """The N-way merge inside the combine and alone are two programs: bit equal in the Triton interpreter and
     compiled on a GPU; XLA:CPU contracts FMAs differently per program (docs/spec.md 5)."""
-    return impl in ("triton", "pallas") or RT.on_gpu
+    return impl in ("triton", "pallas", "torch") or RT.on_gpu
 
 
 @pytest.mark.parametrize("name,case", [("bf16", CASE_BF16), ("fp8", CASE)])
@@ -88,7 +89,7 @@ def test_gather_gives_the_single_process_bits_on_every_rank(impl, name, case):
 REDUCE_SCATTER = [pytest.param(impl.values[0], *v[1:], marks=impl.marks, id=f"{impl.id}-{v[0]}") for impl in IMPLS
                   for v in (("bf16", "bf16", CASE_BF16, None), ("fp8", "fp8", CASE, None),
                             ("bf16_reduce", "bf16", CASE_BF16, "bfloat16"))
-                  if impl.id == "triton" or v[0] != "bf16_reduce"]
+                  if impl.id in ("triton", "torch") or v[0] != "bf16_reduce"]
 
 
 @pytest.mark.parametrize("impl,name,case,reduce_dtype", REDUCE_SCATTER)

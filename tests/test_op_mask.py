@@ -239,6 +239,17 @@ def test_has_empty_context(module, lens, want):
     assert type(got) is bool and got is want
 
 
+@pytest.mark.parametrize("lens, error, match", [
+    ("abc", TypeError, "sequence of integer lengths"), ([1.5, 2.0], TypeError, "integer lengths"),
+    ([[1, 0]], TypeError, "one-dimensional"), ([-1, 2], ValueError, "must be >= 0; got -1 at index 0"),
+    (np.array([3, -4]), ValueError, "got -4 at index 1"),
+])
+@pytest.mark.parametrize("module", [triton_impl, pallas_impl], ids=["triton_impl", "pallas_impl"])
+def test_has_empty_context_refuses_what_is_not_lengths(module, lens, error, match):
+    with pytest.raises(error, match=match):
+        module.has_empty_context(lens)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Errors: the same bad arguments raise the same exception type, naming the argument, in every implementation.
 

@@ -114,7 +114,8 @@ MASK_THEN_MERGE = [
 # R = 33 whose fused compile test_matches_reference already made.
 MASK_THEN_MERGE_PARAMS = [pytest.param(impl.values[0], case, marks=impl.marks, id=f"{impl.id}-{case.name}")
                           for impl in IMPLS
-                          for case in (MASK_THEN_MERGE if impl.id == "triton" else [cases.by_name("r33_ragged_pad")])]
+                          for case in (MASK_THEN_MERGE if impl.id in ("triton", "torch")
+                                       else [cases.by_name("r33_ragged_pad")])]
 
 
 @pytest.mark.parametrize("impl,case", MASK_THEN_MERGE_PARAMS)

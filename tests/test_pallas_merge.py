@@ -168,3 +168,22 @@ def test_jnp_mask_then_merge_under_jit_with_traced_values():
         _check(case, inp, out, merged_lse, ptwc=ptwc, qsl=qsl, cu=cu, mode="jnp")
     assert len(traces) == 1
     assert jitted._cache_size() == 1
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the refusal is a CPU platform's")
+def test_compiling_for_a_gpu_on_a_cpu_is_refused_eagerly_not_under_a_trace():
+    """interpret=False eagerly on a CPU: NotImplementedError naming the way out (the docstrings' promise), for each
+    entry point; under a trace (a lowering for a GPU from a CPU host) it is the caller's target, not refused here."""
+    o = jnp.zeros((8, 2, 16), jnp.float32)
+    lse = jnp.zeros((2, 8), jnp.float32)
+    offs = jnp.asarray([0, 8], jnp.int32)
+    calls = [lambda **k: pallas_impl.merge_attn_states(o, lse, o, lse, **k),
+             lambda **k: pallas_impl.merge_attn_states_n(o[None], lse[None], **k),
+             lambda **k: pallas_impl.mask_empty_context_lse(lse, offs, jnp.asarray([0, 0], jnp.int32), **k)]
+    for call in calls:
+        with pytest.raises(NotImplementedError, match="interpret=None or True"):
+            call(implementation="pallas", interpret=False)
+        call(implementation="jnp", interpret=False)  # the jnp path ignores interpret
+    traced = jax.make_jaxpr(lambda a: pallas_impl.merge_attn_states(a, lse, a, lse, implementation="pallas",
+                                                                    interpret=False))(o)
+    assert traced is not None

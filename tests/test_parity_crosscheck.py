@@ -1,5 +1,5 @@
 """`parity.cross_check` (parity/library/crosscheck.py) on small pairs written here and on the worked example of
-docs/parity-library.md (docs/examples/rmsnorm_*.py): bit parity on the GPU, tolerance under the CPU interpreters,
+docs/parity-library.md (parity/examples/rmsnorm_*.py): bit parity on the GPU, tolerance under the CPU interpreters,
 planted divergences found and located; the recipe's XLA flags; `python -m parity cross`; the docs snippet."""
 
 from __future__ import annotations
@@ -23,12 +23,9 @@ from parity.library import crosscheck, recipe
 from parity.library import loading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLES = os.path.join(ROOT, "docs", "examples")
-sys.path.insert(0, EXAMPLES)
-
-import rmsnorm_pallas  # noqa: E402
-import rmsnorm_reference  # noqa: E402
-import rmsnorm_triton  # noqa: E402
+from parity.examples import rmsnorm_pallas  # noqa: E402
+from parity.examples import rmsnorm_reference  # noqa: E402
+from parity.examples import rmsnorm_triton  # noqa: E402
 
 GPU = torch.cuda.is_available()
 OUTPUTS = {"out": ("token", "dim"), "rstd": ("token",)}
@@ -387,9 +384,9 @@ def test_cli_cross_checks_a_pair_from_files(tmp_path):
     interpreter truncates to bf16, docs/design.md "Interpreter casts")."""
     npz = tmp_path / "in.npz"
     _save_example(npz, "float32")
-    ex = "docs/examples"
-    argv = ["--torch", f"{ex}/rmsnorm_triton.py:rmsnorm", "--jax", f"{ex}/rmsnorm_pallas.py:rmsnorm",
-            "--reference", f"{ex}/rmsnorm_reference.py:rmsnorm", "--inputs", str(npz),
+    ex = "parity.examples"
+    argv = ["--torch", f"{ex}.rmsnorm_triton:rmsnorm", "--jax", f"{ex}.rmsnorm_pallas:rmsnorm",
+            "--reference", f"{ex}.rmsnorm_reference:rmsnorm", "--inputs", str(npz),
             "--outputs", "out=token,dim;rstd=token", "--ragged", "query_start_loc", "--json", str(tmp_path / "r.json"),
             "--special-values"]
     if not GPU:
@@ -401,7 +398,7 @@ def test_cli_cross_checks_a_pair_from_files(tmp_path):
     assert d["required"] == (["torch_vs_jax"] if GPU else []) + ["torch_vs_reference", "jax_vs_reference",
                                                                  "special_torch_vs_jax"]
     assert len(d["special"]) == 10 and d["outputs"]["rstd"]["audit"]["imprecise"] is False
-    assert "cross_check docs/examples/rmsnorm_triton.py:rmsnorm vs" in res.stdout
+    assert "cross_check parity.examples.rmsnorm_triton:rmsnorm vs" in res.stdout
 
 
 def test_cli_cross_exits_1_on_a_parity_failure(tmp_path):
@@ -417,7 +414,7 @@ def test_cli_cross_usage_errors_name_the_flag(tmp_path, capsys, monkeypatch):
     `python -m parity` runs; the shell path is the tests above)."""
     from parity import cli
 
-    good = "docs/examples/rmsnorm_pallas.py:rmsnorm"
+    good = "parity.examples.rmsnorm_pallas:rmsnorm"
     npz = tmp_path / "in.npz"
     np.savez(npz, x=np.ones(4, np.float32))
     truncated = tmp_path / "cut.npz"

@@ -1,5 +1,5 @@
 """The default error model of `parity.cross_check` (parity/library/errormodel.py) on pairs written for it: the ragged
-log-sum-exp and the softmax-weighted sum of docs/examples/ (Triton and Pallas), and torch-vs-jnp merges of two
+log-sum-exp and the softmax-weighted sum of parity/examples/ (Triton and Pallas), and torch-vs-jnp merges of two
 attention states. Faithful pairs pass with the defaults where a fixed relative tolerance raises false alarms
 (log-domain outputs near 0, cancellation, bf16 under Triton's truncating interpreter); wrong kernels (a dropped
 token, the wrong base, a NaN leaking through a zero weight) fail; a planted reordered sum or FMA is within the
@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 import re
-import sys
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -20,17 +18,8 @@ import pytest
 import torch
 
 import parity
+from parity.examples import lse_pallas, lse_reference, lse_triton, wsum_pallas, wsum_reference, wsum_triton
 from parity.library import bridge, errormodel
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "docs", "examples"))
-
-import lse_pallas  # noqa: E402
-import lse_reference  # noqa: E402
-import lse_triton  # noqa: E402
-import wsum_pallas  # noqa: E402
-import wsum_reference  # noqa: E402
-import wsum_triton  # noqa: E402
 
 GPU = torch.cuda.is_available()
 LSE_OUT = {"lse": ("req", "head")}

@@ -1,6 +1,6 @@
 """Porters verify their own ports: `python -m parity verify DIR --impl ...` / `--outputs ...` (docs/porting.md).
 
-The worked example (docs/examples/numpy_port.py, plain numpy in f32) must pass; the same port with one rule
+The worked example (parity/examples/numpy_port.py, plain numpy in f32) must pass; the same port with one rule
 broken, one bug class upstream met each (docs/spec.md 1, 4, 8 and NOTES of the porting guide), must be rejected
 on the case that exercises it, with the mismatch located to (request, head, token).
 """
@@ -16,15 +16,14 @@ from parity import cli
 from parity.harness import cases, golden
 
 ROOT = Path(__file__).resolve().parents[1]
-PORT = ROOT / "docs" / "examples" / "numpy_port.py"
-CASES = ("upstream_vector", "base2_specials", "specials_th", "padded_prefix_only", "padded_v_ptwc", "fp8_out",
-         "n3_fp16_th_specials", "n2_fp32_d80_ptwc")
+PORT = ROOT / "parity" / "examples" / "numpy_port.py"
 
 
 @pytest.fixture(scope="module")
 def golden_dir(tmp_path_factory):
+    """Every case of the ci suite that `export` writes (a semantics change that leaves the example behind fails)."""
     d = tmp_path_factory.mktemp("golden_porting")
-    golden.export(str(d), [cases.by_name(n) for n in CASES], seed=1)
+    golden.export(str(d), cases.select("ci", kind="all"), seed=1)
     return d
 
 
@@ -98,6 +97,21 @@ def _mask_skipped(m):
     m.empty_rows = lambda qsl, cu, num_tokens: np.zeros(num_tokens, dtype=bool)
 
 
+def _passthrough_lse_ignores_the_mask(m):
+    # Pass-through rows copy the last partial's raw LSE even where the fused mask empties that partial (8.4 wants
+    # -inf there): the worked example's own bug until 2026-12-07.
+    merge_partials = m.merge_partials
+
+    def buggy(outputs, lses_th, empty, params):
+        out, lse = merge_partials(outputs, lses_th, empty, params)
+        if empty is not None:
+            copy = m.passthrough_rows(out.shape[0], params["prefill_tokens_with_context"])
+            lse = np.where((copy & empty[-1])[:, None], lses_th[-1], lse).astype(np.float32)
+        return out, lse
+
+    m.merge_partials = buggy
+
+
 def _ptwc_off_by_one(m):
     m.passthrough_rows = lambda num_tokens, n: np.arange(num_tokens) > (num_tokens if n is None else n)
 
@@ -113,6 +127,7 @@ BUGS = [
     (_nan_leaks_from_an_empty_partial, "n3_fp16_th_specials", ("merge_n", "merge_n_fused")),
     (_mask_skipped, "upstream_vector", ("mask", "merge_fused")),
     (_mask_skipped, "n2_fp32_d80_ptwc", ("merge_n_fused",)),
+    (_passthrough_lse_ignores_the_mask, "n3_ptwc_last_partial_empty", ("merge_n_fused",)),
     (_ptwc_off_by_one, "padded_v_ptwc", ("merge", "merge_fused")),
     (_ptwc_off_by_one, "n2_fp32_d80_ptwc", ("merge_n", "merge_n_fused")),
 ]
@@ -166,7 +181,7 @@ def test_cli_reads_a_ports_results_files(golden_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,match", [
     (["--impl", "no_such_module:port"], "No module named"),
-    (["--impl", "docs/examples/missing.py:port"], "no file"),
+    (["--impl", "parity/examples/missing.py:port"], "no file"),
     (["--impl", f"{PORT}:nope"], "no callable 'nope'"),
 ])
 def test_bad_port_specs_are_errors(golden_dir, capsys, argv, match):

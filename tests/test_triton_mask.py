@@ -256,6 +256,7 @@ def test_one_compiled_variant_per_configuration(monkeypatch, lse_layout):
     recorder = Recorder(mask_mod._mask_empty_context_lse_kernel)
     monkeypatch.setattr(mask_mod, "_mask_empty_context_lse_kernel", recorder)
     monkeypatch.setattr(triton_backend, "interpreting", lambda: False)  # record the compiled launch arguments
+    monkeypatch.setattr(triton_backend, "triton_runs_on", lambda device: True)
     monkeypatch.setattr(triton_plans, "PLANS", {})  # launch plans made under that mode only
     batches = [(5, 0, 130), (64, 64, 1), (1,), (16,), _tiny_lens(20, 40, 9), _tiny_lens(21, 7, 50), (0, 48)]
     for query_lens in batches:

@@ -165,6 +165,7 @@ def _recorded_keys(monkeypatch, lse_layout, batches, make_case):
     recorder = Recorder(merge_mod._merge_attn_states_kernel)
     monkeypatch.setattr(merge_mod, "_merge_attn_states_kernel", recorder)
     monkeypatch.setattr(triton_backend, "interpreting", lambda: False)  # record the compiled launch arguments
+    monkeypatch.setattr(triton_backend, "triton_runs_on", lambda device: True)
     monkeypatch.setattr(triton_plans, "PLANS", {})  # launch plans made under that mode only
     for query_lens, padding, ptwc in batches:
         _merge_case(make_case(query_lens, padding), ptwc=ptwc, check=False)
@@ -209,6 +210,7 @@ def test_transposed_lse_views_compile_a_bounded_number_of_variants(monkeypatch, 
     recorder = Recorder(merge_mod._merge_attn_states_kernel)
     monkeypatch.setattr(merge_mod, "_merge_attn_states_kernel", recorder)
     monkeypatch.setattr(triton_backend, "interpreting", lambda: False)  # record the compiled launch arguments
+    monkeypatch.setattr(triton_backend, "triton_runs_on", lambda device: True)
     monkeypatch.setattr(triton_plans, "PLANS", {})
     H, D = 4, 64
     given = "TH" if stored == "HT" else "HT"

@@ -82,6 +82,7 @@ def test_one_compiled_variant_across_token_counts(monkeypatch, lse_layout):
     recorder = Recorder(merge_n_mod._merge_attn_states_n_kernel)
     monkeypatch.setattr(merge_n_mod, "_merge_attn_states_n_kernel", recorder)
     monkeypatch.setattr(triton_backend, "interpreting", lambda: False)  # record the compiled launch arguments
+    monkeypatch.setattr(triton_backend, "triton_runs_on", lambda device: True)
     monkeypatch.setattr(triton_plans, "PLANS", {})
     N, H, D = 3, 4, 64
     token_counts = (1, 5, 16, 37, 48, 100)

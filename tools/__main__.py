@@ -24,6 +24,7 @@ COMMANDS = {
     "mask-floor": ("mask_floor", "the mask's candidates beside `fill_` and upstream's design (a GPU)"),
     "group-fp8-speed": ("group_fp8_speed", "the merges with per-group FP8 or NVFP4 fused, beside bf16 and unfused"),
     "host-cost": ("host_cost", "per-call host cost of every Triton entry point"),
+    "torch-path-speed": ("torch_path_speed", "triton_impl's torch path on a CPU beside the interpreter and torch.add"),
     "host-cost-jax": ("host_cost_jax", "per-call host cost of the pallas_impl entry points"),
     "sanitize-triton": ("sanitize_triton", "every Triton entry point, for compute-sanitizer"),
     "sanitize-mosaic": ("sanitize_mosaic", "the Mosaic GPU kernels, for compute-sanitizer"),

@@ -11,7 +11,7 @@
 #                 beside their floors, the layout axis), the host cost of every Triton entry point (host-cost),
 #                 the mask beside `fill_` and upstream's design (mask-sweep), the attention-kernel probe
 #                 (`python -m parity probe`) and the cross_check error-model pairs
-#                 (docs/examples/error_model_pairs.py): bench.* host_cost.log mask_floor.* probe.* pairs.*
+#                 (parity/examples/error_model_pairs.py): bench.* host_cost.log mask_floor.* probe.* pairs.*
 #   more          the host cost again, the N-way merge at large N (wide-n: first-call compile time, bandwidth at
 #                 N = 128, 256), the chunked-context loop as one captured step (`python -m parity loop`, torch and
 #                 JAX), the probe in one process, then GPU tests (GPU_TESTS, default all) in the time left
@@ -198,7 +198,7 @@ if [ "$PLAN" = all ] || [ "$PLAN" = bench ]; then
     step mask_floor 150 260 "$OUT/mask_floor.log" "$PY" -m tools.mask_floor --budget-s 80 \
         --json "$OUT/mask_floor.json"
     step probe 110 150 "$OUT/probe.log" "$PY" -m parity probe --isolate --json "$OUT/probe.json"
-    step pairs 40 110 "$OUT/pairs.log" "$PY" docs/examples/error_model_pairs.py --json "$OUT/pairs.json"
+    step pairs 40 110 "$OUT/pairs.log" "$PY" -m parity.examples.error_model_pairs --json "$OUT/pairs.json"
     # The bench stops starting new points 60 s before its timeout, so the JSON and table still get written.
     BENCH_T=$(( $(remaining) - 5 ))
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of options

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 
@@ -16,6 +17,42 @@ PARITY_LAUNCH = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
 def tracing() -> bool:
     """True while torch.compile traces (data pointers are unknown; the launch-plan cache is bypassed)."""
     return torch.compiler.is_compiling()
+
+
+IMPLEMENTATIONS = ("triton", "torch")
+
+
+def resolve_implementation(implementation: str | None, device: torch.device) -> str:
+    """None: the Triton kernels where Triton has a driver for `device` (CUDA and ROCm, or any device under
+    Triton's interpreter, `TRITON_INTERPRET=1`), the torch path elsewhere (CPU, MPS, XPU, a build without Triton).
+    An explicit choice never falls back."""
+    if implementation is None:
+        return "triton" if triton_runs_on(device) else "torch"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    if implementation == "triton" and not triton_runs_on(device):
+        raise NotImplementedError(f"implementation='triton' compiles for CUDA or ROCm GPUs; the tensors are on "
+                                  f"{device} (use implementation='torch' or None, or set TRITON_INTERPRET=1 before "
+                                  "importing triton_impl for Triton's interpreter)")
+    return implementation
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether the Triton kernels run on `device`: any device under the interpreter, else a CUDA (or ROCm) device
+    with Triton's GPU driver active."""
+    return interpreting() or (device.type == "cuda" and _has_gpu_driver())
+
+
+@functools.cache
+def _has_gpu_driver() -> bool:
+    """Whether Triton has an active GPU driver (CUDA or ROCm)."""
+    try:
+        from triton.runtime import driver
+
+        driver.active.get_current_device()
+        return True
+    except Exception:  # noqa: BLE001 - any failure means no usable driver
+        return False
 
 
 def interpreting() -> bool:

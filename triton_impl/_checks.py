@@ -28,14 +28,15 @@ def has_empty_context(chunk_seq_lens) -> bool:
         tensor), as vLLM keeps them before the copy to the GPU.
 
     Raises:
-      ValueError: for a device tensor, since reading it would synchronise the stream.
+      ValueError: for a device tensor, since reading it would synchronise the stream; a negative length.
+      TypeError: not a one-dimensional sequence of integers.
     """
     if isinstance(chunk_seq_lens, torch.Tensor):
         if chunk_seq_lens.device.type != "cpu":
             raise ValueError(
                 f"has_empty_context needs host data; got a tensor on {chunk_seq_lens.device} "
                 "(reading it would synchronise the device): pass the CPU copy")
-        return bool((chunk_seq_lens == 0).any())
+        return _shared.has_zero_length(chunk_seq_lens.numpy())
     return _shared.has_zero_length(chunk_seq_lens)
 
 

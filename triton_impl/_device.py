@@ -64,7 +64,8 @@ def _cast_rne(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
     Triton's interpreter truncates f32 -> bf16 and loses the carry when rounding to fp8; under it the value
     is first rounded to dtype's precision with exact f32 arithmetic (power-of-two scaling and the 1.5 * 2^23
-    trick), so the final cast is exact. Magnitudes below 2^-100 are left to the interpreter.
+    trick), so the final cast is exact, and the sign of a value rounded to zero is kept (-0). Magnitudes below 2^-100
+    are left to the interpreter.
     """
     if INTERPRET:
         if (dtype == tl.bfloat16) or (dtype == tl.float8e4nv):
@@ -73,6 +74,9 @@ def _cast_rne(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
             e = ((x.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
             q = ((tl.maximum(e, EMIN) - MANT + 127) << 23).to(tl.float32, bitcast=True)
             r = ((x / q + 12582912.0) - 12582912.0) * q
+            # the sign survives a rounding to zero (-0, as the GPU's cvt stores it: fp8 0x80)
+            r = (r.to(tl.uint32, bitcast=True) | (x.to(tl.uint32, bitcast=True) & 0x80000000)).to(tl.float32,
+                                                                                                  bitcast=True)
             x = tl.where((tl.abs(x) >= 7.888609052210118e-31) & (tl.abs(x) < float("inf")), r, x)
         if dtype == tl.float8e4nv:  # the interpreter also turns NaN into 0x7c
             y = x.to(dtype).to(tl.uint8, bitcast=True)

@@ -6,6 +6,7 @@ MLA_LSE_MERGE_DIRECT_LAUNCH=0 keeps every launch on `kernel[grid](...)`.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import triton
@@ -19,6 +20,10 @@ def _direct_launch_version() -> bool:
     major, minor = (int(x) for x in triton.__version__.split(".")[:2])
     return (3, 4) <= (major, minor) <= (3, 9)
 
+
+# numpy's warnings of Triton's interpreter on the kernels' sentinels (log(0) = -inf, -inf - -inf = NaN, exp of it),
+# which the kernels select away: silenced inside an interpreted launch only.
+INTERPRETER_WARNINGS = r"(divide by zero|invalid value|overflow) encountered"
 
 DIRECT_LAUNCH = PLAN_CACHE and os.environ.get("MLA_LSE_MERGE_DIRECT_LAUNCH", "1") != "0" and _direct_launch_version()
 
@@ -54,7 +59,12 @@ def launch(kernel, grid, args, constexprs, state: list) -> None:
                              compiled.launch_metadata(grid, stream, *full), runtime.launch_enter_hook,
                              runtime.launch_exit_hook, *full)
                 return
-    compiled = kernel[grid](*args, **constexprs)
+    if _backend.interpreting():
+        with warnings.catch_warnings():  # the interpreter's numpy evaluates log(0) and exp(-inf - -inf) as asked
+            warnings.filterwarnings("ignore", INTERPRETER_WARNINGS, RuntimeWarning)
+            compiled = kernel[grid](*args, **constexprs)
+    else:
+        compiled = kernel[grid](*args, **constexprs)
     if not state and not _backend.tracing():  # the first launch of this plan: record its kernel, or that there is none
         state[:] = (DIRECT_LAUNCH and not _backend.interpreting()
                     and _direct_state(kernel, compiled, grid, args, constexprs) or (None,))

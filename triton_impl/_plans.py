@@ -23,6 +23,16 @@ PLANS_MAX = 4096
 PLAN_CACHE = os.environ.get("MLA_LSE_MERGE_PLAN_CACHE", "1") != "0"
 
 
+# A plan's launch on the torch path (`triton_impl/torch_fallback.py`), with what it needs beyond the call's
+# arguments: (TORCH, options).
+TORCH = "torch"
+
+
+def torch_launch(**options) -> tuple:
+    """The launch of a plan on the torch path: (TORCH, the keyword options of its `torch_fallback` function)."""
+    return TORCH, options
+
+
 def plan(*, overlaps: tuple, num_tokens: int, launch: tuple | str | None) -> tuple:
     """A wrapper's plan for one signature: (overlaps, num_tokens, launch).
 

@@ -30,6 +30,7 @@ from triton_impl import _backend
 from triton_impl import _checks as checks
 from triton_impl import _launch as launcher
 from triton_impl import _plans as plans
+from triton_impl import torch_fallback
 from triton_impl._device import (_cast_rne, _copied_lse, _max_and_sum, _merged_lse, _partial_exp, _program_tile,
                                  _store_nvfp4, _token_requests, _weighted)
 from triton_impl.merge_n import merge_attn_states_n
@@ -243,7 +244,7 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
                          prefill_tokens_with_context=None, output_scale=None, *, method="gather",
                          query_start_loc=None, cu_seq_lens=None, lse_layout="HT", lse_base=math.e,
                          reduce_dtype=None, group_size=None, output_group_scale=None, scale_ue8m0=False,
-                         output_block_scale=None, scale_layout="row", validate=False) -> None:
+                         output_block_scale=None, scale_layout="row", implementation=None, validate=False) -> None:
     """Combine the attention partials of a context-parallel group (docs/spec.md section 9), in place.
 
     Call on every rank of `group` with that rank's partial over its local KV. Rank i is partial i of the N-way
@@ -274,6 +275,8 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
         scales ("row" [T, (H or H / N) * D / 16], any strides, or "swizzled", the FP4 GEMMs' buffer of this rank's
         rows). "gather": fused into the N-way merge (its bits); "reduce_scatter": on the reduced rows, after the
         sum, by the merges' own NVFP4 store.
+      implementation: None (the Triton kernels where Triton has a driver for the tensors' device, else the torch
+        path), "triton" or "torch" (`triton_impl/torch_fallback.py`: any device torch runs on, gloo on a CPU).
       validate: also check offset values, and before anything else make every rank agree on the inputs: one
         small all-gather of each rank's verdict and metadata (a host sync), after which every rank raises if any
         rank's inputs were bad or the ranks disagree (dtype, T, H, D, R, layout, base, method, ...).
@@ -287,8 +290,10 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
     num_partials, rank = group.size(), group.rank()
-    params, ptwc, descriptor, error = None, None, None, None
+    params, ptwc, descriptor, error, impl = None, None, None, None, None
     try:
+        impl = _backend.resolve_implementation(implementation, partial_output.device) if isinstance(
+            partial_output, torch.Tensor) else None  # a non-tensor: _local_params names it
         params, ptwc, descriptor = _local_params(
             output, partial_output, partial_lse, output_lse, prefill_tokens_with_context, output_scale,
             query_start_loc, cu_seq_lens, output_group_scale, output_block_scale, method=method,
@@ -329,14 +334,17 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
             group = dict(output_block_scale=output_block_scale, scale_layout=scale_layout)
         merge_attn_states_n(output, outs.view(num_partials, num_tokens, num_heads, head_dim), lses, output_lse,
                             ptwc, output_scale, query_start_loc=qsl, cu_seq_lens=cus,
-                            lse_layout=lse_layout, lse_base=lse_base, **group)
+                            lse_layout=lse_layout, lse_base=lse_base, implementation=impl, **group)
         return
 
     heads = num_heads // num_partials
     rdt = reduce_dtype or torch.float32
     scaled = torch.empty((num_partials, num_tokens, heads, head_dim), dtype=rdt, device=device)
     merged_lse = None if output_lse is None else torch.empty_like(partial_lse, memory_format=torch.contiguous_format)
-    if num_tokens and num_heads:
+    if num_tokens and num_heads and impl == "torch":
+        torch_fallback.cp_rescale(scaled, merged_lse, partial_output, lses, qsl, cus, rank, ptwc, lse_layout=lse_layout,
+                                  lse_base2=params.base2)
+    elif num_tokens and num_heads:
         _rescale(scaled, merged_lse, partial_output, lses, qsl, cus, rank, params, ptwc, lse_layout)
     if output_lse is not None:  # this rank's heads of the merged LSE
         own = slice(rank * heads, (rank + 1) * heads)
@@ -345,7 +353,12 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
     reduced = output if direct else torch.empty((num_tokens, heads, head_dim), dtype=rdt, device=device)
     _quiet_collective(dist.reduce_scatter_tensor, reduced, scaled.view(num_partials * num_tokens, heads, head_dim),
                       op=dist.ReduceOp.SUM, group=group)
-    if output_block_scale is not None:  # 4.8, after the sum: this rank's rows through the merges' NVFP4 store
+    if output_block_scale is not None and impl == "torch":  # 4.8, after the sum: the torch path's NVFP4 store
+        rows = reduced.float()
+        torch_fallback.store(output, rows, rows, torch.zeros(num_tokens, dtype=torch.bool, device=device),
+                             output_scale=output_scale, output_block_scale=output_block_scale,
+                             scale_layout=scale_layout)
+    elif output_block_scale is not None:  # 4.8, after the sum: this rank's rows through the merges' NVFP4 store
         _nvfp4_rows(output, reduced.float().contiguous(), output_scale, output_block_scale, scale_layout)
     elif group_size:  # 4.7, after the sum: this rank's rows quantized per group (torch's cast: nearest even)
         q, scales = _group_quant(reduced.float().reshape(num_tokens, -1), group_size, scale_ue8m0)

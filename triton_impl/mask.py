@@ -21,6 +21,7 @@ from triton_impl import _backend
 from triton_impl import _checks as checks
 from triton_impl import _launch as launcher
 from triton_impl import _plans as plans
+from triton_impl import torch_fallback
 from triton_impl._device import _count_keys_le
 
 
@@ -108,7 +109,7 @@ def _mask_empty_context_lse_kernel(
 
 
 def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, has_empty=None,
-                           lse_layout="HT", validate=False) -> None:
+                           lse_layout="HT", implementation=None, validate=False) -> None:
     """Set the LSE of every query row of a request with an empty context chunk to -inf (docs/spec.md 3).
 
     Args:
@@ -120,15 +121,18 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
       has_empty: host guard. False launches nothing; None or True launch. Never derived from device data
         (see `has_empty_context`).
       lse_layout: "HT" (vLLM, FA2) or "TH" (FlashInfer, SGLang).
+      implementation: None (the Triton kernel where Triton has a driver for the tensors' device, else the torch
+        path), "triton" or "torch" (`triton_impl/torch_fallback.py`: any device torch runs on). Never falls back.
       validate: also check the offsets' values (reads them on the host: a device sync).
 
     Raises:
       TypeError: a tensor of the wrong dtype.
       ValueError: wrong rank or shape, tensors on different devices, offsets of different lengths, an
-        unknown layout; with validate=True, offsets not starting at 0, decreasing, or past T.
+        unknown layout or implementation; with validate=True, offsets not starting at 0, decreasing, or past T.
+      NotImplementedError: implementation="triton" on a device Triton does not compile for.
     """
     key, plan = (None, None) if validate else plans.find_plan("mask", (lse, query_start_loc, cu_seq_lens, output),
-                                                              lse_layout)
+                                                              (lse_layout, implementation))
     if plan is not None:  # every metadata check passed for this signature: the per-call one only
         overlaps, _, launch = plan
         if not (overlaps and checks.partial_overlap(overlaps, dict(output=output, lse=lse))):
@@ -153,8 +157,11 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
         overlaps = checks.check_no_partial_overlap("output", output, lse=lse)
     if validate:
         checks.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
+    impl = _backend.resolve_implementation(implementation, device)
     launch = None
-    if num_requests and num_tokens:
+    if num_requests and num_tokens and impl == "torch":
+        launch = plans.torch_launch()
+    elif num_requests and num_tokens:
         head_dim = output.shape[2] if output is not None else 1
         block_h, block_ho, block_d = tiles.mask_tiles(num_heads, head_dim)
         launch = plans.kernel_launch(
@@ -171,7 +178,10 @@ def mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output=None, *, ha
 
 
 def _launch(launch, lse, query_start_loc, cu_seq_lens, output, lse_layout) -> None:
-    """The kernel launch of a plan's `kernel_launch`."""
+    """The kernel launch of a plan's `kernel_launch`, or the torch path's (`plans.torch_launch`)."""
+    if launch[0] is plans.TORCH:
+        torch_fallback.mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, output, lse_layout)
+        return
     grid, ints, constexprs, state = launch
     launcher.launch(_mask_empty_context_lse_kernel[lse_layout], grid,
                     (lse, lse if output is None else output, query_start_loc, cu_seq_lens, *ints),  # lse: a placeholder

@@ -23,6 +23,7 @@ from triton_impl import _backend
 from triton_impl import _checks as checks
 from triton_impl import _launch as launcher
 from triton_impl import _plans as plans
+from triton_impl import torch_fallback
 from triton_impl._device import (_clean_lse, _exp_base, _merged_lse, _program_tile, _store_group_fp8, _store_nvfp4,
                                  _store_output, _token_requests)
 
@@ -119,7 +120,7 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
                       prefill_tokens_with_context=None, output_scale=None, *, query_start_loc=None,
                       prefix_cu_seq_lens=None, lse_layout="HT", lse_base=math.e, group_size=None,
                       output_group_scale=None, scale_ue8m0=False, output_block_scale=None, scale_layout="row",
-                      validate=False) -> None:
+                      implementation=None, validate=False) -> None:
     """Merge two attention partials by their LSEs (docs/spec.md 4), vLLM's positional signature, in place.
 
     Args:
@@ -149,18 +150,21 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
         float8_e4m3fn [T, H * D / 16] with any strides, or with scale_layout="swizzled" a contiguous buffer of the
         FP4 GEMMs' 128x4-swizzled layout (T padded to 128, H * D / 16 to 4; its padding left as it is).
       scale_layout: "row" or "swizzled", NVFP4's block scales' layout.
+      implementation: None (the Triton kernel where Triton has a driver for the tensors' device, else the torch
+        path), "triton" or "torch" (`triton_impl/torch_fallback.py`: any device torch runs on). Never falls back.
       validate: also check offset values and prefill_tokens_with_context (reads offsets: a device sync).
 
     Raises:
       TypeError: a tensor of the wrong dtype.
       ValueError: wrong ranks or shapes, different devices, mismatched offsets, bad options.
-      NotImplementedError: a group size (or NVFP4) the kernels do not take for this head dim.
+      NotImplementedError: a group size (or NVFP4) the kernels do not take for this head dim;
+        implementation="triton" on a device Triton does not compile for.
     """
     scales = output_group_scale if output_block_scale is None else output_block_scale  # the kernel's one slot
     key, plan = (None, None) if validate else plans.find_plan(
         "merge", (output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse, output_scale,
                   query_start_loc, prefix_cu_seq_lens, output_group_scale, output_block_scale),
-        (lse_layout, lse_base, group_size, scale_ue8m0, scale_layout))
+        (lse_layout, lse_base, group_size, scale_ue8m0, scale_layout, implementation))
     if plan is not None:  # every metadata check passed for this signature: the per-call ones only
         overlaps, num_tokens, launch = plan
         if not checks.partial_overlap(overlaps, dict(output=output, output_lse=output_lse, prefix_output=prefix_output,
@@ -211,8 +215,12 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
     prefill_tokens = checks.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
     if validate and fused:
         checks.check_offset_values(query_start_loc, prefix_cu_seq_lens, num_tokens, cu_name="prefix_cu_seq_lens")
+    impl = _backend.resolve_implementation(implementation, device)
     launch = None
-    if num_tokens and num_heads:
+    if num_tokens and num_heads and impl == "torch":
+        launch = plans.torch_launch(lse_base2=base2, fused=fused, group_size=group_size, scale_ue8m0=scale_ue8m0,
+                                    nvfp4=output_block_scale is not None, scale_layout=scale_layout)
+    elif num_tokens and num_heads:
         variant = tiles.merge_variant(output_lse is not None, fused)
         itemsize = prefix_output.element_size()
         block_t, block_h, block_d = tiles.merge_tiles("triton", num_heads, head_dim, variant, itemsize)
@@ -238,7 +246,15 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
 
 def _launch(launch, output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, output_scale,
             query_start_loc, prefix_cu_seq_lens, prefill_tokens, lse_layout, output_group_scale=None) -> None:
-    """The kernel launch of a plan's `merge_launch`."""
+    """The kernel launch of a plan's `merge_launch`, or the torch path's (`plans.torch_launch`)."""
+    if launch[0] is plans.TORCH:
+        options = launch[1]
+        fused = options["fused"]
+        torch_fallback.merge_attn_states(
+            output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse, prefill_tokens,
+            query_start_loc if fused else None, prefix_cu_seq_lens if fused else None, lse_layout=lse_layout,
+            lse_base2=options["lse_base2"], **torch_fallback.store_options(options, output_scale, output_group_scale))
+        return
     grid, fused, ints, num_requests, constexprs, state = launch
     placeholder = prefix_lse  # for the pointers a variant does not read
     launcher.launch(_merge_attn_states_kernel[lse_layout], grid, (

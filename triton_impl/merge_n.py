@@ -38,6 +38,7 @@ from triton_impl import _backend
 from triton_impl import _checks as checks
 from triton_impl import _launch as launcher
 from triton_impl import _plans as plans
+from triton_impl import torch_fallback
 from triton_impl._device import (_copied_lse, _max_and_sum, _merged_lse, _partial_exp, _program_tile,
                                  _store_group_fp8, _store_nvfp4, _store_output, _token_requests, _weighted)
 
@@ -236,7 +237,7 @@ EMPTY = "empty"  # the launch plan of N = 0: no kernel, output 0 and LSE -inf (d
 def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_with_context=None,
                         output_scale=None, *, query_start_loc=None, cu_seq_lens=None, lse_layout="HT",
                         lse_base=math.e, group_size=None, output_group_scale=None, scale_ue8m0=False,
-                        output_block_scale=None, scale_layout="row", validate=False) -> None:
+                        output_block_scale=None, scale_layout="row", implementation=None, validate=False) -> None:
     """Merge N attention partials by their LSEs (docs/spec.md section 8), in place.
 
     Args:
@@ -260,19 +261,22 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
         (docs/spec.md 4.7); output_group_scale f32[T, H * D / group_size], any strides, written in place.
       output_block_scale, scale_layout: NVFP4 output, as for `merge_attn_states` (docs/spec.md 4.8): output
         u8[T, H, D / 2], output_scale the f32[1] global scale (N = 0 zeroes the whole swizzled buffer).
+      implementation: None (the Triton kernels where Triton has a driver for the tensors' device, else the torch
+        path), "triton" or "torch" (`triton_impl/torch_fallback.py`: any device torch runs on). Never falls back.
       validate: also check offset values and prefill_tokens_with_context (reads offsets: a device sync).
 
     Raises:
       TypeError: a tensor of the wrong dtype.
       ValueError: wrong ranks or shapes (outputs and lses disagreeing on N, cu_seq_lens not [N, R+1]),
         different devices, an overlapping output, bad options.
-      NotImplementedError: a group size (or NVFP4) the kernels do not take for this head dim.
+      NotImplementedError: a group size (or NVFP4) the kernels do not take for this head dim;
+        implementation="triton" on a device Triton does not compile for.
     """
     scales = output_group_scale if output_block_scale is None else output_block_scale  # the kernel's one slot
     key, plan = (None, None) if validate else plans.find_plan(
         "merge_n", (output, outputs, lses, output_lse, output_scale, query_start_loc, cu_seq_lens, output_group_scale,
                     output_block_scale),
-        (lse_layout, lse_base, group_size, scale_ue8m0, scale_layout))
+        (lse_layout, lse_base, group_size, scale_ue8m0, scale_layout, implementation))
     if plan is not None:  # every metadata check passed for this signature: the per-call ones only
         overlaps, num_tokens, launch = plan
         if not checks.partial_overlap(overlaps, dict(output=output, output_lse=output_lse, outputs=outputs, lses=lses,
@@ -324,11 +328,15 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
     prefill_tokens = checks.check_prefill_tokens(prefill_tokens_with_context, num_tokens, validate)
     if validate and fused:
         checks.check_offset_values(query_start_loc, cu_seq_lens, num_tokens)
+    impl = _backend.resolve_implementation(implementation, device)
     launch = None
     if num_partials == 0:  # 8.2: no partial, every row empty (pass-through rows too: there is no last partial)
         launch = EMPTY
         if group:  # 4.7: q = 0 and the floor's scale; 4.8: codes 0 and scales 0
             launch = (EMPTY, 0.0 if output_block_scale is not None else checks.group_floor_scale(scale_ue8m0))
+    elif num_tokens and num_heads and impl == "torch":
+        launch = plans.torch_launch(lse_base2=base2, fused=fused, group_size=group_size, scale_ue8m0=scale_ue8m0,
+                                    nvfp4=output_block_scale is not None, scale_layout=scale_layout)
     elif num_tokens and num_heads:
         variant = tiles.merge_variant(output_lse is not None, fused)
         itemsize = outputs.element_size()
@@ -383,7 +391,8 @@ def merge_attn_states_n(output, outputs, lses, output_lse=None, prefill_tokens_w
 
 def _launch(launch, output, output_lse, outputs, lses, output_scale, query_start_loc, cu_seq_lens,
             prefill_tokens, lse_layout, output_group_scale=None) -> None:
-    """The kernel launches of a plan: `EMPTY` (with per-group FP8: (`EMPTY`, the floor's scale)), or (first,
+    """The kernel launches of a plan: `EMPTY` (with per-group FP8: (`EMPTY`, the floor's scale)), the torch path's
+    (`plans.torch_launch`), or (first,
     merge): the split merge's first kernel (None unless `tiles.split_passes`: (its buffer's shape, its
     `plans.kernel_launch`)), then the merge's (grid, fused, the strides and T, R, the compile-time arguments,
     `launcher.launch`'s state)."""
@@ -393,6 +402,14 @@ def _launch(launch, output, output_lse, outputs, lses, output_scale, query_start
             output_lse.fill_(float("-inf"))
         if output_group_scale is not None:  # 4.7: q = 0 and the floor's scale; 4.8: scales 0
             output_group_scale.fill_(launch[1])
+        return
+    if launch[0] is plans.TORCH:
+        options = launch[1]
+        fused = options["fused"]
+        torch_fallback.merge_attn_states_n(
+            output, outputs, lses, output_lse, prefill_tokens, query_start_loc if fused else None,
+            cu_seq_lens if fused else None, lse_layout=lse_layout, lse_base2=options["lse_base2"],
+            **torch_fallback.store_options(options, output_scale, output_group_scale))
         return
     first, (grid, fused, ints, num_requests, constexprs, state) = launch
     placeholder = lses  # for the pointers a variant does not read

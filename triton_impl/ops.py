@@ -24,21 +24,22 @@ SCHEMAS = {
     "mask_empty_context_lse": (
         mask_empty_context_lse,
         "(Tensor(a!) lse, Tensor query_start_loc, Tensor cu_seq_lens, Tensor(b!)? output=None, *, "
-        "bool? has_empty=None, str lse_layout=\"HT\", bool validate=False) -> ()"),
+        "bool? has_empty=None, str lse_layout=\"HT\", str? implementation=None, bool validate=False) -> ()"),
     "merge_attn_states": (
         merge_attn_states,
         "(Tensor(a!) output, Tensor prefix_output, Tensor prefix_lse, Tensor suffix_output, Tensor suffix_lse, "
         "Tensor(b!)? output_lse=None, int? prefill_tokens_with_context=None, Tensor? output_scale=None, *, "
         f"Tensor? query_start_loc=None, Tensor? prefix_cu_seq_lens=None, str lse_layout=\"HT\", float lse_base={_E}, "
         "int? group_size=None, Tensor(c!)? output_group_scale=None, bool scale_ue8m0=False, "
-        "Tensor(d!)? output_block_scale=None, str scale_layout=\"row\", bool validate=False) -> ()"),
+        "Tensor(d!)? output_block_scale=None, str scale_layout=\"row\", str? implementation=None, "
+        "bool validate=False) -> ()"),
     "merge_attn_states_n": (
         merge_attn_states_n,
         "(Tensor(a!) output, Tensor outputs, Tensor lses, Tensor(b!)? output_lse=None, "
         "int? prefill_tokens_with_context=None, Tensor? output_scale=None, *, Tensor? query_start_loc=None, "
         f"Tensor? cu_seq_lens=None, str lse_layout=\"HT\", float lse_base={_E}, int? group_size=None, "
         "Tensor(c!)? output_group_scale=None, bool scale_ue8m0=False, Tensor(d!)? output_block_scale=None, "
-        "str scale_layout=\"row\", bool validate=False) -> ()"),
+        "str scale_layout=\"row\", str? implementation=None, bool validate=False) -> ()"),
 }
 
 _LIB = torch.library.Library(NAMESPACE, "DEF")

@@ -9,6 +9,40 @@ import sys
 from parity.cli.codes import EXIT_FAIL, EXIT_OK, EXIT_USAGE
 
 
+def _writable_file(path: str, flag: str) -> str | None:
+    """Why `path` cannot take a file written at the end of the run (None: it can)."""
+    if os.path.isdir(path):
+        return f"{flag} {path!r} is a folder, not a file"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"{flag} {path!r}: the folder {folder!r} does not exist"
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"{flag} {path!r} cannot be written"
+    return None
+
+
+def check_output_paths(args) -> str | None:
+    """Checked before any work (a failure after the run would lose it): the files `--json` and `--plot` will write
+    (`--json -` is stdout) and `export`'s folder (created here, or an existing folder). Returns the problem, or
+    None."""
+    for attr, flag in (("json", "--json"), ("plot", "--plot")):
+        path = getattr(args, attr, None)
+        if path and path != "-":
+            problem = _writable_file(path, flag)
+            if problem:
+                return problem
+    if args.command == "export":
+        if os.path.exists(args.dir) and not os.path.isdir(args.dir):
+            return f"export: {args.dir!r} exists and is not a folder"
+        try:
+            os.makedirs(args.dir, exist_ok=True)
+        except OSError as e:
+            return f"export: cannot create the folder {args.dir!r}: {e.strerror or e}"
+        if not os.access(args.dir, os.W_OK):
+            return f"export: the folder {args.dir!r} cannot be written"
+    return None
+
+
 def _write_json(path: str, report: dict) -> None:
     from parity.library.crosscheck import jsonable
 
@@ -102,8 +136,11 @@ def cross(args) -> int:
 
 def bench(args) -> int:
     """`python -m parity bench`: 0 ok, 1 a point or check failed (errors in the JSON), 2 usage error."""
-    if getattr(args, "_bench_import_error", None) is not None:
-        print(f"error: `bench` is unavailable: {args._bench_import_error}", file=sys.stderr)
+    error = getattr(args, "_bench_import_error", None)
+    if isinstance(error, ModuleNotFoundError):
+        raise error  # the CLI names the extra to install
+    if error is not None:
+        print(f"error: `bench` is unavailable: {error}", file=sys.stderr)
         return EXIT_USAGE
     from parity.tools import bench
 
@@ -193,3 +230,19 @@ def loop(args) -> int:
     if args.json:
         loop.write_json(report, args.json, args.argv)
     return EXIT_OK if ok else EXIT_FAIL
+
+
+def example(args) -> int:
+    """`python -m parity example NAME`: print a worked example's source (parity/examples/); 2 no such example."""
+    from importlib import resources
+
+    folder = resources.files("parity.examples")
+    names = sorted(f.name[:-3] for f in folder.iterdir() if f.name.endswith(".py") and not f.name.startswith("_"))
+    if args.list or args.name is None:
+        print("\n".join(names))
+        return EXIT_OK
+    if args.name not in names:
+        print(f"error: no example {args.name!r}; the examples: {', '.join(names)}", file=sys.stderr)
+        return EXIT_USAGE
+    sys.stdout.write(folder.joinpath(f"{args.name}.py").read_text())
+    return EXIT_OK

@@ -33,9 +33,9 @@ def _add_pallas_backend(p: argparse.ArgumentParser) -> None:
 
 
 def _impl_arg(value: str) -> str:
-    if value in ("triton", "pallas", "jnp", "reference") or ":" in value:
+    if value in ("triton", "pallas", "jnp", "torch", "reference") or ":" in value:
         return value
-    raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (triton, pallas, jnp, reference, or "
+    raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (triton, pallas, jnp, torch, reference, or "
                                      "MODULE:FUNCTION / PATH.py:FUNCTION)")
 
 
@@ -114,7 +114,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("dir", metavar="DIR", help="folder holding manifest.json and the .npz files")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--impl", type=_impl_arg, metavar="IMPL",
-                       help="triton, pallas, jnp, reference, or a port's callable MODULE:FUNCTION / PATH.py:FUNCTION "
+                       help="triton, pallas, jnp, torch, reference, or a port's callable MODULE:FUNCTION / PATH.py:FUNCTION "
                             "(docs/porting.md)")
     which.add_argument("--outputs", metavar="OUTDIR",
                        help="a port's results, one OUTDIR/<case>.npz per case (format: docs/porting.md)")
@@ -213,4 +213,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", default=None, help="write the report (and the environment) to FILE")
     _add_pallas_backend(p)
     p.set_defaults(func=h.loop)
+
+    p = sub.add_parser("example", help="print a worked example shipped with the package (parity/examples/): "
+                                       "`example numpy_port > my_port.py` starts a port (docs/porting.md)")
+    p.add_argument("name", nargs="?", metavar="NAME", default=None, help="the example (without .py)")
+    p.add_argument("--list", action="store_true", help="list the examples")
+    p.set_defaults(func=h.example)
     return parser

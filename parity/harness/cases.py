@@ -60,6 +60,8 @@ class Case:
     context_lens: tuple[int, ...] = ()  # KV length of each request (before the split over partials)
     interleave: int = 1
     strided: bool = False  # Triton reads the partials as views of a [T, N, H, D] gather and of the other LSE layout
+    # NVFP4's block-scale layout: "row", or "swizzled" (`check` runs every NVFP4 case in both and compares them)
+    scale_layout: str = "row"
     tags: frozenset[str] = frozenset()
 
     @property
@@ -102,6 +104,10 @@ def _random_empty(seed: int, num_requests: int, frac: float = 0.4) -> tuple[int,
 
 _CI = frozenset({"ci", "default", "full"})
 _FULL = frozenset({"full"})
+# Cases `check` runs on a GPU only (`select(gpu=False)` leaves them out): too large for the CPU interpreters and
+# for golden vectors, there to catch what only compiled kernels do (long-T tiles, layout conversions).
+GPU_ONLY = "gpu_only"
+_FULL_GPU = frozenset({"full", GPU_ONLY})
 # NVFP4's global scale g in the cases (docs/spec.md 4.8): vLLM's 448 * 6 / amax for |values| up to 12, so the
 # block scales (amax / 6) * g stay in e4m3's normal range and small blocks reach its subnormals
 NVFP4_GLOBAL_SCALE = 224.0
@@ -147,6 +153,19 @@ CASES: tuple[Case, ...] = (
     # NVFP4 (docs/spec.md 4.8) of the 2-way merge: pass-through rows quantized like the others, special LSEs.
     Case("nvfp4_ptwc_specials", (40, 20, 70), (0,), num_heads=4, head_dim=64, dtype="bfloat16",
          out_dtype="float4_e2m1fn", specials=True, prefill_tokens_with_context=100, tags=_FULL),
+    # GPU only: NVFP4 with the fused mask and pass-through rows at T = 1001, H = 8, D = 128 (the swizzled block scales
+    # moved the compiled Triton kernel's codes there until 2026-12-07), and every quantized output and an f32 one at
+    # T = 32K (the long-T tiles: Mosaic GPU's failed to compile until 2026-12-07).
+    Case("nvfp4_fused_t1001", (100, 300, 1, 549, 51), (1, 3), num_heads=8, head_dim=128, dtype="bfloat16",
+         out_dtype="float4_e2m1fn", prefill_tokens_with_context=950, tags=_FULL_GPU),
+    Case("t32k_static_fp8", (16384, 8192, 8191), (1,), num_heads=16, head_dim=128, out_dtype="float8_e4m3fn",
+         specials=True, padding=1, tags=_FULL_GPU),
+    Case("t32k_group_fp8_g128", (16384, 8192, 8192), (1,), num_heads=16, head_dim=128, out_dtype="float8_e4m3fn",
+         group_size=128, specials=True, prefill_tokens_with_context=32000, tags=_FULL_GPU),
+    Case("t32k_nvfp4", (16384, 8192, 8192), (1,), num_heads=16, head_dim=128, out_dtype="float4_e2m1fn",
+         specials=True, prefill_tokens_with_context=32000, tags=_FULL_GPU),
+    Case("t32k_bf16_to_f32", (16384, 8192, 8192), (1,), num_heads=16, head_dim=128, out_dtype="float32",
+         tags=_FULL_GPU),
     Case("d512_h1", (9, 0, 23), (0,), num_heads=1, head_dim=512, dtype="float32", tags=_CI),
     # Another output dtype than the partials' (docs/spec.md 4.3): f32 partials into a bf16 output, base 2, with
     # pass-through rows (rounded once); fp16 partials into an f32 output.
@@ -265,13 +284,14 @@ CASES_N: tuple[Case, ...] = (
 KINDS = ("two_way", "n_way", "all")
 
 
-def select(tag: str | None = None, name_filter: str | None = None, *, kind: str = "two_way") -> list[Case]:
+def select(tag: str | None = None, name_filter: str | None = None, *, kind: str = "two_way",
+           gpu: bool = False) -> list[Case]:
     """Cases of `kind` ("two_way", "n_way" or "all") carrying `tag` (all when None) whose name contains
-    `name_filter`."""
+    `name_filter`; the `GPU_ONLY` ones only with gpu=True."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     pool = {"two_way": CASES, "n_way": CASES_N, "all": CASES + CASES_N}[kind]
-    return [c for c in pool if (tag is None or tag in c.tags)
+    return [c for c in pool if (tag is None or tag in c.tags) and (gpu or GPU_ONLY not in c.tags)
             and (name_filter is None or name_filter in c.name)]
 
 

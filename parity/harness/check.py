@@ -3,7 +3,7 @@ compare them.
 
 For every case the numpy inputs (`cases.make_inputs` / `make_inputs_n`) are uploaded once to torch and
 shared with JAX over DLPack (`parity.library.bridge.share_inputs`, zero-copy). Every implementation runs through
-`parity.harness.impls` (reference, triton, pallas, jnp). The operations (`impls.OPS`):
+`parity.harness.impls` (reference, triton, pallas, jnp, torch). The operations (`impls.OPS`):
 
 - 2-way cases: `mask` (the prefix LSE, zeroing the prefix output; docs/spec.md 3); `merge` (each
   implementation merges its own masked prefix with the suffix: mask then merge, 4); `merge_fused` (the raw
@@ -13,7 +13,7 @@ shared with JAX over DLPack (`parity.library.bridge.share_inputs`, zero-copy). E
   the bits of the 2-way kernels on the same partials.
 
 Each result is compared, through `parity.library.crosscheck.compare_results`, bit for bit between implementations
-(Triton vs Pallas, Pallas vs jnp) and with the float64 reference: exactly where the result is a bit copy
+(Triton vs Pallas, Pallas vs jnp, Triton vs its torch path) and with the float64 reference: exactly where the result is a bit copy
 (`parity.harness.expected.exact_masks`), within tolerance elsewhere, measured against
 `parity.harness.expected.magnitude`. Which comparisons are required depends on the mode (docs/spec.md 5):
 `RULES`; the records, the table and the JSON report are `parity.harness.check_report`'s.
@@ -21,6 +21,7 @@ Each result is compared, through `parity.library.crosscheck.compare_results`, bi
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -28,10 +29,10 @@ import numpy as np
 
 from parity.harness import cases as cases_mod
 from parity.harness import expected, impls
-from parity.harness.check_report import (KINDS, N2_KINDS, PAIRS, RULES, SCHEMA, OpRecord, build_report,
+from parity.harness.check_report import (KINDS, N2_KINDS, NVFP4_KINDS, PAIRS, RULES, SCHEMA, OpRecord, build_report,
                                          dtype_label, format_table)
 
-__all__ = ["KINDS", "N2_KINDS", "PAIRS", "RULES", "SCHEMA", "OpRecord", "build_report", "count_ops", "dtype_label",
+__all__ = ["KINDS", "N2_KINDS", "NVFP4_KINDS", "PAIRS", "RULES", "SCHEMA", "OpRecord", "build_report", "count_ops", "dtype_label",
            "format_table", "run_case", "run_check", "select"]
 
 
@@ -79,7 +80,7 @@ class _Judge:
 
     def bits(self, rec: OpRecord, kind: str, got, want, name: str) -> None:
         op, _, key = name.partition(".")
-        axes = {key: self._axes(got)}
+        axes = {key: ("token", "group") if key.startswith("scales") else self._axes(got)}
         for _, report in self.engine({"got": {key: got}, "want": {key: want}}, [key], pairs=[("got", "want")],
                                      locating=self.locating, axes=axes, prefix=f"{op}."):
             rec.add(kind, report)
@@ -99,7 +100,7 @@ def _shared(rt: impls.Runtime, inputs: dict[str, np.ndarray]) -> dict[str, dict[
     from parity.library import bridge
 
     t, j = bridge.share_inputs(inputs, rt.device)
-    return {"reference": inputs, "triton": t, "pallas": j, "jnp": j}
+    return {"reference": inputs, "triton": t, "pallas": j, "jnp": j, "torch": t}
 
 
 def _judge_merge(rec: OpRecord, judge: _Judge, case: cases_mod.Case, op: str, results: dict,
@@ -190,6 +191,8 @@ def _run_two_way(rt, case, seed, finish) -> None:
                 ops = arrays
             results = {impl: impls.run(rt, impl, op, case, ops[impl]) for impl in impls.IMPLS}
             _judge_merge(rec, judge, case, op, results, ops["reference"])
+            if case.nvfp4:
+                _swizzled_vs_row(rt, rec, judge, case, op, ops, results)
         except Exception as e:  # noqa: BLE001
             _record_error(rec, e)
         finish(rec, t0)
@@ -208,11 +211,24 @@ def _run_n_way(rt, case, seed, finish) -> None:
                 impl: dict(arrays[impl], lses=arrays[impl]["masked_lses"]) for impl in impls.IMPLS}
             results = {impl: impls.run(rt, impl, op, case, ops[impl]) for impl in impls.IMPLS}
             _judge_merge(rec, judge, case, op, results, ops["reference"])
+            if case.nvfp4:
+                _swizzled_vs_row(rt, rec, judge, case, op, ops, results)
             if case.partials == 2:
                 _n2_vs_two_way(rt, rec, judge, case, op, arrays, results)
         except Exception as e:  # noqa: BLE001
             _record_error(rec, e)
         finish(rec, t0)
+
+
+def _swizzled_vs_row(rt, rec, judge, case, op, ops, results) -> None:
+    """docs/spec.md 4.8: the block scales' layout moves the scales, never a code. Every implementation runs the
+    operation again writing swizzled scales (read back row-major by its adapter); codes and scales must be the
+    row-major run's bits (on the GPU the swizzled store once changed the compiled Triton kernel's codes)."""
+    swizzled = dataclasses.replace(case, scale_layout="swizzled")
+    for impl in impls.KERNEL_IMPLS:
+        got = impls.run(rt, impl, op, swizzled, ops[impl])
+        for key in ("out", "scales"):
+            judge.bits(rec, "swizzled_vs_row", got[key], results[impl][key], f"{op}.{key}[{impl}]")
 
 
 def _n2_vs_two_way(rt, rec, judge, case, op, arrays, results) -> None:
@@ -239,8 +255,9 @@ def count_ops(selected) -> int:
 
 
 def select(suite: str, name_filter: str | None, shard: tuple[int, int] | None = None) -> list:
-    """The cases of a check run: the suite's, filtered by name, then every N-th from the K-th with shard=(K, N)."""
-    selected = cases_mod.select(suite, name_filter, kind="all")
+    """The cases of a check run: the suite's (its GPU-only cases on a GPU), filtered by name, then every N-th from
+    the K-th with shard=(K, N)."""
+    selected = cases_mod.select(suite, name_filter, kind="all", gpu=impls.make_runtime().on_gpu)
     return selected if shard is None else selected[shard[0]::shard[1]]
 
 

@@ -11,33 +11,40 @@ from parity.harness import cases as cases_mod
 from parity.harness import impls, provenance
 
 SCHEMA = "parity-check/2"
-KINDS = ("triton_vs_pallas", "pallas_vs_jnp", "triton_vs_reference", "pallas_vs_reference", "jnp_vs_reference")
+KINDS = ("triton_vs_pallas", "pallas_vs_jnp", "triton_vs_torch", "triton_vs_reference", "pallas_vs_reference",
+         "jnp_vs_reference", "torch_vs_reference")
 N2_KINDS = ("triton_n2_vs_2way", "pallas_n2_vs_2way")  # N = 2 records only
-PAIRS = (("triton", "pallas"), ("pallas", "jnp"))
+# NVFP4 merges only: each implementation's run with swizzled block scales against its row-major run, bit for bit
+# (codes and scales: the layout moves the scales, never a code)
+NVFP4_KINDS = ("swizzled_vs_row",)
+PAIRS = (("triton", "pallas"), ("pallas", "jnp"), ("triton", "torch"))
 
 RULES = {
     "gpu-bitwise": (
-        "GPU, compiled: Triton, Pallas and jnp (XLA) must agree bit for bit (0 differing bits) on every output "
+        "GPU, compiled: Triton, Pallas, jnp (XLA) and triton_impl's torch path must agree bit for bit (0 differing "
+        "bits) on every output "
         "of every operation, and at N = 2 the N-way kernels must give the 2-way kernels' bits (docs/spec.md 5, 8); "
         "each must also match the float64 reference, bit for bit where the result is a copy and within the "
         "stated tolerance elsewhere."),
     "cpu-interpreters": (
-        "CPU, Triton interpreter, Pallas interpret mode and jnp on XLA:CPU: the mask must agree bit for bit "
-        "between all three; for the merges the differing bits between implementations are reported but not "
+        "CPU, Triton interpreter, Pallas interpret mode, jnp on XLA:CPU and the torch path: the mask must agree bit "
+        "for bit between all four; for the merges the differing bits between implementations are reported but not "
         "required, because the interpreters' float math differs (XLA:CPU contracts FMAs and has its own "
         "exp/log, docs/spec.md 5); each implementation must match the float64 reference, bit for bit where "
         "the result is a copy and within the stated tolerance elsewhere."),
 }
 
 
-def _kinds(case: cases_mod.Case) -> tuple[str, ...]:
-    return KINDS + (N2_KINDS if case.partials == 2 else ())
+def _kinds(case: cases_mod.Case, op: str = "") -> tuple[str, ...]:
+    return (KINDS + (N2_KINDS if case.partials == 2 else ())
+            + (NVFP4_KINDS if case.nvfp4 and op.startswith("merge") else ()))
 
 
 def _required(mode: str, op: str, case: cases_mod.Case) -> tuple[str, ...]:
     if mode == "gpu-bitwise" or op == "mask":
-        return _kinds(case)
-    return ("triton_vs_reference", "pallas_vs_reference", "jnp_vs_reference")
+        return _kinds(case, op)
+    return ("triton_vs_reference", "pallas_vs_reference", "jnp_vs_reference", "torch_vs_reference") + (
+        NVFP4_KINDS if case.nvfp4 else ())
 
 
 def dtype_label(case: cases_mod.Case) -> str:
@@ -148,13 +155,13 @@ def _fmt_bits(rec: OpRecord, kinds) -> tuple[str, bool]:
 
 
 def format_table(records: list[OpRecord]) -> str:
-    head = ("case", "op", "N", "dtype", "D", "tri-vs-pal bits", "pal-vs-jnp bits", "N=2 vs 2-way", "max ulp",
-            "triton-vs-ref", "pallas-vs-ref", "jnp-vs-ref", "status")
+    head = ("case", "op", "N", "dtype", "D", "tri-vs-pal bits", "pal-vs-jnp bits", "tri-vs-torch bits", "N=2 vs 2-way",
+            "swizzled vs row", "max ulp", "triton-vs-ref", "pallas-vs-ref", "jnp-vs-ref", "torch-vs-ref", "status")
     rows = [head]
     footnote = False
     for rec in records:
         cells = []
-        for kinds in (("triton_vs_pallas",), ("pallas_vs_jnp",), N2_KINDS):
+        for kinds in (("triton_vs_pallas",), ("pallas_vs_jnp",), ("triton_vs_torch",), N2_KINDS, NVFP4_KINDS):
             text, star = _fmt_bits(rec, kinds)
             cells.append(text)
             footnote |= star
@@ -162,9 +169,9 @@ def format_table(records: list[OpRecord]) -> str:
         rows.append((rec.case.name, rec.op, str(rec.case.partials or 2), dtype_label(rec.case),
                      str(rec.case.head_dim), *cells, _fmt_ulp(_max_ulp(tp)) if tp else "-",
                      _fmt_vs_ref(rec, "triton_vs_reference"), _fmt_vs_ref(rec, "pallas_vs_reference"),
-                     _fmt_vs_ref(rec, "jnp_vs_reference"), rec.status))
+                     _fmt_vs_ref(rec, "jnp_vs_reference"), _fmt_vs_ref(rec, "torch_vs_reference"), rec.status))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    right = {2, 4, 5, 6, 7, 8}
+    right = {2, 4, 5, 6, 7, 8, 9, 10}
     lines = []
     for n, row in enumerate(rows):
         cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]

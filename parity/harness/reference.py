@@ -230,6 +230,13 @@ def unpack_fp4(packed):
     return np.stack([packed & 15, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
 
 
+def swizzled_offsets(num_tokens: int, num_blocks: int) -> np.ndarray:
+    """i64[T, K]: where block scale (t, k) lands in the 128x4-swizzled layout (`swizzle_nvfp4_scales`)."""
+    kp = -(-num_blocks // 4) * 4
+    tt, kk = np.meshgrid(np.arange(num_tokens), np.arange(num_blocks), indexing="ij")
+    return ((tt // 128) * (kp // 4) + kk // 4) * 512 + (tt % 32) * 16 + ((tt % 128) // 32) * 4 + kk % 4
+
+
 def swizzle_nvfp4_scales(scales):
     """[T, K] block scales (any 1-byte dtype) -> the same dtype, flat, in the 128x4-swizzled layout (section 4.8):
     T padded to a multiple of 128 and K to a multiple of 4 with zeros; scale (t, k) at

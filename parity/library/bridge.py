@@ -38,29 +38,61 @@ from typing import Any, Mapping
 import ml_dtypes
 import numpy as np
 
-import jax
-import torch
+import functools
+import importlib
+import sys
+
+
+class _Framework:
+    """A framework module imported on first use: `import parity.library.bridge` (and the numpy comparisons that
+    import it) needs neither torch nor jax installed."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name), attr)
+
+
+torch = _Framework("torch")
+jax = _Framework("jax")
 
 ALIGNMENT = 16  # bytes; XLA requires it of imported buffers
+_SUPPORTED = ("int32", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int16", "int8", "uint8",
+              "bool")
 
-SUPPORTED_TORCH_DTYPES = (torch.int32, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
-                         torch.float8_e5m2, torch.int16, torch.int8, torch.uint8, torch.bool)
 
-# numpy dtypes torch.from_numpy cannot take: uploaded through a same-width unsigned view.
-_NP_VIA_VIEW = {
-    np.dtype(ml_dtypes.bfloat16): (np.uint16, torch.bfloat16),
-    np.dtype(ml_dtypes.float8_e4m3fn): (np.uint8, torch.float8_e4m3fn),
-    np.dtype(ml_dtypes.float8_e5m2): (np.uint8, torch.float8_e5m2),
-}
-_TORCH_VIA_VIEW = {
-    torch.bfloat16: (torch.int16, np.dtype(ml_dtypes.bfloat16)),
-    torch.float8_e4m3fn: (torch.uint8, np.dtype(ml_dtypes.float8_e4m3fn)),
-    torch.float8_e5m2: (torch.uint8, np.dtype(ml_dtypes.float8_e5m2)),
-}
+@functools.cache
+def _tables() -> tuple:
+    """(the torch dtypes shared zero-copy, numpy dtypes uploaded through a same-width unsigned view because
+    `torch.from_numpy` cannot take them, torch dtypes read back through one)."""
+    supported = tuple(getattr(torch, name) for name in _SUPPORTED)
+    np_via_view = {
+        np.dtype(ml_dtypes.bfloat16): (np.uint16, torch.bfloat16),
+        np.dtype(ml_dtypes.float8_e4m3fn): (np.uint8, torch.float8_e4m3fn),
+        np.dtype(ml_dtypes.float8_e5m2): (np.uint8, torch.float8_e5m2),
+    }
+    torch_via_view = {
+        torch.bfloat16: (torch.int16, np.dtype(ml_dtypes.bfloat16)),
+        torch.float8_e4m3fn: (torch.uint8, np.dtype(ml_dtypes.float8_e4m3fn)),
+        torch.float8_e5m2: (torch.uint8, np.dtype(ml_dtypes.float8_e5m2)),
+    }
+    return supported, np_via_view, torch_via_view
+
+
+def __getattr__(name):
+    if name == "SUPPORTED_TORCH_DTYPES":
+        return _tables()[0]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _is_jax_array(x: Any) -> bool:
-    return isinstance(x, jax.Array)
+    """A jax.Array (jax is not imported for the question: without it, nothing is one)."""
+    return "jax" in sys.modules and isinstance(x, sys.modules["jax"].Array)
+
+
+def _is_torch_tensor(x: Any) -> bool:
+    return "torch" in sys.modules and isinstance(x, sys.modules["torch"].Tensor)
 
 
 def jax_device_for(device: torch.device | str) -> jax.Device:
@@ -89,7 +121,7 @@ def jax_device_for(device: torch.device | str) -> jax.Device:
 
 def data_ptr(x: Any) -> int:
     """Address of the first element of a torch tensor, JAX array (single device) or numpy array."""
-    if isinstance(x, torch.Tensor):
+    if _is_torch_tensor(x):
         return x.data_ptr()
     if _is_jax_array(x):
         return x.unsafe_buffer_pointer()
@@ -113,14 +145,14 @@ def torch_to_jax(t: torch.Tensor) -> jax.Array:
         ValueError: non-contiguous strides, a misaligned data pointer, or a device JAX lacks.
         RuntimeError: DLPack copied the buffer anyway (pointer check after import).
     """
-    if not isinstance(t, torch.Tensor):
+    if not _is_torch_tensor(t):
         raise TypeError(f"torch_to_jax needs a torch.Tensor, got {type(t)=}")
     if t.dtype == torch.int64:
         raise TypeError(
             f"{t.dtype=}: JAX (x64 disabled) would silently copy an int64 tensor to int32, breaking the "
             "alias; keep offsets int32 (docs/spec.md 2) and convert on the torch side if you must")
-    if t.dtype not in SUPPORTED_TORCH_DTYPES:
-        raise TypeError(f"{t.dtype=} is not shared zero-copy; supported: {SUPPORTED_TORCH_DTYPES}")
+    if t.dtype not in _tables()[0]:
+        raise TypeError(f"{t.dtype=} is not shared zero-copy; supported: {_tables()[0]}")
     if not t.is_contiguous():
         raise ValueError(
             f"non-contiguous tensor ({t.shape=}, {t.stride()=}): DLPack rejects or relays out such strides. "
@@ -159,8 +191,8 @@ def jax_to_torch(a: jax.Array) -> torch.Tensor:
         raise ValueError(f"only single-device arrays can be shared, got {a.devices()=}")
     a.block_until_ready()
     t = torch.from_dlpack(a)
-    if t.dtype not in SUPPORTED_TORCH_DTYPES:
-        raise TypeError(f"{a.dtype=} is not shared zero-copy; supported: {SUPPORTED_TORCH_DTYPES}")
+    if t.dtype not in _tables()[0]:
+        raise TypeError(f"{a.dtype=} is not shared zero-copy; supported: {_tables()[0]}")
     if t.numel() > 0 and t.data_ptr() != a.unsafe_buffer_pointer():
         raise RuntimeError(f"DLPack export copied the buffer ({a.dtype=}, {a.shape=})")
     return t
@@ -175,7 +207,7 @@ def to_torch(x: np.ndarray, device: torch.device | str = "cpu") -> torch.Tensor:
     caller's reference inputs, and the fresh allocation is aligned for `torch_to_jax`.
     """
     x = np.ascontiguousarray(np.asarray(x))
-    via = _NP_VIA_VIEW.get(x.dtype)
+    via = _tables()[1].get(x.dtype)
     if via is not None:
         t = torch.from_numpy(x.view(via[0])).view(via[1])
     else:
@@ -191,9 +223,9 @@ def to_numpy(x: Any) -> np.ndarray:
         return x
     if _is_jax_array(x):
         return np.asarray(jax.device_get(x))
-    if isinstance(x, torch.Tensor):
+    if _is_torch_tensor(x):
         t = x.detach().cpu()
-        via = _TORCH_VIA_VIEW.get(t.dtype)
+        via = _tables()[2].get(t.dtype)
         if via is not None:
             return t.contiguous().view(via[0]).numpy().view(via[1])
         return t.numpy()

@@ -32,14 +32,14 @@ import math
 from typing import Any
 
 import numpy as np
-import torch
 
 from parity.library import bridge
 # Also the names of parity.library.compare for its callers (the bits, the scan, the tolerance table).
-from parity.library.bits import (CLASS_NAMES, FINITE, NAN, NEG_INF, POS_INF, _as_torch, _format_of, _FORMATS,
-                                 _native, ordered_bits, raw_bits, ulp_distance, value_class)
-from parity.library.scan import (LAYOUTS, MAX_SHOWN, ULP_BUCKETS, _Accumulator, _Locator, _chunk_of, _mask_chunk,
-                                 _pick_layout, _row_chunks, _shape_of, _show)
+from parity.library.bits import (CLASS_NAMES, FINITE, NAN, NEG_INF, POS_INF, _as_array, _as_torch, _float64,
+                                 _format_of, _int_view, _native, _where, dtype_name, is_numpy, ordered_bits,
+                                 raw_bits, ulp_distance, value_class)
+from parity.library.scan import (LAYOUTS, MAX_SHOWN, ULP_BUCKETS, _Accumulator, _Locator, _chunk_of, _device_of,
+                                 _mask_chunk, _pick_layout, _row_chunks, _shape_of, _show)
 from parity.library.tolerances import TOLERANCES, Tolerance, tolerance_for
 
 # --------------------------------------------------------------------------------------------------------
@@ -107,7 +107,29 @@ class Report:
 
 
 
-def _check_pair(got: torch.Tensor, want_shape: tuple[int, ...], what: str) -> None:
+def __getattr__(name):
+    if name == "_FORMATS":  # torch dtype -> format (imports torch)
+        from parity.library import bits
+
+        return bits._FORMATS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _pair(got: Any, want: Any):
+    """`got` and `want` as one kind of array: numpy when both are numpy (compared with numpy), else torch tensors
+    on `got`'s device."""
+    got, want = _as_array(got), _as_array(want)
+    if is_numpy(got) and is_numpy(want):
+        return got, want
+    got = _as_torch(got)
+    return got, _as_torch(want, got.device)
+
+
+def _numel(x) -> int:
+    return int(math.prod(x.shape))
+
+
+def _check_pair(got: Any, want_shape: tuple[int, ...], what: str) -> None:
     if _shape_of(got) != want_shape:
         raise ValueError(f"{what}: shapes differ: got {tuple(got.shape)} want {want_shape}")
 
@@ -132,9 +154,8 @@ def compare_bits(got: Any, want: Any, *, name: str = "", query_start_loc: Any = 
     Returns:
         A `Report`; `ok` iff every element has identical bits (NaN payloads included; +0 != -0).
     """
-    got = _as_torch(got)
-    want = _as_torch(want, got.device)
-    layout = _pick_layout(layout, lse_layout, got.dim())
+    got, want = _pair(got, want)
+    layout = _pick_layout(layout, lse_layout, got.ndim)
     context = context or _context(case, seed, mode)
     if got.dtype != want.dtype:
         raise TypeError(f"{name}: dtypes differ: {got.dtype=} {want.dtype=}")
@@ -142,24 +163,24 @@ def compare_bits(got: Any, want: Any, *, name: str = "", query_start_loc: Any = 
     _check_pair(got, _shape_of(want), name)
     shape = _shape_of(got)
     locate = _Locator(shape, layout, query_start_loc, ragged_axis)
-    g_all, w_all = (got.reshape(1), want.reshape(1)) if got.dim() == 0 else (got, want)
+    g_all, w_all = (got.reshape(1), want.reshape(1)) if got.ndim == 0 else (got, want)
     acc = _Accumulator(max_shown)
     row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
     for i, j in _row_chunks(g_all.shape[0], row_numel):
         g = g_all[i:j].reshape(-1)
         w = w_all[i:j].reshape(-1)
-        gb, wb = g.view(fmt.int_dtype), w.view(fmt.int_dtype)
+        gb, wb = _int_view(g, fmt), _int_view(w, fmt)
         gc, wc = value_class(g), value_class(w)
         diff = gb != wb
         comparable = (gc != NAN) & (wc != NAN)
-        ulp = torch.where(comparable, (ordered_bits(g) - ordered_bits(w)).abs(), -1)
+        ulp = _where(comparable, abs(ordered_bits(g) - ordered_bits(w)), -1)
         acc.count("diff", diff)
         acc.count("class", gc != wc)
         acc.ulps(ulp, comparable)
         fields = dict(got=gb, want=wb, ulp=ulp)
         base = i * row_numel
         acc.examples_from(base, diff, fields)
-        acc.worst_from(base, torch.where(diff, ulp, -1), fields)
+        acc.worst_from(base, _where(diff, ulp, -1), fields)
 
     def line(f):
         (gh, gv), (wh, wv) = _native(f["got"], fmt), _native(f["want"], fmt)
@@ -168,7 +189,7 @@ def compare_bits(got: Any, want: Any, *, name: str = "", query_start_loc: Any = 
 
     n_diff, n_class = acc.counts.get("diff", 0), acc.counts.get("class", 0)
     return Report(
-        name=name, dtype=fmt.short, shape=shape, n=got.numel(), n_diff=n_diff, max_ulp=acc.max_ulp,
+        name=name, dtype=fmt.short, shape=shape, n=_numel(got), n_diff=n_diff, max_ulp=acc.max_ulp,
         ulp_hist=dict(zip(ULP_BUCKETS, acc.hist.tolist())), classes_agree=n_class == 0,
         n_class_mismatch=n_class, first_mismatches=_show(acc, locate, line) if n_diff else [],
         tolerance="identical bits", ok=n_diff == 0, context=context, kind="bitwise")
@@ -197,24 +218,26 @@ def compare_to_reference(got: Any, want: Any, *, name: str = "", tol: Tolerance 
     Returns:
         A `Report`; `ok` iff no class mismatch, no exact mismatch and no element out of tolerance.
     """
-    got = _as_torch(got)
+    got = _as_array(got)
+    if not is_numpy(got) or not (is_numpy(want) and (mag is None or is_numpy(mag))):
+        got = _as_torch(got)  # a torch comparison on got's device
     if exact_mask is not None:
         exact = exact_mask
-    layout = _pick_layout(layout, lse_layout, got.dim())
+    layout = _pick_layout(layout, lse_layout, got.ndim)
     context = context or _context(case, seed, mode)
     fmt = _format_of(got.dtype)
-    device = got.device
+    device = _device_of(got)
     shape = _shape_of(got)
     _check_pair(got, _shape_of(want), name)
     if mag is not None and _shape_of(mag) != shape:
         raise ValueError(f"{name}: mag shape {_shape_of(mag)} != {shape}")
     if tol is None:  # an LSE layout (given or inferred for 2-D) takes the LSE entry
-        lse_like = layout in ("HT", "TH") or (layout is None and got.dim() == 2)
+        lse_like = layout in ("HT", "TH") or (layout is None and got.ndim == 2)
         tol = tolerance_for(got.dtype, lse=lse_like)
     elif isinstance(tol, str):
         tol = TOLERANCES[tol]
     locate = _Locator(shape, layout, query_start_loc, ragged_axis)
-    if got.dim() == 0:
+    if got.ndim == 0:
         got, shape1 = got.reshape(1), (1,)
         want = np.asarray(bridge.to_numpy(want)).reshape(1)
         mag = None if mag is None else np.asarray(bridge.to_numpy(mag), np.float64).reshape(1)
@@ -223,24 +246,26 @@ def compare_to_reference(got: Any, want: Any, *, name: str = "", tol: Tolerance 
     if isinstance(want, np.ndarray):
         want_native = want.dtype == fmt.np_dtype
     else:
-        want_native = _as_torch(want).dtype == got.dtype
+        want_native = dtype_name(_as_torch(want)) == fmt.name
     acc = _Accumulator(max_shown)
     row_numel = math.prod(shape1[1:]) if len(shape1) > 1 else 1
     for i, j in _row_chunks(shape1[0], row_numel):
         g = got[i:j].reshape(-1)
         w = _chunk_of(want, i, j, device)
         if want_native:
-            w_r, w64 = w, w.to(torch.float64)
+            w_r, w64 = w, _float64(w)
         else:
-            w64 = w.to(torch.float64)
-            w_r = w64.to(got.dtype)
-        gb, wb = g.view(fmt.int_dtype), w_r.view(fmt.int_dtype)
+            w64 = _float64(w)
+            w_r = w64.astype(fmt.np_dtype) if device is None else w64.to(got.dtype)
+        gb, wb = _int_view(g, fmt), _int_view(w_r, fmt)
         gc = value_class(g)
-        # Rounding may overflow to inf in IEEE dtypes; torch saturates fp8 casts, so fp8 uses f64 classes.
+        # Rounding may overflow to inf in IEEE dtypes; fp8 casts saturate (torch) or give NaN (ml_dtypes), so fp8
+        # uses f64 classes.
         wc = value_class(w_r) if fmt.exp_mask is not None else value_class(w64)
         ex = _mask_chunk(exact, locate, shape1, i, j, device)
-        ex = torch.full_like(gb, ex, dtype=torch.bool) if isinstance(ex, bool) else ex
-        m = w64.abs() if mag is None else _chunk_of(mag, i, j, device).to(torch.float64)
+        if isinstance(ex, bool):
+            ex = (gb == gb) if ex else (gb != gb)  # an integer view: never NaN
+        m = abs(w64) if mag is None else _float64(_chunk_of(mag, i, j, device))
 
         class_mis = gc != wc
         agree = ~class_mis
@@ -249,13 +274,14 @@ def compare_to_reference(got: Any, want: Any, *, name: str = "", tol: Tolerance 
         # NaN vs NaN agrees by class unless `want` carries native bits.
         exact_mis = ex & agree & bits_diff & (comparable | want_native)
         floats = ~ex & agree & (gc == FINITE)
-        g64 = g.to(torch.float64)
+        g64 = _float64(g)
         limit = tol.atol + tol.rtol * m
-        err = torch.where(floats, (g64 - w64).abs(), 0.0)
-        ratio = torch.where(floats, err / limit, -1.0)
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # numpy: inf - inf where not `floats`
+            err = _where(floats, abs(g64 - w64), 0.0)
+            ratio = _where(floats, err / limit, -1.0)
         tol_fail = floats & ~(err <= limit)  # a NaN magnitude fails too
         fail = class_mis | exact_mis | tol_fail
-        ulp = torch.where(comparable, (ordered_bits(g) - ordered_bits(w_r)).abs(), -1)
+        ulp = _where(comparable, abs(ordered_bits(g) - ordered_bits(w_r)), -1)
 
         acc.count("class", class_mis)
         acc.count("exact", ex)
@@ -267,11 +293,11 @@ def compare_to_reference(got: Any, want: Any, *, name: str = "", tol: Tolerance 
         if floats.any():
             r = float(ratio.max().item())
             acc.counts["ratio"] = max(acc.counts.get("ratio", -1.0), r)
-        reason = torch.where(class_mis, 0, torch.where(exact_mis, 1, 2)).to(torch.int8)
+        reason = _where(class_mis, 0, _where(exact_mis, 1, 2))
         fields = dict(got=gb, want=wb, want64=w64, ulp=ulp, ratio=ratio, reason=reason, got_cls=gc, want_cls=wc)
         base = i * row_numel
         acc.examples_from(base, fail, fields)
-        acc.worst_from(base, torch.where(fail, ratio, -1.0), fields)
+        acc.worst_from(base, _where(fail, ratio, -1.0), fields)
 
     def line(f):
         (gh, gv), (wh, wv) = _native(f["got"], fmt), _native(f["want"], fmt)
@@ -331,8 +357,8 @@ def assert_matches_reference(got: Any, want: Any, *, case: Any = None, exact: An
     entry for 2-D arrays, the output dtype's entry otherwise). Raises AssertionError with `Report.format()`; returns the
     report when it passes.
     """
-    got_t = _as_torch(got)
-    query_start_loc, layout = _case_defaults(case, got_t.dim(), query_start_loc, layout)
+    got_t = _as_array(got)
+    query_start_loc, layout = _case_defaults(case, got_t.ndim, query_start_loc, layout)
     report = compare_to_reference(got_t, want, name=name, tol=tol, exact=exact, mag=mag,
                                   query_start_loc=query_start_loc, layout=layout,
                                   context=_context(case, seed, mode))
@@ -345,14 +371,15 @@ def assert_bitwise_equal(got: Any, want: Any, *, name: str = "", case: Any = Non
                          mode: Any = None, query_start_loc: Any = None, layout: str | None = None) -> Report | None:
     """Raises AssertionError (with `Report.format()`) unless `got` and `want` have identical bits.
 
-    Equal bits return at once (one device-side `torch.equal`); the located report is built only on a mismatch.
+    Equal bits return at once (one comparison of the bits, on the device for torch); the located report is built
+    only on a mismatch.
     """
-    got_t = _as_torch(got)
-    want_t = _as_torch(want, got_t.device)
-    if (got_t.shape == want_t.shape and got_t.dtype == want_t.dtype
-            and torch.equal(raw_bits(got_t), raw_bits(want_t))):
-        return None
-    query_start_loc, layout = _case_defaults(case, got_t.dim(), query_start_loc, layout)
+    got_t, want_t = _pair(got, want)
+    if got_t.shape == want_t.shape and got_t.dtype == want_t.dtype:
+        a, b = raw_bits(got_t), raw_bits(want_t)
+        if np.array_equal(a, b) if is_numpy(a) else bool((a == b).all()):
+            return None
+    query_start_loc, layout = _case_defaults(case, got_t.ndim, query_start_loc, layout)
     report = compare_bits(got_t, want_t, name=name, query_start_loc=query_start_loc, layout=layout,
                           context=_context(case, seed, mode))
     if not report.ok:

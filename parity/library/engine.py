@@ -60,7 +60,7 @@ def compare_results(results: Mapping[str, Mapping[str, Any]], keys: Sequence[str
             else:
                 tol = tolerance.get(key)
                 if tol is None:
-                    tol = compare.tolerance_for(compare._as_torch(got).dtype)
+                    tol = compare.tolerance_for(compare._as_array(got).dtype)
                 rep = compare.compare_to_reference(got, reference[key], name=name, layout=layout, tol=tol,
                                                    exact=exact.get(key, False), mag=mag.get(key), **loc)
             out.append((f"{impl}_vs_reference", rep))

@@ -31,7 +31,7 @@ MATH = {
 }
 """Which call gives the same bits on both sides (`libdevice` is `triton.language.extra.cuda.libdevice`). Triton's
 own `tl.exp` is `ex2.approx` of `x * log2(e)` and `tl.sqrt` is `sqrt.approx`: fast, and not what Pallas computes.
-libdevice does not exist in Triton's interpreter: pick with a constexpr (docs/examples/rmsnorm_triton.py). Cost:
+libdevice does not exist in Triton's interpreter: pick with a constexpr (parity/examples/rmsnorm_triton.py). Cost:
 libdevice exp/log are a few instructions longer than the approximate ones."""
 
 XLA_FLAGS = {

@@ -6,10 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 from parity.library import bridge
-from parity.library.bits import _as_torch
+from parity.library.bits import _as_torch, _torch, is_numpy
 
 LAYOUTS = ("THD", "HT", "TH", "flat")
 _AXES = {"THD": ("token", "head", "dim"), "HT": ("head", "token"), "TH": ("token", "head")}
@@ -84,11 +83,19 @@ def _row_chunks(n_rows: int, row_numel: int):
         yield i, min(n_rows, i + rows)
 
 
-def _chunk_of(x: Any, i: int, j: int, device: torch.device) -> torch.Tensor:
-    """Rows [i, j) of a full-shape operand (torch, numpy or jax) as a flat tensor on `device`."""
+def _chunk_of(x: Any, i: int, j: int, device) -> Any:
+    """Rows [i, j) of a full-shape operand (torch, numpy or jax) as a flat array: numpy where `device` is None (a
+    numpy comparison), else a torch tensor on `device`."""
+    if device is None:
+        return np.asarray(bridge.to_numpy(x))[i:j].reshape(-1)
     if isinstance(x, np.ndarray):
         return bridge.to_torch(x[i:j], device).reshape(-1)
     return _as_torch(x)[i:j].to(device).reshape(-1)
+
+
+def _device_of(x: Any):
+    """The device of a comparison's operand: None for numpy (compared with numpy), the torch device otherwise."""
+    return None if is_numpy(x) else x.device
 
 
 def _shape_of(x: Any) -> tuple[int, ...]:
@@ -99,43 +106,48 @@ class _Accumulator:
     def __init__(self, max_shown: int):
         self.max_shown = max_shown
         self.counts: dict[str, int] = {}
-        self.hist = torch.zeros(len(ULP_BUCKETS), dtype=torch.int64)
+        self.hist = np.zeros(len(ULP_BUCKETS), dtype=np.int64)
         self.max_ulp: int | None = None
         self.examples: list[tuple[int, dict]] = []  # (flat index, fields)
         self.worst: tuple[float, int, dict] | None = None  # (score, flat index, fields)
 
-    def count(self, key: str, mask: torch.Tensor) -> None:
-        self.counts[key] = self.counts.get(key, 0) + int(mask.sum().item())
+    def count(self, key: str, mask) -> None:
+        self.counts[key] = self.counts.get(key, 0) + int(mask.sum())
 
-    def ulps(self, ulp: torch.Tensor, valid: torch.Tensor) -> None:
+    def ulps(self, ulp, valid) -> None:
+        """`ulp` and `valid`: flat arrays, numpy or torch (bucketed alike: x <= edge[i] lands in bucket i)."""
         u = ulp[valid]
-        if u.numel() == 0:
+        if u.shape[0] == 0:
             return
-        edges = torch.tensor(_BUCKET_EDGES, dtype=torch.int64, device=u.device)
-        self.hist += torch.bincount(torch.bucketize(u, edges), minlength=len(ULP_BUCKETS)).cpu()
-        m = int(u.max().item())
+        if is_numpy(u):
+            self.hist += np.bincount(np.searchsorted(np.asarray(_BUCKET_EDGES), u, side="left"),
+                                     minlength=len(ULP_BUCKETS))
+        else:
+            torch = _torch()
+            edges = torch.tensor(_BUCKET_EDGES, dtype=torch.int64, device=u.device)
+            self.hist += torch.bincount(torch.bucketize(u, edges), minlength=len(ULP_BUCKETS)).cpu().numpy()
+        m = int(u.max())
         self.max_ulp = m if self.max_ulp is None else max(self.max_ulp, m)
 
-    def examples_from(self, base: int, fail: torch.Tensor, fields: dict[str, torch.Tensor]) -> None:
+    def examples_from(self, base: int, fail, fields: dict) -> None:
         need = self.max_shown - len(self.examples)
         if need <= 0:
             return
-        idx = fail.nonzero().flatten()[:need]
-        if idx.numel() == 0:
+        idx = np.flatnonzero(fail)[:need] if is_numpy(fail) else fail.nonzero().flatten()[:need]
+        if idx.shape[0] == 0:
             return
         got = {k: v[idx].tolist() for k, v in fields.items()}
         for n, i in enumerate(idx.tolist()):
             self.examples.append((base + i, {k: v[n] for k, v in got.items()}))
 
-    def worst_from(self, base: int, score: torch.Tensor, fields: dict[str, torch.Tensor]) -> None:
-        """Keeps the element with the highest score (score < 0: not a candidate)."""
-        if score.numel() == 0:
+    def worst_from(self, base: int, score, fields: dict) -> None:
+        """Keeps the element with the highest score (score < 0: not a candidate); the first of equal ones."""
+        if score.shape[0] == 0:
             return
-        value, i = torch.max(score, dim=0)
-        value = float(value.item())
+        i = int(np.argmax(score)) if is_numpy(score) else int(_torch().argmax(score).item())
+        value = float(score[i])
         if value < 0 or (self.worst is not None and value <= self.worst[0]):
             return
-        i = int(i.item())
         self.worst = (value, base + i, {k: v[i].item() for k, v in fields.items()})
 
 
@@ -147,33 +159,36 @@ def _show(acc: _Accumulator, locate: _Locator, line) -> list[str]:
 
 
 
-def _mask_chunk(mask: Any, locate: _Locator, shape: tuple[int, ...], i: int, j: int,
-                device: torch.device) -> torch.Tensor | bool:
-    """Rows [i, j) of a bool mask given as a scalar, a full-shape array or a token mask bool[T]."""
+def _mask_chunk(mask: Any, locate: _Locator, shape: tuple[int, ...], i: int, j: int, device) -> Any:
+    """Rows [i, j) of a bool mask given as a scalar, a full-shape array or a token mask bool[T], flat: numpy where
+    `device` is None, else a torch tensor on `device`."""
     if isinstance(mask, (bool, np.bool_)):
         return bool(mask)
-    if isinstance(mask, torch.Tensor):
+    if device is not None and bridge._is_torch_tensor(mask):
         m = mask
+        if m.dtype != _torch().bool:
+            raise TypeError(f"masks must be bool, got {m.dtype=}")
     else:
         m = np.asarray(bridge.to_numpy(mask))
         if m.dtype != np.bool_:
             raise TypeError(f"masks must be bool, got {m.dtype=}")
-        if m.shape == shape:  # copy just the rows (the mask may be a read-only broadcast view)
-            return torch.from_numpy(np.array(m[i:j])).to(device).reshape(-1)
-        m = torch.from_numpy(np.array(m))
-    if m.dtype != torch.bool:
-        raise TypeError(f"masks must be bool, got {m.dtype=}")
-    if tuple(m.shape) == shape:
-        return m[i:j].to(device).reshape(-1)
     axis = locate.token_axis()
-    if m.dim() == 1 and axis is not None and m.shape[0] == shape[axis]:
-        rows = list(shape)
-        rows[0] = j - i
+    if tuple(m.shape) == shape:  # copy just the rows (the mask may be a read-only broadcast view)
+        rows = m[i:j]
+    elif m.ndim == 1 and axis is not None and m.shape[0] == shape[axis]:
         view = [1] * len(shape)
         view[axis] = shape[axis]
-        full = m.to(device).view(view)
+        full = m.reshape(view)
         if axis == 0:
             full = full[i:j]
-        return full.expand(rows).reshape(-1)
-    raise ValueError(f"mask shape {tuple(m.shape)} is neither the full shape {shape} nor a token mask "
-                     f"bool[T] for layout {locate.layout!r}")
+        out = list(shape)
+        out[0] = j - i
+        rows = np.broadcast_to(full, out) if isinstance(full, np.ndarray) else full.expand(out)
+    else:
+        raise ValueError(f"mask shape {tuple(m.shape)} is neither the full shape {shape} nor a token mask "
+                         f"bool[T] for layout {locate.layout!r}")
+    if device is None:
+        return np.array(rows).reshape(-1)
+    if isinstance(rows, np.ndarray):
+        return _torch().from_numpy(np.array(rows)).to(device).reshape(-1)
+    return rows.to(device).reshape(-1)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
@@ -57,19 +55,14 @@ LSE (`lse = log(z) + m`, f32 out): log and the final add err by a few f32 ULPs o
 `atol = 2^-20` absolute (16 ULP at 1, for |lse| near 0). Base-2 LSEs add one f32 multiply each way.
 """
 
-_DTYPE_KEY = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-              torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
-
-
-def tolerance_for(dtype: torch.dtype | str, *, lse: bool = False) -> Tolerance:
-    """The `TOLERANCES` entry of an output dtype (or the LSE entry)."""
+def tolerance_for(dtype, *, lse: bool = False) -> Tolerance:
+    """The `TOLERANCES` entry of an output dtype (a torch or numpy dtype, or its name), or the LSE entry."""
     if lse:
         return TOLERANCES["lse"]
-    key = _DTYPE_KEY.get(dtype, dtype) if isinstance(dtype, torch.dtype) else str(dtype)
+    key = str(dtype).replace("torch.", "")
     if key not in TOLERANCES:
         raise TypeError(f"no tolerance for {dtype=}; known: {sorted(TOLERANCES)}")
     return TOLERANCES[key]
-
 
 
 __all__ = ["TOLERANCES", "Tolerance", "tolerance_for"]

@@ -285,7 +285,7 @@ def format_rows(rows, impl: str) -> str:
 def build_report(rows, ok: bool, *, golden_dir: str, impl: str, outputs_dir: str | None,
                  argv: list[str] | None) -> dict[str, Any]:
     """The JSON report of a verify run (`--json`)."""
-    return {"schema": "parity-golden-verify/1", "env": provenance.collect_env(argv),
+    return {"schema": "parity-golden-verify/1", "env": provenance.collect_env(argv, frameworks=False),
             "golden_dir": os.path.abspath(golden_dir), "impl": impl, "outputs": outputs_dir, "ok": ok,
             "records": [{"case": r["case"], "op": r["op"], "ok": r["ok"], "error": r["error"],
                          "reports": {k: v.to_dict() for k, v in r["reports"].items()}} for r in rows]}

@@ -79,8 +79,8 @@ def export(out_dir: str, selected: list[cases_mod.Case], *, seed: int = 0, argv:
     manifest: dict[str, Any] = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "semantics_version": SEMANTICS_VERSION,
         "spec": SPEC_SECTIONS,
-        "generator": {k: v for k, v in provenance.collect_env(argv).items()
-                      if k in ("versions", "git_commit", "utc_time", "command")},
+        "generator": {k: v for k, v in provenance.collect_env(argv, frameworks=False).items()
+                      if k in ("versions", "git_commit", "source", "utc_time", "command")},
         "storage": ("numpy .npz (np.savez, uncompressed). Floats are stored as same-width unsigned integers "
                     "holding their bits (little-endian): reinterpret with .view(); bool as uint8; int32 as is."),
         "tolerance_rule": ("exact elements: identical bits (a NaN matches any NaN); other elements: the value "

@@ -9,6 +9,7 @@ module. Implementations (`IMPLS`):
 - "pallas": `pallas_impl` with `implementation="pallas"` (interpret mode on CPU) and the Pallas backend of
   `set_pallas_backend` (the CLI's `--pallas-backend`; None: `pallas_impl`'s default);
 - "jnp": `pallas_impl` with `implementation="jnp"` (its plain-XLA path);
+- "torch": `triton_impl` with `implementation="torch"` (its torch path, `triton_impl/torch_fallback.py`);
 - "mosaic" (not in `IMPLS`: GPU and jax >= 0.11 only, run by its own tests): `pallas_impl` with
   `backend="mosaic_gpu"`, the experimental Mosaic GPU kernels.
 
@@ -46,9 +47,9 @@ __all__ = ["EXPERIMENTAL_IMPLS", "HOST", "IMPLS", "KERNEL_IMPLS", "OPS", "REF_CH
            "make_runtime", "masked_lses", "op_call", "ops_of", "pallas_backend", "poisoned", "run",
            "set_pallas_backend", "token_slice"]
 
-IMPLS = ("reference", "triton", "pallas", "jnp")
+IMPLS = ("reference", "triton", "pallas", "jnp", "torch")
 EXPERIMENTAL_IMPLS = ("mosaic",)
-KERNEL_IMPLS = ("triton", "pallas", "jnp")
+KERNEL_IMPLS = ("triton", "pallas", "jnp", "torch")
 # Operations on a case's arrays. "merge" takes the masked prefix (mask then merge), "merge_fused" the raw
 # prefix with the fused mask; "merge_n" the reference-masked partials, "merge_n_fused" the raw partials with
 # their offsets (docs/spec.md section 8).
@@ -61,6 +62,8 @@ def _merge_options(case: cases_mod.Case) -> dict[str, Any]:
                    lse_layout=case.lse_layout, lse_base=case.lse_base)
     if case.group_size:  # per-group FP8 (docs/spec.md 4.7): every adapter returns "scales" f32[T, H * D / G] too
         options.update(group_size=case.group_size, scale_ue8m0=case.scale_ue8m0)
+    if case.nvfp4:  # NVFP4 (4.8): the block scales' layout; every adapter returns them row-major [T, H * D / 16]
+        options.update(scale_layout=case.scale_layout)
     return options
 
 
@@ -81,6 +84,8 @@ def _adapter(rt_key: tuple, impl: str, backend: str | None) -> Adapter:
         return ReferenceAdapter()
     if impl == "triton":
         return TritonAdapter(rt)
+    if impl == "torch":
+        return TritonAdapter(rt, implementation="torch")
     if impl == "pallas":
         return JaxAdapter(rt, impl, backend=backend)
     if impl == "jnp":
@@ -93,7 +98,7 @@ def _adapter(rt_key: tuple, impl: str, backend: str | None) -> Adapter:
 
 
 def adapter(rt: Runtime, impl: str) -> Adapter:
-    """The adapter of `impl` ("reference", "triton", "pallas", "jnp", "mosaic"), imported once."""
+    """The adapter of `impl` ("reference", "triton", "pallas", "jnp", "torch", "mosaic"), imported once."""
     return _adapter((rt.device, rt.mode), impl, _PALLAS_BACKEND[0] if impl == "pallas" else None)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 from parity.harness import cases as cases_mod
 from parity.harness.impls.adapters import Adapter, Bound
 from parity.harness.impls.runtime import Runtime
+from parity.harness.reference import swizzled_offsets
 
 def poisoned(shape, dtype: str, device):
     """A NaN-filled torch tensor: an element a kernel fails to write shows up as a NaN mismatch (its bits are
@@ -22,16 +23,17 @@ def poisoned(shape, dtype: str, device):
 
 
 class TritonAdapter(Adapter):
-    """`triton_impl` on torch tensors. The mask runs in place on clones (the inputs are never written)."""
+    """`triton_impl` on torch tensors: its Triton kernels, or with implementation="torch" its torch path (the
+    adapter "torch"). The mask runs in place on clones (the inputs are never written)."""
 
-    name = "triton"
-
-    def __init__(self, rt: Runtime):
+    def __init__(self, rt: Runtime, implementation: str = "triton"):
         import torch
 
         import triton_impl
 
         self.rt, self.torch, self.ti = rt, torch, triton_impl
+        self.name = implementation
+        self.kw = dict(implementation=implementation)
 
     def bind_mask(self, lse, query_start_loc, cu_seq_lens, output=None, *, head_dim=None, lse_layout="HT",
                   has_empty=None, donate=False, in_place=False, library_op=False):
@@ -44,13 +46,13 @@ class TritonAdapter(Adapter):
         view = None if output is None else output[..., :head_dim]
         if library_op:
             op = functools.partial(self.torch.ops.mla_lse_merge.mask_empty_context_lse, lse, query_start_loc,
-                                   cu_seq_lens, view, has_empty=has_empty, lse_layout=lse_layout)
+                                   cu_seq_lens, view, has_empty=has_empty, lse_layout=lse_layout, **self.kw)
             call = op if self.rt.on_gpu else _quiet(op)
         else:
             def call():
                 with np.errstate(all="ignore"):  # the interpreter evaluates with numpy: inf/NaN inputs are expected
                     self.ti.mask_empty_context_lse(lse, query_start_loc, cu_seq_lens, view, has_empty=has_empty,
-                                                   lse_layout=lse_layout)
+                                                   lse_layout=lse_layout, **self.kw)
 
         def results():
             self.rt.sync()
@@ -78,7 +80,7 @@ class TritonAdapter(Adapter):
     def bind_merge(self, prefix_output, prefix_lse, suffix_output, suffix_lse, *, head_dim=None,
                    prefill_tokens_with_context=None, query_start_loc=None, prefix_cu_seq_lens=None, out_dtype=None,
                    output_scale=None, return_lse=True, lse_layout="HT", lse_base=math.e, head_pad=0, out=None,
-                   out_lse=None, group_size=None, scale_ue8m0=False, **_):
+                   out_lse=None, group_size=None, scale_ue8m0=False, scale_layout="row", **_):
         a, b = prefix_output[..., :head_dim], suffix_output[..., :head_dim]
         dtype = out_dtype or str(a.dtype).replace("torch.", "")
         kw = {}
@@ -87,7 +89,7 @@ class TritonAdapter(Adapter):
         if dtype == "float4_e2m1fn":
             return self._nvfp4(self.ti.merge_attn_states, a.shape, suffix_lse.shape, a.device, return_lse,
                                (a, prefix_lse, b, suffix_lse), (prefill_tokens_with_context, output_scale),
-                               dict(kw, lse_layout=lse_layout, lse_base=lse_base))
+                               dict(kw, lse_layout=lse_layout, lse_base=lse_base, **self.kw), scale_layout)
         buf, olse = self._out_buffers(a.shape, dtype, suffix_lse.shape, a.device, head_pad, out, out_lse, return_lse)
         view = buf[..., :a.shape[2]]
         scales = self._group_scales(a.shape, group_size, a.device)
@@ -95,7 +97,7 @@ class TritonAdapter(Adapter):
             kw.update(group_size=group_size, output_group_scale=scales, scale_ue8m0=scale_ue8m0)
         call = functools.partial(self.ti.merge_attn_states, view, a, prefix_lse, b, suffix_lse, olse,
                                  prefill_tokens_with_context, output_scale, lse_layout=lse_layout, lse_base=lse_base,
-                                 **kw)
+                                 **kw, **self.kw)
 
         def results():
             self.rt.sync()
@@ -103,20 +105,29 @@ class TritonAdapter(Adapter):
 
         return Bound(_quiet(call), results)
 
-    def _nvfp4(self, api, shape, lse_shape, device, return_lse, partials, trailing, kw):
+    def _nvfp4(self, api, shape, lse_shape, device, return_lse, partials, trailing, kw, scale_layout="row"):
         """An NVFP4 merge (docs/spec.md 4.8): `api(out, *partials, out_lse, *trailing, **kw)` into a poisoned
-        u8[T, H, D / 2] buffer and poisoned e4m3 block scales [T, H * D / 16] (row-major); "out" the codes'
-        values [T, H, D] (`nvfp4_values`), "scales" the block scales, "out_buffer" the packed bytes."""
+        u8[T, H, D / 2] buffer and poisoned e4m3 block scales [T, H * D / 16] (row-major, or the flat 128x4-swizzled
+        buffer with scale_layout="swizzled", read back row-major); "out" the codes' values [T, H, D]
+        (`nvfp4_values`), "scales" the block scales, "out_buffer" the packed bytes."""
         import torch
 
         T, H, D = shape
+        K = H * D // 16
         packed = torch.full((T, H, D // 2), 0xAB, dtype=torch.uint8, device=device)
-        scales = poisoned((T, H * D // 16), "float8_e4m3fn", device)
+        offsets = None
+        if scale_layout == "swizzled":
+            buf = poisoned((-(-T // 128) * 128 * (-(-K // 4) * 4),), "float8_e4m3fn", device)
+            offsets = torch.from_numpy(swizzled_offsets(T, K)).to(device)
+        else:
+            buf = poisoned((T, K), "float8_e4m3fn", device)
         _, olse = self._out_buffers(shape, "float32", lse_shape, device, 0, None, None, return_lse)
-        call = functools.partial(api, packed, *partials, olse, *trailing, output_block_scale=scales, **kw)
+        call = functools.partial(api, packed, *partials, olse, *trailing, output_block_scale=buf,
+                                 scale_layout=scale_layout, **kw)
 
         def results():
             self.rt.sync()
+            scales = buf if offsets is None else buf.view(torch.uint8)[offsets].view(torch.float8_e4m3fn)
             return {"out": nvfp4_values(packed), "lse": olse, "out_buffer": packed, "scales": scales}
 
         return Bound(_quiet(call), results)
@@ -124,7 +135,7 @@ class TritonAdapter(Adapter):
     def bind_merge_n(self, outputs, lses, *, head_dim=None, prefill_tokens_with_context=None, query_start_loc=None,
                      cu_seq_lens=None, out_dtype=None, output_scale=None, return_lse=True, lse_layout="HT",
                      lse_base=math.e, head_pad=0, strided=False, out=None, out_lse=None, group_size=None,
-                     scale_ue8m0=False, **_):
+                     scale_ue8m0=False, scale_layout="row", **_):
         if strided:  # the same values, read through views of a [T, N, H, D] gather and of the other LSE layout
             outputs = outputs.transpose(0, 1).contiguous().transpose(0, 1)
             lses = lses.transpose(1, 2).contiguous().transpose(1, 2)
@@ -134,7 +145,7 @@ class TritonAdapter(Adapter):
             return self._nvfp4(self.ti.merge_attn_states_n, o.shape[1:], lses.shape[1:], o.device, return_lse,
                                (o, lses), (prefill_tokens_with_context, output_scale),
                                dict(query_start_loc=query_start_loc, cu_seq_lens=cu_seq_lens, lse_layout=lse_layout,
-                                    lse_base=lse_base))
+                                    lse_base=lse_base, **self.kw), scale_layout)
         buf, olse = self._out_buffers(o.shape[1:], dtype, lses.shape[1:], o.device, head_pad, out, out_lse,
                                       return_lse)
         view = buf[..., :o.shape[3]]
@@ -142,7 +153,7 @@ class TritonAdapter(Adapter):
         kw = dict(group_size=group_size, output_group_scale=scales, scale_ue8m0=scale_ue8m0) if group_size else {}
         call = functools.partial(self.ti.merge_attn_states_n, view, o, lses, olse, prefill_tokens_with_context,
                                  output_scale, query_start_loc=query_start_loc, cu_seq_lens=cu_seq_lens,
-                                 lse_layout=lse_layout, lse_base=lse_base, **kw)
+                                 lse_layout=lse_layout, lse_base=lse_base, **kw, **self.kw)
 
         def results():
             self.rt.sync()
@@ -164,7 +175,7 @@ class TritonAdapter(Adapter):
         call = functools.partial(self.ti.cp_merge_attn_states, out, partial_output, partial_lse, group, out_lse,
                                  prefill_tokens_with_context, output_scale, method=method,
                                  query_start_loc=query_start_loc, cu_seq_lens=cu_seq_lens, lse_layout=lse_layout,
-                                 lse_base=lse_base, reduce_dtype=reduce_dtype, validate=validate)
+                                 lse_base=lse_base, reduce_dtype=reduce_dtype, validate=validate, **self.kw)
 
         def results():
             self.rt.sync()
@@ -243,26 +254,27 @@ class JaxAdapter(Adapter):
     def bind_merge(self, prefix_output, prefix_lse, suffix_output, suffix_lse, *, head_dim=None,
                    prefill_tokens_with_context=None, query_start_loc=None, prefix_cu_seq_lens=None, out_dtype=None,
                    output_scale=None, return_lse=True, lse_layout="HT", lse_base=math.e, group_size=None,
-                   scale_ue8m0=False, **_):
+                   scale_ue8m0=False, scale_layout="row", **_):
         a, b = prefix_output[..., :head_dim], suffix_output[..., :head_dim]
         api = functools.partial(
             self.pi.merge_attn_states, prefill_tokens_with_context=prefill_tokens_with_context,
             query_start_loc=query_start_loc, prefix_cu_seq_lens=prefix_cu_seq_lens, return_lse=return_lse,
             out_dtype=self._dtype(out_dtype), output_scale=output_scale, lse_layout=lse_layout, lse_base=lse_base,
-            **_group_options(group_size, scale_ue8m0), **self.kernel)
+            **_group_options(group_size, scale_ue8m0, out_dtype, scale_layout), **self.kernel)
         return self._holder(lambda: _as_results(api(a, prefix_lse, b, suffix_lse), return_lse, group_size,
-                                                out_dtype))
+                                                out_dtype, (a.shape[0], a.shape[1] * a.shape[2] // 16)))
 
     def bind_merge_n(self, outputs, lses, *, head_dim=None, prefill_tokens_with_context=None, query_start_loc=None,
                      cu_seq_lens=None, out_dtype=None, output_scale=None, return_lse=True, lse_layout="HT",
-                     lse_base=math.e, group_size=None, scale_ue8m0=False, **_):
+                     lse_base=math.e, group_size=None, scale_ue8m0=False, scale_layout="row", **_):
         o = outputs[..., :head_dim]
         api = functools.partial(
             self.pi.merge_attn_states_n, prefill_tokens_with_context=prefill_tokens_with_context,
             query_start_loc=query_start_loc, cu_seq_lens=cu_seq_lens, return_lse=return_lse,
             out_dtype=self._dtype(out_dtype), output_scale=output_scale, lse_layout=lse_layout, lse_base=lse_base,
-            **_group_options(group_size, scale_ue8m0), **self.kernel)
-        return self._holder(lambda: _as_results(api(o, lses), return_lse, group_size, out_dtype))
+            **_group_options(group_size, scale_ue8m0, out_dtype, scale_layout), **self.kernel)
+        return self._holder(lambda: _as_results(api(o, lses), return_lse, group_size, out_dtype,
+                                                (o.shape[1], o.shape[2] * o.shape[3] // 16)))
 
 
     def cp_merge(self, out, lse, *, axis_name, method="gather", query_start_loc=None, cu_seq_lens=None,
@@ -277,9 +289,12 @@ class JaxAdapter(Adapter):
         return _as_results(r, return_lse)
 
 
-def _group_options(group_size, scale_ue8m0: bool) -> dict[str, Any]:
+def _group_options(group_size, scale_ue8m0: bool, out_dtype=None, scale_layout="row") -> dict[str, Any]:
     """pallas_impl's per-group FP8 options (docs/spec.md 4.7): the scales in DeepGEMM's TMA-aligned column-major
-    layout, so the harness runs the layout path (`_as_results` views them back as f32[T, G#])."""
+    layout, so the harness runs the layout path (`_as_results` views them back as f32[T, G#]); NVFP4's block-scale
+    layout (4.8)."""
+    if out_dtype == "float4_e2m1fn":
+        return dict(scale_layout=scale_layout)
     return dict(group_size=group_size, scale_ue8m0=scale_ue8m0, scale_layout="col_tma") if group_size else {}
 
 
@@ -304,9 +319,13 @@ def nvfp4_values(packed):
     return jnp.where((codes & 8) != 0, -mag, mag)
 
 
-def _as_results(r, return_lse: bool, group_size=None, out_dtype=None) -> dict[str, Any]:
+def _as_results(r, return_lse: bool, group_size=None, out_dtype=None, blocks=None) -> dict[str, Any]:
+    """The adapters' results; NVFP4's block scales row-major [T, K] (`blocks`), read back from a flat swizzled
+    buffer."""
     if out_dtype == "float4_e2m1fn":  # NVFP4 (docs/spec.md 4.8): packed codes and row-major e4m3 block scales
         out, lse, scales = r if return_lse else (r[0], None, r[1])
+        if scales.ndim == 1:  # the swizzled layout
+            scales = scales[swizzled_offsets(*blocks)]
         return {"out": nvfp4_values(out), "lse": lse, "scales": scales}
     if group_size:
         out, lse, scales = r if return_lse else (r[0], None, r[1])

@@ -2,7 +2,7 @@
 log-sum-exp (`lse_*.py`) and the softmax-weighted sum (`wsum_*.py`), faithful in every dtype with the default
 bound and special values, then each planted variant; one line per run, then the JSON of every report.
 
-    PYTHONPATH=. python docs/examples/error_model_pairs.py [--json OUT.json]
+    python -m parity.examples.error_model_pairs [--json OUT.json]
 
 On a GPU the faithful pairs must be bit-identical (0 differing bits) and pass; the planted FMA and reordered sums
 must show up as located bit differences within the reference bound; the off-by-one, wrong-base and NaN-leak
@@ -15,21 +15,19 @@ import argparse
 import functools
 import json
 import os
-import sys
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import parity  # noqa: E402
-import lse_pallas  # noqa: E402
-import lse_reference  # noqa: E402
-import lse_triton  # noqa: E402
-import wsum_pallas  # noqa: E402
-import wsum_reference  # noqa: E402
-import wsum_triton  # noqa: E402
+from parity.examples import lse_pallas  # noqa: E402
+from parity.examples import lse_reference  # noqa: E402
+from parity.examples import lse_triton  # noqa: E402
+from parity.examples import wsum_pallas  # noqa: E402
+from parity.examples import wsum_reference  # noqa: E402
+from parity.examples import wsum_triton  # noqa: E402
 
 LSE = dict(query_lens=(70, 0, 333, 1, 190, 64), padding=21, H=8)
 WSUM = dict(T=203, N=40, D=128)

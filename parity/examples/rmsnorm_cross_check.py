@@ -2,7 +2,7 @@
 `rmsnorm_pallas.py`) cross-checked against its float64 reference in every dtype, then the same pair with an
 FMA-contracted Triton launch (`fma=True`): its reports, printed.
 
-    PYTHONPATH=. python docs/examples/rmsnorm_cross_check.py [--json OUT.json]
+    python -m parity.examples.rmsnorm_cross_check [--json OUT.json]
 
 On a GPU the pair must be bit-identical in every dtype and the planted FMA must show up as located bit differences
 within the reference tolerance; under the CPU interpreters the two frameworks differ by a few ULP (docs/spec.md 5),
@@ -16,20 +16,18 @@ import argparse
 import functools
 import json
 import os
-import sys
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ml_dtypes  # noqa: E402
 
 import parity  # noqa: E402
-import rmsnorm_pallas  # noqa: E402
-import rmsnorm_reference  # noqa: E402
-import rmsnorm_triton  # noqa: E402
+from parity.examples import rmsnorm_pallas  # noqa: E402
+from parity.examples import rmsnorm_reference  # noqa: E402
+from parity.examples import rmsnorm_triton  # noqa: E402
 
 OUTPUTS = {"out": ("token", "dim"), "rstd": ("token",)}
 DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")

@@ -4,7 +4,7 @@ It is written the way a port to another runtime would be (f32 math, one rounding
 docs/spec.md sections 3, 4 and 8 spelled out), and it is checked the way any port is:
 
     python -m parity export golden --suite ci
-    python -m parity verify golden --impl docs/examples/numpy_port.py:port
+    python -m parity verify golden --impl parity.examples.numpy_port:port
 
 `port(op, inputs, params)` is the entry point `verify --impl` calls (docs/porting.md, "The callable").
 numpy and ml_dtypes only.
