@@ -130,3 +130,20 @@ def test_the_torch_path_takes_the_same_checks(call, error, match):
     o, l = torch.zeros(2, 8, 2, 16), torch.zeros(2, 2, 8)
     with pytest.raises(error, match=match):
         call(o, l)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_partials_are_never_written(dtype):
+    """The torch path computes in f32 copies: an f32 partial's own buffer (whose .to(float32) is itself) stays as
+    it was, NaN garbage and all."""
+    T, H, D = 20, 2, 16
+    o = torch.randn(3, T, H, D).to(dtype)
+    o[1, 3] = float("nan")
+    lse = torch.randn(3, H, T)
+    before, lse_before = o.clone(), lse.clone()
+    out = torch.empty(T, H, D)
+    triton_impl.merge_attn_states(out, o[0], lse[0], o[1], lse[1], implementation="torch")
+    triton_impl.merge_attn_states_n(out, o, lse, implementation="torch")
+    assert torch.equal(o.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       before.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    assert torch.equal(lse, lse_before)

@@ -355,9 +355,8 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
                       op=dist.ReduceOp.SUM, group=group)
     if output_block_scale is not None and impl == "torch":  # 4.8, after the sum: the torch path's NVFP4 store
         rows = reduced.float()
-        torch_fallback.store(output, rows, rows, torch.zeros(num_tokens, dtype=torch.bool, device=device),
-                             output_scale=output_scale, output_block_scale=output_block_scale,
-                             scale_layout=scale_layout)
+        torch_fallback.store(output, rows, rows, num_tokens, output_scale=output_scale,
+                             output_block_scale=output_block_scale, scale_layout=scale_layout)  # no pass-through row
     elif output_block_scale is not None:  # 4.8, after the sum: this rank's rows through the merges' NVFP4 store
         _nvfp4_rows(output, reduced.float().contiguous(), output_scale, output_block_scale, scale_layout)
     elif group_size:  # 4.7, after the sum: this rank's rows quantized per group (torch's cast: nearest even)
