@@ -438,3 +438,72 @@ def run(op, x, params):
     s[0, 0] += {bump}  # a block scale two e4m3 steps off (one is within the tolerance)
     return dict(out=np.asarray(q), lse=np.asarray(lse), scales=s)
 """
+
+
+# The layout of the block scales moves the scales, never a code (docs/spec.md 4.8): row and swizzled runs on the same
+# inputs over a grid of shapes (T not a multiple of 128 nor of any tile, odd H, D up to the MLA latent, N = 1 to 20,
+# the fused mask, pass-through rows). Until 2026-12-07 the compiled Triton 2-way merge with the fused mask wrote
+# sign-only codes for half of each tile's heads with swizzled scales (H100): the interpreter cannot show it.
+LAYOUT_GRID = [(t, h, d, n, fused) for t, h, d, n, fused in (
+    (1001, 8, 128, 2, True), (1001, 8, 128, 2, False), (130, 3, 512, 1, False), (130, 3, 512, 2, True),
+    (300, 16, 64, 2, True), (257, 5, 128, 3, True), (1001, 8, 128, 20, True), (77, 2, 16, 2, True))]
+
+
+def _layout_inputs(T, H, D, N, fused):
+    rng = np.random.default_rng(T * 7 + H * 3 + D + N)
+    outs = (rng.standard_normal((max(N, 2), T, H, D)) * 3).astype(np.float32)
+    lses = rng.standard_normal((max(N, 2), H, T)).astype(np.float32)
+    qsl = np.array([0, T // 10, T // 2, T // 2 + 1, T - T // 20, T], np.int32)
+    cu = np.array([0, 10, 10, 20, 20, 30], np.int32)
+    return outs[:N], lses[:N], (qsl, cu) if fused else None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (the compiled kernels; the interpreters write the same codes)")
+@pytest.mark.parametrize("T, H, D, N, fused", LAYOUT_GRID)
+@pytest.mark.parametrize("impl", ["triton", "torch", "pallas"] + (["mosaic"] if JAX_0_11 else []))
+def test_swizzled_scales_leave_every_code_as_the_row_layout_writes_it(impl, T, H, D, N, fused):
+    outs, lses, offsets = _layout_inputs(T, H, D, N, fused)
+    ptwc = T - T // 20
+    K = H * D // 16
+    g = np.float32(448 * 6 / 12)
+    results = {}
+    for layout in ("row", "swizzled"):
+        if impl in ("triton", "torch"):
+            o, l = torch.from_numpy(outs).to(torch.bfloat16).cuda(), torch.from_numpy(lses).cuda()
+            q = torch.full((T, H, D // 2), 0xAB, dtype=torch.uint8, device="cuda")
+            shape = (T, K) if layout == "row" else (-(-T // 128) * 128 * (-(-K // 4) * 4),)
+            s = torch.full(shape, 0x38, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+            kw = dict(output_block_scale=s, scale_layout=layout, implementation=impl)
+            gs = torch.tensor([g], device="cuda")
+            if N == 2:
+                if fused:
+                    kw.update(query_start_loc=torch.from_numpy(offsets[0]).cuda(),
+                              prefix_cu_seq_lens=torch.from_numpy(offsets[1]).cuda())
+                triton_impl.merge_attn_states(q, o[0], l[0], o[1], l[1], None, ptwc, gs, **kw)
+            else:
+                if fused:
+                    kw.update(query_start_loc=torch.from_numpy(offsets[0]).cuda(),
+                              cu_seq_lens=torch.from_numpy(np.stack([offsets[1]] * N)).cuda())
+                triton_impl.merge_attn_states_n(q, o, l, None, ptwc, gs, **kw)
+            results[layout] = (q.cpu().numpy(), s.view(torch.uint8).cpu().numpy())
+        else:
+            kw = dict(implementation="pallas", prefill_tokens_with_context=ptwc, return_lse=False,
+                      out_dtype=jnp.float4_e2m1fn, output_scale=jnp.float32(g), scale_layout=layout)
+            if impl == "mosaic":
+                kw["backend"] = "mosaic_gpu"
+            o, l = jnp.asarray(outs, jnp.bfloat16), jnp.asarray(lses)
+            if fused:
+                kw["query_start_loc"] = jnp.asarray(offsets[0])
+            if N == 2:
+                if fused:
+                    kw["prefix_cu_seq_lens"] = jnp.asarray(offsets[1])
+                q, s = pallas_impl.merge_attn_states(o[0], l[0], o[1], l[1], **kw)
+            else:
+                if fused:
+                    kw["cu_seq_lens"] = jnp.asarray(np.stack([offsets[1]] * N))
+                q, s = pallas_impl.merge_attn_states_n(o, l, **kw)
+            results[layout] = (np.asarray(q), np.asarray(s).view(np.uint8))
+    (q_row, s_row), (q_sw, s_sw) = results["row"], results["swizzled"]
+    np.testing.assert_array_equal(q_sw, q_row)
+    np.testing.assert_array_equal(s_sw[R.swizzled_offsets(T, K)], s_row.reshape(T, K))
