@@ -290,7 +290,7 @@ def test_fused_equals_merge_then_the_separate_quantizer_kernel(layout):
         _nvfp4_rows_kernel[(T // 4 + 1, 1)](x, q, torch.tensor([G], device=DEV), s, T, *q.stride(),
                                             *((0, 0) if layout == "swizzled" else s.stride()), NUM_HEADS=H,
                                             HEAD_DIM=D, BLOCK_T=4, BLOCK_H=H, SWIZZLED=layout == "swizzled",
-                                            INTERPRET=not GPU, **PARITY_LAUNCH)
+                                            **PARITY_LAUNCH)
     np.testing.assert_array_equal(got, q.cpu().numpy())
     np.testing.assert_array_equal(scales, s.view(torch.uint8).cpu().numpy())
 

@@ -117,7 +117,7 @@ def _torch_nvfp4_calls(T, H, D, N, device):
         merge(bf16)
         _nvfp4_rows_kernel[(triton.cdiv(T, block_t), 1)](bf16, q, g, scales, T, *q.stride(), *scales.stride(),
                                                          NUM_HEADS=H, HEAD_DIM=D, BLOCK_T=block_t, BLOCK_H=H,
-                                                         SWIZZLED=False, INTERPRET=interpreting(), num_warps=4)
+                                                         SWIZZLED=False, num_warps=4)
 
     return {"bf16": lambda: merge(bf16), "fused": lambda: merge(q, output_scale=g, output_block_scale=scales),
             "unfused": unfused}

@@ -191,6 +191,28 @@ def _store_group_fp8(out_ptr, out_ptrs, out, last, copy_t, gs_ptr, t64, h64, str
 
 
 @triton.jit
+def _round_e4m3(x):
+    """f32 -> the nearest float8_e4m3fn value (ties to even), as an f32, in exact f32 arithmetic (power-of-two scaling
+    and the 1.5 * 2^23 trick, as `_cast_rne`'s interpreter branch), for |x| <= 448 or NaN; the sign of a value rounded
+    to zero is kept."""
+    e = ((x.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
+    q = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    r = ((x / q + 12582912.0) - 12582912.0) * q
+    return (r.to(tl.uint32, bitcast=True) | (x.to(tl.uint32, bitcast=True) & 0x80000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_bits(v):
+    """The float8_e4m3fn bits (u8) of an f32 `v` that is an e4m3 value (`_round_e4m3`'s) or NaN, by integer
+    operations: exponent bits 6-3 (bias 7), mantissa bits 2-0, exponent 0 subnormal (v = m * 2^-9), NaN S.1111.111."""
+    b = v.to(tl.uint32, bitcast=True)
+    e = ((b >> 23) & 0xFF).to(tl.int32) - 127
+    code = tl.where(e >= -6, ((e + 7) << 3) | ((b >> 20) & 7).to(tl.int32), (tl.abs(v) * 512.0).to(tl.int32))
+    code = tl.where(v != v, 0x7F, code) | ((b >> 31).to(tl.int32) << 7)
+    return code.to(tl.uint8)
+
+
+@triton.jit
 def _e2m1_code(a):
     """The e2m1 magnitude code (0..7) of |y| = `a` (docs/spec.md 4.8): the thresholds it passes, ties to even."""
     return ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
@@ -200,8 +222,7 @@ def _e2m1_code(a):
 @triton.jit
 def _store_nvfp4(out_ptr, out, last, copy_t, scale_ptr, bs_ptr, t64, h64, stride_out_t, stride_out_h,
                  stride_out_d, stride_bs_t, stride_bs_k, th_mask, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SWIZZLED: tl.constexpr,
-                 INTERPRET: tl.constexpr):
+                 BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SWIZZLED: tl.constexpr):
     """The merged f32 tile `out` quantized to NVFP4 (docs/spec.md 4.8) with the f32 global scale at `scale_ptr`: two
     e2m1 codes a byte to `out_ptr` u8[T, H, D / 2], the e4m3 block scales to `bs_ptr` [T, H * D / 16] through
     (stride_bs_t, stride_bs_k), or at their offsets in the 128x4-swizzled layout; pass-through tokens take `last` as
@@ -212,8 +233,12 @@ def _store_nvfp4(out_ptr, out, last, copy_t, scale_ptr, bs_ptr, t64, h64, stride
     x = tl.reshape(out, (BLOCK_T, BLOCK_H, BLOCKS, NVFP4_BLOCK))
     amax = tl.max(tl.where(x == x, tl.abs(x), 0.0), axis=3)  # NaN left out of the maximum
     s = (amax * FP4_INV_MAX) * g
-    s8 = _cast_rne(tl.where(s > FP8_MAX, FP8_MAX, s), bs_ptr.dtype.element_ty, INTERPRET)
-    sf = s8.to(tl.float32)
+    # The e4m3 block scale as an f32 (its value) and as bits, without an f32 -> e4m3 -> f32 cast round trip: compiled
+    # (triton 3.6, H100), that round trip's e4m3x2 / f16x2 conversions gave 0 for two heads of every four in the
+    # 2-way merge with the fused mask and swizzled scales (sign-only codes), which the interpreter cannot show
+    # (docs/design.md, "NVFP4"). The same values and bits as the cast (round to nearest even).
+    sf = _round_e4m3(tl.where(s > FP8_MAX, FP8_MAX, s))
+    s8 = _e4m3_bits(sf).to(bs_ptr.dtype.element_ty, bitcast=True)
     inv = tl.where(sf == 0.0, 0.0, 1.0 / tl.where(sf == 0.0, 1.0, sf * (1.0 / g)))
     y = x * inv[:, :, :, None]
     y = tl.where(y < -FP4_MAX, -FP4_MAX, y)  # comparisons, not min/max: NaN stays NaN

@@ -101,8 +101,7 @@ def _cp_rescale_kernel(
 @triton.jit
 def _nvfp4_rows_kernel(x_ptr, q_ptr, scale_ptr, bs_ptr, num_tokens, stride_q_t, stride_q_h, stride_q_d,
                        stride_bs_t, stride_bs_k, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, SWIZZLED: tl.constexpr,
-                       INTERPRET: tl.constexpr):
+                       BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, SWIZZLED: tl.constexpr):
     """NVFP4 (docs/spec.md 4.8) of contiguous rows `x` [T, H, D] (the reduce-scatter combine's f32 sum; any float
     dtype, taken as f32), through the merges' own store (`_store_nvfp4`): BLOCK_T tokens x BLOCK_H heads per
     program. Also the separate quantizer `python -m tools group-fp8-speed --format nvfp4` times."""
@@ -114,7 +113,7 @@ def _nvfp4_rows_kernel(x_ptr, q_ptr, scale_ptr, bs_ptr, num_tokens, stride_q_t, 
     x = tl.load(x_ptr + (t64[:, :, None] * NUM_HEADS + h64[:, :, None]) * HEAD_DIM + d, mask=th_mask[:, :, None],
                 other=0.0).to(tl.float32)
     _store_nvfp4(q_ptr, x, x, t < 0, scale_ptr, bs_ptr, t64, h64, stride_q_t, stride_q_h, stride_q_d, stride_bs_t,
-                 stride_bs_k, th_mask, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H, HEAD_DIM, SWIZZLED, INTERPRET)
+                 stride_bs_k, th_mask, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H, HEAD_DIM, SWIZZLED)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -379,8 +378,7 @@ def _nvfp4_rows(output, rows, output_scale, output_block_scale, scale_layout) ->
     _nvfp4_rows_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(heads, block_h))](
         rows, output, output_scale, output_block_scale, num_tokens, *output.stride(),
         *((0, 0) if swizzled else output_block_scale.stride()), NUM_HEADS=heads, HEAD_DIM=head_dim,
-        BLOCK_T=block_t, BLOCK_H=block_h, SWIZZLED=swizzled, INTERPRET=_backend.interpreting(),
-        **_backend.PARITY_LAUNCH)  # the fused merges' float settings: the store's bits
+        BLOCK_T=block_t, BLOCK_H=block_h, SWIZZLED=swizzled, **_backend.PARITY_LAUNCH)  # the fused merges' float settings: the store's bits
 
 
 def _group_quant(x: torch.Tensor, group_size: int, ue8m0: bool):

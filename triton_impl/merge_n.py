@@ -216,8 +216,7 @@ def _merge_attn_states_n_kernel(
     out_ptrs = out_ptr + t64[:, :, None] * stride_out_t + h64[:, :, None] * stride_out_h + d64 * stride_out_d
     if NVFP4:  # docs/spec.md 4.8
         _store_nvfp4(out_ptr, out, b, copy_t, scale_ptr, gs_ptr, t64, h64, stride_out_t, stride_out_h, stride_out_d,
-                     stride_gs_t, stride_gs_g, th_mask, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H, BLOCK_D, SWIZZLED,
-                     INTERPRET)
+                     stride_gs_t, stride_gs_g, th_mask, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H, BLOCK_D, SWIZZLED)
     elif GROUP_SIZE:  # docs/spec.md 4.7
         _store_group_fp8(out_ptr, out_ptrs, out, b, copy_t, gs_ptr, t64, h64, stride_gs_t, stride_gs_g, th_mask,
                          thd_mask, HEAD_DIM, BLOCK_T, BLOCK_H, BLOCK_D, GROUP_SIZE, UE8M0, INTERPRET)
