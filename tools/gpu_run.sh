@@ -163,9 +163,10 @@ if [ "$PLAN" = verify ]; then
     fi
 fi
 if [ "$PLAN" = fp8 ]; then
-    # Per-group FP8 (docs/spec.md 4.7) and NVFP4 (4.8): their GPU tests (Triton = Pallas = jnp bit for bit), the
-    # per-group and NVFP4 records of the full check on both Pallas backends (Triton, Mosaic GPU), then the fused
-    # merges beside bf16 and merge + separate quantizer (NVFP4 at T = 32K only: the time left).
+    # Per-group FP8 (docs/spec.md 4.7) and NVFP4 (4.8): their GPU tests (Triton = Pallas = jnp bit for bit, row vs
+    # swizzled NVFP4 scales), the per-group and NVFP4 records of the full check on both Pallas backends (Triton,
+    # Mosaic GPU; NVFP4 swizzled against row), its GPU-only T = 32K cases of every quantized output on both, then
+    # the fused merges beside bf16 and merge + separate quantizer (NVFP4 at T = 32K only: the time left).
     step pytest 120 400 "$OUT/pytest.log" "$PY" -m pytest -v -rfs -m gpu tests/test_group_fp8.py tests/test_nvfp4.py
     step check 100 350 "$OUT/check.log" "$PY" -m parity check --suite full -k group --json "$OUT/check_group.json"
     step check_mosaic 80 290 "$OUT/check_mosaic.log" "$PY" -m parity check --suite full -k group \
@@ -173,6 +174,10 @@ if [ "$PLAN" = fp8 ]; then
     for backend in triton mosaic_gpu; do
         step "check_nvfp4_$backend" 60 230 "$OUT/check_nvfp4_$backend.log" "$PY" -m parity check --suite full \
             -k nvfp4 --pallas-backend $backend --json "$OUT/check_nvfp4_$backend.json"
+    done
+    for backend in triton mosaic_gpu; do
+        step "check_t32k_$backend" 90 200 "$OUT/check_t32k_$backend.log" "$PY" -m parity check --suite full \
+            -k t32k --pallas-backend $backend --json "$OUT/check_t32k_$backend.json"
     done
     step group_fp8_speed 190 100 "$OUT/group_fp8_speed.log" "$PY" -m tools.group_fp8_speed \
         --json "$OUT/group_fp8_speed.json"
