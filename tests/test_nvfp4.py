@@ -507,3 +507,16 @@ def test_swizzled_scales_leave_every_code_as_the_row_layout_writes_it(impl, T, H
     (q_row, s_row), (q_sw, s_sw) = results["row"], results["swizzled"]
     np.testing.assert_array_equal(q_sw, q_row)
     np.testing.assert_array_equal(s_sw[R.swizzled_offsets(T, K)], s_row.reshape(T, K))
+
+
+def test_parity_check_fails_a_swizzled_run_that_differs_from_the_row_run(monkeypatch, capsys):
+    """`check`'s swizzled_vs_row comparison is required: scales read back from the wrong swizzled offsets (as a
+    layout bug would write them) fail the NVFP4 merge records, located, while the row runs still pass."""
+    from parity import cli
+    from parity.harness.impls import kernels
+
+    real = kernels.swizzled_offsets
+    monkeypatch.setattr(kernels, "swizzled_offsets", lambda t, k: np.roll(real(t, k), 1, axis=0))
+    assert cli.main(["check", "--suite", "full", "-k", "nvfp4_ptwc", "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert "swizzled_vs_row" in out and "merge.scales[triton]" in out
