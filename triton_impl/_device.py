@@ -71,17 +71,23 @@ def _cast_rne(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
         if (dtype == tl.bfloat16) or (dtype == tl.float8e4nv):
             MANT: tl.constexpr = 7 if dtype == tl.bfloat16 else 3
             EMIN: tl.constexpr = -126 if dtype == tl.bfloat16 else -6
-            e = ((x.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
-            q = ((tl.maximum(e, EMIN) - MANT + 127) << 23).to(tl.float32, bitcast=True)
-            r = ((x / q + 12582912.0) - 12582912.0) * q
-            # the sign survives a rounding to zero (-0, as the GPU's cvt stores it: fp8 0x80)
-            r = (r.to(tl.uint32, bitcast=True) | (x.to(tl.uint32, bitcast=True) & 0x80000000)).to(tl.float32,
-                                                                                                  bitcast=True)
+            r = _round_float(x, MANT, EMIN)
             x = tl.where((tl.abs(x) >= 7.888609052210118e-31) & (tl.abs(x) < float("inf")), r, x)
         if dtype == tl.float8e4nv:  # the interpreter also turns NaN into 0x7c
             y = x.to(dtype).to(tl.uint8, bitcast=True)
             return tl.where(x != x, (y & 0x80) | 0x7F, y).to(dtype, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def _round_float(x, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """f32 `x` rounded to nearest even at MANT mantissa bits and minimum exponent EMIN (bf16: 7, -126; e4m3: 3, -6),
+    as an f32, in exact f32 arithmetic: power-of-two scaling and the 1.5 * 2^23 trick. The sign of a value rounded
+    to zero is kept (-0, as the GPU's cvt stores it: fp8 0x80). For magnitudes from 2^-100 to the format's maximum."""
+    e = ((x.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
+    q = ((tl.maximum(e, EMIN) - MANT + 127) << 23).to(tl.float32, bitcast=True)
+    r = ((x / q + 12582912.0) - 12582912.0) * q
+    return (r.to(tl.uint32, bitcast=True) | (x.to(tl.uint32, bitcast=True) & 0x80000000)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -191,19 +197,8 @@ def _store_group_fp8(out_ptr, out_ptrs, out, last, copy_t, gs_ptr, t64, h64, str
 
 
 @triton.jit
-def _round_e4m3(x):
-    """f32 -> the nearest float8_e4m3fn value (ties to even), as an f32, in exact f32 arithmetic (power-of-two scaling
-    and the 1.5 * 2^23 trick, as `_cast_rne`'s interpreter branch), for |x| <= 448 or NaN; the sign of a value rounded
-    to zero is kept."""
-    e = ((x.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
-    q = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    r = ((x / q + 12582912.0) - 12582912.0) * q
-    return (r.to(tl.uint32, bitcast=True) | (x.to(tl.uint32, bitcast=True) & 0x80000000)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _e4m3_bits(v):
-    """The float8_e4m3fn bits (u8) of an f32 `v` that is an e4m3 value (`_round_e4m3`'s) or NaN, by integer
+    """The float8_e4m3fn bits (u8) of an f32 `v` that is an e4m3 value (`_round_float`'s) or NaN, by integer
     operations: exponent bits 6-3 (bias 7), mantissa bits 2-0, exponent 0 subnormal (v = m * 2^-9), NaN S.1111.111."""
     b = v.to(tl.uint32, bitcast=True)
     e = ((b >> 23) & 0xFF).to(tl.int32) - 127
@@ -237,7 +232,7 @@ def _store_nvfp4(out_ptr, out, last, copy_t, scale_ptr, bs_ptr, t64, h64, stride
     # (triton 3.6, H100), that round trip's e4m3x2 / f16x2 conversions gave 0 for two heads of every four in the
     # 2-way merge with the fused mask and swizzled scales (sign-only codes), which the interpreter cannot show
     # (docs/design.md, "NVFP4"). The same values and bits as the cast (round to nearest even).
-    sf = _round_e4m3(tl.where(s > FP8_MAX, FP8_MAX, s))
+    sf = _round_float(tl.where(s > FP8_MAX, FP8_MAX, s), 3, -6)  # the nearest e4m3 value (0 stays 0)
     s8 = _e4m3_bits(sf).to(bs_ptr.dtype.element_ty, bitcast=True)
     inv = tl.where(sf == 0.0, 0.0, 1.0 / tl.where(sf == 0.0, 1.0, sf * (1.0 / g)))
     y = x * inv[:, :, :, None]

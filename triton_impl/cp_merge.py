@@ -359,7 +359,7 @@ def cp_merge_attn_states(output, partial_output, partial_lse, group, output_lse=
     elif output_block_scale is not None:  # 4.8, after the sum: this rank's rows through the merges' NVFP4 store
         _nvfp4_rows(output, reduced.float().contiguous(), output_scale, output_block_scale, scale_layout)
     elif group_size:  # 4.7, after the sum: this rank's rows quantized per group (torch's cast: nearest even)
-        q, scales = _group_quant(reduced.float().reshape(num_tokens, -1), group_size, scale_ue8m0)
+        q, scales = torch_fallback.group_quant(reduced.float().reshape(num_tokens, -1), group_size, scale_ue8m0)
         output.copy_(q.view(output.shape))
         output_group_scale.copy_(scales)
     elif params.fp8:  # 4.6, after the sum: clamp(out / scale) then the cast (torch's: round to nearest even)
@@ -379,22 +379,6 @@ def _nvfp4_rows(output, rows, output_scale, output_block_scale, scale_layout) ->
         rows, output, output_scale, output_block_scale, num_tokens, *output.stride(),
         *((0, 0) if swizzled else output_block_scale.stride()), NUM_HEADS=heads, HEAD_DIM=head_dim,
         BLOCK_T=block_t, BLOCK_H=block_h, SWIZZLED=swizzled, **_backend.PARITY_LAUNCH)  # the fused merges' float settings: the store's bits
-
-
-def _group_quant(x: torch.Tensor, group_size: int, ue8m0: bool):
-    """docs/spec.md 4.7 on f32 rows `x` [T, K] in torch ops (the reduce-scatter combine's, after its sum): (q f32,
-    the clamped quotients before the fp8 cast; scales f32 [T, K / G])."""
-    g = x.view(x.shape[0], -1, group_size)
-    amax = torch.where(torch.isnan(g), 0.0, g.abs()).amax(-1)
-    amax = torch.where(amax > constants.GROUP_EPS, amax, torch.tensor(constants.GROUP_EPS, dtype=torch.float32,
-                                                                        device=x.device))
-    scale = amax / constants.FP8_E4M3_MAX
-    if ue8m0:  # rounded up to a power of two on the bits
-        scale = ((scale.view(torch.int32) + constants.UE8M0_ROUND_UP) & constants.UE8M0_EXPONENT).view(torch.float32)
-    q = g / scale[..., None]
-    q = torch.where(q < -constants.FP8_E4M3_MAX, -constants.FP8_E4M3_MAX, q)  # comparisons: NaN stays NaN
-    q = torch.where(q > constants.FP8_E4M3_MAX, constants.FP8_E4M3_MAX, q)
-    return q.view(x.shape), scale
 
 
 def _rescale(scaled, merged_lse, partial_output, lses, qsl, cus, rank, params, ptwc, lse_layout) -> None:

@@ -37,14 +37,15 @@ def _cp_ranks(argv: list[str]) -> int:
 
 # Commands that run this project's kernels or the user's framework code: the run mode is configured first.
 FRAMEWORK_COMMANDS = ("check", "bench", "demo", "probe", "loop", "cross")
-KERNEL_IMPLS = ("triton", "pallas", "jnp", "torch")  # `verify --impl` values that run this project's kernels
 # The extra that installs each optional dependency (pyproject.toml), for the one-line error of a missing one.
 EXTRAS = {"torch": "parity", "triton": "parity", "jax": "parity", "jaxlib": "parity", "matplotlib": "parity",
           "ml_dtypes": "golden"}
 
 
 def _needs_frameworks(args) -> bool:
-    if args.command == "verify":
+    if args.command == "verify":  # a port or the reference needs no framework
+        from parity.harness.impls import KERNEL_IMPLS
+
         return args.impl in KERNEL_IMPLS
     return args.command in FRAMEWORK_COMMANDS
 

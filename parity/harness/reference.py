@@ -246,10 +246,8 @@ def swizzle_nvfp4_scales(scales):
     tp, kp = -(-t // 128) * 128, -(-k // 4) * 4
     bits = np.zeros((tp, kp), np.uint8)
     bits[:t, :k] = scales.view(np.uint8)
-    tt, kk = np.meshgrid(np.arange(tp), np.arange(kp), indexing="ij")
-    offset = ((tt // 128) * (kp // 4) + kk // 4) * 512 + (tt % 32) * 16 + ((tt % 128) // 32) * 4 + kk % 4
     out = np.zeros(tp * kp, np.uint8)
-    out[offset.ravel()] = bits.ravel()
+    out[swizzled_offsets(tp, kp).ravel()] = bits.ravel()
     return out.view(scales.dtype)
 
 
