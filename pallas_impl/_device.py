@@ -95,10 +95,7 @@ def _store_output(out_block, out, last, copy_t, scale_ref, thd_mask, fp8_out):
     (through the scale and clamp of a merged row for fp8)."""
     if fp8_out:
         out = jnp.where(copy_t[:, None, None], last.astype(jnp.float32), out)
-        out = out / scale_ref[0]
-        out = jnp.where(out < -_math.FP8_E4M3_MAX, -_math.FP8_E4M3_MAX, out)  # comparisons, not min/max: NaN stays NaN
-        out = jnp.where(out > _math.FP8_E4M3_MAX, _math.FP8_E4M3_MAX, out)
-        pltriton.store(out_block, out.astype(out_block.dtype), mask=thd_mask)
+        pltriton.store(out_block, _math.static_fp8(out, scale_ref[0]).astype(out_block.dtype), mask=thd_mask)
     elif last.dtype == out_block.dtype:
         pltriton.store(out_block, jnp.where(copy_t[:, None, None], last, out.astype(out_block.dtype)), mask=thd_mask)
     else:  # 4.4: another output dtype: the copied row, as f32, takes the one rounding of a merged row

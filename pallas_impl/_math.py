@@ -141,12 +141,27 @@ def n_way_max_and_sum(lse_i, num_partials: int, lse_base2: bool, *, unroll: bool
     return m, all_empty, None, z
 
 
+def static_fp8(x, scale):
+    """The static-scale fp8 quotient of f32 `x` (docs/spec.md 4.6): clamp(x / scale, -448, 448) with comparisons
+    (NaN stays NaN), f32, before the fp8 cast."""
+    q = x / scale
+    q = jnp.where(q < -FP8_E4M3_MAX, -FP8_E4M3_MAX, q)  # comparisons, not min/max: NaN stays NaN
+    return jnp.where(q > FP8_E4M3_MAX, FP8_E4M3_MAX, q)
+
+
 def group_quant(x, group_size: int, ue8m0: bool):
     """Per-group FP8 quantization of f32 `x` [..., K] in groups of `group_size` consecutive elements of its last
-    axis (docs/spec.md 4.7): (q f32 [..., K], the clamped quotients before the fp8 cast; scale f32 [..., K // G]).
-    amax over the non-NaN |x|, floored at GROUP_EPS; scale = amax / 448 (UE8M0: rounded up to a power of two on its
-    bits); q = clamp(x / scale, -448, 448) with comparisons (NaN stays NaN)."""
-    groups = x.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
+    axis (docs/spec.md 4.7): (q f32 [..., K], the clamped quotients before the fp8 cast; scale f32 [..., K // G]);
+    `quant_groups` of the groups."""
+    q, scale = quant_groups(x.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size), ue8m0)
+    return q.reshape(x.shape), scale
+
+
+def quant_groups(groups, ue8m0: bool):
+    """Per-group FP8 quantization of f32 `groups` [..., G], one group per row of the last axis (docs/spec.md 4.7):
+    (q f32 [..., G], scale f32 [...]). amax over the non-NaN |x|, floored at GROUP_EPS; scale = amax / 448 (UE8M0:
+    rounded up to a power of two on its bits); q = clamp(x / scale, -448, 448) with comparisons (NaN stays NaN).
+    The Mosaic GPU kernels call it on a `[128, G]` slice of a tile."""
     amax = jnp.max(jnp.where(groups == groups, jnp.abs(groups), 0.0), axis=-1)  # NaN left out of the maximum
     amax = jnp.where(amax > constants.GROUP_EPS, amax, jnp.float32(constants.GROUP_EPS))
     # amax / 448 with a divisor XLA cannot fold: it rewrites a division by a literal into a multiplication by the
@@ -156,10 +171,7 @@ def group_quant(x, group_size: int, ue8m0: bool):
         bits = jax.lax.bitcast_convert_type(scale, jnp.int32)
         scale = jax.lax.bitcast_convert_type((bits + constants.UE8M0_ROUND_UP) & constants.UE8M0_EXPONENT,
                                              jnp.float32)
-    q = groups / scale[..., None]
-    q = jnp.where(q < -FP8_E4M3_MAX, -FP8_E4M3_MAX, q)  # comparisons, not min/max: NaN stays NaN
-    q = jnp.where(q > FP8_E4M3_MAX, FP8_E4M3_MAX, q)
-    return q.reshape(x.shape), scale
+    return static_fp8(groups, scale[..., None]), scale
 
 
 NVFP4 = "nvfp4"  # the middle item of a `group` option for NVFP4 output: (NVFP4_BLOCK, NVFP4, scale layout)

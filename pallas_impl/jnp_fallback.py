@@ -50,9 +50,8 @@ def _stored(out, last, copy_t, output_scale, out_dtype):
     clamped as a merged row)."""
     copy = copy_t[:, None, None]
     if output_scale is not None:
-        out = jnp.where(copy, last.astype(jnp.float32), out) / output_scale.reshape(-1)[0]
-        out = jnp.where(out < -_math.FP8_E4M3_MAX, -_math.FP8_E4M3_MAX, out)
-        return jnp.where(out > _math.FP8_E4M3_MAX, _math.FP8_E4M3_MAX, out).astype(out_dtype)
+        out = jnp.where(copy, last.astype(jnp.float32), out)
+        return _math.static_fp8(out, output_scale.reshape(-1)[0]).astype(out_dtype)
     if last.dtype == out_dtype:
         return jnp.where(copy, last, out.astype(out_dtype))
     return jnp.where(copy, last.astype(jnp.float32), out).astype(out_dtype)

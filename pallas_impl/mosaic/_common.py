@@ -6,10 +6,11 @@ their sum, the weights, the weighted sum, the log (`_math.merged_lse`) — and l
 around the call, as the same operations in the same order (the jnp path's, which gives the Triton kernels' bits on
 the GPU): the fused mask's per-token emptiness from the offsets (`jnp_fallback._empty_tokens`), the pass-through
 LSE, `[T, H]` layouts (transposed), `T < 128` (padded with empty rows), heads that are not whole TMA rows (padded
-with zero columns, `head_columns`) and fp8 outputs (scaled, or quantized per group, after the kernel). Inside the kernel, per-token flag rows
-set the fused mask's raw LSEs to -inf and give pass-through rows of the output the last partial's own bits. For the
-common call (`[H, T]` LSEs, T >= 128, no fused mask, no pass-through, no fp8) what runs in XLA is reshapes only: no
-kernel but the merge.
+with zero columns, `head_columns`), per-group scales into the caller's layout (the kernel writes a row per group)
+and NVFP4 outputs (quantized after the kernel). Inside the kernel, per-token flag rows set the fused mask's raw LSEs
+to -inf and give pass-through rows of the output the last partial's own bits, and fp8 outputs (a static scale or
+per group) are quantized in registers and stored as fp8 with their scales. For the common call (`[H, T]` LSEs,
+T >= 128, no fused mask, no pass-through) what runs in XLA is reshapes only: no kernel but the merge.
 
 Why this split (docs/design.md, "Mosaic GPU backend"): Mosaic GPU has no masked loads or stores, its TMA copies need
 16-byte aligned rows (an `[H, T]` LSE row at an odd T is not), its Warpgroup layout inference needs tiles of
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_impl import _backend, _math, jnp_fallback
+from pallas_impl import _backend, _math, _sharding, jnp_fallback
 
 BLOCK_T = 128  # tokens per tile: a Warpgroup row vector needs a multiple of 128 elements
 MAX_COLS = 256  # a TMA box dimension holds at most 256 elements: wider heads are split into column chunks
@@ -108,23 +109,32 @@ def load_row(ref, start, row_smem):
     return load(row_smem, plgpu().Layout.WGMMA.reduce(1))
 
 
-def store_tile(result, o_scr, dst, count) -> None:
+def store_tile(result, o_scr, dst, count, scales=None, s_scr=None, s_dst=None) -> None:
     """A finished `[BLOCK_T, dc]` tile to GMEM `dst` by a TMA store from slot `count % S` of `o_scr`
-    (`[S, BLOCK_T, dc]`), once the store that last used that slot has read it (at most S - 1 others in flight)."""
+    (`[S, BLOCK_T, dc]`), once the store that last used that slot has read it (at most S - 1 others in flight);
+    with per-group `scales` (`quantized`), those rows too, from the same slot of `s_scr` (`[S, groups, BLOCK_T]`)
+    to `s_dst` (`[groups, BLOCK_T]` of the scales' rows)."""
     m = plgpu()
     slots = o_scr.shape[0]
-    m.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+    m.wait_smem_to_gmem((slots - 1) * (1 if scales is None else 2), wait_read_only=True)
     slot = o_scr.at[count % slots] if slots > 1 else o_scr.at[0]
     slot[...] = result.astype(o_scr.dtype)
+    if scales is not None:
+        s_slot = s_scr.at[count % slots] if slots > 1 else s_scr.at[0]
+        for k, sc in enumerate(scales):
+            s_slot[k] = sc
     m.commit_smem()
     m.copy_smem_to_gmem(slot, dst)
+    if scales is not None:
+        m.copy_smem_to_gmem(s_slot, s_dst)
 
 
-def head_columns(head_dim: int, itemsize: int) -> int:
-    """The columns a merge kernel gives a head: D itself when its rows are whole 16-byte TMA rows and a multiple of
-    8 columns (the register layout's tile, 8 wide), else D padded to the next such width (`padded_heads`: zero
-    columns, cut after the kernel; an output element's arithmetic is its own column's, so the bits do not move)."""
-    step = math.lcm(8, 16 // math.gcd(16, itemsize))
+def head_columns(head_dim: int, itemsize: int, out_itemsize: int | None = None) -> int:
+    """The columns a merge kernel gives a head: D itself when its rows are whole 16-byte TMA rows (of the inputs'
+    `itemsize` and the output's `out_itemsize`) and a multiple of 8 columns (the register layout's tile, 8 wide),
+    else D padded to the next such width (`padded_heads`: zero columns, cut after the kernel; an output element's
+    arithmetic is its own column's, so the bits do not move)."""
+    step = math.lcm(8, *(16 // math.gcd(16, size) for size in (itemsize, out_itemsize or itemsize)))
     return -(-head_dim // step) * step
 
 
@@ -135,38 +145,45 @@ def padded_heads(x, columns: int):
 
 
 def head_plan(head_dim: int, dtype, tile_bytes: int, *, out_dtype, input_tiles: int, out_slots: int,
-              other_bytes: int) -> tuple[int, int]:
+              other_bytes: int, group_size: int = 1, scale_bytes: int = 0) -> tuple[int, int]:
     """(columns of a kernel's head, columns of one TMA tile) for heads of `head_dim` elements of `dtype`:
-    `head_columns`, then `column_chunk` of that width, narrowed (halving `tile_bytes`) until the kernel's shared
-    memory fits `SMEM_BYTES`: `input_tiles` `[BLOCK_T, dc]` input tiles in flight, `out_slots` output tiles of
-    `out_dtype` and `other_bytes` of other scratch. (An f32 output of bf16 inputs doubles the output slots: at the
-    2-way merge's long-T tiles it needed 258 KiB.)"""
+    `head_columns`, then `column_chunk` of that width (a multiple of `group_size`: a quantization group stays in one
+    tile), narrowed (halving `tile_bytes`) until the kernel's shared memory fits `SMEM_BYTES`: `input_tiles`
+    `[BLOCK_T, dc]` input tiles in flight, `out_slots` output tiles of `out_dtype` (with `scale_bytes` of scales
+    per group of a row each) and `other_bytes` of other scratch. (An f32 output of bf16 inputs doubles the output
+    slots: at the 2-way merge's long-T tiles it needed 258 KiB.) ValueError where no tile fits."""
     itemsize = jnp.dtype(dtype).itemsize
     out_itemsize = jnp.dtype(out_dtype).itemsize
-    cols = head_columns(head_dim, itemsize)
-    dc = column_chunk(cols, itemsize, tile_bytes)
-    while BLOCK_T * dc * (input_tiles * itemsize + out_slots * out_itemsize) + other_bytes > SMEM_BYTES:
+    cols = head_columns(head_dim, itemsize, out_itemsize)
+    multiple = math.lcm(group_size, 16 // math.gcd(16, out_itemsize))
+    dc = column_chunk(cols, itemsize, tile_bytes, multiple)
+
+    def smem(dc):
+        out_tile = dc * out_itemsize + dc // group_size * scale_bytes
+        return BLOCK_T * (dc * input_tiles * itemsize + out_slots * out_tile) + other_bytes
+
+    while smem(dc) > SMEM_BYTES:
         tile_bytes //= 2
-        narrower = column_chunk(cols, itemsize, tile_bytes)
+        narrower = column_chunk(cols, itemsize, tile_bytes, multiple)
         if narrower == dc:
             raise ValueError(f"no tile of a {head_dim}-column head fits {SMEM_BYTES} bytes of shared memory")
         dc = narrower
     return cols, dc
 
 
-def column_chunk(head_dim: int, itemsize: int, tile_bytes: int = 32 * 1024) -> int:
+def column_chunk(head_dim: int, itemsize: int, tile_bytes: int = 32 * 1024, multiple: int = 1) -> int:
     """Columns of one TMA tile: the largest divisor of D of 16-byte rows and a multiple of 8 columns (the WGMMA
-    register layout's tile, 8 wide) within MAX_COLS and `tile_bytes` (at least the narrowest such column). D is
-    a kernel's head width (`head_columns`)."""
+    register layout's tile, 8 wide) and of `multiple` within MAX_COLS and `tile_bytes` (at least the narrowest such
+    column). D is a kernel's head width (`head_columns`); ValueError where no such divisor is within MAX_COLS."""
     if head_dim * itemsize % 16 or head_dim % 8:
         raise ValueError(f"a kernel's head is whole 16-byte rows of a multiple of 8 columns (head_columns); got "
                          f"D={head_dim} with {itemsize}-byte elements")
-    narrowest = max(8, 16 // itemsize)
-    for dc in range(min(head_dim, MAX_COLS), 0, -1):
-        fits = BLOCK_T * dc * itemsize <= tile_bytes or dc == narrowest
-        if head_dim % dc == 0 and dc * itemsize % 16 == 0 and dc % 8 == 0 and fits:
-            return dc
-    raise AssertionError("unreachable: 8 columns (or 16 bytes) divide D")
+    unit = math.lcm(8, 16 // math.gcd(16, itemsize), multiple)
+    chunks = [dc for dc in range(unit, min(head_dim, MAX_COLS) + 1, unit) if head_dim % dc == 0]
+    if not chunks:
+        raise ValueError(f"no tile of a {head_dim}-column head is a multiple of {multiple} columns within {MAX_COLS}")
+    fitting = [dc for dc in chunks if BLOCK_T * dc * itemsize <= tile_bytes]
+    return max(fitting) if fitting else chunks[0]
 
 
 def merge_tuning(num_tokens: int) -> dict:
@@ -226,10 +243,55 @@ def padded_rows(x, num_tokens: int, fill, axis: int = -2):
     return jnp.pad(x, widths, constant_values=fill)
 
 
-def out_type_of(out_dtype, quantized: bool):
-    """The dtype a merge kernel stores: the output dtype (one rounding at the store), or f32 rows that XLA scales
-    and casts to fp8 after the kernel (static `output_scale`, 4.6, or per group, 4.7)."""
-    return jnp.float32 if quantized else out_dtype
+FP8 = jnp.float8_e4m3fn
+STATIC = "static"  # `output_plan`: an fp8 output with a static scale (docs/spec.md 4.6)
+
+
+def output_plan(out_dtype, output_scale, group, plan):
+    """(quant, stored dtype, (cols, dc)) of a merge kernel: what it quantizes in its registers (docs/spec.md 4.6,
+    4.7): None (it stores the output dtype), (STATIC,), or (group size, UE8M0) of per-group FP8, with its head plan
+    (`plan(out_dtype=..., group_size=..., scale_bytes=...)`, `head_plan` of the kernel's tiles). NVFP4 (4.8), and
+    a per-group FP8 group wider than any tile that fits shared memory, store f32 rows that XLA quantizes after the
+    kernel (`finish`)."""
+    if group is None:
+        return ((STATIC,) if output_scale is not None else None), out_dtype, plan(out_dtype=out_dtype)
+    if not _math.is_nvfp4(group):
+        try:
+            return tuple(group[:2]), out_dtype, plan(out_dtype=out_dtype, group_size=group[0], scale_bytes=4)
+        except ValueError:
+            pass
+    return None, jnp.float32, plan(out_dtype=jnp.float32)
+
+
+def grouped(quant) -> bool:
+    """Whether `quant` (`output_plan`) is per-group FP8: the kernel writes scales too."""
+    return quant is not None and quant[0] != STATIC
+
+
+def scale_row(output_scale):
+    """A static fp8 scale f32[1] as the f32[BLOCK_T] row a kernel reads per tile (`strided_row`)."""
+    return jnp.broadcast_to(output_scale.reshape(-1)[:1].astype(jnp.float32), (BLOCK_T,))
+
+
+def scales_struct(num_tokens: int, num_heads: int, cols: int, quant, *args):
+    """The per-group scales a kernel writes: f32[H * D / G, T''] (a row per group, T'' the padded tokens rounded up
+    to 4: a TMA row of whole 16 bytes), rearranged into the caller's layout by `finish`."""
+    return _sharding.out_struct((num_heads * cols // quant[0], -(-num_tokens // 4) * 4), jnp.float32, *args)
+
+
+def quantized(result, quant, scale):
+    """The f32 tile `result` `[BLOCK_T, dc]` quantized in registers (`output_plan`): (fp8 tile, [f32[BLOCK_T] scale
+    of each group] or None). Static: `_math.static_fp8` by the broadcast `scale` tile; per group: `_math.quant_groups`
+    of each `[BLOCK_T, G]` column slice (a group never spans tiles: `head_plan`)."""
+    if quant[0] == STATIC:
+        return _math.static_fp8(result, scale).astype(FP8), None
+    g, ue8m0 = quant
+    qs, scales = [], []
+    for k in range(result.shape[1] // g):
+        q, sc = _math.quant_groups(result[:, k * g:(k + 1) * g], ue8m0)
+        qs.append(q.astype(FP8))
+        scales.append(sc)
+    return (jnp.concatenate(qs, axis=1) if len(qs) > 1 else qs[0]), scales
 
 
 def stored(out, last, copy, dtype):
@@ -245,26 +307,25 @@ def stored(out, last, copy, dtype):
 
 def finish(results, shape, copy_t, last_output, last_lse, output_scale, *, out_dtype, return_lse: bool,
            lse_layout: str, pass_through: bool, group=None):
-    """XLA after a merge kernel (docs/spec.md 4.4, 4.6, 4.7, 4.8, 8.4): the `[T, H, D]` output (fp8: the last
-    partial's rows copied, then scaled, clamped and cast, or quantized per `group`, per-group FP8 or NVFP4, which
-    adds the scales), and the merged LSE
-    (the kernel writes it in the caller's base; with `pass_through`, the rows of `copy_t` take `last_lse`'s
-    `[H, T]` bits), in the caller's layout. `results`: the kernel's padded `[T', H * D]` output (and `[H * T']`
-    LSE), its heads of `head_columns`; for T >= BLOCK_T, an `[H, T]` LSE, whole heads and no pass-through or fp8
-    these are reshapes only."""
+    """XLA after a merge kernel (docs/spec.md 4.4, 4.7, 4.8, 8.4): the `[T, H, D]` output (NVFP4, or a group wider
+    than a tile, `output_plan`: the kernel's f32 rows, the last partial's rows copied, quantized, with
+    `output_scale` NVFP4's global scale; per-group FP8 quantized in the kernel: its scales `[H * D / G, T'']` in the caller's layout), and the merged LSE (the kernel writes it in the
+    caller's base; with `pass_through`, the rows of `copy_t` take `last_lse`'s `[H, T]` bits), in the caller's
+    layout. `results`: the kernel's padded `[T', H * D]` output (then its scales, then its `[H * T']` LSE), its
+    heads of `head_columns`; for T >= BLOCK_T, an `[H, T]` LSE, whole heads and no pass-through these are reshapes
+    only."""
     num_tokens, num_heads, head_dim = shape
-    out = results[0][:num_tokens]
+    results = list(results)
+    out = results.pop(0)[:num_tokens]
     out = out.reshape(num_tokens, num_heads, out.shape[1] // num_heads)[..., :head_dim]  # padded heads cut
     scales = None
-    if group is not None:  # per-group FP8, or NVFP4 with output_scale its global scale (4.8)
+    if group is not None and out.dtype == jnp.float32:  # f32 rows (`output_plan`); NVFP4's global scale (4.8)
         out, scales = jnp_fallback._stored_grouped(out, group, last_output, copy_t, output_scale)
-    elif output_scale is not None:
-        out = jnp.where(copy_t[:, None, None], last_output.astype(jnp.float32), out) / output_scale.reshape(-1)[0]
-        out = jnp.where(out < -_math.FP8_E4M3_MAX, -_math.FP8_E4M3_MAX, out)
-        out = jnp.where(out > _math.FP8_E4M3_MAX, _math.FP8_E4M3_MAX, out).astype(out_dtype)
+    elif group is not None:
+        scales = _math.scale_layout(results.pop(0)[:, :num_tokens].T, group[2])
     merged = None
     if return_lse:
-        merged = results[1].reshape(num_heads, -1)[:, :num_tokens]  # [H, T]
+        merged = results[0].reshape(num_heads, -1)[:, :num_tokens]  # [H, T]
         if pass_through:
             merged = jnp.where(copy_t[None, :], last_lse, merged)
         merged = merged if lse_layout == "HT" else merged.T

@@ -33,19 +33,23 @@ F32 = jnp.float32
 
 
 def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *, output_lse: bool,
-            empty_rows: bool, copy_rows: bool, lse_base2: bool, interpret: bool):
-    """The merge of padded `[T', H * D]` prefix and suffix (T' >= 128) with raw `[H * T']` LSE rows."""
+            empty_rows: bool, copy_rows: bool, lse_base2: bool, quant, interpret: bool):
+    """The merge of padded `[T', H * D]` prefix and suffix (T' >= 128) with raw `[H * T']` LSE rows; fp8 quantized
+    in registers (`quant`: `mc.output_plan`)."""
     plgpu = mc.plgpu()
     tune = mc.merge_tuning(num_tokens)
     bt, steps = mc.BLOCK_T, tune["steps"]
     nc = head_dim // dc
     nsplit = pl.cdiv(pl.cdiv(num_tokens, bt), steps)
     L = plgpu.Layout.WGMMA
+    static, grouped = quant == (mc.STATIC,), mc.grouped(quant)
 
     def body(a_g, b_g, p_g, s_g, *rest):
-        # e_g: f32[T'], 1 on the fused mask's tokens; c_g: f32[T'], 1 where t copies the suffix
-        e_g, c_g, o_g, lo_g, *rest = mc.optional_refs(rest, empty_rows, copy_rows, True, output_lse)
-        w_smem, o_scr = rest  # rows of w_smem: wp, ws, both-empty flag, copy flag
+        # e_g: f32[T'], 1 on the fused mask's tokens; c_g: f32[T'], 1 where t copies the suffix; q_g: f32[128],
+        # the static fp8 scale; g_g: the per-group scales, a row per group
+        e_g, c_g, q_g, o_g, g_g, lo_g, *rest = mc.optional_refs(rest, empty_rows, copy_rows, static, True, grouped,
+                                                                output_lse)
+        w_smem, o_scr, *g_scr = rest  # rows of w_smem: wp, ws, both-empty flag, copy flag, static scale
         hc = lax.axis_index("hc")
         sp = lax.axis_index("s")
         h = hc // nc
@@ -76,6 +80,8 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             w_smem[2] = jnp.where(both_empty, 1.0, 0.0)
             if copy_rows:
                 w_smem[3] = carry[2]
+            if static:
+                w_smem[4] = mc.strided_row(q_g, 0)
             if output_lse:
                 @pl.when(hc % nc == 0)
                 def _():
@@ -89,9 +95,13 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             # 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
             out = jnp.where(wpb > 0, a.astype(F32) * wpb, 0.0) + jnp.where(wsb > 0, b.astype(F32) * wsb, 0.0)
             out = jnp.where(row(2) > 0, 0.0, out)
-            # 4.4: the suffix's bits (its value rounded once, for another output dtype)
-            result = mc.stored(out, b, row(3) > 0 if copy_rows else None, o_scr.dtype)
-            mc.store_tile(result, o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * dc, dc)], i)
+            # 4.4: the suffix's bits (its value rounded once, for another output dtype; quantized as a merged row)
+            result = mc.stored(out, b, row(3) > 0 if copy_rows else None, F32 if quant else o_scr.dtype)
+            scales = None
+            if quant:  # 4.6, 4.7
+                result, scales = mc.quantized(result, quant, row(4) if static else None)
+            mc.store_tile(result, o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * dc, dc)], i, scales, *g_scr,
+                          *([g_g.at[pl.ds(hc * (dc // quant[0]), dc // quant[0]), pl.ds(t0, bt)]] if grouped else []))
             return following
 
         tile = plgpu.BlockSpec((pl.Element(bt), dc), lambda i: (mc.tile_start(sp, i, num_tokens, steps), hc))
@@ -99,7 +109,9 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
                             init_carry=rows(0))(a_g, b_g)
         plgpu.wait_smem_to_gmem(0)
 
-    scratch = [plgpu.SMEM((4, bt), F32), plgpu.SMEM((tune["stores"], bt, dc), out_type[0].dtype)]
+    scratch = [plgpu.SMEM((5, bt), F32), plgpu.SMEM((tune["stores"], bt, dc), out_type[0].dtype)]
+    if grouped:
+        scratch.append(plgpu.SMEM((tune["stores"], dc // quant[0], bt), F32))
     return mc.kernel(body, out_type=tuple(out_type), grid=(num_heads * nc, nsplit), grid_names=("hc", "s"),
                      scratch_types=scratch, interpret=interpret)
 
@@ -112,30 +124,35 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
     """`pallas_impl.merge_attn_states` with backend="mosaic_gpu" (its arguments, checked there)."""
     num_tokens, num_heads, head_dim = prefix_output.shape
     tp = max(num_tokens, mc.BLOCK_T)
-    fp8 = output_scale is not None or group is not None  # the kernel stores f32 rows, quantized in XLA after it
     tune = mc.merge_tuning(tp)
-    cols, dc = mc.head_plan(head_dim, prefix_output.dtype, tune["tile_bytes"],  # cols >= D: TMA rows
-                            out_dtype=mc.out_type_of(out_dtype, fp8), input_tiles=2 * tune["concurrent"],
-                            out_slots=tune["stores"], other_bytes=4 * mc.BLOCK_T * 4)
+    plan = functools.partial(mc.head_plan, head_dim, prefix_output.dtype, tune["tile_bytes"],  # cols >= D: TMA rows
+                             input_tiles=2 * tune["concurrent"], out_slots=tune["stores"],
+                             other_bytes=5 * mc.BLOCK_T * 4)
+    quant, stored_dtype, (cols, dc) = mc.output_plan(out_dtype, output_scale, group, plan)
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     # XLA before the kernel: the fused mask's token flags (4.5), the layout, T < 128.
     empty = mc.fused_empties(query_start_loc, prefix_cu_seq_lens, num_tokens)
     rows = lambda x: mc.padded_rows(mc.padded_heads(x, cols).reshape(num_tokens, num_heads * cols),  # noqa: E731
                                     num_tokens, 0)
-    copy_rows = prefill_tokens_with_context is not None and not fp8
+    copy_rows = prefill_tokens_with_context is not None and stored_dtype == out_dtype
     args = [rows(prefix_output), rows(suffix_output), mc.lse_rows(prefix_lse, lse_layout),
             mc.lse_rows(suffix_lse, lse_layout)]
     if empty is not None:
         args.append(mc.flag_rows(empty))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
-    out_type = [_sharding.out_struct((tp, num_heads * cols), mc.out_type_of(out_dtype, fp8), *args)]
+    if quant == (mc.STATIC,):
+        args.append(mc.scale_row(output_scale))
+    out_type = [_sharding.out_struct((tp, num_heads * cols), stored_dtype, *args)]
+    if mc.grouped(quant):
+        out_type.append(mc.scales_struct(tp, num_heads, cols, quant, *args))
     if return_lse:
         out_type.append(_sharding.out_struct((num_heads * tp,), F32, *args))
     results = _kernel(tp, num_heads, cols, dc, out_type, output_lse=return_lse, empty_rows=empty is not None,
-                      copy_rows=copy_rows, lse_base2=lse_base2, interpret=interpret)(*args)
-    # XLA after the kernel: fp8 (4.6, 4.7), the pass-through LSE (4.4: the suffix's raw bits), the layout.
+                      copy_rows=copy_rows, lse_base2=lse_base2, quant=quant, interpret=interpret)(*args)
+    # XLA after the kernel: NVFP4 (4.8), per-group scales' layout, the pass-through LSE (4.4: the suffix's raw
+    # bits), the layout.
     return mc.finish(results, prefix_output.shape, copy_t, suffix_output,
                      suffix_lse if lse_layout == "HT" else suffix_lse.T, output_scale, out_dtype=out_dtype,
                      return_lse=return_lse, lse_layout=lse_layout,

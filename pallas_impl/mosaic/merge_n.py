@@ -35,8 +35,9 @@ F32 = jnp.float32
 
 
 def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *,
-            output_lse: bool, empty_rows: bool, copy_rows: bool, lse_base2: bool, interpret: bool):
-    """The merge kernel over stacked partials `[N, T', H * D]`, T' >= 128 (padded)."""
+            output_lse: bool, empty_rows: bool, copy_rows: bool, lse_base2: bool, quant, interpret: bool):
+    """The merge kernel over stacked partials `[N, T', H * D]`, T' >= 128 (padded); fp8 quantized in registers
+    (`quant`: `mc.output_plan`)."""
     plgpu = mc.plgpu()
     tune = mc.TUNING["merge_n"]
     bt, steps = mc.BLOCK_T, tune["steps"]
@@ -48,11 +49,16 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     # blocks of WEIGHT_ROWS, each computed at its first partial from m and z (rows + 1, rows + 2).
     rows = min(num_partials, mc.WEIGHT_ROWS)
     blocks = num_partials > rows
+    static, grouped = quant == (mc.STATIC,), mc.grouped(quant)
+    scale_at = rows + (3 if blocks else 1)  # the row of w_smem holding the static fp8 scale
 
     def body(x_g, l_g, *rest):  # x_g: the partials; l_g: f32[N * H * T'] raw LSE rows ((k * H + h) * T' + t)
-        # e_g: f32[N * T'], 1 on the fused mask's tokens; c_g: f32[T'], 1 where t copies the last partial
-        e_g, c_g, o_g, lo_g, *rest = mc.optional_refs(rest, empty_rows, copy_rows, True, output_lse)
-        w_smem, row_smem, o_scr = rest  # rows: the weights, the all-empty flag (, m, z with blocks)
+        # e_g: f32[N * T'], 1 on the fused mask's tokens; c_g: f32[T'], 1 where t copies the last partial; q_g:
+        # f32[128], the static fp8 scale; g_g: the per-group scales, a row per group
+        e_g, c_g, q_g, o_g, g_g, lo_g, *rest = mc.optional_refs(rest, empty_rows, copy_rows, static, True, grouped,
+                                                                output_lse)
+        # rows of w_smem: the weights, the all-empty flag (, m, z with blocks) (, the static scale)
+        w_smem, row_smem, o_scr, *g_scr = rest
         hc = lax.axis_index("hc")
         sp = lax.axis_index("s")
         h = hc // nc
@@ -80,6 +86,8 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                     for k in range(num_partials):
                         w_smem[k] = e[k] / z
                 w_smem[rows] = jnp.where(all_empty, 1.0, 0.0)
+                if static:
+                    w_smem[scale_at] = mc.strided_row(q_g, 0)
                 if output_lse:
                     @pl.when(hc % nc == 0)
                     def _():
@@ -107,8 +115,14 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                 copy = None
                 if copy_rows:  # 8.4: the last partial's own bits (x is its tile at this step)
                     copy = jnp.broadcast_to((mc.load_row(c_g, t0, row_smem) > 0)[:, None], (bt, dc))
-                result = mc.stored(out, x, copy, o_scr.dtype)
-                mc.store_tile(result, o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * dc, dc)], i)
+                result = mc.stored(out, x, copy, F32 if quant else o_scr.dtype)
+                scales = None
+                if quant:  # 4.6, 4.7
+                    scale = jnp.broadcast_to(mc.load(w_smem.at[scale_at], L.reduce(1))[:, None], (bt, dc))
+                    result, scales = mc.quantized(result, quant, scale if static else None)
+                ng = dc // quant[0] if grouped else 0
+                mc.store_tile(result, o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * dc, dc)], i, scales, *g_scr,
+                              *([g_g.at[pl.ds(hc * ng, ng), pl.ds(t0, bt)]] if grouped else []))
 
             return acc
 
@@ -119,8 +133,10 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                             init_carry=plgpu.layout_cast(jnp.zeros((bt, dc), F32), L))(x_g)
         plgpu.wait_smem_to_gmem(0)
 
-    scratch = [plgpu.SMEM((rows + (3 if blocks else 1), bt), F32), plgpu.SMEM((bt,), F32),
+    scratch = [plgpu.SMEM((scale_at + 1, bt), F32), plgpu.SMEM((bt,), F32),
                plgpu.SMEM((tune["stores"], bt, dc), out_type[0].dtype)]
+    if grouped:
+        scratch.append(plgpu.SMEM((tune["stores"], dc // quant[0], bt), F32))
     return mc.kernel(body, out_type=tuple(out_type), grid=(num_heads * nc, nsplit), grid_names=("hc", "s"),
                         scratch_types=scratch, interpret=interpret)
 
@@ -131,12 +147,12 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
                    return_lse, out_dtype, lse_layout, lse_base2, interpret, group=None):
     """`pallas_impl.merge_attn_states_n` with backend="mosaic_gpu" (its arguments, checked there)."""
     num_partials, num_tokens, num_heads, head_dim = outputs.shape
-    fp8 = output_scale is not None or group is not None  # the kernel stores f32 rows, quantized in XLA after it
     tune = mc.TUNING["merge_n"]
     rows = min(num_partials, mc.WEIGHT_ROWS)
-    cols, dc = mc.head_plan(head_dim, outputs.dtype, tune["tile_bytes"],  # cols >= D: TMA rows
-                            out_dtype=mc.out_type_of(out_dtype, fp8), input_tiles=tune["concurrent"],
-                            out_slots=tune["stores"], other_bytes=(rows + 4) * mc.BLOCK_T * 4)
+    plan = functools.partial(mc.head_plan, head_dim, outputs.dtype, tune["tile_bytes"],  # cols >= D: TMA rows
+                             input_tiles=tune["concurrent"], out_slots=tune["stores"],
+                             other_bytes=(rows + 5) * mc.BLOCK_T * 4)
+    quant, stored_dtype, (cols, dc) = mc.output_plan(out_dtype, output_scale, group, plan)
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     # XLA before the kernel: the fused mask's token flags (docs/spec.md 8.1), the layout, T < 128.
@@ -145,19 +161,23 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
     tp = max(num_tokens, mc.BLOCK_T)
     x = mc.padded_rows(mc.padded_heads(outputs, cols).reshape(num_partials, num_tokens, num_heads * cols),
                        num_tokens, 0)
-    copy_rows = prefill_tokens_with_context is not None and not fp8
+    copy_rows = prefill_tokens_with_context is not None and stored_dtype == out_dtype
     args = [x, lf]
     if empties is not None:
         args.append(mc.flag_rows(empties))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
-    out_type = [_sharding.out_struct((tp, num_heads * cols), mc.out_type_of(out_dtype, fp8), *args)]
+    if quant == (mc.STATIC,):
+        args.append(mc.scale_row(output_scale))
+    out_type = [_sharding.out_struct((tp, num_heads * cols), stored_dtype, *args)]
+    if mc.grouped(quant):
+        out_type.append(mc.scales_struct(tp, num_heads, cols, quant, *args))
     if return_lse:
         out_type.append(_sharding.out_struct((num_heads * tp,), F32, *args))
     results = _kernel(num_partials, tp, num_heads, cols, dc, out_type, output_lse=return_lse,
-                      empty_rows=empties is not None, copy_rows=copy_rows, lse_base2=lse_base2,
+                      empty_rows=empties is not None, copy_rows=copy_rows, lse_base2=lse_base2, quant=quant,
                       interpret=interpret)(*args)
-    # XLA after the kernel: fp8 (4.6, 4.7), the pass-through LSE (8.4), the layout.
+    # XLA after the kernel: NVFP4 (4.8), per-group scales' layout, the pass-through LSE (8.4), the layout.
     return mc.finish(results, outputs.shape[1:], copy_t, outputs[-1], mc.last_lse_ht(lses, lse_layout, empties),
                      output_scale, out_dtype=out_dtype, return_lse=return_lse, lse_layout=lse_layout,
                      pass_through=prefill_tokens_with_context is not None, group=group)
