@@ -539,8 +539,8 @@ def _smem(dc, itemsize, out_itemsize, input_tiles, out_slots, other):
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 192, 256, 512])
 def test_every_merge_tile_fits_shared_memory(dtype, out_dtype, head_dim):
-    """`head_plan` narrows a kernel's tile until its shared memory fits: the 2-way merge at its short and long
-    tiles, the N-way merge at N = 2 and past WEIGHT_ROWS, the CP rescale. Before 2026-12-07 the 2-way merge's
+    """`head_plan` narrows a kernel's tile until its shared memory fits (fp8: tiles of 16-byte rows): the 2-way
+    merge at its short and long tiles, the N-way merge at N = 2 and past WEIGHT_ROWS, the CP rescale. Before 2026-12-07 the 2-way merge's
     long-T tiles with an f32 output of bf16 partials (every quantized output: f32 rows) asked for 258 KiB and
     failed to compile at T >= 32K."""
     from pallas_impl.mosaic import _common as mc
@@ -552,7 +552,7 @@ def test_every_merge_tile_fits_shared_memory(dtype, out_dtype, head_dim):
         cols, dc = mc.head_plan(head_dim, dtype, tune["tile_bytes"], out_dtype=out_dtype, **shape)
         assert cols % dc == 0 and _smem(dc, itemsize, out_itemsize, *shape.values()) <= mc.SMEM_BYTES
         # the widest tile within the budget: a tile twice as wide (where one divides the head) would not fit
-        wider = mc.column_chunk(cols, itemsize, tune["tile_bytes"])
+        wider = mc.column_chunk(cols, itemsize, tune["tile_bytes"], 16 // math.gcd(16, out_itemsize))
         if wider != dc:
             assert _smem(2 * dc, itemsize, out_itemsize, *shape.values()) > mc.SMEM_BYTES
     tune = mc.TUNING["merge_n"]
@@ -608,3 +608,63 @@ def test_quantized_and_f32_outputs_at_long_t_give_the_triton_backends_bits(num_t
         assert g.dtype == w.dtype and g.shape == w.shape
         np.testing.assert_array_equal(g.view(np.uint8) if g.dtype.itemsize == 1 else g,
                                       w.view(np.uint8) if w.dtype.itemsize == 1 else w)
+
+
+@pytest.mark.parametrize("dtype, head_dim, group_size, in_kernel", [
+    ("bfloat16", 128, 128, True), ("bfloat16", 128, 16, True), ("float16", 512, 128, True),
+    ("float16", 512, 256, False),  # [128, 256] f16 tiles x 2 inputs x 2 steps: 256 KiB, no tile fits
+])
+def test_per_group_tiles_hold_whole_groups_else_xla_quantizes(dtype, head_dim, group_size, in_kernel):
+    """The 2-way merge's plan for per-group FP8 (`output_plan`): tiles a multiple of G wide, their scales counted
+    in shared memory; where no such tile fits, f32 rows that XLA quantizes. NVFP4: f32 rows."""
+    import functools
+
+    from pallas_impl.mosaic import _common as mc
+
+    tune = mc.merge_tuning(mc.BLOCK_T)
+    shape = dict(input_tiles=2 * tune["concurrent"], out_slots=tune["stores"], other_bytes=5 * mc.BLOCK_T * 4)
+    plan = functools.partial(mc.head_plan, head_dim, dtype, tune["tile_bytes"], **shape)
+    quant, stored, (cols, dc) = mc.output_plan(jnp.float8_e4m3fn, None, (group_size, False, "row"), plan)
+    assert (quant == (group_size, False)) == in_kernel
+    if in_kernel:
+        itemsize = np.dtype(dtype).itemsize
+        smem = mc.BLOCK_T * (dc * 2 * tune["concurrent"] * itemsize + tune["stores"] * (dc + dc // group_size * 4))
+        assert stored == jnp.float8_e4m3fn and dc % group_size == 0 and cols % dc == 0
+        assert smem + shape["other_bytes"] <= mc.SMEM_BYTES
+    else:
+        assert stored == jnp.float32
+    nvfp4 = mc.output_plan(jnp.float4_e2m1fn, jnp.ones(1), (16, "nvfp4", "row"), plan)
+    assert nvfp4[0] is None and nvfp4[1] == jnp.float32
+
+
+def _avals(jaxpr):
+    """Every output aval of every equation of `jaxpr`, its sub-jaxprs' too."""
+    for eqn in jaxpr.eqns:
+        yield from (v.aval for v in eqn.outvars)
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _avals(inner)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("partials", [2, 3])
+@pytest.mark.parametrize("output", ["static_fp8", "group_fp8", "nvfp4_row"])
+def test_fp8_outputs_leave_the_kernel_as_fp8(partials, output):
+    """Static and per-group FP8 are quantized in the Mosaic GPU kernels: no f32 `[T', H * D]` array anywhere in
+    the traced merge, fp8 ones instead (NVFP4 still stores f32 rows, which the test sees: it can fail)."""
+    num_tokens, heads, head_dim = 300, 4, 128
+    keys = jax.random.split(jax.random.PRNGKey(0), 2)
+    outs = jax.random.normal(keys[0], (partials, num_tokens, heads, head_dim), jnp.bfloat16)
+    lses = jax.random.normal(keys[1], (partials, heads, num_tokens), jnp.float32)
+    kw = LONG_T_OUTPUTS[output]
+    if partials == 2:
+        fn = lambda o, s: pallas_impl.merge_attn_states(o[0], s[0], o[1], s[1], backend="mosaic_gpu", **kw)  # noqa: E731
+    else:
+        fn = lambda o, s: pallas_impl.merge_attn_states_n(o, s, backend="mosaic_gpu", **kw)  # noqa: E731
+    avals = [a for a in _avals(jax.make_jaxpr(fn)(outs, lses).jaxpr) if hasattr(a, "shape")]
+    rows = [a for a in avals if tuple(a.shape) == (num_tokens, heads * head_dim)]
+    assert rows, "the kernel's [T', H * D] output is not in the trace"
+    f32_rows = any(a.dtype == jnp.float32 for a in rows)
+    assert f32_rows == (output == "nvfp4_row"), [a.str_short() for a in rows]
