@@ -8,14 +8,17 @@ empties, the whole output of a merge, the real scales of a swizzled buffer: its 
 place through any strides. The float operations are the kernels' (docs/spec.md 4, 8), in the same order, in f32, one
 torch operation at a time (eager PyTorch contracts nothing): sums over partials in index order (a Python loop over
 N, each step over the whole batch), never a reduction whose order torch picks. Where the spec fixes the bits (the
-mask, pass-through copies, the exact identities, NaN and the sign of zero) they are the kernels'; elsewhere exp, log
-and the division are the device library's, within the reference's tolerance. The token -> request lookup is one
+mask, pass-through copies, the exact identities, NaN and the sign of zero) they are the kernels'; elsewhere exp and
+log are the device library's (on CUDA libdevice's, as the kernels'), and the division is the kernels' on CUDA
+(`div`: PTX's div.full.f32) and IEEE elsewhere, within the reference's tolerance. The token -> request lookup is one
 `torch.searchsorted` over the offsets. The [T, H, D] work runs in chunks of `CHUNK_ELEMENTS` (tokens times heads
 times the head size): each operation's temporaries stay in the CPU's caches and are reused, which halves to
 quarters the time of whole-batch operations on a CPU; it changes no bit (every element's operations are its own).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -28,6 +31,40 @@ CHUNK_ELEMENTS = 1 << 19  # elements of a [C, H, D] chunk (2 MiB of f32): `pytho
 
 # ---------------------------------------------------------------------------------------------------------
 # Element math (pallas_impl/_math.py and triton_impl/_device.py, statement by statement)
+
+
+_DIV_FULL = """
+template <typename T> T div_full(T a, T b) {
+  float q;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(q) : "f"((float)a), "f"((float)b));
+  return q;
+}
+"""
+
+
+@functools.cache
+def _cuda_div_full():
+    """PTX's `div.full.f32` as a torch elementwise function (a jiterator kernel, compiled by NVRTC at its first
+    call), or None where there is no such thing (no CUDA build, ROCm, a jiterator that will not build it)."""
+    if torch.version.cuda is None or torch.version.hip is not None:
+        return None
+    try:
+        return torch.cuda.jiterator._create_jit_fn(_DIV_FULL)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def div(a, b):
+    """`a / b` as the kernels divide (docs/spec.md 5): on a CUDA device PTX's `div.full.f32`, the division of Triton
+    and of Pallas (2 ulp, not IEEE's `div.rn`, which torch's `/` is there); elsewhere IEEE division, as the
+    interpreter's numpy. `b` may be a Python float (on CUDA made a device scalar: torch multiplies by the
+    reciprocal of a host scalar)."""
+    device = a.device if torch.is_tensor(a) else b.device
+    if device.type == "cuda" and (fn := _cuda_div_full()) is not None:
+        a = a if torch.is_tensor(a) else torch.tensor(a, dtype=F32, device=device)
+        b = b if torch.is_tensor(b) else torch.tensor(b, dtype=F32, device=device)
+        return fn(a, b)
+    return a / b
 
 
 def clean_lse(x):
@@ -56,7 +93,7 @@ def two_way_weights(p, s, lse_base2: bool):
     pe = exp_base(p - m, lse_base2)
     se = exp_base(s - m, lse_base2)
     z = pe + se
-    return m, both_empty, z, pe / z, se / z
+    return m, both_empty, z, div(pe, z), div(se, z)
 
 
 def weighted(x, w):
@@ -103,10 +140,10 @@ def group_quant(x, group_size: int, ue8m0: bool):
     g = x.reshape(x.shape[0], -1, group_size)
     amax = torch.where(g == g, g.abs(), 0.0).amax(-1)  # NaN left out of the maximum
     amax = torch.where(amax > constants.GROUP_EPS, amax, torch.full_like(amax, constants.GROUP_EPS))
-    scale = amax / constants.FP8_E4M3_MAX
+    scale = div(amax, constants.FP8_E4M3_MAX)
     if ue8m0:  # rounded up to a power of two on the bits: exactly 2^ceil(log2(scale))
         scale = ((scale.view(torch.int32) + constants.UE8M0_ROUND_UP) & constants.UE8M0_EXPONENT).view(F32)
-    q = g / scale[..., None]
+    q = div(g, scale[..., None])
     q = torch.where(q < -constants.FP8_E4M3_MAX, -constants.FP8_E4M3_MAX, q)  # comparisons: NaN stays NaN
     q = torch.where(q > constants.FP8_E4M3_MAX, constants.FP8_E4M3_MAX, q)
     return q.reshape(x.shape), scale
@@ -130,7 +167,7 @@ def nvfp4_quant(x, global_scale):
     s = (amax * torch.tensor(1 / constants.FP4_E2M1_MAX, dtype=F32)) * g
     scales = rne_fp8(torch.where(s > constants.FP8_E4M3_MAX, constants.FP8_E4M3_MAX, s))
     sf = e4m3_value(scales)
-    inv = torch.where(sf == 0.0, 0.0, 1.0 / torch.where(sf == 0.0, 1.0, sf * (1.0 / g)))
+    inv = torch.where(sf == 0.0, 0.0, div(1.0, torch.where(sf == 0.0, 1.0, sf * div(1.0, g))))
     y = blocks * inv[..., None]
     y = torch.where(y < -constants.FP4_E2M1_MAX, -constants.FP4_E2M1_MAX, y)  # comparisons: NaN stays NaN
     y = torch.where(y > constants.FP4_E2M1_MAX, constants.FP4_E2M1_MAX, y)
@@ -185,7 +222,7 @@ def store(output, out, last, copy_from: int, *, rows=None, output_scale=None, gr
         output.copy_(rne_fp8(q).view(output.shape))
         output_group_scale[rows].copy_(scales)
     elif output_scale is not None:  # 4.6: scale, clamp with comparisons (NaN stays NaN), cast
-        x = out / output_scale.reshape(-1)[0]
+        x = div(out, output_scale.reshape(-1)[0])
         x = torch.where(x < -constants.FP8_E4M3_MAX, -constants.FP8_E4M3_MAX, x)
         output.copy_(rne_fp8(torch.where(x > constants.FP8_E4M3_MAX, constants.FP8_E4M3_MAX, x)))
     else:  # another output dtype: one rounding of the f32 rows
@@ -285,9 +322,9 @@ def merge_attn_states_n(output, outputs, lses, output_lse, prefill_tokens: int, 
     if output_lse is not None:
         lse = torch.where(copy_t[:, None], copied_lse(l_raw[-1], empty), merged_lse(z, m, all_empty, lse_base2))
     for i, j in chunks(num_tokens, outputs.shape[2] * outputs.shape[3]):
-        out = weighted(outputs[0, i:j], (e(0, i, j) / z[i:j])[..., None])
+        out = weighted(outputs[0, i:j], div(e(0, i, j), z[i:j])[..., None])
         for k in range(1, num_partials):  # index order
-            out.add_(weighted(outputs[k, i:j], (e(k, i, j) / z[i:j])[..., None]))
+            out.add_(weighted(outputs[k, i:j], div(e(k, i, j), z[i:j])[..., None]))
         # 8.2: where every partial is empty out is already +0 (every weight 0 / 0 = NaN, turned into 0)
         store(output, out, outputs[-1, i:j], _copy_from(prefill_tokens, i, j), rows=(i, j), **stores)
     if output_lse is not None:
@@ -302,7 +339,7 @@ def cp_rescale(scaled, merged, partial_output, lses, query_start_loc, cu_seq_len
     l_raw, e, m, all_empty, z, empty = n_way_weights(lses, query_start_loc, cu_seq_lens, num_tokens, lse_layout,
                                                      lse_base2)
     o = partial_output.to(F32)
-    out = weighted(o, (e(rank) / z)[..., None])
+    out = weighted(o, div(e(rank), z)[..., None])
     out = torch.where(all_empty[..., None], 0.0, out)
     copy_t = (torch.arange(num_tokens, device=o.device) >= prefill_tokens)[:, None, None]
     out = torch.where(copy_t, o, out) if rank == num_partials - 1 else torch.where(copy_t, -0.0, out)
