@@ -198,7 +198,14 @@ def nvfp4_quant(x, global_scale):
     f32(1/6)) * g) saturated at 448 with a comparison; inv = 1 / (f32(s) * (1 / g)), 0 where s is 0; y = clamp(x *
     inv, -6, 6) with comparisons; the magnitude code counts the thresholds |y| passes (a NaN passes none)."""
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // constants.NVFP4_BLOCK, constants.NVFP4_BLOCK)
-    g = global_scale.astype(jnp.float32)
+    codes, scales = nvfp4_blocks(blocks, global_scale.astype(jnp.float32))
+    return codes.reshape(x.shape), scales
+
+
+def nvfp4_blocks(blocks, g):
+    """`nvfp4_quant` of f32 `blocks` [..., 16], one block per row of the last axis, with the f32 global scale `g`
+    (a scalar, or one per block): (codes i32 [..., 16], block scales float8_e4m3fn [...]). The Mosaic GPU kernels
+    call it on a `[128, 16]` column slice of a tile, `g` a row."""
     amax = jnp.max(jnp.where(blocks == blocks, jnp.abs(blocks), 0.0), axis=-1)  # NaN left out of the maximum
     # (amax * f32(1/6)) * g with a factor XLA cannot fold: it reassociates a product of two broadcast scalars into
     # amax * (g * f32(1/6)), which moves bits (amax is never NaN, so the select always takes 1/6).
@@ -214,7 +221,7 @@ def nvfp4_quant(x, global_scale):
     for value, inclusive in constants.FP4_E2M1_THRESHOLDS:
         code = code + ((a >= value) if inclusive else (a > value)).astype(jnp.int32)
     sign = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(y, jnp.int32), 31)
-    return (code | (sign << 3)).reshape(x.shape), scales
+    return code | (sign << 3), scales
 
 
 def e4m3_value(v):

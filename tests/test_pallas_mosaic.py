@@ -616,7 +616,7 @@ def test_quantized_and_f32_outputs_at_long_t_give_the_triton_backends_bits(num_t
 ])
 def test_per_group_tiles_hold_whole_groups_else_xla_quantizes(dtype, head_dim, group_size, in_kernel):
     """The 2-way merge's plan for per-group FP8 (`output_plan`): tiles a multiple of G wide, their scales counted
-    in shared memory; where no such tile fits, f32 rows that XLA quantizes. NVFP4: f32 rows."""
+    in shared memory; where no such tile fits, f32 rows that XLA quantizes. NVFP4: tiles of 32 columns and more."""
     import functools
 
     from pallas_impl.mosaic import _common as mc
@@ -633,8 +633,8 @@ def test_per_group_tiles_hold_whole_groups_else_xla_quantizes(dtype, head_dim, g
         assert smem + shape["other_bytes"] <= mc.SMEM_BYTES
     else:
         assert stored == jnp.float32
-    nvfp4 = mc.output_plan(jnp.float4_e2m1fn, jnp.ones(1), (16, "nvfp4", "row"), plan)
-    assert nvfp4[0] is None and nvfp4[1] == jnp.float32
+    quant, stored, (_, dc) = mc.output_plan(jnp.float4_e2m1fn, jnp.ones(1), (16, "nvfp4", "row"), plan)
+    assert quant == (mc.NVFP4,) and stored == jnp.uint8 and dc % 32 == 0
 
 
 def _avals(jaxpr):
@@ -648,23 +648,36 @@ def _avals(jaxpr):
                     yield from _avals(inner)
 
 
+QUANTIZED_IN_KERNEL = {  # output -> (dtype, D, options, quantized in the kernel)
+    "static_fp8": (jnp.bfloat16, 128, LONG_T_OUTPUTS["static_fp8"], True),
+    "group_fp8": (jnp.bfloat16, 128, LONG_T_OUTPUTS["group_fp8"], True),
+    "nvfp4_row": (jnp.bfloat16, 128, LONG_T_OUTPUTS["nvfp4_row"], True),
+    "nvfp4_swizzled": (jnp.bfloat16, 64, LONG_T_OUTPUTS["nvfp4_swizzled"], True),
+    "nvfp4_d16": (jnp.bfloat16, 16, LONG_T_OUTPUTS["nvfp4_row"], False),  # no tile of 32 columns divides D
+    "group_fp8_g256_f32": (jnp.float32, 256, dict(group_size=256), False),  # no tile of a group fits
+}
+
+
 @needs_mosaic
 @pytest.mark.parametrize("partials", [2, 3])
-@pytest.mark.parametrize("output", ["static_fp8", "group_fp8", "nvfp4_row"])
-def test_fp8_outputs_leave_the_kernel_as_fp8(partials, output):
-    """Static and per-group FP8 are quantized in the Mosaic GPU kernels: no f32 `[T', H * D]` array anywhere in
-    the traced merge, fp8 ones instead (NVFP4 still stores f32 rows, which the test sees: it can fail)."""
-    num_tokens, heads, head_dim = 300, 4, 128
+@pytest.mark.parametrize("output", list(QUANTIZED_IN_KERNEL))
+def test_quantized_outputs_leave_the_kernel_quantized(partials, output):
+    """Static fp8, per-group FP8 and NVFP4 are quantized in the Mosaic GPU kernels: no f32 `[T', H * D]` array
+    anywhere in the traced merge, the kernel's fp8 (or packed u8) output instead; where no tile holds whole groups
+    the kernel stores f32 rows, which the test sees (it can fail)."""
+    dtype, head_dim, kw, in_kernel = QUANTIZED_IN_KERNEL[output]
+    num_tokens, heads = 300, 4
     keys = jax.random.split(jax.random.PRNGKey(0), 2)
-    outs = jax.random.normal(keys[0], (partials, num_tokens, heads, head_dim), jnp.bfloat16)
+    outs = jax.random.normal(keys[0], (partials, num_tokens, heads, head_dim), dtype)
     lses = jax.random.normal(keys[1], (partials, heads, num_tokens), jnp.float32)
-    kw = LONG_T_OUTPUTS[output]
     if partials == 2:
         fn = lambda o, s: pallas_impl.merge_attn_states(o[0], s[0], o[1], s[1], backend="mosaic_gpu", **kw)  # noqa: E731
     else:
         fn = lambda o, s: pallas_impl.merge_attn_states_n(o, s, backend="mosaic_gpu", **kw)  # noqa: E731
     avals = [a for a in _avals(jax.make_jaxpr(fn)(outs, lses).jaxpr) if hasattr(a, "shape")]
-    rows = [a for a in avals if tuple(a.shape) == (num_tokens, heads * head_dim)]
-    assert rows, "the kernel's [T', H * D] output is not in the trace"
-    f32_rows = any(a.dtype == jnp.float32 for a in rows)
-    assert f32_rows == (output == "nvfp4_row"), [a.str_short() for a in rows]
+    f32_rows = [a for a in avals if tuple(a.shape) == (num_tokens, heads * head_dim) and a.dtype == jnp.float32]
+    assert bool(f32_rows) != in_kernel, [a.str_short() for a in f32_rows]
+    nvfp4 = kw.get("out_dtype") == jnp.float4_e2m1fn
+    stored = (num_tokens, heads * head_dim // 2) if nvfp4 else (num_tokens, heads * head_dim)
+    stored_dtype = jnp.uint8 if nvfp4 else jnp.float8_e4m3fn
+    assert any(tuple(a.shape) == stored and a.dtype == stored_dtype for a in avals) == in_kernel

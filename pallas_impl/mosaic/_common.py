@@ -6,10 +6,10 @@ their sum, the weights, the weighted sum, the log (`_math.merged_lse`) — and l
 around the call, as the same operations in the same order (the jnp path's, which gives the Triton kernels' bits on
 the GPU): the fused mask's per-token emptiness from the offsets (`jnp_fallback._empty_tokens`), the pass-through
 LSE, `[T, H]` layouts (transposed), `T < 128` (padded with empty rows), heads that are not whole TMA rows (padded
-with zero columns, `head_columns`), per-group scales into the caller's layout (the kernel writes a row per group)
-and NVFP4 outputs (quantized after the kernel). Inside the kernel, per-token flag rows set the fused mask's raw LSEs
-to -inf and give pass-through rows of the output the last partial's own bits, and fp8 outputs (a static scale or
-per group) are quantized in registers and stored as fp8 with their scales. For the common call (`[H, T]` LSEs,
+with zero columns, `head_columns`) and per-group or NVFP4 scales into the caller's layout (the kernel writes a row
+per group). Inside the kernel, per-token flag rows set the fused mask's raw LSEs to -inf and give pass-through rows
+of the output the last partial's own bits, and quantized outputs (fp8 with a static scale or per group, NVFP4) are
+quantized in registers and stored quantized with their scales (`output_plan`, `quantized`). For the common call (`[H, T]` LSEs,
 T >= 128, no fused mask, no pass-through) what runs in XLA is reshapes only: no kernel but the merge.
 
 Why this split (docs/design.md, "Mosaic GPU backend"): Mosaic GPU has no masked loads or stores, its TMA copies need
@@ -145,22 +145,27 @@ def padded_heads(x, columns: int):
 
 
 def head_plan(head_dim: int, dtype, tile_bytes: int, *, out_dtype, input_tiles: int, out_slots: int,
-              other_bytes: int, group_size: int = 1, scale_bytes: int = 0) -> tuple[int, int]:
+              other_bytes: int, group_size: int = 1, scale_bytes: int = 0, nvfp4: bool = False) -> tuple[int, int]:
     """(columns of a kernel's head, columns of one TMA tile) for heads of `head_dim` elements of `dtype`:
     `head_columns`, then `column_chunk` of that width (a multiple of `group_size`: a quantization group stays in one
     tile), narrowed (halving `tile_bytes`) until the kernel's shared memory fits `SMEM_BYTES`: `input_tiles`
     `[BLOCK_T, dc]` input tiles in flight, `out_slots` output tiles of `out_dtype` (with `scale_bytes` of scales
     per group of a row each) and `other_bytes` of other scratch. (An f32 output of bf16 inputs doubles the output
-    slots: at the 2-way merge's long-T tiles it needed 258 KiB.) ValueError where no tile fits."""
+    slots: at the 2-way merge's long-T tiles it needed 258 KiB.) `nvfp4`: packed codes (half a byte a column) and
+    e4m3 block scales out, tiles a multiple of 32 columns (16-byte packed rows), and the packing's scratch
+    (`pack_fp4`: an f16 code tile and the `[dc, dc / 2]` packing matrix). ValueError where no tile fits."""
     itemsize = jnp.dtype(dtype).itemsize
     out_itemsize = jnp.dtype(out_dtype).itemsize
     cols = head_columns(head_dim, itemsize, out_itemsize)
-    multiple = math.lcm(group_size, 16 // math.gcd(16, out_itemsize))
+    multiple = 2 * NVFP4_BLOCK if nvfp4 else math.lcm(group_size, 16 // math.gcd(16, out_itemsize))
     dc = column_chunk(cols, itemsize, tile_bytes, multiple)
 
     def smem(dc):
-        out_tile = dc * out_itemsize + dc // group_size * scale_bytes
-        return BLOCK_T * (dc * input_tiles * itemsize + out_slots * out_tile) + other_bytes
+        if nvfp4:
+            out_tile, packing = dc // 2 + dc // NVFP4_BLOCK, BLOCK_T * dc * 2 + dc * dc
+        else:
+            out_tile, packing = dc * out_itemsize + dc // group_size * scale_bytes, 0
+        return BLOCK_T * (dc * input_tiles * itemsize + out_slots * out_tile) + packing + other_bytes
 
     while smem(dc) > SMEM_BYTES:
         tile_bytes //= 2
@@ -245,53 +250,121 @@ def padded_rows(x, num_tokens: int, fill, axis: int = -2):
 
 FP8 = jnp.float8_e4m3fn
 STATIC = "static"  # `output_plan`: an fp8 output with a static scale (docs/spec.md 4.6)
+NVFP4 = _math.NVFP4  # `output_plan`: NVFP4 (4.8)
+NVFP4_BLOCK = 16
 
 
 def output_plan(out_dtype, output_scale, group, plan):
     """(quant, stored dtype, (cols, dc)) of a merge kernel: what it quantizes in its registers (docs/spec.md 4.6,
-    4.7): None (it stores the output dtype), (STATIC,), or (group size, UE8M0) of per-group FP8, with its head plan
-    (`plan(out_dtype=..., group_size=..., scale_bytes=...)`, `head_plan` of the kernel's tiles). NVFP4 (4.8), and
-    a per-group FP8 group wider than any tile that fits shared memory, store f32 rows that XLA quantizes after the
-    kernel (`finish`)."""
+    4.7, 4.8): None (it stores the output dtype), (STATIC,), (group size, UE8M0) of per-group FP8, or (NVFP4,)
+    (packed codes, u8), with its head plan (`plan(out_dtype=..., group_size=..., scale_bytes=..., nvfp4=...)`,
+    `head_plan` of the kernel's tiles). Where no tile holding whole groups fits shared memory (a group of 256 f32
+    columns; NVFP4 heads not a multiple of 32 columns), the kernel stores f32 rows that XLA quantizes after it
+    (`finish`)."""
     if group is None:
         return ((STATIC,) if output_scale is not None else None), out_dtype, plan(out_dtype=out_dtype)
-    if not _math.is_nvfp4(group):
-        try:
-            return tuple(group[:2]), out_dtype, plan(out_dtype=out_dtype, group_size=group[0], scale_bytes=4)
-        except ValueError:
-            pass
-    return None, jnp.float32, plan(out_dtype=jnp.float32)
+    try:
+        if _math.is_nvfp4(group):
+            return (NVFP4,), jnp.uint8, plan(out_dtype=jnp.uint8, nvfp4=True)
+        return tuple(group[:2]), out_dtype, plan(out_dtype=out_dtype, group_size=group[0], scale_bytes=4)
+    except ValueError:
+        return None, jnp.float32, plan(out_dtype=jnp.float32)
 
 
 def grouped(quant) -> bool:
-    """Whether `quant` (`output_plan`) is per-group FP8: the kernel writes scales too."""
+    """Whether `quant` (`output_plan`) writes scales: per-group FP8 or NVFP4."""
     return quant is not None and quant[0] != STATIC
 
 
+def block_of(quant) -> int:
+    """Columns per scale of a `grouped` quant."""
+    return NVFP4_BLOCK if quant[0] == NVFP4 else quant[0]
+
+
 def scale_row(output_scale):
-    """A static fp8 scale f32[1] as the f32[BLOCK_T] row a kernel reads per tile (`strided_row`)."""
+    """A static fp8 scale (or NVFP4's global scale) f32[1] as the f32[BLOCK_T] row a kernel reads per tile
+    (`strided_row`)."""
     return jnp.broadcast_to(output_scale.reshape(-1)[:1].astype(jnp.float32), (BLOCK_T,))
 
 
 def scales_struct(num_tokens: int, num_heads: int, cols: int, quant, *args):
-    """The per-group scales a kernel writes: f32[H * D / G, T''] (a row per group, T'' the padded tokens rounded up
-    to 4: a TMA row of whole 16 bytes), rearranged into the caller's layout by `finish`."""
-    return _sharding.out_struct((num_heads * cols // quant[0], -(-num_tokens // 4) * 4), jnp.float32, *args)
+    """The scales a kernel writes (`grouped` quant): a row per group or NVFP4 block, f32 (per-group FP8) or e4m3
+    (NVFP4) `[H * D / G, T'']`, T'' the padded tokens rounded up to whole 16-byte TMA rows; `finish` rearranges them
+    into the caller's layout."""
+    dtype = FP8 if quant[0] == NVFP4 else jnp.float32
+    align = 16 // jnp.dtype(dtype).itemsize
+    return _sharding.out_struct((num_heads * cols // block_of(quant), -(-num_tokens // align) * align), dtype, *args)
 
 
-def quantized(result, quant, scale):
-    """The f32 tile `result` `[BLOCK_T, dc]` quantized in registers (`output_plan`): (fp8 tile, [f32[BLOCK_T] scale
-    of each group] or None). Static: `_math.static_fp8` by the broadcast `scale` tile; per group: `_math.quant_groups`
-    of each `[BLOCK_T, G]` column slice (a group never spans tiles: `head_plan`)."""
+def out_struct(num_tokens: int, num_heads: int, cols: int, quant, stored_dtype, *args):
+    """The output a merge kernel writes: `[T', H * D]` of the stored dtype, NVFP4's packed codes `[T', H * D / 2]`."""
+    width = num_heads * cols // (2 if quant == (NVFP4,) else 1)
+    return _sharding.out_struct((num_tokens, width), stored_dtype, *args)
+
+
+def packing_matrix(dc: int):
+    """f16[dc, dc / 2]: codes `[128, dc]` times it are `c[2j] + 16 c[2j + 1]` in column j (exact: at most 255),
+    the byte of two e2m1 codes (`_math.pack_fp4`'s order) by one WGMMA (`quantized`)."""
+    j = jnp.arange(dc // 2)
+    m = jnp.zeros((dc, dc // 2), jnp.float16)
+    return m.at[2 * j, j].set(1).at[2 * j + 1, j].set(16)
+
+
+def load_packing(p_g, p_smem, barrier) -> None:
+    """The packing matrix into shared memory, once per CTA (before its pipeline)."""
+    m = plgpu()
+    m.copy_gmem_to_smem(p_g, p_smem, barrier.at[0])
+    m.barrier_wait(barrier.at[0])
+
+
+def quantized(result, quant, scale, pack=None):
+    """The f32 tile `result` `[BLOCK_T, dc]` quantized in registers (`output_plan`): (tile, [scale row of each
+    group] or None). Static: `_math.static_fp8` by the broadcast `scale` tile (fp8); per group: `_math.quant_groups`
+    of each `[BLOCK_T, G]` column slice (a group never spans tiles: `head_plan`), fp8, f32 scales; NVFP4:
+    `_math.nvfp4_blocks` of each 16-column slice with the global scale `scale` (a row), e4m3 scales, the codes
+    packed two a byte (u8 `[BLOCK_T, dc / 2]`) by a WGMMA of the f16 codes by the packing matrix (`pack`: (the
+    code tile's and the matrix's shared memory); Mosaic GPU's register arrays have no operation that pairs
+    columns)."""
     if quant[0] == STATIC:
         return _math.static_fp8(result, scale).astype(FP8), None
-    g, ue8m0 = quant
+    g = block_of(quant)
     qs, scales = [], []
     for k in range(result.shape[1] // g):
-        q, sc = _math.quant_groups(result[:, k * g:(k + 1) * g], ue8m0)
-        qs.append(q.astype(FP8))
+        block = result[:, k * g:(k + 1) * g]
+        if quant[0] == NVFP4:
+            q, sc = _math.nvfp4_blocks(block, scale)
+        else:
+            q, sc = _math.quant_groups(block, quant[1])
+            q = q.astype(FP8)
+        qs.append(q)
         scales.append(sc)
-    return (jnp.concatenate(qs, axis=1) if len(qs) > 1 else qs[0]), scales
+    q = jnp.concatenate(qs, axis=1) if len(qs) > 1 else qs[0]
+    if quant[0] != NVFP4:
+        return q, scales
+    m = plgpu()
+    codes_smem, matrix_smem = pack
+    codes_smem[...] = q.astype(jnp.float16)  # 0..15: exact
+    m.commit_smem()
+
+    def product(acc):
+        m.wgmma(acc, codes_smem, matrix_smem)
+        return acc[...]
+
+    packed = pl.run_scoped(product, m.ACC((BLOCK_T, q.shape[1] // 2), jnp.float32))
+    return packed.astype(jnp.int32).astype(jnp.uint8), scales
+
+
+def quant_scratch(quant, stores: int, dc: int) -> list:
+    """The shared memory a `grouped` quant adds to a merge kernel: the scale slots (`store_tile`), and for NVFP4
+    the packing's code tile, matrix and barrier (`quantized`, `load_packing`)."""
+    if not grouped(quant):
+        return []
+    m = plgpu()
+    dtype = FP8 if quant[0] == NVFP4 else jnp.float32
+    scratch = [m.SMEM((stores, dc // block_of(quant), BLOCK_T), dtype)]
+    if quant[0] == NVFP4:
+        scratch += [m.SMEM((BLOCK_T, dc), jnp.float16), m.SMEM((dc, dc // 2), jnp.float16), m.Barrier(num_barriers=1)]
+    return scratch
 
 
 def stored(out, last, copy, dtype):
@@ -317,7 +390,8 @@ def finish(results, shape, copy_t, last_output, last_lse, output_scale, *, out_d
     num_tokens, num_heads, head_dim = shape
     results = list(results)
     out = results.pop(0)[:num_tokens]
-    out = out.reshape(num_tokens, num_heads, out.shape[1] // num_heads)[..., :head_dim]  # padded heads cut
+    width = head_dim // 2 if out.dtype == jnp.uint8 else head_dim  # NVFP4: two codes a byte
+    out = out.reshape(num_tokens, num_heads, out.shape[1] // num_heads)[..., :width]  # padded heads cut
     scales = None
     if group is not None and out.dtype == jnp.float32:  # f32 rows (`output_plan`); NVFP4's global scale (4.8)
         out, scales = jnp_fallback._stored_grouped(out, group, last_output, copy_t, output_scale)

@@ -42,14 +42,19 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
     nc = head_dim // dc
     nsplit = pl.cdiv(pl.cdiv(num_tokens, bt), steps)
     L = plgpu.Layout.WGMMA
-    static, grouped = quant == (mc.STATIC,), mc.grouped(quant)
+    static, grouped, nvfp4 = quant == (mc.STATIC,), mc.grouped(quant), quant == (mc.NVFP4,)
+    scaled = static or nvfp4  # a scale row in: the static fp8 scale, NVFP4's global scale
 
     def body(a_g, b_g, p_g, s_g, *rest):
         # e_g: f32[T'], 1 on the fused mask's tokens; c_g: f32[T'], 1 where t copies the suffix; q_g: f32[128],
-        # the static fp8 scale; g_g: the per-group scales, a row per group
-        e_g, c_g, q_g, o_g, g_g, lo_g, *rest = mc.optional_refs(rest, empty_rows, copy_rows, static, True, grouped,
-                                                                output_lse)
-        w_smem, o_scr, *g_scr = rest  # rows of w_smem: wp, ws, both-empty flag, copy flag, static scale
+        # the static fp8 scale or NVFP4's global scale; m_g: NVFP4's packing matrix; g_g: the scales, a row per
+        # group
+        e_g, c_g, q_g, m_g, o_g, g_g, lo_g, *rest = mc.optional_refs(rest, empty_rows, copy_rows, scaled, nvfp4,
+                                                                     True, grouped, output_lse)
+        # rows of w_smem: wp, ws, both-empty flag, copy flag, static or global scale
+        w_smem, o_scr, *q_scr = rest
+        if nvfp4:
+            mc.load_packing(m_g, q_scr[2], q_scr[3])
         hc = lax.axis_index("hc")
         sp = lax.axis_index("s")
         h = hc // nc
@@ -80,7 +85,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             w_smem[2] = jnp.where(both_empty, 1.0, 0.0)
             if copy_rows:
                 w_smem[3] = carry[2]
-            if static:
+            if scaled:
                 w_smem[4] = mc.strided_row(q_g, 0)
             if output_lse:
                 @pl.when(hc % nc == 0)
@@ -98,10 +103,13 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             # 4.4: the suffix's bits (its value rounded once, for another output dtype; quantized as a merged row)
             result = mc.stored(out, b, row(3) > 0 if copy_rows else None, F32 if quant else o_scr.dtype)
             scales = None
-            if quant:  # 4.6, 4.7
-                result, scales = mc.quantized(result, quant, row(4) if static else None)
-            mc.store_tile(result, o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * dc, dc)], i, scales, *g_scr,
-                          *([g_g.at[pl.ds(hc * (dc // quant[0]), dc // quant[0]), pl.ds(t0, bt)]] if grouped else []))
+            if quant:  # 4.6, 4.7, 4.8
+                scale = (row(4) if static else mc.load(w_smem.at[4], L.reduce(1))) if scaled else None
+                result, scales = mc.quantized(result, quant, scale, q_scr[1:3])
+            width = dc // 2 if nvfp4 else dc
+            ng = dc // mc.block_of(quant) if grouped else 0
+            mc.store_tile(result, o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * width, width)], i, scales, *q_scr[:1],
+                          *([g_g.at[pl.ds(hc * ng, ng), pl.ds(t0, bt)]] if grouped else []))
             return following
 
         tile = plgpu.BlockSpec((pl.Element(bt), dc), lambda i: (mc.tile_start(sp, i, num_tokens, steps), hc))
@@ -109,9 +117,9 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
                             init_carry=rows(0))(a_g, b_g)
         plgpu.wait_smem_to_gmem(0)
 
-    scratch = [plgpu.SMEM((5, bt), F32), plgpu.SMEM((tune["stores"], bt, dc), out_type[0].dtype)]
-    if grouped:
-        scratch.append(plgpu.SMEM((tune["stores"], dc // quant[0], bt), F32))
+    scratch = [plgpu.SMEM((5, bt), F32), plgpu.SMEM((tune["stores"], bt, dc // 2 if nvfp4 else dc),
+                                                   out_type[0].dtype)]
+    scratch += mc.quant_scratch(quant, tune["stores"], dc)
     return mc.kernel(body, out_type=tuple(out_type), grid=(num_heads * nc, nsplit), grid_names=("hc", "s"),
                      scratch_types=scratch, interpret=interpret)
 
@@ -142,9 +150,11 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
         args.append(mc.flag_rows(empty))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
-    if quant == (mc.STATIC,):
+    if quant in ((mc.STATIC,), (mc.NVFP4,)):
         args.append(mc.scale_row(output_scale))
-    out_type = [_sharding.out_struct((tp, num_heads * cols), stored_dtype, *args)]
+    if quant == (mc.NVFP4,):
+        args.append(mc.packing_matrix(dc))
+    out_type = [mc.out_struct(tp, num_heads, cols, quant, stored_dtype, *args)]
     if mc.grouped(quant):
         out_type.append(mc.scales_struct(tp, num_heads, cols, quant, *args))
     if return_lse:

@@ -49,16 +49,20 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     # blocks of WEIGHT_ROWS, each computed at its first partial from m and z (rows + 1, rows + 2).
     rows = min(num_partials, mc.WEIGHT_ROWS)
     blocks = num_partials > rows
-    static, grouped = quant == (mc.STATIC,), mc.grouped(quant)
-    scale_at = rows + (3 if blocks else 1)  # the row of w_smem holding the static fp8 scale
+    static, grouped, nvfp4 = quant == (mc.STATIC,), mc.grouped(quant), quant == (mc.NVFP4,)
+    scaled = static or nvfp4  # a scale row in: the static fp8 scale, NVFP4's global scale
+    scale_at = rows + (3 if blocks else 1)  # the row of w_smem holding that scale
 
     def body(x_g, l_g, *rest):  # x_g: the partials; l_g: f32[N * H * T'] raw LSE rows ((k * H + h) * T' + t)
         # e_g: f32[N * T'], 1 on the fused mask's tokens; c_g: f32[T'], 1 where t copies the last partial; q_g:
-        # f32[128], the static fp8 scale; g_g: the per-group scales, a row per group
-        e_g, c_g, q_g, o_g, g_g, lo_g, *rest = mc.optional_refs(rest, empty_rows, copy_rows, static, True, grouped,
-                                                                output_lse)
-        # rows of w_smem: the weights, the all-empty flag (, m, z with blocks) (, the static scale)
-        w_smem, row_smem, o_scr, *g_scr = rest
+        # f32[128], the static fp8 scale or NVFP4's global scale; m_g: NVFP4's packing matrix; g_g: the scales, a
+        # row per group
+        e_g, c_g, q_g, m_g, o_g, g_g, lo_g, *rest = mc.optional_refs(rest, empty_rows, copy_rows, scaled, nvfp4,
+                                                                     True, grouped, output_lse)
+        # rows of w_smem: the weights, the all-empty flag (, m, z with blocks) (, the static or global scale)
+        w_smem, row_smem, o_scr, *q_scr = rest
+        if nvfp4:
+            mc.load_packing(m_g, q_scr[2], q_scr[3])
         hc = lax.axis_index("hc")
         sp = lax.axis_index("s")
         h = hc // nc
@@ -86,7 +90,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                     for k in range(num_partials):
                         w_smem[k] = e[k] / z
                 w_smem[rows] = jnp.where(all_empty, 1.0, 0.0)
-                if static:
+                if scaled:
                     w_smem[scale_at] = mc.strided_row(q_g, 0)
                 if output_lse:
                     @pl.when(hc % nc == 0)
@@ -117,12 +121,14 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                     copy = jnp.broadcast_to((mc.load_row(c_g, t0, row_smem) > 0)[:, None], (bt, dc))
                 result = mc.stored(out, x, copy, F32 if quant else o_scr.dtype)
                 scales = None
-                if quant:  # 4.6, 4.7
-                    scale = jnp.broadcast_to(mc.load(w_smem.at[scale_at], L.reduce(1))[:, None], (bt, dc))
-                    result, scales = mc.quantized(result, quant, scale if static else None)
-                ng = dc // quant[0] if grouped else 0
-                mc.store_tile(result, o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * dc, dc)], i, scales, *g_scr,
-                              *([g_g.at[pl.ds(hc * ng, ng), pl.ds(t0, bt)]] if grouped else []))
+                if quant:  # 4.6, 4.7, 4.8
+                    scale = mc.load(w_smem.at[scale_at], L.reduce(1)) if scaled else None
+                    scale = jnp.broadcast_to(scale[:, None], (bt, dc)) if static else scale
+                    result, scales = mc.quantized(result, quant, scale, q_scr[1:3])
+                width = dc // 2 if nvfp4 else dc
+                ng = dc // mc.block_of(quant) if grouped else 0
+                mc.store_tile(result, o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * width, width)], i, scales,
+                              *q_scr[:1], *([g_g.at[pl.ds(hc * ng, ng), pl.ds(t0, bt)]] if grouped else []))
 
             return acc
 
@@ -134,9 +140,8 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [plgpu.SMEM((scale_at + 1, bt), F32), plgpu.SMEM((bt,), F32),
-               plgpu.SMEM((tune["stores"], bt, dc), out_type[0].dtype)]
-    if grouped:
-        scratch.append(plgpu.SMEM((tune["stores"], dc // quant[0], bt), F32))
+               plgpu.SMEM((tune["stores"], bt, dc // 2 if nvfp4 else dc), out_type[0].dtype)]
+    scratch += mc.quant_scratch(quant, tune["stores"], dc)
     return mc.kernel(body, out_type=tuple(out_type), grid=(num_heads * nc, nsplit), grid_names=("hc", "s"),
                         scratch_types=scratch, interpret=interpret)
 
@@ -167,9 +172,11 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
         args.append(mc.flag_rows(empties))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
-    if quant == (mc.STATIC,):
+    if quant in ((mc.STATIC,), (mc.NVFP4,)):
         args.append(mc.scale_row(output_scale))
-    out_type = [_sharding.out_struct((tp, num_heads * cols), stored_dtype, *args)]
+    if quant == (mc.NVFP4,):
+        args.append(mc.packing_matrix(dc))
+    out_type = [mc.out_struct(tp, num_heads, cols, quant, stored_dtype, *args)]
     if mc.grouped(quant):
         out_type.append(mc.scales_struct(tp, num_heads, cols, quant, *args))
     if return_lse:
