@@ -670,10 +670,10 @@ def test_quantized_outputs_leave_the_kernel_quantized(partials, output):
     keys = jax.random.split(jax.random.PRNGKey(0), 2)
     outs = jax.random.normal(keys[0], (partials, num_tokens, heads, head_dim), dtype)
     lses = jax.random.normal(keys[1], (partials, heads, num_tokens), jnp.float32)
-    if partials == 2:
-        fn = lambda o, s: pallas_impl.merge_attn_states(o[0], s[0], o[1], s[1], backend="mosaic_gpu", **kw)  # noqa: E731
-    else:
-        fn = lambda o, s: pallas_impl.merge_attn_states_n(o, s, backend="mosaic_gpu", **kw)  # noqa: E731
+    def fn(o, s):
+        if partials == 2:
+            return pallas_impl.merge_attn_states(o[0], s[0], o[1], s[1], backend="mosaic_gpu", **kw)
+        return pallas_impl.merge_attn_states_n(o, s, backend="mosaic_gpu", **kw)
     avals = [a for a in _avals(jax.make_jaxpr(fn)(outs, lses).jaxpr) if hasattr(a, "shape")]
     f32_rows = [a for a in avals if tuple(a.shape) == (num_tokens, heads * head_dim) and a.dtype == jnp.float32]
     assert bool(f32_rows) != in_kernel, [a.str_short() for a in f32_rows]

@@ -9,8 +9,9 @@ LSE, `[T, H]` layouts (transposed), `T < 128` (padded with empty rows), heads th
 with zero columns, `head_columns`) and per-group or NVFP4 scales into the caller's layout (the kernel writes a row
 per group). Inside the kernel, per-token flag rows set the fused mask's raw LSEs to -inf and give pass-through rows
 of the output the last partial's own bits, and quantized outputs (fp8 with a static scale or per group, NVFP4) are
-quantized in registers and stored quantized with their scales (`output_plan`, `quantized`). For the common call (`[H, T]` LSEs,
-T >= 128, no fused mask, no pass-through) what runs in XLA is reshapes only: no kernel but the merge.
+quantized in registers and stored quantized with their scales (`output_plan`, `quantized`). For the common call
+(`[H, T]` LSEs, T >= 128, no fused mask, no pass-through) what runs in XLA is reshapes only: no kernel but the
+merge.
 
 Why this split (docs/design.md, "Mosaic GPU backend"): Mosaic GPU has no masked loads or stores, its TMA copies need
 16-byte aligned rows (an `[H, T]` LSE row at an odd T is not), its Warpgroup layout inference needs tiles of
@@ -380,13 +381,13 @@ def stored(out, last, copy, dtype):
 
 def finish(results, shape, copy_t, last_output, last_lse, output_scale, *, out_dtype, return_lse: bool,
            lse_layout: str, pass_through: bool, group=None):
-    """XLA after a merge kernel (docs/spec.md 4.4, 4.7, 4.8, 8.4): the `[T, H, D]` output (NVFP4, or a group wider
-    than a tile, `output_plan`: the kernel's f32 rows, the last partial's rows copied, quantized, with
-    `output_scale` NVFP4's global scale; per-group FP8 quantized in the kernel: its scales `[H * D / G, T'']` in the caller's layout), and the merged LSE (the kernel writes it in the
-    caller's base; with `pass_through`, the rows of `copy_t` take `last_lse`'s `[H, T]` bits), in the caller's
-    layout. `results`: the kernel's padded `[T', H * D]` output (then its scales, then its `[H * T']` LSE), its
-    heads of `head_columns`; for T >= BLOCK_T, an `[H, T]` LSE, whole heads and no pass-through these are reshapes
-    only."""
+    """XLA after a merge kernel (docs/spec.md 4.4, 4.7, 4.8, 8.4): the `[T, H, D]` output (quantized in the kernel:
+    its scales `[H * D / G, T'']` in the caller's layout; a group wider than any tile, `output_plan`: the kernel's
+    f32 rows, the last partial's rows copied, quantized, with `output_scale` NVFP4's global scale), and the merged
+    LSE (the kernel writes it in the caller's base; with `pass_through`, the rows of `copy_t` take `last_lse`'s
+    `[H, T]` bits), in the caller's layout. `results`: the kernel's padded `[T', H * D]` output (NVFP4: `[T', H * D
+    / 2]`; then its scales, then its `[H * T']` LSE), its heads of `head_columns`; for T >= BLOCK_T, an `[H, T]`
+    LSE, whole heads and no pass-through these are reshapes only."""
     num_tokens, num_heads, head_dim = shape
     results = list(results)
     out = results.pop(0)[:num_tokens]

@@ -34,8 +34,8 @@ F32 = jnp.float32
 
 def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *, output_lse: bool,
             empty_rows: bool, copy_rows: bool, lse_base2: bool, quant, interpret: bool):
-    """The merge of padded `[T', H * D]` prefix and suffix (T' >= 128) with raw `[H * T']` LSE rows; fp8 quantized
-    in registers (`quant`: `mc.output_plan`)."""
+    """The merge of padded `[T', H * D]` prefix and suffix (T' >= 128) with raw `[H * T']` LSE rows; quantized outputs
+    quantized in registers (`quant`: `mc.output_plan`)."""
     plgpu = mc.plgpu()
     tune = mc.merge_tuning(num_tokens)
     bt, steps = mc.BLOCK_T, tune["steps"]

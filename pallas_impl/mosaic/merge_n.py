@@ -36,8 +36,8 @@ F32 = jnp.float32
 
 def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *,
             output_lse: bool, empty_rows: bool, copy_rows: bool, lse_base2: bool, quant, interpret: bool):
-    """The merge kernel over stacked partials `[N, T', H * D]`, T' >= 128 (padded); fp8 quantized in registers
-    (`quant`: `mc.output_plan`)."""
+    """The merge kernel over stacked partials `[N, T', H * D]`, T' >= 128 (padded); quantized outputs
+    quantized in registers (`quant`: `mc.output_plan`)."""
     plgpu = mc.plgpu()
     tune = mc.TUNING["merge_n"]
     bt, steps = mc.BLOCK_T, tune["steps"]
