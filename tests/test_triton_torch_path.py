@@ -59,9 +59,10 @@ def bits(x):
 
 
 def _pair(op, case, impl):
+    runtime = impls.make_runtime()
     inputs = cases.make_inputs_n(case) if case.n_way else cases.make_inputs(case)
-    arrays = {k: bridge.to_torch(v) if isinstance(v, np.ndarray) else v for k, v in inputs.items()}
-    return impls.run(impls.make_runtime(), impl, op, case, arrays)
+    arrays = {k: bridge.to_torch(v, runtime.device) if isinstance(v, np.ndarray) else v for k, v in inputs.items()}
+    return impls.run(runtime, impl, op, case, arrays)
 
 
 @pytest.mark.parametrize("name", ["upstream_vector", "specials_th", "padded_v_ptwc", "base2_specials"])
@@ -70,6 +71,22 @@ def test_the_mask_is_the_interpreters_bits(name):
     got, want = _pair("mask", case, "torch"), _pair("mask", case, "triton")
     for key in ("lse", "output_buffer"):
         assert np.array_equal(bits(got[key]), bits(want[key])), key
+
+
+MERGES = [pytest.param(case, op, id=f"{case.name}-{op}") for case in cases.select("ci", kind="all")
+          for op in impls.ops_of(case) if op.startswith("merge")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, op", MERGES)
+def test_on_cuda_the_merges_are_the_compiled_kernels_bits(case, op):
+    """On a CUDA GPU the torch path divides as the kernels do (`torch_fallback.div`: div.full.f32) and takes
+    CUDA's exp and log where the kernels take libdevice's: every output bit of the ci cases' merges the
+    compiled Triton kernels'."""
+    got, want = _pair(op, case, "torch"), _pair(op, case, "triton")
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert np.array_equal(bits(got[key]), bits(value)), key
 
 
 def test_an_fp8_quotient_rounding_to_minus_zero_stores_0x80_in_both():
