@@ -22,9 +22,9 @@
 #                 VERIFY_MOSAIC=1 on Mosaic GPU too), the N-way merge at large N (wide-n speed; with
 #                 VERIFY_KERNELS=1 each kernel of the split fused merge), the GPU tests of the N-way merge and the
 #                 loop (GPU_TESTS): check*.json check*.log wide_n_speed.* kernels_* pytest.log
-#   fp8           per-group FP8 and NVFP4: their GPU tests, the full check's group cases on both Pallas backends,
-#                 the fused merges' speed (group-fp8-speed): pytest.log check_group*.json group_fp8_speed.*
-#                 nvfp4_speed.*
+#   fp8           per-group FP8 and NVFP4: their GPU tests (and the torch path's and Mosaic GPU's long-T ones), the
+#                 full check's quantized cases on both Pallas backends, the fused merges' speed (group-fp8-speed;
+#                 Mosaic GPU's too): pytest.log check_*.json group_fp8_speed.* nvfp4_speed.* *_mosaic.json
 #   verify_tests  the GPU tests (`pytest -m gpu -v -rf`: a timeout still names what ran and failed), then the
 #                 first-call compile times (wide-n compile): pytest.log wide_n_compile.*
 #   all           tests, bench, then more
@@ -167,7 +167,9 @@ if [ "$PLAN" = fp8 ]; then
     # swizzled NVFP4 scales), the per-group and NVFP4 records of the full check on both Pallas backends (Triton,
     # Mosaic GPU; NVFP4 swizzled against row), its GPU-only T = 32K cases of every quantized output on both, then
     # the fused merges beside bf16 and merge + separate quantizer (NVFP4 at T = 32K only: the time left).
-    step pytest 120 400 "$OUT/pytest.log" "$PY" -m pytest -v -rfs -m gpu tests/test_group_fp8.py tests/test_nvfp4.py
+    step pytest 130 400 "$OUT/pytest.log" "$PY" -m pytest -v -rfs -m gpu tests/test_group_fp8.py tests/test_nvfp4.py \
+        tests/test_pallas_mosaic.py::test_quantized_and_f32_outputs_at_long_t_give_the_triton_backends_bits \
+        tests/test_triton_torch_path.py
     step check 100 350 "$OUT/check.log" "$PY" -m parity check --suite full -k group --json "$OUT/check_group.json"
     step check_mosaic 80 290 "$OUT/check_mosaic.log" "$PY" -m parity check --suite full -k group \
         --pallas-backend mosaic_gpu --json "$OUT/check_group_mosaic.json"
@@ -179,10 +181,14 @@ if [ "$PLAN" = fp8 ]; then
         step "check_t32k_$backend" 90 200 "$OUT/check_t32k_$backend.log" "$PY" -m parity check --suite full \
             -k t32k --pallas-backend $backend --json "$OUT/check_t32k_$backend.json"
     done
-    step group_fp8_speed 190 100 "$OUT/group_fp8_speed.log" "$PY" -m tools.group_fp8_speed \
+    step group_fp8_speed 150 140 "$OUT/group_fp8_speed.log" "$PY" -m tools.group_fp8_speed \
         --json "$OUT/group_fp8_speed.json"
-    step nvfp4_speed 100 0 "$OUT/nvfp4_speed.log" "$PY" -m tools.group_fp8_speed --format nvfp4 --tokens 32768 \
+    step nvfp4_speed 70 70 "$OUT/nvfp4_speed.log" "$PY" -m tools.group_fp8_speed --format nvfp4 --tokens 32768 \
         --json "$OUT/nvfp4_speed.json"
+    # Mosaic GPU's quantized merges (quantized in its kernels since 2026-12-07) at T = 32K, beside the rows above
+    step mosaic_speed 70 0 "$OUT/mosaic_quant_speed.log" env PALLAS_IMPL_BACKEND=mosaic_gpu bash -c \
+        "$PY -m tools.group_fp8_speed --tokens 32768 --frameworks pallas --json $OUT/group_fp8_mosaic.json && \
+         $PY -m tools.group_fp8_speed --format nvfp4 --tokens 32768 --frameworks pallas --json $OUT/nvfp4_mosaic.json"
 fi
 if [ "$PLAN" = verify_tests ]; then
     # shellcheck disable=SC2086
