@@ -117,8 +117,8 @@ ODD_HEAD_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in (
 
 
 # Every case group above: the ci cases; N > 64 (the weights in blocks of 64, runtime loops over the partials), f32 /
-# f16 / bf16 outputs from other partial dtypes (one rounding at the store) and per-group FP8 (the kernel's f32 rows
-# quantized after it); heads of any width.
+# f16 / bf16 outputs from other partial dtypes (one rounding at the store) and per-group FP8 (quantized in the
+# kernel since 2026-12-07); heads of any width.
 MOSAIC_OPS = CI_OPS + WIDER_OPS + ODD_HEAD_OPS
 
 
@@ -541,7 +541,7 @@ def _smem(dc, itemsize, out_itemsize, input_tiles, out_slots, other):
 def test_every_merge_tile_fits_shared_memory(dtype, out_dtype, head_dim):
     """`head_plan` narrows a kernel's tile until its shared memory fits (fp8: tiles of 16-byte rows): the 2-way
     merge at its short and long tiles, the N-way merge at N = 2 and past WEIGHT_ROWS, the CP rescale. Before 2026-12-07 the 2-way merge's
-    long-T tiles with an f32 output of bf16 partials (every quantized output: f32 rows) asked for 258 KiB and
+    long-T tiles with an f32 output of bf16 partials (every quantized output then: f32 rows) asked for 258 KiB and
     failed to compile at T >= 32K."""
     from pallas_impl.mosaic import _common as mc
 
