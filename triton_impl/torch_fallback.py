@@ -45,24 +45,21 @@ template <typename T> T div_full(T a, T b) {
 @functools.cache
 def _cuda_div_full():
     """PTX's `div.full.f32` as a torch elementwise function (a jiterator kernel, compiled by NVRTC at its first
-    call), or None where there is no such thing (no CUDA build, ROCm, a jiterator that will not build it)."""
+    call), or None without one (no CUDA build, ROCm)."""
     if torch.version.cuda is None or torch.version.hip is not None:
         return None
-    try:
-        return torch.cuda.jiterator._create_jit_fn(_DIV_FULL)
-    except (AttributeError, RuntimeError):
-        return None
+    return torch.cuda.jiterator._create_jit_fn(_DIV_FULL)
 
 
 def div(a, b):
     """`a / b` as the kernels divide (docs/spec.md 5): on a CUDA device PTX's `div.full.f32`, the division of Triton
     and of Pallas (2 ulp, not IEEE's `div.rn`, which torch's `/` is there); elsewhere IEEE division, as the
-    interpreter's numpy. `b` may be a Python float (on CUDA made a device scalar: torch multiplies by the
-    reciprocal of a host scalar)."""
-    device = a.device if torch.is_tensor(a) else b.device
-    if device.type == "cuda" and (fn := _cuda_div_full()) is not None:
-        a = a if torch.is_tensor(a) else torch.tensor(a, dtype=F32, device=device)
-        b = b if torch.is_tensor(b) else torch.tensor(b, dtype=F32, device=device)
+    interpreter's numpy. `b` may be a Python float (on CUDA filled into a device scalar, no host copy: torch
+    multiplies by the reciprocal of a host scalar)."""
+    t = a if torch.is_tensor(a) else b
+    if t.device.type == "cuda" and (fn := _cuda_div_full()) is not None:
+        a = a if torch.is_tensor(a) else t.new_full((), a, dtype=F32)
+        b = b if torch.is_tensor(b) else t.new_full((), b, dtype=F32)
         return fn(a, b)
     return a / b
 

@@ -320,14 +320,14 @@ def load_packing(p_g, p_smem, barrier) -> None:
 
 def quantized(result, quant, scale, pack=None):
     """The f32 tile `result` `[BLOCK_T, dc]` quantized in registers (`output_plan`): (tile, [scale row of each
-    group] or None). Static: `_math.static_fp8` by the broadcast `scale` tile (fp8); per group: `_math.quant_groups`
+    group] or None). Static: `_math.static_fp8` by the scale row `scale`, broadcast (fp8); per group: `_math.quant_groups`
     of each `[BLOCK_T, G]` column slice (a group never spans tiles: `head_plan`), fp8, f32 scales; NVFP4:
     `_math.nvfp4_blocks` of each 16-column slice with the global scale `scale` (a row), e4m3 scales, the codes
     packed two a byte (u8 `[BLOCK_T, dc / 2]`) by a WGMMA of the f16 codes by the packing matrix (`pack`: (the
     code tile's and the matrix's shared memory); Mosaic GPU's register arrays have no operation that pairs
     columns)."""
     if quant[0] == STATIC:
-        return _math.static_fp8(result, scale).astype(FP8), None
+        return _math.static_fp8(result, jnp.broadcast_to(scale[:, None], result.shape)).astype(FP8), None
     g = block_of(quant)
     qs, scales = [], []
     for k in range(result.shape[1] // g):
@@ -366,6 +366,45 @@ def quant_scratch(quant, stores: int, dc: int) -> list:
     if quant[0] == NVFP4:
         scratch += [m.SMEM((BLOCK_T, dc), jnp.float16), m.SMEM((dc, dc // 2), jnp.float16), m.Barrier(num_barriers=1)]
     return scratch
+
+
+def kernel_io(args: list, quant, output_scale, dc: int, num_tokens: int, num_heads: int, cols: int, stored_dtype,
+              return_lse: bool) -> list:
+    """A merge kernel's quantization inputs appended to `args` (the static or NVFP4 global scale as a row, NVFP4's
+    packing matrix) and its outputs' types: the output (`out_struct`), the scales of a `grouped` quant, the LSE."""
+    if quant in ((STATIC,), (NVFP4,)):
+        args.append(scale_row(output_scale))
+    if quant == (NVFP4,):
+        args.append(packing_matrix(dc))
+    out_type = [out_struct(num_tokens, num_heads, cols, quant, stored_dtype, *args)]
+    if grouped(quant):
+        out_type.append(scales_struct(num_tokens, num_heads, cols, quant, *args))
+    if return_lse:
+        out_type.append(_sharding.out_struct((num_heads * num_tokens,), jnp.float32, *args))
+    return out_type
+
+
+def output_slots(quant, stores: int, dc: int, dtype):
+    """The shared-memory output slots of a merge kernel (`store_tile`): `[stores, BLOCK_T, dc]` of the stored dtype,
+    half as wide for NVFP4's packed codes."""
+    return plgpu().SMEM((stores, BLOCK_T, dc // 2 if quant == (NVFP4,) else dc), dtype)
+
+
+def store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc, count) -> None:
+    """A merged f32 tile `result` `[BLOCK_T, dc]` (column chunk `hc` of the rows from `t0`) stored: quantized first
+    where `quant` says (`quantized`, `scale` the scale row or None; `q_scr` the kernel's `quant_scratch`), its
+    scales to their rows of `g_g`."""
+    dc = result.shape[1]
+    scales = None
+    if quant:
+        result, scales = quantized(result, quant, scale, q_scr[1:3])
+    width = dc // 2 if quant == (NVFP4,) else dc
+    dst = o_g.at[pl.ds(t0, BLOCK_T), pl.ds(hc * width, width)]
+    if not grouped(quant):
+        store_tile(result, o_scr, dst, count)
+        return
+    ng = dc // block_of(quant)
+    store_tile(result, o_scr, dst, count, scales, q_scr[0], g_g.at[pl.ds(hc * ng, ng), pl.ds(t0, BLOCK_T)])
 
 
 def stored(out, last, copy, dtype):

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_impl import _checks, _sharding
+from pallas_impl import _checks
 from pallas_impl import _math
 from pallas_impl.mosaic import _common as mc
 
@@ -42,8 +42,8 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
     nc = head_dim // dc
     nsplit = pl.cdiv(pl.cdiv(num_tokens, bt), steps)
     L = plgpu.Layout.WGMMA
-    static, grouped, nvfp4 = quant == (mc.STATIC,), mc.grouped(quant), quant == (mc.NVFP4,)
-    scaled = static or nvfp4  # a scale row in: the static fp8 scale, NVFP4's global scale
+    grouped, nvfp4 = mc.grouped(quant), quant == (mc.NVFP4,)
+    scaled = quant in ((mc.STATIC,), (mc.NVFP4,))  # a scale row in: the static fp8 scale, NVFP4's global scale
 
     def body(a_g, b_g, p_g, s_g, *rest):
         # e_g: f32[T'], 1 on the fused mask's tokens; c_g: f32[T'], 1 where t copies the suffix; q_g: f32[128],
@@ -102,14 +102,8 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             out = jnp.where(row(2) > 0, 0.0, out)
             # 4.4: the suffix's bits (its value rounded once, for another output dtype; quantized as a merged row)
             result = mc.stored(out, b, row(3) > 0 if copy_rows else None, F32 if quant else o_scr.dtype)
-            scales = None
-            if quant:  # 4.6, 4.7, 4.8
-                scale = (row(4) if static else mc.load(w_smem.at[4], L.reduce(1))) if scaled else None
-                result, scales = mc.quantized(result, quant, scale, q_scr[1:3])
-            width = dc // 2 if nvfp4 else dc
-            ng = dc // mc.block_of(quant) if grouped else 0
-            mc.store_tile(result, o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * width, width)], i, scales, *q_scr[:1],
-                          *([g_g.at[pl.ds(hc * ng, ng), pl.ds(t0, bt)]] if grouped else []))
+            scale = mc.load(w_smem.at[4], L.reduce(1)) if scaled else None
+            mc.store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc, i)  # 4.6, 4.7, 4.8
             return following
 
         tile = plgpu.BlockSpec((pl.Element(bt), dc), lambda i: (mc.tile_start(sp, i, num_tokens, steps), hc))
@@ -117,9 +111,8 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
                             init_carry=rows(0))(a_g, b_g)
         plgpu.wait_smem_to_gmem(0)
 
-    scratch = [plgpu.SMEM((5, bt), F32), plgpu.SMEM((tune["stores"], bt, dc // 2 if nvfp4 else dc),
-                                                   out_type[0].dtype)]
-    scratch += mc.quant_scratch(quant, tune["stores"], dc)
+    scratch = [plgpu.SMEM((5, bt), F32), mc.output_slots(quant, tune["stores"], dc, out_type[0].dtype),
+               *mc.quant_scratch(quant, tune["stores"], dc)]
     return mc.kernel(body, out_type=tuple(out_type), grid=(num_heads * nc, nsplit), grid_names=("hc", "s"),
                      scratch_types=scratch, interpret=interpret)
 
@@ -150,15 +143,7 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
         args.append(mc.flag_rows(empty))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
-    if quant in ((mc.STATIC,), (mc.NVFP4,)):
-        args.append(mc.scale_row(output_scale))
-    if quant == (mc.NVFP4,):
-        args.append(mc.packing_matrix(dc))
-    out_type = [mc.out_struct(tp, num_heads, cols, quant, stored_dtype, *args)]
-    if mc.grouped(quant):
-        out_type.append(mc.scales_struct(tp, num_heads, cols, quant, *args))
-    if return_lse:
-        out_type.append(_sharding.out_struct((num_heads * tp,), F32, *args))
+    out_type = mc.kernel_io(args, quant, output_scale, dc, tp, num_heads, cols, stored_dtype, return_lse)
     results = _kernel(tp, num_heads, cols, dc, out_type, output_lse=return_lse, empty_rows=empty is not None,
                       copy_rows=copy_rows, lse_base2=lse_base2, quant=quant, interpret=interpret)(*args)
     # XLA after the kernel: NVFP4 (4.8), per-group scales' layout, the pass-through LSE (4.4: the suffix's raw

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_impl import _checks, _sharding
+from pallas_impl import _checks
 from pallas_impl import _math
 from pallas_impl.mosaic import _common as mc
 
@@ -49,8 +49,8 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     # blocks of WEIGHT_ROWS, each computed at its first partial from m and z (rows + 1, rows + 2).
     rows = min(num_partials, mc.WEIGHT_ROWS)
     blocks = num_partials > rows
-    static, grouped, nvfp4 = quant == (mc.STATIC,), mc.grouped(quant), quant == (mc.NVFP4,)
-    scaled = static or nvfp4  # a scale row in: the static fp8 scale, NVFP4's global scale
+    grouped, nvfp4 = mc.grouped(quant), quant == (mc.NVFP4,)
+    scaled = quant in ((mc.STATIC,), (mc.NVFP4,))  # a scale row in: the static fp8 scale, NVFP4's global scale
     scale_at = rows + (3 if blocks else 1)  # the row of w_smem holding that scale
 
     def body(x_g, l_g, *rest):  # x_g: the partials; l_g: f32[N * H * T'] raw LSE rows ((k * H + h) * T' + t)
@@ -120,15 +120,8 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                 if copy_rows:  # 8.4: the last partial's own bits (x is its tile at this step)
                     copy = jnp.broadcast_to((mc.load_row(c_g, t0, row_smem) > 0)[:, None], (bt, dc))
                 result = mc.stored(out, x, copy, F32 if quant else o_scr.dtype)
-                scales = None
-                if quant:  # 4.6, 4.7, 4.8
-                    scale = mc.load(w_smem.at[scale_at], L.reduce(1)) if scaled else None
-                    scale = jnp.broadcast_to(scale[:, None], (bt, dc)) if static else scale
-                    result, scales = mc.quantized(result, quant, scale, q_scr[1:3])
-                width = dc // 2 if nvfp4 else dc
-                ng = dc // mc.block_of(quant) if grouped else 0
-                mc.store_tile(result, o_scr, o_g.at[pl.ds(t0, bt), pl.ds(hc * width, width)], i, scales,
-                              *q_scr[:1], *([g_g.at[pl.ds(hc * ng, ng), pl.ds(t0, bt)]] if grouped else []))
+                scale = mc.load(w_smem.at[scale_at], L.reduce(1)) if scaled else None
+                mc.store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc, i)  # 4.6, 4.7, 4.8
 
             return acc
 
@@ -140,8 +133,8 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [plgpu.SMEM((scale_at + 1, bt), F32), plgpu.SMEM((bt,), F32),
-               plgpu.SMEM((tune["stores"], bt, dc // 2 if nvfp4 else dc), out_type[0].dtype)]
-    scratch += mc.quant_scratch(quant, tune["stores"], dc)
+               mc.output_slots(quant, tune["stores"], dc, out_type[0].dtype),
+               *mc.quant_scratch(quant, tune["stores"], dc)]
     return mc.kernel(body, out_type=tuple(out_type), grid=(num_heads * nc, nsplit), grid_names=("hc", "s"),
                         scratch_types=scratch, interpret=interpret)
 
@@ -172,15 +165,7 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
         args.append(mc.flag_rows(empties))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
-    if quant in ((mc.STATIC,), (mc.NVFP4,)):
-        args.append(mc.scale_row(output_scale))
-    if quant == (mc.NVFP4,):
-        args.append(mc.packing_matrix(dc))
-    out_type = [mc.out_struct(tp, num_heads, cols, quant, stored_dtype, *args)]
-    if mc.grouped(quant):
-        out_type.append(mc.scales_struct(tp, num_heads, cols, quant, *args))
-    if return_lse:
-        out_type.append(_sharding.out_struct((num_heads * tp,), F32, *args))
+    out_type = mc.kernel_io(args, quant, output_scale, dc, tp, num_heads, cols, stored_dtype, return_lse)
     results = _kernel(num_partials, tp, num_heads, cols, dc, out_type, output_lse=return_lse,
                       empty_rows=empties is not None, copy_rows=copy_rows, lse_base2=lse_base2, quant=quant,
                       interpret=interpret)(*args)
