@@ -183,7 +183,31 @@ def test_the_two_way_merge_takes_the_long_tiles_from_long_tokens():
     assert short != long
     assert mc.merge_tuning(mc.TUNING["merge"]["long_tokens"] - 1)["tile_bytes"] == short
     assert mc.merge_tuning(mc.TUNING["merge"]["long_tokens"])["tile_bytes"] == long
-    assert set(mc.merge_tuning(mc.BLOCK_T)) == {"steps", "concurrent", "tile_bytes", "stores"}
+    assert set(mc.merge_tuning(mc.BLOCK_T)) == {"steps", "concurrent", "tile_bytes", "stores", "ctas_per_sm"}
+
+
+PERSISTENT_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in cases.select("ci", kind="all")
+                  for op in impls.ops_of(case) if op in ("merge", "merge_n")]
+
+
+@needs_mosaic
+@pytest.mark.parametrize("per_sm", [1, 3])
+@pytest.mark.parametrize("case, op", PERSISTENT_OPS)
+def test_persistent_ctas_match_reference(case, op, per_sm, monkeypatch):
+    """The merges' persistent schedule (`ctas_per_sm`, `mc.Tiles`): in the interpreter `INTERPRET_SMS` SMs, so a
+    CTA's pipeline wraps over the column chunks and token tiles and the last CTAs repeat the last tile."""
+    from pallas_impl.mosaic import _common as mc
+
+    for kernel in ("merge", "merge_n"):
+        monkeypatch.setitem(mc.TUNING, kernel, dict(mc.TUNING[kernel], ctas_per_sm=per_sm))
+    jax.clear_caches()  # the schedule is chosen at trace time
+    try:
+        inputs = _operands(case, op)
+        got = impls.run(RT, "mosaic", op, case, _device(inputs))
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    _check_against_reference(case, op, inputs, got)
 
 
 # ---------------------------------------------------------------------------------------------------------

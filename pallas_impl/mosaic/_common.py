@@ -26,6 +26,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_impl import _backend, _math, _sharding, jnp_fallback
@@ -40,14 +41,16 @@ WEIGHT_ROWS = 64
 # Launch choices per kernel (they change which CTA owns a tile, never an element's arithmetic):
 # steps: token tiles per CTA (one emit_pipeline); concurrent: pipelined steps in flight; tile_bytes: the most bytes
 # of one [128, dc] input tile; stores: output tiles whose TMA stores may be in flight (1 or 2 shared-memory slots;
-# docs/design.md, "Mosaic GPU backend", says why stores go through shared memory).
+# docs/design.md, "Mosaic GPU backend", says why stores go through shared memory); ctas_per_sm: 0 for a grid of
+# `steps` tiles per CTA, k > 0 for k persistent CTAs per SM (`Tiles`).
 # The 2-way merge keeps 2 inputs x `concurrent` tiles in shared memory, the N-way and the rescale 1 x `concurrent`:
 # smaller 2-way tiles keep two CTAs per SM (228 KiB of shared memory on an H100/H200).
 # `python -m tools mosaic-speed` sweeps these on the GPU (it sets them here and clears jax's caches). The 2-way merge
 # takes `long_tile_bytes` from `long_tokens` padded tokens on (`merge_tuning`): larger tiles pay at long T only.
 TUNING = {
-    "merge": dict(steps=8, concurrent=2, tile_bytes=16 * 1024, stores=2, long_tokens=16384, long_tile_bytes=32 * 1024),
-    "merge_n": dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1),
+    "merge": dict(steps=8, concurrent=2, tile_bytes=16 * 1024, stores=2, ctas_per_sm=0, long_tokens=16384,
+                  long_tile_bytes=32 * 1024),
+    "merge_n": dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1, ctas_per_sm=0),
     "cp_rescale": dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2),
     # heads: LSE rows (of 128 tokens) per CTA; the output rows are split as many ways as the heads.
     # tokens: output rows (of one head group's share) per TMA store of zeros. "mask_lse": without output zeroing
@@ -89,6 +92,55 @@ def tile_start(split, i, num_tokens: int, steps: int):
     """First token of a CTA's tile `i` (`steps` tiles of BLOCK_T tokens per token split): the last tile of the
     padded `T' >= BLOCK_T` rows is shifted back to end at T', so no copy leaves the arrays."""
     return jnp.minimum((split * steps + i) * BLOCK_T, num_tokens - BLOCK_T)
+
+
+# SMs the persistent schedule assumes where no GPU is attached: jax's Mosaic GPU interpreter (fewer CTAs, so a
+# CTA's pipeline wraps over several tiles in the tests) and a lowering for the GPU from a CPU host (an H100's).
+INTERPRET_SMS, DEFAULT_SMS = 4, 132
+
+
+def sm_count(interpret: bool) -> int:
+    """The GPU's SMs (trace time; `DEFAULT_SMS` when jax reports none), `INTERPRET_SMS` in the interpreter."""
+    if interpret:
+        return INTERPRET_SMS
+    try:
+        return int(getattr(jax.devices("gpu")[0], "core_count", 0)) or DEFAULT_SMS
+    except RuntimeError:  # no GPU backend: a lowering for the GPU from a CPU host
+        return DEFAULT_SMS
+
+
+class Tiles:
+    """Which `[BLOCK_T, dc]` tile of the padded `[T', H * D]` rows a merge kernel's CTA takes at pipeline step `i`
+    (`at(i)`: the column chunk `hc` and the first token `t0`); the launch choice `ctas_per_sm` of its `TUNING`.
+
+    0: a grid of (H * D / dc, token splits) CTAs, each `steps` consecutive tiles of one column chunk, the last
+    tile shifted back to end at T' (`tile_start`). k > 0: persistent, `k` CTAs per SM (at most the tiles), CTA c
+    taking tiles c, c + P, c + 2P, ... of the token-major order (the column chunks of one token tile, then the next
+    tile), clamped to the last tile: a CTA with fewer tiles repeats that one, writing the same values. Persistent CTAs
+    fill and drain their pipeline once instead of once per `steps` tiles, and no wave of CTAs is left part-full.
+    Which tile a CTA takes never changes an element's arithmetic."""
+
+    def __init__(self, num_tokens: int, num_chunks: int, tune: dict, interpret: bool):
+        self.num_tokens, self.num_chunks = num_tokens, num_chunks
+        self.token_tiles = -(-num_tokens // BLOCK_T)
+        self.total = num_chunks * self.token_tiles
+        per_sm = tune.get("ctas_per_sm", 0)
+        if per_sm:
+            self.ctas = min(self.total, sm_count(interpret) * per_sm)
+            self.steps = -(-self.total // self.ctas)
+            self.grid, self.names = (self.ctas,), ("c",)
+        else:
+            self.ctas = 0
+            self.steps = tune["steps"]
+            self.grid, self.names = (num_chunks, -(-self.token_tiles // self.steps)), ("hc", "s")
+
+    def at(self, i):
+        """(hc, t0) of step `i` (traced) in the kernel."""
+        if not self.ctas:
+            return lax.axis_index("hc"), tile_start(lax.axis_index("s"), i, self.num_tokens, self.steps)
+        f = jnp.minimum(lax.axis_index("c") + i * self.ctas, self.total - 1)
+        tile, hc = f // self.num_chunks, f % self.num_chunks
+        return hc, jnp.minimum(tile * BLOCK_T, self.num_tokens - BLOCK_T)
 
 
 def optional_refs(refs, *present):

@@ -22,7 +22,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_impl import _checks
@@ -38,9 +37,9 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
     quantized in registers (`quant`: `mc.output_plan`)."""
     plgpu = mc.plgpu()
     tune = mc.merge_tuning(num_tokens)
-    bt, steps = mc.BLOCK_T, tune["steps"]
     nc = head_dim // dc
-    nsplit = pl.cdiv(pl.cdiv(num_tokens, bt), steps)
+    tiles = mc.Tiles(num_tokens, num_heads * nc, tune, interpret)
+    bt, steps = mc.BLOCK_T, tiles.steps
     L = plgpu.Layout.WGMMA
     grouped, nvfp4 = mc.grouped(quant), quant == (mc.NVFP4,)
     scaled = quant in ((mc.STATIC,), (mc.NVFP4,))  # a scale row in: the static fp8 scale, NVFP4's global scale
@@ -55,14 +54,12 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
         w_smem, o_scr, *q_scr = rest
         if nvfp4:
             mc.load_packing(m_g, q_scr[2], q_scr[3])
-        hc = lax.axis_index("hc")
-        sp = lax.axis_index("s")
-        h = hc // nc
 
         def rows(i):
             """The per-token rows of tile i (per-thread loads: any alignment): p (the fused mask's tokens at -inf),
             s and the copy flags."""
-            t0 = mc.tile_start(sp, jnp.minimum(i, steps - 1), num_tokens, steps)
+            hc, t0 = tiles.at(jnp.minimum(i, steps - 1))
+            h = hc // nc
             p = mc.strided_row(p_g, h * num_tokens + t0)
             if empty_rows:
                 p = jnp.where(mc.strided_row(e_g, t0) > 0, -jnp.inf, p)
@@ -72,7 +69,8 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
 
         def step(idx, a_s, b_s, carry):
             (i,) = idx
-            t0 = mc.tile_start(sp, i, num_tokens, steps)
+            hc, t0 = tiles.at(i)
+            h = hc // nc
             # This tile's rows were loaded a step ahead (the carry); the next tile's loads are issued now, so their
             # latency overlaps this tile's work rather than stalling the next step.
             following = rows(i + 1)
@@ -106,14 +104,14 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             mc.store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc, i)  # 4.6, 4.7, 4.8
             return following
 
-        tile = plgpu.BlockSpec((pl.Element(bt), dc), lambda i: (mc.tile_start(sp, i, num_tokens, steps), hc))
+        tile = plgpu.BlockSpec((pl.Element(bt), dc), lambda i: tiles.at(i)[::-1])
         plgpu.emit_pipeline(step, grid=(steps,), in_specs=[tile, tile], max_concurrent_steps=tune["concurrent"],
                             init_carry=rows(0))(a_g, b_g)
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [plgpu.SMEM((5, bt), F32), mc.output_slots(quant, tune["stores"], dc, out_type[0].dtype),
                *mc.quant_scratch(quant, tune["stores"], dc)]
-    return mc.kernel(body, out_type=tuple(out_type), grid=(num_heads * nc, nsplit), grid_names=("hc", "s"),
+    return mc.kernel(body, out_type=tuple(out_type), grid=tiles.grid, grid_names=tiles.names,
                      scratch_types=scratch, interpret=interpret)
 
 

@@ -24,7 +24,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_impl import _checks
@@ -40,9 +39,9 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     quantized in registers (`quant`: `mc.output_plan`)."""
     plgpu = mc.plgpu()
     tune = mc.TUNING["merge_n"]
-    bt, steps = mc.BLOCK_T, tune["steps"]
     nc = head_dim // dc
-    nsplit = pl.cdiv(pl.cdiv(num_tokens, bt), steps)
+    tiles = mc.Tiles(num_tokens, num_heads * nc, tune, interpret)
+    bt, steps = mc.BLOCK_T, tiles.steps
     L = plgpu.Layout.WGMMA
 
     # The weights live in shared memory, `rows` partials at a time: every partial's up to WEIGHT_ROWS, else
@@ -63,13 +62,11 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
         w_smem, row_smem, o_scr, *q_scr = rest
         if nvfp4:
             mc.load_packing(m_g, q_scr[2], q_scr[3])
-        hc = lax.axis_index("hc")
-        sp = lax.axis_index("s")
-        h = hc // nc
 
         def step(idx, x_s, acc):
             i, n = idx
-            t0 = mc.tile_start(sp, i, num_tokens, steps)
+            hc, t0 = tiles.at(i)
+            h = hc // nc
 
             def lse_of(k):  # partial k's raw LSE row of the tile (k may be traced), one element per thread
                 x = mc.strided_row(l_g, (k * num_heads + h) * num_tokens + t0)
@@ -126,7 +123,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
             return acc
 
         spec = plgpu.BlockSpec((None, pl.Element(bt), dc),
-                               lambda i, n: (n, mc.tile_start(sp, i, num_tokens, steps), hc))
+                               lambda i, n: (n, *tiles.at(i)[::-1]))
         plgpu.emit_pipeline(step, grid=(steps, num_partials), in_specs=[spec],
                             max_concurrent_steps=tune["concurrent"],
                             init_carry=plgpu.layout_cast(jnp.zeros((bt, dc), F32), L))(x_g)
@@ -135,7 +132,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     scratch = [plgpu.SMEM((scale_at + 1, bt), F32), plgpu.SMEM((bt,), F32),
                mc.output_slots(quant, tune["stores"], dc, out_type[0].dtype),
                *mc.quant_scratch(quant, tune["stores"], dc)]
-    return mc.kernel(body, out_type=tuple(out_type), grid=(num_heads * nc, nsplit), grid_names=("hc", "s"),
+    return mc.kernel(body, out_type=tuple(out_type), grid=tiles.grid, grid_names=tiles.names,
                         scratch_types=scratch, interpret=interpret)
 
 
