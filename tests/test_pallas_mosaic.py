@@ -12,6 +12,7 @@ with NotImplementedError, which a test asserts.
 """
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -183,7 +184,8 @@ def test_the_two_way_merge_takes_the_long_tiles_from_long_tokens():
     assert short != long
     assert mc.merge_tuning(mc.TUNING["merge"]["long_tokens"] - 1)["tile_bytes"] == short
     assert mc.merge_tuning(mc.TUNING["merge"]["long_tokens"])["tile_bytes"] == long
-    assert set(mc.merge_tuning(mc.BLOCK_T)) == {"steps", "concurrent", "tile_bytes", "stores", "ctas_per_sm"}
+    assert set(mc.merge_tuning(mc.BLOCK_T)) == {"steps", "concurrent", "tile_bytes", "stores", "ctas_per_sm",
+                                                 "compute_wgs"}
 
 
 PERSISTENT_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in cases.select("ci", kind="all")
@@ -191,15 +193,18 @@ PERSISTENT_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in cas
 
 
 @needs_mosaic
-@pytest.mark.parametrize("per_sm", [1, 3])
+@pytest.mark.parametrize("launch", [dict(ctas_per_sm=1), dict(ctas_per_sm=3), dict(compute_wgs=2),
+                                    dict(compute_wgs=2, ctas_per_sm=1)], ids=lambda d: json.dumps(d))
 @pytest.mark.parametrize("case, op", PERSISTENT_OPS)
-def test_persistent_ctas_match_reference(case, op, per_sm, monkeypatch):
-    """The merges' persistent schedule (`ctas_per_sm`, `mc.Tiles`): in the interpreter `INTERPRET_SMS` SMs, so a
-    CTA's pipeline wraps over the column chunks and token tiles and the last CTAs repeat the last tile."""
+def test_launch_schedules_match_reference(case, op, launch, monkeypatch):
+    """The merges' other schedules: persistent CTAs (`ctas_per_sm`, `mc.Tiles`; in the interpreter
+    `INTERPRET_SMS` SMs, so a CTA's pipeline wraps over the column chunks and token tiles and the last CTAs repeat
+    the last tile) and the 2-way merge's warp-specialised pipeline (`compute_wgs`, `mc.compute_warpgroups`)."""
     from pallas_impl.mosaic import _common as mc
 
     for kernel in ("merge", "merge_n"):
-        monkeypatch.setitem(mc.TUNING, kernel, dict(mc.TUNING[kernel], ctas_per_sm=per_sm))
+        keys = launch if kernel == "merge" else {k: v for k, v in launch.items() if k != "compute_wgs"}
+        monkeypatch.setitem(mc.TUNING, kernel, dict(mc.TUNING[kernel], **keys))
     jax.clear_caches()  # the schedule is chosen at trace time
     try:
         inputs = _operands(case, op)

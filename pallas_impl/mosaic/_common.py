@@ -42,14 +42,15 @@ WEIGHT_ROWS = 64
 # steps: token tiles per CTA (one emit_pipeline); concurrent: pipelined steps in flight; tile_bytes: the most bytes
 # of one [128, dc] input tile; stores: output tiles whose TMA stores may be in flight (1 or 2 shared-memory slots;
 # docs/design.md, "Mosaic GPU backend", says why stores go through shared memory); ctas_per_sm: 0 for a grid of
-# `steps` tiles per CTA, k > 0 for k persistent CTAs per SM (`Tiles`).
+# `steps` tiles per CTA, k > 0 for k persistent CTAs per SM (`Tiles`); compute_wgs: 1, or 2 for a
+# warp-specialised 2-way merge (`compute_warpgroups`).
 # The 2-way merge keeps 2 inputs x `concurrent` tiles in shared memory, the N-way and the rescale 1 x `concurrent`:
 # smaller 2-way tiles keep two CTAs per SM (228 KiB of shared memory on an H100/H200).
 # `python -m tools mosaic-speed` sweeps these on the GPU (it sets them here and clears jax's caches). The 2-way merge
 # takes `long_tile_bytes` from `long_tokens` padded tokens on (`merge_tuning`): larger tiles pay at long T only.
 TUNING = {
-    "merge": dict(steps=8, concurrent=2, tile_bytes=16 * 1024, stores=2, ctas_per_sm=0, long_tokens=16384,
-                  long_tile_bytes=32 * 1024),
+    "merge": dict(steps=8, concurrent=2, tile_bytes=16 * 1024, stores=2, ctas_per_sm=0, compute_wgs=1,
+                  long_tokens=16384, long_tile_bytes=32 * 1024),
     "merge_n": dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1, ctas_per_sm=0),
     "cp_rescale": dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2),
     # heads: LSE rows (of 128 tokens) per CTA; the output rows are split as many ways as the heads.
@@ -107,6 +108,23 @@ def sm_count(interpret: bool) -> int:
         return int(getattr(jax.devices("gpu")[0], "core_count", 0)) or DEFAULT_SMS
     except RuntimeError:  # no GPU backend: a lowering for the GPU from a CPU host
         return DEFAULT_SMS
+
+
+MEMORY_REGISTERS = 40  # registers per thread of the warpgroup that issues a warp-specialised pipeline's copies
+
+
+def compute_warpgroups(tune: dict, quant, dc: int, out_dtype) -> int:
+    """Compute warpgroups of a merge kernel: `tune["compute_wgs"]` (1: one warpgroup copies and computes; 2: a
+    warp-specialised pipeline, a third warpgroup issuing the TMA copies and each compute warpgroup merging half of
+    each tile's columns), 1 where half a tile is not whole 16-byte rows of a multiple of 8 columns or the output is
+    grouped (per-group FP8 and NVFP4 keep their groups in one warpgroup's columns)."""
+    wgs = tune.get("compute_wgs", 1)
+    if wgs == 1 or grouped(quant) or dc % wgs:
+        return 1
+    width = dc // wgs
+    if width % 8 or width * jnp.dtype(out_dtype).itemsize % 16:
+        return 1
+    return wgs
 
 
 class Tiles:

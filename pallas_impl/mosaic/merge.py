@@ -22,6 +22,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_impl import _checks
@@ -43,6 +44,8 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
     L = plgpu.Layout.WGMMA
     grouped, nvfp4 = mc.grouped(quant), quant == (mc.NVFP4,)
     scaled = quant in ((mc.STATIC,), (mc.NVFP4,))  # a scale row in: the static fp8 scale, NVFP4's global scale
+    wgs = mc.compute_warpgroups(tune, quant, dc, out_type[0].dtype)
+    width = dc // wgs  # the columns of a tile each compute warpgroup merges
 
     def body(a_g, b_g, p_g, s_g, *rest):
         # e_g: f32[T'], 1 on the fused mask's tokens; c_g: f32[T'], 1 where t copies the suffix; q_g: f32[128],
@@ -54,6 +57,11 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
         w_smem, o_scr, *q_scr = rest
         if nvfp4:
             mc.load_packing(m_g, q_scr[2], q_scr[3])
+        # With two compute warpgroups (and a third issuing the TMA copies), warpgroup wg merges columns
+        # [wg * width, (wg + 1) * width) of each tile, with its own weight rows and output slots.
+        wg = lax.axis_index("wg") if wgs > 1 else 0
+        if wgs > 1:
+            w_smem, o_scr = w_smem.at[wg], o_scr.at[wg]
 
         def rows(i):
             """The per-token rows of tile i (per-thread loads: any alignment): p (the fused mask's tokens at -inf),
@@ -86,13 +94,15 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             if scaled:
                 w_smem[4] = mc.strided_row(q_g, 0)
             if output_lse:
-                @pl.when(hc % nc == 0)
+                @pl.when((hc % nc == 0) & (wg == 0))
                 def _():
                     lo_g[pl.ds(h * num_tokens + t0, bt)] = _math.merged_lse(z, m, both_empty, lse_base2)
 
+            if wgs > 1:
+                a_s, b_s = a_s.at[:, pl.ds(wg * width, width)], b_s.at[:, pl.ds(wg * width, width)]
             a = mc.load(a_s, L)
             b = mc.load(b_s, L)
-            row = lambda k: jnp.broadcast_to(mc.load(w_smem.at[k], L.reduce(1))[:, None], (bt, dc))  # noqa: E731
+            row = lambda k: jnp.broadcast_to(mc.load(w_smem.at[k], L.reduce(1))[:, None], (bt, width))  # noqa: E731
             wpb = row(0)
             wsb = row(1)
             # 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
@@ -101,18 +111,28 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             # 4.4: the suffix's bits (its value rounded once, for another output dtype; quantized as a merged row)
             result = mc.stored(out, b, row(3) > 0 if copy_rows else None, F32 if quant else o_scr.dtype)
             scale = mc.load(w_smem.at[4], L.reduce(1)) if scaled else None
-            mc.store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc, i)  # 4.6, 4.7, 4.8
+            # 4.6, 4.7, 4.8: column chunk hc * wgs + wg of `width` columns
+            mc.store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc * wgs + wg, i)
             return following
 
         tile = plgpu.BlockSpec((pl.Element(bt), dc), lambda i: tiles.at(i)[::-1])
-        plgpu.emit_pipeline(step, grid=(steps,), in_specs=[tile, tile], max_concurrent_steps=tune["concurrent"],
-                            init_carry=rows(0))(a_g, b_g)
+        if wgs > 1:
+            plgpu.emit_pipeline_warp_specialized(
+                step, grid=(steps,), in_specs=[tile, tile], max_concurrent_steps=tune["concurrent"],
+                memory_registers=mc.MEMORY_REGISTERS, wg_axis="wg", num_compute_wgs=wgs,
+                compute_context=lambda pipeline: pipeline(rows(0)))(a_g, b_g)
+        else:
+            plgpu.emit_pipeline(step, grid=(steps,), in_specs=[tile, tile], max_concurrent_steps=tune["concurrent"],
+                                init_carry=rows(0))(a_g, b_g)
         plgpu.wait_smem_to_gmem(0)
 
-    scratch = [plgpu.SMEM((5, bt), F32), mc.output_slots(quant, tune["stores"], dc, out_type[0].dtype),
-               *mc.quant_scratch(quant, tune["stores"], dc)]
+    slots = mc.output_slots(quant, tune["stores"], width, out_type[0].dtype)
+    scratch = [plgpu.SMEM((5, bt), F32), slots, *mc.quant_scratch(quant, tune["stores"], dc)]
+    if wgs > 1:
+        scratch[:2] = [plgpu.SMEM((wgs, 5, bt), F32), plgpu.SMEM((wgs, *slots.shape), slots.dtype)]
+    threads = dict(num_threads=wgs + 1, thread_name="wg") if wgs > 1 else {}
     return mc.kernel(body, out_type=tuple(out_type), grid=tiles.grid, grid_names=tiles.names,
-                     scratch_types=scratch, interpret=interpret)
+                     scratch_types=scratch, interpret=interpret, **threads)
 
 
 @functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2", "group",
@@ -126,7 +146,7 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
     tune = mc.merge_tuning(tp)
     plan = functools.partial(mc.head_plan, head_dim, prefix_output.dtype, tune["tile_bytes"],  # cols >= D: TMA rows
                              input_tiles=2 * tune["concurrent"], out_slots=tune["stores"],
-                             other_bytes=5 * mc.BLOCK_T * 4)
+                             other_bytes=5 * mc.BLOCK_T * 4 * tune.get("compute_wgs", 1))
     quant, stored_dtype, (cols, dc) = mc.output_plan(out_dtype, output_scale, group, plan)
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
