@@ -199,12 +199,11 @@ PERSISTENT_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in cas
 def test_launch_schedules_match_reference(case, op, launch, monkeypatch):
     """The merges' other schedules: persistent CTAs (`ctas_per_sm`, `mc.Tiles`; in the interpreter
     `INTERPRET_SMS` SMs, so a CTA's pipeline wraps over the column chunks and token tiles and the last CTAs repeat
-    the last tile) and the 2-way merge's warp-specialised pipeline (`compute_wgs`, `mc.compute_warpgroups`)."""
+    the last tile) and the warp-specialised pipeline (`compute_wgs`, `mc.compute_warpgroups`)."""
     from pallas_impl.mosaic import _common as mc
 
     for kernel in ("merge", "merge_n"):
-        keys = launch if kernel == "merge" else {k: v for k, v in launch.items() if k != "compute_wgs"}
-        monkeypatch.setitem(mc.TUNING, kernel, dict(mc.TUNING[kernel], **keys))
+        monkeypatch.setitem(mc.TUNING, kernel, dict(mc.TUNING[kernel], **launch))
     jax.clear_caches()  # the schedule is chosen at trace time
     try:
         inputs = _operands(case, op)

@@ -43,7 +43,7 @@ WEIGHT_ROWS = 64
 # of one [128, dc] input tile; stores: output tiles whose TMA stores may be in flight (1 or 2 shared-memory slots;
 # docs/design.md, "Mosaic GPU backend", says why stores go through shared memory); ctas_per_sm: 0 for a grid of
 # `steps` tiles per CTA, k > 0 for k persistent CTAs per SM (`Tiles`); compute_wgs: 1, or 2 for a
-# warp-specialised 2-way merge (`compute_warpgroups`).
+# warp-specialised merge (`compute_warpgroups`).
 # The 2-way merge keeps 2 inputs x `concurrent` tiles in shared memory, the N-way and the rescale 1 x `concurrent`:
 # smaller 2-way tiles keep two CTAs per SM (228 KiB of shared memory on an H100/H200).
 # `python -m tools mosaic-speed` sweeps these on the GPU (it sets them here and clears jax's caches). The 2-way merge
@@ -51,7 +51,7 @@ WEIGHT_ROWS = 64
 TUNING = {
     "merge": dict(steps=8, concurrent=2, tile_bytes=16 * 1024, stores=2, ctas_per_sm=0, compute_wgs=1,
                   long_tokens=16384, long_tile_bytes=32 * 1024),
-    "merge_n": dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1, ctas_per_sm=0),
+    "merge_n": dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1, ctas_per_sm=0, compute_wgs=1),
     "cp_rescale": dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2),
     # heads: LSE rows (of 128 tokens) per CTA; the output rows are split as many ways as the heads.
     # tokens: output rows (of one head group's share) per TMA store of zeros. "mask_lse": without output zeroing

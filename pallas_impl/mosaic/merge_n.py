@@ -24,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_impl import _checks
@@ -51,6 +52,8 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     grouped, nvfp4 = mc.grouped(quant), quant == (mc.NVFP4,)
     scaled = quant in ((mc.STATIC,), (mc.NVFP4,))  # a scale row in: the static fp8 scale, NVFP4's global scale
     scale_at = rows + (3 if blocks else 1)  # the row of w_smem holding that scale
+    wgs = mc.compute_warpgroups(tune, quant, dc, out_type[0].dtype)
+    width = dc // wgs  # the columns of a tile each compute warpgroup merges
 
     def body(x_g, l_g, *rest):  # x_g: the partials; l_g: f32[N * H * T'] raw LSE rows ((k * H + h) * T' + t)
         # e_g: f32[N * T'], 1 on the fused mask's tokens; c_g: f32[T'], 1 where t copies the last partial; q_g:
@@ -62,6 +65,11 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
         w_smem, row_smem, o_scr, *q_scr = rest
         if nvfp4:
             mc.load_packing(m_g, q_scr[2], q_scr[3])
+        # With two compute warpgroups (and a third issuing the TMA copies), warpgroup wg merges columns
+        # [wg * width, (wg + 1) * width) of each tile, with its own weight rows and output slots.
+        wg = lax.axis_index("wg") if wgs > 1 else 0
+        if wgs > 1:
+            w_smem, row_smem, o_scr = w_smem.at[wg], row_smem.at[wg], o_scr.at[wg]
 
         def step(idx, x_s, acc):
             i, n = idx
@@ -90,7 +98,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                 if scaled:
                     w_smem[scale_at] = mc.strided_row(q_g, 0)
                 if output_lse:
-                    @pl.when(hc % nc == 0)
+                    @pl.when((hc % nc == 0) & (wg == 0))
                     def _():
                         # per-thread stores: any alignment
                         lo_g[pl.ds(h * num_tokens + t0, bt)] = _math.merged_lse(z, m, all_empty, lse_base2)
@@ -104,36 +112,47 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                         w_smem[j] = _math.exp_base(lse_of(k) - m, lse_base2) / z
 
             w = mc.load(w_smem.at[n % rows if blocks else n], L.reduce(1))
-            wb = jnp.broadcast_to(w[:, None], (bt, dc))
-            x = mc.load(x_s, L)
+            wb = jnp.broadcast_to(w[:, None], (bt, width))
+            x = mc.load(x_s.at[:, pl.ds(wg * width, width)] if wgs > 1 else x_s, L)
             term = jnp.where(wb > 0, x.astype(F32) * wb, 0.0)  # 4.3: a zero weight gives exactly 0
             acc = jnp.where(jnp.broadcast_to(n == 0, term.shape), term, acc + term)
 
             @pl.when(n == num_partials - 1)
             def _store():
                 empty = mc.load(w_smem.at[rows], L.reduce(1)) > 0
-                out = jnp.where(jnp.broadcast_to(empty[:, None], (bt, dc)), 0.0, acc)
+                out = jnp.where(jnp.broadcast_to(empty[:, None], (bt, width)), 0.0, acc)
                 copy = None
                 if copy_rows:  # 8.4: the last partial's own bits (x is its tile at this step)
-                    copy = jnp.broadcast_to((mc.load_row(c_g, t0, row_smem) > 0)[:, None], (bt, dc))
+                    copy = jnp.broadcast_to((mc.load_row(c_g, t0, row_smem) > 0)[:, None], (bt, width))
                 result = mc.stored(out, x, copy, F32 if quant else o_scr.dtype)
                 scale = mc.load(w_smem.at[scale_at], L.reduce(1)) if scaled else None
-                mc.store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc, i)  # 4.6, 4.7, 4.8
+                # 4.6, 4.7, 4.8: column chunk hc * wgs + wg of `width` columns
+                mc.store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc * wgs + wg, i)
 
             return acc
 
         spec = plgpu.BlockSpec((None, pl.Element(bt), dc),
                                lambda i, n: (n, *tiles.at(i)[::-1]))
-        plgpu.emit_pipeline(step, grid=(steps, num_partials), in_specs=[spec],
-                            max_concurrent_steps=tune["concurrent"],
-                            init_carry=plgpu.layout_cast(jnp.zeros((bt, dc), F32), L))(x_g)
+        zeros = lambda: plgpu.layout_cast(jnp.zeros((bt, width), F32), L)  # noqa: E731
+        if wgs > 1:
+            plgpu.emit_pipeline_warp_specialized(
+                step, grid=(steps, num_partials), in_specs=[spec], max_concurrent_steps=tune["concurrent"],
+                memory_registers=mc.MEMORY_REGISTERS, wg_axis="wg", num_compute_wgs=wgs,
+                compute_context=lambda pipeline: pipeline(zeros()))(x_g)
+        else:
+            plgpu.emit_pipeline(step, grid=(steps, num_partials), in_specs=[spec],
+                                max_concurrent_steps=tune["concurrent"], init_carry=zeros())(x_g)
         plgpu.wait_smem_to_gmem(0)
 
-    scratch = [plgpu.SMEM((scale_at + 1, bt), F32), plgpu.SMEM((bt,), F32),
-               mc.output_slots(quant, tune["stores"], dc, out_type[0].dtype),
+    slots = mc.output_slots(quant, tune["stores"], width, out_type[0].dtype)
+    scratch = [plgpu.SMEM((scale_at + 1, bt), F32), plgpu.SMEM((bt,), F32), slots,
                *mc.quant_scratch(quant, tune["stores"], dc)]
+    if wgs > 1:
+        scratch[:3] = [plgpu.SMEM((wgs, scale_at + 1, bt), F32), plgpu.SMEM((wgs, bt), F32),
+                       plgpu.SMEM((wgs, *slots.shape), slots.dtype)]
+    threads = dict(num_threads=wgs + 1, thread_name="wg") if wgs > 1 else {}
     return mc.kernel(body, out_type=tuple(out_type), grid=tiles.grid, grid_names=tiles.names,
-                        scratch_types=scratch, interpret=interpret)
+                     scratch_types=scratch, interpret=interpret, **threads)
 
 
 @functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2", "group",
@@ -146,7 +165,7 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
     rows = min(num_partials, mc.WEIGHT_ROWS)
     plan = functools.partial(mc.head_plan, head_dim, outputs.dtype, tune["tile_bytes"],  # cols >= D: TMA rows
                              input_tiles=tune["concurrent"], out_slots=tune["stores"],
-                             other_bytes=(rows + 5) * mc.BLOCK_T * 4)
+                             other_bytes=(rows + 5) * mc.BLOCK_T * 4 * tune.get("compute_wgs", 1))
     quant, stored_dtype, (cols, dc) = mc.output_plan(out_dtype, output_scale, group, plan)
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
