@@ -127,6 +127,32 @@ def compute_warpgroups(tune: dict, quant, dc: int, out_dtype) -> int:
     return wgs
 
 
+def pipeline(step, inputs, *, grid, in_specs, tune: dict, wgs: int, init_carry) -> None:
+    """`step` pipelined over `grid` with `tune["concurrent"]` steps in flight and the carry from `init_carry()`:
+    `emit_pipeline` for one compute warpgroup; for `wgs` > 1, the warp-specialised pipeline (`compute_warpgroups`:
+    warpgroup `wgs` issues the copies, warpgroups 0 .. wgs - 1, axis "wg", run `step`)."""
+    m = plgpu()
+    if wgs > 1:
+        m.emit_pipeline_warp_specialized(step, grid=grid, in_specs=in_specs, max_concurrent_steps=tune["concurrent"],
+                                         memory_registers=MEMORY_REGISTERS, wg_axis="wg", num_compute_wgs=wgs,
+                                         compute_context=lambda run: run(init_carry()))(*inputs)
+    else:
+        m.emit_pipeline(step, grid=grid, in_specs=in_specs, max_concurrent_steps=tune["concurrent"],
+                        init_carry=init_carry())(*inputs)
+
+
+def per_warpgroup(scratch: list, wgs: int) -> list:
+    """Shared-memory scratch `scratch` once per compute warpgroup (a leading axis of `wgs`) where `wgs` > 1."""
+    if wgs == 1:
+        return scratch
+    return [plgpu().SMEM((wgs, *x.shape), x.dtype) for x in scratch]
+
+
+def warpgroups(wgs: int) -> dict:
+    """`kernel` arguments for `wgs` compute warpgroups: the copy-issuing one besides, axis "wg"."""
+    return dict(num_threads=wgs + 1, thread_name="wg") if wgs > 1 else {}
+
+
 class Tiles:
     """Which `[BLOCK_T, dc]` tile of the padded `[T', H * D]` rows a merge kernel's CTA takes at pipeline step `i`
     (`at(i)`: the column chunk `hc` and the first token `t0`); the launch choice `ctas_per_sm` of its `TUNING`.

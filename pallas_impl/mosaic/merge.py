@@ -116,23 +116,15 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             return following
 
         tile = plgpu.BlockSpec((pl.Element(bt), dc), lambda i: tiles.at(i)[::-1])
-        if wgs > 1:
-            plgpu.emit_pipeline_warp_specialized(
-                step, grid=(steps,), in_specs=[tile, tile], max_concurrent_steps=tune["concurrent"],
-                memory_registers=mc.MEMORY_REGISTERS, wg_axis="wg", num_compute_wgs=wgs,
-                compute_context=lambda pipeline: pipeline(rows(0)))(a_g, b_g)
-        else:
-            plgpu.emit_pipeline(step, grid=(steps,), in_specs=[tile, tile], max_concurrent_steps=tune["concurrent"],
-                                init_carry=rows(0))(a_g, b_g)
+        mc.pipeline(step, (a_g, b_g), grid=(steps,), in_specs=[tile, tile], tune=tune, wgs=wgs,
+                    init_carry=lambda: rows(0))
         plgpu.wait_smem_to_gmem(0)
 
-    slots = mc.output_slots(quant, tune["stores"], width, out_type[0].dtype)
-    scratch = [plgpu.SMEM((5, bt), F32), slots, *mc.quant_scratch(quant, tune["stores"], dc)]
-    if wgs > 1:
-        scratch[:2] = [plgpu.SMEM((wgs, 5, bt), F32), plgpu.SMEM((wgs, *slots.shape), slots.dtype)]
-    threads = dict(num_threads=wgs + 1, thread_name="wg") if wgs > 1 else {}
+    own = mc.per_warpgroup([plgpu.SMEM((5, bt), F32), mc.output_slots(quant, tune["stores"], width, out_type[0].dtype)],
+                           wgs)
     return mc.kernel(body, out_type=tuple(out_type), grid=tiles.grid, grid_names=tiles.names,
-                     scratch_types=scratch, interpret=interpret, **threads)
+                     scratch_types=[*own, *mc.quant_scratch(quant, tune["stores"], dc)], interpret=interpret,
+                     **mc.warpgroups(wgs))
 
 
 @functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2", "group",

@@ -133,26 +133,15 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
 
         spec = plgpu.BlockSpec((None, pl.Element(bt), dc),
                                lambda i, n: (n, *tiles.at(i)[::-1]))
-        zeros = lambda: plgpu.layout_cast(jnp.zeros((bt, width), F32), L)  # noqa: E731
-        if wgs > 1:
-            plgpu.emit_pipeline_warp_specialized(
-                step, grid=(steps, num_partials), in_specs=[spec], max_concurrent_steps=tune["concurrent"],
-                memory_registers=mc.MEMORY_REGISTERS, wg_axis="wg", num_compute_wgs=wgs,
-                compute_context=lambda pipeline: pipeline(zeros()))(x_g)
-        else:
-            plgpu.emit_pipeline(step, grid=(steps, num_partials), in_specs=[spec],
-                                max_concurrent_steps=tune["concurrent"], init_carry=zeros())(x_g)
+        mc.pipeline(step, (x_g,), grid=(steps, num_partials), in_specs=[spec], tune=tune, wgs=wgs,
+                    init_carry=lambda: plgpu.layout_cast(jnp.zeros((bt, width), F32), L))
         plgpu.wait_smem_to_gmem(0)
 
-    slots = mc.output_slots(quant, tune["stores"], width, out_type[0].dtype)
-    scratch = [plgpu.SMEM((scale_at + 1, bt), F32), plgpu.SMEM((bt,), F32), slots,
-               *mc.quant_scratch(quant, tune["stores"], dc)]
-    if wgs > 1:
-        scratch[:3] = [plgpu.SMEM((wgs, scale_at + 1, bt), F32), plgpu.SMEM((wgs, bt), F32),
-                       plgpu.SMEM((wgs, *slots.shape), slots.dtype)]
-    threads = dict(num_threads=wgs + 1, thread_name="wg") if wgs > 1 else {}
+    own = mc.per_warpgroup([plgpu.SMEM((scale_at + 1, bt), F32), plgpu.SMEM((bt,), F32),
+                            mc.output_slots(quant, tune["stores"], width, out_type[0].dtype)], wgs)
     return mc.kernel(body, out_type=tuple(out_type), grid=tiles.grid, grid_names=tiles.names,
-                     scratch_types=scratch, interpret=interpret, **threads)
+                     scratch_types=[*own, *mc.quant_scratch(quant, tune["stores"], dc)], interpret=interpret,
+                     **mc.warpgroups(wgs))
 
 
 @functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2", "group",
