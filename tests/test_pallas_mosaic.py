@@ -612,12 +612,13 @@ LONG_T_OUTPUTS = {
 
 @pytest.mark.gpu
 @needs_mosaic
-@pytest.mark.parametrize("num_tokens", [2048, 16384, 32768, 131072])
+@pytest.mark.parametrize("num_tokens", [130, 1001, 2048, 16384, 16411, 32768, 131072])
 @pytest.mark.parametrize("output", list(LONG_T_OUTPUTS))
 def test_quantized_and_f32_outputs_at_long_t_give_the_triton_backends_bits(num_tokens, output):
     """Every quantized output and an f32 one, 2-way (the fused mask, pass-through rows) and N = 4, bf16, H = 16,
-    D = 128, at T = 2K to 131K on Mosaic GPU: the Triton backend's bits (at T >= 32K the 2-way merge's long
-    tiles failed to compile before 2026-12-07)."""
+    D = 128, at T = 130 to 131K on Mosaic GPU: the Triton backend's bits (at T >= 32K the 2-way merge's long
+    tiles failed to compile before 2026-12-07; at T not a multiple of 16 the last tile's scale rows were a
+    misaligned TMA store until 2026-12-07)."""
     heads, head_dim, partials = 16, 128, 4
     keys = jax.random.split(jax.random.PRNGKey(num_tokens), 2)
     outs = jax.random.normal(keys[0], (partials, num_tokens, heads, head_dim), jnp.bfloat16) * 3
@@ -636,6 +637,25 @@ def test_quantized_and_f32_outputs_at_long_t_give_the_triton_backends_bits(num_t
         assert g.dtype == w.dtype and g.shape == w.shape
         np.testing.assert_array_equal(g.view(np.uint8) if g.dtype.itemsize == 1 else g,
                                       w.view(np.uint8) if w.dtype.itemsize == 1 else w)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 127, 128, 130, 255, 256, 1001, 4096 + 77])
+def test_scale_rows_of_each_tile_come_back_in_token_order(num_tokens):
+    """The grouped scales' rows as the kernels write them (a row block per token tile, the shifted last tile's
+    too: `tile_scale_rows`), put back in token order by `tile_scales`: each token's own scale."""
+    from pallas_impl.mosaic import _common as mc
+
+    tp = max(num_tokens, mc.BLOCK_T)
+    tiles, groups = -(-tp // mc.BLOCK_T), 3
+    raw = np.full((tiles * groups, mc.BLOCK_T), -1.0, np.float32)
+    for k in range(tiles):
+        t0 = min(k * mc.BLOCK_T, tp - mc.BLOCK_T)  # `tile_start`
+        row = -(-t0 // mc.BLOCK_T) * groups  # the tile of `tile_scale_rows`
+        assert row == k * groups
+        tokens = t0 + np.arange(mc.BLOCK_T)
+        raw[row:row + groups] = tokens[None, :] * 10.0 + np.arange(groups)[:, None]
+    want = np.arange(num_tokens)[None, :] * 10.0 + np.arange(groups)[:, None]
+    np.testing.assert_array_equal(np.asarray(mc.tile_scales(jnp.asarray(raw), num_tokens)), want)
 
 
 @pytest.mark.parametrize("dtype, head_dim, group_size, in_kernel", [

@@ -385,12 +385,34 @@ def scale_row(output_scale):
 
 
 def scales_struct(num_tokens: int, num_heads: int, cols: int, quant, *args):
-    """The scales a kernel writes (`grouped` quant): a row per group or NVFP4 block, f32 (per-group FP8) or e4m3
-    (NVFP4) `[H * D / G, T'']`, T'' the padded tokens rounded up to whole 16-byte TMA rows; `finish` rearranges them
-    into the caller's layout."""
+    """The scales a kernel writes (`grouped` quant), f32 (per-group FP8) or e4m3 (NVFP4): a row of BLOCK_T per
+    group or NVFP4 block of each token tile, `[tiles * H * D / G, BLOCK_T]` (`tile_scale_rows`), so each tile's
+    TMA store starts on a whole row. Rows indexed by the tile's first token instead would start `t0` elements in,
+    and the shifted last tile's `t0` (`tile_start`) is any number: a TMA copy's GMEM address must be 16-byte
+    aligned (compiled: CUDA_ERROR_MISALIGNED_ADDRESS for f32, an illegal instruction for e4m3; the interpreter
+    does not model it). `tile_scales` puts them back in token order."""
     dtype = FP8 if quant[0] == NVFP4 else jnp.float32
-    align = 16 // jnp.dtype(dtype).itemsize
-    return _sharding.out_struct((num_heads * cols // block_of(quant), -(-num_tokens // align) * align), dtype, *args)
+    tiles = -(-num_tokens // BLOCK_T)
+    return _sharding.out_struct((tiles * num_heads * cols // block_of(quant), BLOCK_T), dtype, *args)
+
+
+def tile_scale_rows(g_g, t0, hc, ng: int, num_tokens: int):
+    """The `ng` rows of `scales_struct` `g_g` (a kernel over `num_tokens` padded tokens) that column chunk `hc` of
+    the tile from token `t0` writes: tile ceil(t0 / BLOCK_T) (the shifted last tile's too)."""
+    tiles = -(-num_tokens // BLOCK_T)
+    tile = (t0 + BLOCK_T - 1) // BLOCK_T
+    return g_g.at[pl.ds(tile * (g_g.shape[0] // tiles) + hc * ng, ng), :]
+
+
+def tile_scales(raw, num_tokens: int):
+    """`scales_struct`'s rows `[tiles * G#, BLOCK_T]` of a kernel over `tp = max(T, BLOCK_T)` padded tokens as
+    `[G#, T]` in token order: tile k < tiles - 1 holds tokens from k * BLOCK_T, the last one from tp - BLOCK_T."""
+    tp = max(num_tokens, BLOCK_T)
+    tiles = -(-tp // BLOCK_T)
+    x = raw.reshape(tiles, -1, BLOCK_T)
+    head = jnp.moveaxis(x[:-1], 0, 1).reshape(x.shape[1], -1)  # tokens [0, (tiles - 1) * BLOCK_T)
+    tail = x[-1][:, (tiles - 1) * BLOCK_T - (tp - BLOCK_T):]  # the rest, from the last tile
+    return jnp.concatenate([head, tail], axis=1)[:, :num_tokens]
 
 
 def out_struct(num_tokens: int, num_heads: int, cols: int, quant, stored_dtype, *args):
@@ -500,7 +522,7 @@ def store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc, count) ->
         store_tile(result, o_scr, dst, count)
         return
     ng = dc // block_of(quant)
-    store_tile(result, o_scr, dst, count, scales, q_scr[0], g_g.at[pl.ds(hc * ng, ng), pl.ds(t0, BLOCK_T)])
+    store_tile(result, o_scr, dst, count, scales, q_scr[0], tile_scale_rows(g_g, t0, hc, ng, o_g.shape[0]))
 
 
 def stored(out, last, copy, dtype):
@@ -517,8 +539,8 @@ def stored(out, last, copy, dtype):
 def finish(results, shape, copy_t, last_output, last_lse, output_scale, *, out_dtype, return_lse: bool,
            lse_layout: str, pass_through: bool, group=None):
     """XLA after a merge kernel (docs/spec.md 4.4, 4.7, 4.8, 8.4): the `[T, H, D]` output (quantized in the kernel:
-    its scales `[H * D / G, T'']` in the caller's layout; a group wider than any tile, `output_plan`: the kernel's
-    f32 rows, the last partial's rows copied, quantized, with `output_scale` NVFP4's global scale), and the merged
+    its scales, `scales_struct` in token order by `tile_scales`, in the caller's layout; a group wider than any
+    tile, `output_plan`: the kernel's f32 rows, the last partial's rows copied, quantized, with `output_scale` NVFP4's global scale), and the merged
     LSE (the kernel writes it in the caller's base; with `pass_through`, the rows of `copy_t` take `last_lse`'s
     `[H, T]` bits), in the caller's layout. `results`: the kernel's padded `[T', H * D]` output (NVFP4: `[T', H * D
     / 2]`; then its scales, then its `[H * T']` LSE), its heads of `head_columns`; for T >= BLOCK_T, an `[H, T]`
@@ -532,7 +554,7 @@ def finish(results, shape, copy_t, last_output, last_lse, output_scale, *, out_d
     if group is not None and out.dtype == jnp.float32:  # f32 rows (`output_plan`); NVFP4's global scale (4.8)
         out, scales = jnp_fallback._stored_grouped(out, group, last_output, copy_t, output_scale)
     elif group is not None:
-        scales = _math.scale_layout(results.pop(0)[:, :num_tokens].T, group[2])
+        scales = _math.scale_layout(tile_scales(results.pop(0), num_tokens).T, group[2])
     merged = None
     if return_lse:
         merged = results[0].reshape(num_heads, -1)[:, :num_tokens]  # [H, T]
