@@ -21,7 +21,7 @@ DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "results.md")
 FIELDS = ("table", "row", "column", "value", "unit", "beside", "date", "commit", "device", "command")
 # README's headline table: (label, table, row, columns joined with " / ").
 HEADLINE = (
-    ("`check --suite full`: differing bits, Pallas Triton backend (H200) / Mosaic GPU (H100)", "parity",
+    ("`check --suite full`: differing bits, Pallas Triton backend / Mosaic GPU (H100)", "parity",
      ("check --suite full, Pallas on its Triton backend", "check --suite full, Pallas on Mosaic GPU"),
      ("differing bits",)),
     ("2-way merge T = 32K, Triton plain / + LSE / fused, % of 2R1W", "merge_2way", ("T = 32K",),

@@ -23,10 +23,9 @@ RULES = {
     "gpu-bitwise": (
         "GPU, compiled: Triton, Pallas and jnp (XLA) must agree bit for bit (0 differing bits) on every output "
         "of every operation, and at N = 2 the N-way kernels must give the 2-way kernels' bits (docs/spec.md 5, 8); "
-        "triton_impl's torch path must give the Triton mask's bits, and its merges' differing bits against Triton "
-        "are reported (its division, exp and log are the CUDA library's: their bit equality with the kernels' is "
-        "not measured yet); each must also match the float64 reference, bit for bit where the result is a copy "
-        "and within the stated tolerance elsewhere."),
+        "triton_impl's torch path must give the Triton kernels' bits on every operation too (its division is "
+        "the kernels' div.full.f32; measured equal on every record, H100, 2026-12-07); each must also match the "
+        "float64 reference, bit for bit where the result is a copy and within the stated tolerance elsewhere."),
     "cpu-interpreters": (
         "CPU, Triton interpreter, Pallas interpret mode, jnp on XLA:CPU and the torch path: the mask must agree bit "
         "for bit between all four; for the merges the differing bits between implementations are reported but not "
@@ -42,10 +41,8 @@ def _kinds(case: cases_mod.Case, op: str = "") -> tuple[str, ...]:
 
 
 def _required(mode: str, op: str, case: cases_mod.Case) -> tuple[str, ...]:
-    if op == "mask":
+    if op == "mask" or mode == "gpu-bitwise":
         return _kinds(case, op)
-    if mode == "gpu-bitwise":  # the torch path's merges against Triton: reported (RULES)
-        return tuple(k for k in _kinds(case, op) if k != "triton_vs_torch")
     return ("triton_vs_reference", "pallas_vs_reference", "jnp_vs_reference", "torch_vs_reference") + (
         NVFP4_KINDS if case.nvfp4 else ())
 
