@@ -214,6 +214,50 @@ def test_launch_schedules_match_reference(case, op, launch, monkeypatch):
     _check_against_reference(case, op, inputs, got)
 
 
+GROUPED_WS = {  # grouped outputs whose half tile (64 columns at D = 128) holds whole groups
+    "group_fp8_g64": dict(out_dtype=jnp.float8_e4m3fn, group_size=64),
+    "group_fp8_g32_ue8m0": dict(out_dtype=jnp.float8_e4m3fn, group_size=32, scale_ue8m0=True),
+    "nvfp4_row": dict(out_dtype=jnp.float4_e2m1fn, output_scale=jnp.float32(40.0)),
+    "nvfp4_swizzled": dict(out_dtype=jnp.float4_e2m1fn, output_scale=jnp.float32(40.0), scale_layout="swizzled"),
+}
+# Not NVFP4 with pass-through rows here: jax 0.11.2's interpreter hung in about one call in 30 of it with two compute
+# warpgroups on a 2-core machine, though the kernel is the one without pass-through (NVFP4's pass-through is XLA's,
+# after the kernel), which never hung in 75, and the interpreter's race detection finds no shared-memory race in
+# either (2026-12-07; docs/design.md, "Mosaic GPU backend").
+
+
+@needs_mosaic
+@pytest.mark.parametrize("output", list(GROUPED_WS))
+def test_grouped_outputs_split_over_two_compute_warpgroups_keep_their_bits(output, monkeypatch):
+    """Per-group FP8 and NVFP4 with the warp-specialised pipeline (`compute_wgs=2`): each compute warpgroup
+    quantizes whole groups of its half tile with its own scale slots (NVFP4: its own code tile and packing matrix),
+    and the outputs, scales and LSE are the one-warpgroup kernels' bits (2-way and N = 3; T = 130, H = 2,
+    D = 128). A group as wide as the tile (128) keeps one warpgroup."""
+    from pallas_impl.mosaic import _common as mc
+
+    quant = {"group_fp8_g64": (64, False), "group_fp8_g32_ue8m0": (32, True)}.get(output, (mc.NVFP4,))
+    assert mc.compute_warpgroups(dict(compute_wgs=2), quant, 128, jnp.uint8) == 2
+    assert mc.compute_warpgroups(dict(compute_wgs=2), (128, False), 128, jnp.float8_e4m3fn) == 1
+    kw = GROUPED_WS[output]
+    keys = jax.random.split(jax.random.PRNGKey(3), 2)
+    outs = jax.random.normal(keys[0], (3, 130, 2, 128), jnp.bfloat16) * 3
+    lses = jax.random.normal(keys[1], (3, 2, 130), jnp.float32)
+    results = {}
+    for wgs in (1, 2):
+        for kernel in ("merge", "merge_n"):
+            monkeypatch.setitem(mc.TUNING, kernel, dict(mc.TUNING[kernel], compute_wgs=wgs))
+        jax.clear_caches()  # the schedule is chosen at trace time
+        two = pallas_impl.merge_attn_states(outs[0], lses[0], outs[1], lses[1], backend="mosaic_gpu",
+                                            return_lse=True, **kw)
+        many = pallas_impl.merge_attn_states_n(outs, lses, backend="mosaic_gpu", return_lse=True, **kw)
+        results[wgs] = [np.asarray(x) for x in jax.tree.leaves((two, many))]
+    monkeypatch.undo()
+    jax.clear_caches()
+    for one, split in zip(results[1], results[2]):
+        assert one.dtype == split.dtype and one.shape == split.shape
+        np.testing.assert_array_equal(one.view(np.uint8), split.view(np.uint8))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Choosing the backend
 

@@ -8,7 +8,9 @@ What it times (jax.profiler kernel time per call, `parity.tools.bench.timers.tim
   as `jax.jit(mask_empty_context_lse, donate)` chained (the documented in-place form; has_empty=True);
 - the 2-way merge, variants plain / lse / fused, at T = 32768 and 2048 (H = 64, D = 128, bf16), and the N-way
   merge at N = 2, 4, 8 (T = 32768), as a fraction of the two-read-one-write ceiling measured here (an XLA
-  `a + b` of 2 x 1 GiB bf16; bytes as `parity.tools.bench.FORMULAS`).
+  `a + b` of 2 x 1 GiB bf16; bytes as `parity.tools.bench.FORMULAS`);
+- the quantized merges (`QUANTIZED`: per-group FP8 with G = 128 and 64, NVFP4), 2-way and N = 4 at T = 32768,
+  their bytes with the quantized output and its scales.
 Every point runs on the Triton backend and on Mosaic GPU with the shipped defaults first, then with the other
 candidates of `CANDIDATES` (until `--budget-s`). The table ends with each kernel's candidates ranked over its
 points (the mask's two variants apart): put the best in `TUNING` if it is not the default. `--no-sweep` times
@@ -112,15 +114,22 @@ def mask_point(case, with_out: bool, backend: str) -> float:
     return gpu_us(call, lambda: state["lse"].block_until_ready())
 
 
+# Quantized variants (docs/spec.md 4.7, 4.8): the output's options and its bytes per element, scales included.
+QUANTIZED = {"fp8_g128": (dict(group_size=128), 1 + 4 / 128), "fp8_g64": (dict(group_size=64), 1 + 4 / 64),
+             "nvfp4": (dict(out_dtype=jnp.float4_e2m1fn, output_scale=jnp.float32(40.0)), 0.5 + 1 / 16)}
+
+
 def merge_point(T: int, n: int, variant: str, backend: str, lse_layout: str = "HT") -> tuple[float, int]:
-    """(GPU us, bytes) of the 2-way merge (n = 0) or the N-way merge."""
+    """(GPU us, bytes) of the 2-way merge (n = 0) or the N-way merge; `variant` plain, lse, fused or one of
+    QUANTIZED (no output LSE)."""
     key = jax.random.key(1)
     parts = max(n, 2)
     o = jax.random.normal(key, (parts, T, H, D), DTYPE)
     lse = jax.random.normal(key, (parts, H, T), jnp.float32) * 3 + 4
     if lse_layout == "TH":
         lse = jnp.swapaxes(lse, 1, 2)
-    kw = dict(return_lse=variant != "plain", backend=backend, lse_layout=lse_layout)
+    quant, out_bytes = QUANTIZED.get(variant, ({}, 2))
+    kw = dict(return_lse=variant in ("lse", "fused"), backend=backend, lse_layout=lse_layout, **quant)
     if variant == "fused":  # 128-token requests, every even one empty in the prefix (every partial but the last)
         qsl = np.arange(0, T + 1, 128, dtype=np.int32)
         lens = np.where(np.arange(len(qsl) - 1) % 2 == 0, 0, 64)
@@ -140,8 +149,8 @@ def merge_point(T: int, n: int, variant: str, backend: str, lse_layout: str = "H
     res = [None]
     us = gpu_us(lambda: res.__setitem__(0, f(*args)), lambda: jax.block_until_ready(res[0]))
     elems = T * H * D
-    lse_out = T * H * 4 if variant != "plain" else 0
-    nbytes = parts * (elems * 2 + T * H * 4) + elems * 2 + lse_out
+    lse_out = T * H * 4 if kw["return_lse"] else 0
+    nbytes = parts * (elems * 2 + T * H * 4) + int(elems * out_bytes) + lse_out
     return us, nbytes
 
 
@@ -201,6 +210,10 @@ def main(argv=None) -> int:
         for variant in ("plain", "lse", "fused"):
             points.append(("merge_n", f"merge_n N={n} T=32768 {variant}",
                            lambda b, n=n, v=variant: merge_point(32768, n, v, b)))
+    for variant in QUANTIZED:  # the quantized merges: per-group FP8 (G = 128, and 64: two compute warpgroups split
+        # it) and NVFP4, 2-way and N = 4
+        points.append(("merge", f"merge T=32768 {variant}", lambda b, v=variant: merge_point(32768, 0, v, b)))
+        points.append(("merge_n", f"merge_n N=4 T=32768 {variant}", lambda b, v=variant: merge_point(32768, 4, v, b)))
 
     if args.grid:
         points = points[:1] + grid_points()

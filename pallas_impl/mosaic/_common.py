@@ -116,13 +116,14 @@ MEMORY_REGISTERS = 40  # registers per thread of the warpgroup that issues a war
 def compute_warpgroups(tune: dict, quant, dc: int, out_dtype) -> int:
     """Compute warpgroups of a merge kernel: `tune["compute_wgs"]` (1: one warpgroup copies and computes; 2: a
     warp-specialised pipeline, a third warpgroup issuing the TMA copies and each compute warpgroup merging half of
-    each tile's columns), 1 where half a tile is not whole 16-byte rows of a multiple of 8 columns or the output is
-    grouped (per-group FP8 and NVFP4 keep their groups in one warpgroup's columns)."""
+    each tile's columns), 1 where half a tile is not whole 16-byte rows of a multiple of 8 columns and of the
+    output's groups (a group of per-group FP8, two NVFP4 blocks: a group never spans warpgroups)."""
     wgs = tune.get("compute_wgs", 1)
-    if wgs == 1 or grouped(quant) or dc % wgs:
+    if wgs == 1 or dc % wgs:
         return 1
     width = dc // wgs
-    if width % 8 or width * jnp.dtype(out_dtype).itemsize % 16:
+    multiple = 8 if not grouped(quant) else 2 * NVFP4_BLOCK if quant[0] == NVFP4 else quant[0]
+    if width % multiple or width % 8 or width * jnp.dtype(out_dtype).itemsize % 16:
         return 1
     return wgs
 
@@ -146,6 +147,14 @@ def per_warpgroup(scratch: list, wgs: int) -> list:
     if wgs == 1:
         return scratch
     return [plgpu().SMEM((wgs, *x.shape), x.dtype) for x in scratch]
+
+
+def when_computing(wg, wgs: int, fn) -> None:
+    """`fn()` in the compute warpgroups only (`wg` < `wgs`): with one warpgroup, always."""
+    if wgs > 1:
+        pl.when(wg < wgs)(fn)
+    else:
+        fn()
 
 
 def warpgroups(wgs: int) -> dict:
@@ -430,10 +439,11 @@ def packing_matrix(dc: int):
 
 
 def load_packing(p_g, p_smem, barrier) -> None:
-    """The packing matrix into shared memory, once per CTA (before its pipeline)."""
+    """The packing matrix into shared memory, once per CTA (or per compute warpgroup; before its pipeline), on
+    `barrier` (one barrier)."""
     m = plgpu()
-    m.copy_gmem_to_smem(p_g, p_smem, barrier.at[0])
-    m.barrier_wait(barrier.at[0])
+    m.copy_gmem_to_smem(p_g, p_smem, barrier)
+    m.barrier_wait(barrier)
 
 
 def quantized(result, quant, scale, pack=None):
@@ -473,17 +483,26 @@ def quantized(result, quant, scale, pack=None):
     return packed.astype(jnp.int32).astype(jnp.uint8), scales
 
 
-def quant_scratch(quant, stores: int, dc: int) -> list:
-    """The shared memory a `grouped` quant adds to a merge kernel: the scale slots (`store_tile`), and for NVFP4
-    the packing's code tile, matrix and barrier (`quantized`, `load_packing`)."""
+def quant_scratch(quant, stores: int, dc: int, wgs: int = 1) -> list:
+    """The shared memory a `grouped` quant adds to a merge kernel whose compute warpgroups (`wgs`) each quantize
+    `dc` columns of a tile: the scale slots (`store_tile`), and for NVFP4 the packing's code tile, matrix and
+    barrier (`quantized`, `load_packing`); each once per warpgroup (`warpgroup_quant_scratch` picks them)."""
     if not grouped(quant):
         return []
     m = plgpu()
     dtype = FP8 if quant[0] == NVFP4 else jnp.float32
     scratch = [m.SMEM((stores, dc // block_of(quant), BLOCK_T), dtype)]
     if quant[0] == NVFP4:
-        scratch += [m.SMEM((BLOCK_T, dc), jnp.float16), m.SMEM((dc, dc // 2), jnp.float16), m.Barrier(num_barriers=1)]
-    return scratch
+        scratch += [m.SMEM((BLOCK_T, dc), jnp.float16), m.SMEM((dc, dc // 2), jnp.float16)]
+    return per_warpgroup(scratch, wgs) + ([m.Barrier(num_barriers=wgs)] if quant[0] == NVFP4 else [])
+
+
+def warpgroup_quant_scratch(q_scr: list, wg, wgs: int) -> list:
+    """Compute warpgroup `wg`'s part of `quant_scratch(..., wgs)`: its scale slots, and for NVFP4 its code tile,
+    matrix and barrier."""
+    if wgs > 1:
+        return [x.at[wg] for x in q_scr]
+    return [*q_scr[:3], q_scr[3].at[0]] if len(q_scr) == 4 else list(q_scr)
 
 
 def kernel_io(args: list, quant, output_scale, dc: int, num_tokens: int, num_heads: int, cols: int, stored_dtype,
@@ -493,7 +512,7 @@ def kernel_io(args: list, quant, output_scale, dc: int, num_tokens: int, num_hea
     if quant in ((STATIC,), (NVFP4,)):
         args.append(scale_row(output_scale))
     if quant == (NVFP4,):
-        args.append(packing_matrix(dc))
+        args.append(packing_matrix(dc))  # dc: the columns one warpgroup quantizes
     out_type = [out_struct(num_tokens, num_heads, cols, quant, stored_dtype, *args)]
     if grouped(quant):
         out_type.append(scales_struct(num_tokens, num_heads, cols, quant, *args))

@@ -55,13 +55,15 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
                                                                      True, grouped, output_lse)
         # rows of w_smem: wp, ws, both-empty flag, copy flag, static or global scale
         w_smem, o_scr, *q_scr = rest
-        if nvfp4:
-            mc.load_packing(m_g, q_scr[2], q_scr[3])
         # With two compute warpgroups (and a third issuing the TMA copies), warpgroup wg merges columns
-        # [wg * width, (wg + 1) * width) of each tile, with its own weight rows and output slots.
+        # [wg * width, (wg + 1) * width) of each tile, with its own weight rows, output slots and quantization
+        # scratch.
         wg = lax.axis_index("wg") if wgs > 1 else 0
         if wgs > 1:
             w_smem, o_scr = w_smem.at[wg], o_scr.at[wg]
+        q_scr = mc.warpgroup_quant_scratch(q_scr, wg, wgs)
+        if nvfp4:
+            mc.when_computing(wg, wgs, lambda: mc.load_packing(m_g, q_scr[2], q_scr[3]))
 
         def rows(i):
             """The per-token rows of tile i (per-thread loads: any alignment): p (the fused mask's tokens at -inf),
@@ -123,7 +125,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
     own = mc.per_warpgroup([plgpu.SMEM((5, bt), F32), mc.output_slots(quant, tune["stores"], width, out_type[0].dtype)],
                            wgs)
     return mc.kernel(body, out_type=tuple(out_type), grid=tiles.grid, grid_names=tiles.names,
-                     scratch_types=[*own, *mc.quant_scratch(quant, tune["stores"], dc)], interpret=interpret,
+                     scratch_types=[*own, *mc.quant_scratch(quant, tune["stores"], width, wgs)], interpret=interpret,
                      **mc.warpgroups(wgs))
 
 
@@ -153,7 +155,8 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
         args.append(mc.flag_rows(empty))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
-    out_type = mc.kernel_io(args, quant, output_scale, dc, tp, num_heads, cols, stored_dtype, return_lse)
+    width = dc // mc.compute_warpgroups(tune, quant, dc, stored_dtype)  # the columns one warpgroup quantizes
+    out_type = mc.kernel_io(args, quant, output_scale, width, tp, num_heads, cols, stored_dtype, return_lse)
     results = _kernel(tp, num_heads, cols, dc, out_type, output_lse=return_lse, empty_rows=empty is not None,
                       copy_rows=copy_rows, lse_base2=lse_base2, quant=quant, interpret=interpret)(*args)
     # XLA after the kernel: NVFP4 (4.8), per-group scales' layout, the pass-through LSE (4.4: the suffix's raw

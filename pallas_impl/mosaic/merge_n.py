@@ -63,13 +63,15 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                                                                      True, grouped, output_lse)
         # rows of w_smem: the weights, the all-empty flag (, m, z with blocks) (, the static or global scale)
         w_smem, row_smem, o_scr, *q_scr = rest
-        if nvfp4:
-            mc.load_packing(m_g, q_scr[2], q_scr[3])
         # With two compute warpgroups (and a third issuing the TMA copies), warpgroup wg merges columns
-        # [wg * width, (wg + 1) * width) of each tile, with its own weight rows and output slots.
+        # [wg * width, (wg + 1) * width) of each tile, with its own weight rows, output slots and quantization
+        # scratch.
         wg = lax.axis_index("wg") if wgs > 1 else 0
         if wgs > 1:
             w_smem, row_smem, o_scr = w_smem.at[wg], row_smem.at[wg], o_scr.at[wg]
+        q_scr = mc.warpgroup_quant_scratch(q_scr, wg, wgs)
+        if nvfp4:
+            mc.when_computing(wg, wgs, lambda: mc.load_packing(m_g, q_scr[2], q_scr[3]))
 
         def step(idx, x_s, acc):
             i, n = idx
@@ -140,7 +142,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     own = mc.per_warpgroup([plgpu.SMEM((scale_at + 1, bt), F32), plgpu.SMEM((bt,), F32),
                             mc.output_slots(quant, tune["stores"], width, out_type[0].dtype)], wgs)
     return mc.kernel(body, out_type=tuple(out_type), grid=tiles.grid, grid_names=tiles.names,
-                     scratch_types=[*own, *mc.quant_scratch(quant, tune["stores"], dc)], interpret=interpret,
+                     scratch_types=[*own, *mc.quant_scratch(quant, tune["stores"], width, wgs)], interpret=interpret,
                      **mc.warpgroups(wgs))
 
 
@@ -170,7 +172,8 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
         args.append(mc.flag_rows(empties))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
-    out_type = mc.kernel_io(args, quant, output_scale, dc, tp, num_heads, cols, stored_dtype, return_lse)
+    width = dc // mc.compute_warpgroups(tune, quant, dc, stored_dtype)  # the columns one warpgroup quantizes
+    out_type = mc.kernel_io(args, quant, output_scale, width, tp, num_heads, cols, stored_dtype, return_lse)
     results = _kernel(num_partials, tp, num_heads, cols, dc, out_type, output_lse=return_lse,
                       empty_rows=empties is not None, copy_rows=copy_rows, lse_base2=lse_base2, quant=quant,
                       interpret=interpret)(*args)
