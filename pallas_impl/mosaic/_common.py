@@ -149,6 +149,11 @@ def per_warpgroup(scratch: list, wgs: int) -> list:
     return [plgpu().SMEM((wgs, *x.shape), x.dtype) for x in scratch]
 
 
+def per_warpgroup_refs(refs, wg, wgs: int) -> list:
+    """Warpgroup `wg`'s part of each of `per_warpgroup(..., wgs)`'s refs."""
+    return [x.at[wg] for x in refs] if wgs > 1 else list(refs)
+
+
 def when_computing(wg, wgs: int, fn) -> None:
     """`fn()` in the compute warpgroups only (`wg` < `wgs`): with one warpgroup, always."""
     if wgs > 1:
@@ -160,6 +165,11 @@ def when_computing(wg, wgs: int, fn) -> None:
 def warpgroups(wgs: int) -> dict:
     """`kernel` arguments for `wgs` compute warpgroups: the copy-issuing one besides, axis "wg"."""
     return dict(num_threads=wgs + 1, thread_name="wg") if wgs > 1 else {}
+
+
+def token_tiles(num_tokens: int) -> int:
+    """Token tiles of BLOCK_T over `num_tokens` (>= BLOCK_T) padded tokens, the last one shifted back (`tile_start`)."""
+    return -(-num_tokens // BLOCK_T)
 
 
 class Tiles:
@@ -175,7 +185,7 @@ class Tiles:
 
     def __init__(self, num_tokens: int, num_chunks: int, tune: dict, interpret: bool):
         self.num_tokens, self.num_chunks = num_tokens, num_chunks
-        self.token_tiles = -(-num_tokens // BLOCK_T)
+        self.token_tiles = token_tiles(num_tokens)
         self.total = num_chunks * self.token_tiles
         per_sm = tune.get("ctas_per_sm", 0)
         if per_sm:
@@ -401,23 +411,21 @@ def scales_struct(num_tokens: int, num_heads: int, cols: int, quant, *args):
     aligned (compiled: CUDA_ERROR_MISALIGNED_ADDRESS for f32, an illegal instruction for e4m3; the interpreter
     does not model it). `tile_scales` puts them back in token order."""
     dtype = FP8 if quant[0] == NVFP4 else jnp.float32
-    tiles = -(-num_tokens // BLOCK_T)
-    return _sharding.out_struct((tiles * num_heads * cols // block_of(quant), BLOCK_T), dtype, *args)
+    return _sharding.out_struct((token_tiles(num_tokens) * num_heads * cols // block_of(quant), BLOCK_T), dtype, *args)
 
 
 def tile_scale_rows(g_g, t0, hc, ng: int, num_tokens: int):
     """The `ng` rows of `scales_struct` `g_g` (a kernel over `num_tokens` padded tokens) that column chunk `hc` of
     the tile from token `t0` writes: tile ceil(t0 / BLOCK_T) (the shifted last tile's too)."""
-    tiles = -(-num_tokens // BLOCK_T)
     tile = (t0 + BLOCK_T - 1) // BLOCK_T
-    return g_g.at[pl.ds(tile * (g_g.shape[0] // tiles) + hc * ng, ng), :]
+    return g_g.at[pl.ds(tile * (g_g.shape[0] // token_tiles(num_tokens)) + hc * ng, ng), :]
 
 
 def tile_scales(raw, num_tokens: int):
     """`scales_struct`'s rows `[tiles * G#, BLOCK_T]` of a kernel over `tp = max(T, BLOCK_T)` padded tokens as
     `[G#, T]` in token order: tile k < tiles - 1 holds tokens from k * BLOCK_T, the last one from tp - BLOCK_T."""
     tp = max(num_tokens, BLOCK_T)
-    tiles = -(-tp // BLOCK_T)
+    tiles = token_tiles(tp)
     x = raw.reshape(tiles, -1, BLOCK_T)
     head = jnp.moveaxis(x[:-1], 0, 1).reshape(x.shape[1], -1)  # tokens [0, (tiles - 1) * BLOCK_T)
     tail = x[-1][:, (tiles - 1) * BLOCK_T - (tp - BLOCK_T):]  # the rest, from the last tile
@@ -499,10 +507,10 @@ def quant_scratch(quant, stores: int, dc: int, wgs: int = 1) -> list:
 
 def warpgroup_quant_scratch(q_scr: list, wg, wgs: int) -> list:
     """Compute warpgroup `wg`'s part of `quant_scratch(..., wgs)`: its scale slots, and for NVFP4 its code tile,
-    matrix and barrier."""
-    if wgs > 1:
-        return [x.at[wg] for x in q_scr]
-    return [*q_scr[:3], q_scr[3].at[0]] if len(q_scr) == 4 else list(q_scr)
+    matrix and barrier (one of `wgs`; `wg` is 0 with one warpgroup)."""
+    nvfp4 = len(q_scr) == 4
+    arrays = per_warpgroup_refs(q_scr[:3] if nvfp4 else q_scr, wg, wgs)
+    return arrays + ([q_scr[3].at[wg]] if nvfp4 else [])
 
 
 def kernel_io(args: list, quant, output_scale, dc: int, num_tokens: int, num_heads: int, cols: int, stored_dtype,
@@ -559,8 +567,8 @@ def finish(results, shape, copy_t, last_output, last_lse, output_scale, *, out_d
            lse_layout: str, pass_through: bool, group=None):
     """XLA after a merge kernel (docs/spec.md 4.4, 4.7, 4.8, 8.4): the `[T, H, D]` output (quantized in the kernel:
     its scales, `scales_struct` in token order by `tile_scales`, in the caller's layout; a group wider than any
-    tile, `output_plan`: the kernel's f32 rows, the last partial's rows copied, quantized, with `output_scale` NVFP4's global scale), and the merged
-    LSE (the kernel writes it in the caller's base; with `pass_through`, the rows of `copy_t` take `last_lse`'s
+    tile, `output_plan`: the kernel's f32 rows, the last partial's rows copied, quantized, with `output_scale`
+    NVFP4's global scale), and the merged LSE (the kernel writes it in the caller's base; with `pass_through`, the rows of `copy_t` take `last_lse`'s
     `[H, T]` bits), in the caller's layout. `results`: the kernel's padded `[T', H * D]` output (NVFP4: `[T', H * D
     / 2]`; then its scales, then its `[H * T']` LSE), its heads of `head_columns`; for T >= BLOCK_T, an `[H, T]`
     LSE, whole heads and no pass-through these are reshapes only."""

@@ -59,8 +59,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
         # [wg * width, (wg + 1) * width) of each tile, with its own weight rows, output slots and quantization
         # scratch.
         wg = lax.axis_index("wg") if wgs > 1 else 0
-        if wgs > 1:
-            w_smem, o_scr = w_smem.at[wg], o_scr.at[wg]
+        w_smem, o_scr = mc.per_warpgroup_refs((w_smem, o_scr), wg, wgs)
         q_scr = mc.warpgroup_quant_scratch(q_scr, wg, wgs)
         if nvfp4:
             mc.when_computing(wg, wgs, lambda: mc.load_packing(m_g, q_scr[2], q_scr[3]))
