@@ -1,7 +1,9 @@
 """The Mosaic GPU kernels of pallas_impl once each on a small ragged batch, for `compute-sanitizer` (memcheck): the
 mask in place (donated; LSE only and with output zeroing), the 2-way merge (plain and fused, with pass-through
-rows), the N-way merge (fused, N = 4; N = 256; D = 20; other output dtypes; per-group FP8) and the context-parallel rescale (reduce_scatter over 4 ranks simulated by a
-named vmap); then 200 requests over 16384 tokens (the mask's window search, the 2-way merge's long tiles).
+rows), the N-way merge (fused, N = 4; N = 256; D = 20; other output dtypes), the quantized outputs (static fp8,
+per-group FP8, NVFP4 with row and swizzled scales; on one compute warpgroup and split over two) and the
+context-parallel rescale (reduce_scatter over 4 ranks simulated by a named vmap); then 200 requests over 16384
+tokens (the mask's window search, the 2-way merge's long tiles).
 jax >= 0.11 on a GPU.
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \\
@@ -16,9 +18,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import pallas_impl  # noqa: E402
+from pallas_impl.mosaic import _common as mc  # noqa: E402
 
 T, H, D, N = 300, 8, 128, 4
 KW = dict(backend="mosaic_gpu")
+QUANTIZED = (dict(out_dtype=jnp.float8_e4m3fn, output_scale=jnp.float32(0.5)), dict(group_size=128),
+             dict(group_size=64, scale_ue8m0=True), dict(out_dtype=jnp.float4_e2m1fn, output_scale=jnp.float32(40.0)),
+             dict(out_dtype=jnp.float4_e2m1fn, output_scale=jnp.float32(40.0), scale_layout="swizzled"))
+DEFAULT_WGS = {k: mc.TUNING[k].get("compute_wgs", 1) for k in ("merge", "merge_n")}
 
 
 def main() -> int:
@@ -48,8 +55,22 @@ def main() -> int:
                                                           cu_seq_lens=jnp.tile(cu, (wide.shape[0], 1)), out_dtype=jnp.float32,
                                                           prefill_tokens_with_context=290, **KW))
     jax.block_until_ready(pallas_impl.merge_attn_states_n(o[..., :20], lse, out_dtype=jnp.float16, **KW))
-    jax.block_until_ready(pallas_impl.merge_attn_states(o[0], lse[0], o[1], lse[1], group_size=64, **KW))
-    print("merge_n (N = 256, D = 20), group fp8 ok", flush=True)
+    print("merge_n (N = 256, D = 20) ok", flush=True)
+    # The quantized stores in the kernels (T = 300: the shifted last tile's scale rows), on one compute warpgroup
+    # and split over two (`compute_wgs`).
+    for wgs in (1, 2):
+        for kernel in ("merge", "merge_n"):
+            mc.TUNING[kernel]["compute_wgs"] = wgs
+        jax.clear_caches()
+        for quant in QUANTIZED:
+            jax.block_until_ready(pallas_impl.merge_attn_states(o[0], lse[0], o[1], lse[1], return_lse=True,
+                                                                prefill_tokens_with_context=290, **quant, **KW))
+            jax.block_until_ready(pallas_impl.merge_attn_states_n(o, lse, query_start_loc=qsl, cu_seq_lens=cus,
+                                                                  **quant, **KW))
+        print(f"quantized merges (static fp8, per-group FP8, NVFP4) with compute_wgs={wgs} ok", flush=True)
+    for kernel in ("merge", "merge_n"):
+        mc.TUNING[kernel]["compute_wgs"] = DEFAULT_WGS[kernel]
+    jax.clear_caches()
     combine = jax.vmap(lambda a, b, c: pallas_impl.cp_merge_attn_states(
         a, b, axis_name="cp", method="reduce_scatter", query_start_loc=qsl, cu_seq_lens=c, **KW), axis_name="cp")
     jax.block_until_ready(jax.jit(combine)(o, lse, cus))
