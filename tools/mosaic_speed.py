@@ -47,8 +47,9 @@ CANDIDATES = {
                 + [dict(heads=k, offsets_in_smem=True) for k in (8, 32)],
     # (Candidates well behind in the committed sweeps are left out: docs/results.md.)
     # ctas_per_sm > 0: persistent CTAs (`mc.Tiles`); 32 KiB 2-way tiles hold one CTA per SM, 16 KiB ones two.
-    # compute_wgs=2: warp-specialised (`mc.compute_warpgroups`).
+    # compute_wgs=2: warp-specialised (`mc.compute_warpgroups`); lse_tma=False: the LSE rows by per-thread loads.
     "merge": [dict(mc.TUNING["merge"]),
+              dict(mc.TUNING["merge"], lse_tma=False),
               dict(mc.TUNING["merge"], compute_wgs=2),
               dict(mc.TUNING["merge"], ctas_per_sm=1),
               dict(mc.TUNING["merge"], compute_wgs=2, ctas_per_sm=1),

@@ -43,13 +43,13 @@ WEIGHT_ROWS = 64
 # of one [128, dc] input tile; stores: output tiles whose TMA stores may be in flight (1 or 2 shared-memory slots;
 # docs/design.md, "Mosaic GPU backend", says why stores go through shared memory); ctas_per_sm: 0 for a grid of
 # `steps` tiles per CTA, k > 0 for k persistent CTAs per SM (`Tiles`); compute_wgs: 1, or 2 for a
-# warp-specialised merge (`compute_warpgroups`).
+# warp-specialised merge (`compute_warpgroups`); lse_tma: each tile's LSE rows copied by TMA with it (`rows_by_tma`).
 # The 2-way merge keeps 2 inputs x `concurrent` tiles in shared memory, the N-way and the rescale 1 x `concurrent`:
 # smaller 2-way tiles keep two CTAs per SM (228 KiB of shared memory on an H100/H200).
 # `python -m tools mosaic-speed` sweeps these on the GPU (it sets them here and clears jax's caches). The 2-way merge
 # takes `long_tile_bytes` from `long_tokens` padded tokens on (`merge_tuning`): larger tiles pay at long T only.
 TUNING = {
-    "merge": dict(steps=8, concurrent=2, tile_bytes=16 * 1024, stores=2, ctas_per_sm=0, compute_wgs=1,
+    "merge": dict(steps=8, concurrent=2, tile_bytes=16 * 1024, stores=2, ctas_per_sm=0, compute_wgs=1, lse_tma=True,
                   long_tokens=16384, long_tile_bytes=32 * 1024),
     "merge_n": dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1, ctas_per_sm=0, compute_wgs=1),
     "cp_rescale": dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2),
@@ -316,12 +316,21 @@ def merge_tuning(num_tokens: int) -> dict:
     return tune
 
 
-def lse_rows(lse, lse_layout: str):
-    """A raw LSE as a kernel reads it: f32[H * T'] (rows h, T' >= BLOCK_T padded with -inf). The sentinels are
-    the kernel's (`_math.clean_lse`); an `[H, T]` LSE of T >= BLOCK_T is only reshaped (no XLA
-    kernel)."""
+def lse_rows(lse, lse_layout: str, flat: bool = True):
+    """A raw LSE as a kernel reads it: f32[H * T'] (`flat`: rows h, for per-thread loads) or f32[H, T'] (TMA
+    copies, `rows_by_tma`), T' >= BLOCK_T padded with -inf. The sentinels are the kernel's (`_math.clean_lse`); an
+    `[H, T]` LSE of T >= BLOCK_T is only reshaped (no XLA kernel)."""
     x = lse if lse_layout == "HT" else lse.T
-    return padded_rows(x, x.shape[-1], -jnp.inf, axis=-1).reshape(-1)
+    x = padded_rows(x, x.shape[-1], -jnp.inf, axis=-1)
+    return x.reshape(-1) if flat else x
+
+
+def rows_by_tma(tune: dict, num_tokens: int) -> bool:
+    """Whether a merge kernel over `num_tokens` padded tokens copies each tile's LSE and flag rows into shared memory
+    by TMA with the tile (`tune["lse_tma"]`): where an `[H, T']` row's stride is a multiple of 16 bytes (T' a
+    multiple of 4), as a TMA copy needs (its box may start at any token). Else each thread loads its row's element
+    from GMEM, a step ahead (`strided_row`). Either way the same values reach the same arithmetic."""
+    return bool(tune.get("lse_tma")) and num_tokens % 4 == 0
 
 
 def stacked_lse_rows(lses, lse_layout: str):

@@ -33,9 +33,10 @@ F32 = jnp.float32
 
 
 def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *, output_lse: bool,
-            empty_rows: bool, copy_rows: bool, lse_base2: bool, quant, interpret: bool):
-    """The merge of padded `[T', H * D]` prefix and suffix (T' >= 128) with raw `[H * T']` LSE rows; quantized outputs
-    quantized in registers (`quant`: `mc.output_plan`)."""
+            empty_rows: bool, copy_rows: bool, lse_base2: bool, quant, lse_tma: bool, interpret: bool):
+    """The merge of padded `[T', H * D]` prefix and suffix (T' >= 128) with raw LSE rows, `[H, T']` copied with each
+    tile (`lse_tma`, `mc.rows_by_tma`) or `[H * T']` loaded per thread; quantized outputs quantized in registers
+    (`quant`: `mc.output_plan`)."""
     plgpu = mc.plgpu()
     tune = mc.merge_tuning(num_tokens)
     nc = head_dim // dc
@@ -64,26 +65,36 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
         if nvfp4:
             mc.when_computing(wg, wgs, lambda: mc.load_packing(m_g, q_scr[2], q_scr[3]))
 
+        def cleaned(p, s, e, c):
+            """The tile's rows as the weights take them: p (the fused mask's tokens at -inf), s, the copy flags."""
+            if empty_rows:
+                p = jnp.where(e > 0, -jnp.inf, p)
+            got = (_math.clean_lse(p), _math.clean_lse(s))
+            return got + (c,) if copy_rows else got
+
         def rows(i):
-            """The per-token rows of tile i (per-thread loads: any alignment): p (the fused mask's tokens at -inf),
-            s and the copy flags."""
+            """The rows of tile i by per-thread loads (any alignment), a step ahead in the carry."""
             hc, t0 = tiles.at(jnp.minimum(i, steps - 1))
             h = hc // nc
-            p = mc.strided_row(p_g, h * num_tokens + t0)
-            if empty_rows:
-                p = jnp.where(mc.strided_row(e_g, t0) > 0, -jnp.inf, p)
-            s = mc.strided_row(s_g, h * num_tokens + t0)
-            got = (_math.clean_lse(p), _math.clean_lse(s))
-            return got + (mc.strided_row(c_g, t0),) if copy_rows else got
+            flag = lambda r: mc.strided_row(r, t0) if r is not None else None  # noqa: E731
+            return cleaned(mc.strided_row(p_g, h * num_tokens + t0), mc.strided_row(s_g, h * num_tokens + t0),
+                           flag(e_g), flag(c_g))
 
-        def step(idx, a_s, b_s, carry):
+        def step(idx, a_s, b_s, *rest):
             (i,) = idx
             hc, t0 = tiles.at(i)
             h = hc // nc
-            # This tile's rows were loaded a step ahead (the carry); the next tile's loads are issued now, so their
-            # latency overlaps this tile's work rather than stalling the next step.
-            following = rows(i + 1)
-            p, s = carry[:2]
+            *row_s, carry = rest
+            if lse_tma:  # the rows came with the tiles: p, s, then the flag rows present
+                p_s, s_s, *flag_s = row_s
+                flag_s = iter(flag_s)
+                flag = lambda r: mc.strided_row(next(flag_s), 0) if r is not None else None  # noqa: E731
+                current, following = cleaned(mc.strided_row(p_s, 0), mc.strided_row(s_s, 0), flag(e_g), flag(c_g)), ()
+            else:
+                # This tile's rows were loaded a step ahead (the carry); the next tile's loads are issued now, so
+                # their latency overlaps this tile's work rather than stalling the next step.
+                current, following = carry, rows(i + 1)
+            p, s = current[:2]
             # The weights of the tile's 128 rows, one row per thread, as the N-way kernel computes them; relaid
             # out through shared memory into the tile's row layout.
             m, both_empty, z, wp, ws = _math.two_way_weights(p, s, lse_base2)
@@ -91,7 +102,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             w_smem[1] = ws
             w_smem[2] = jnp.where(both_empty, 1.0, 0.0)
             if copy_rows:
-                w_smem[3] = carry[2]
+                w_smem[3] = current[2]
             if scaled:
                 w_smem[4] = mc.strided_row(q_g, 0)
             if output_lse:
@@ -117,8 +128,15 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             return following
 
         tile = plgpu.BlockSpec((pl.Element(bt), dc), lambda i: tiles.at(i)[::-1])
-        mc.pipeline(step, (a_g, b_g), grid=(steps,), in_specs=[tile, tile], tune=tune, wgs=wgs,
-                    init_carry=lambda: rows(0))
+        inputs, specs = [a_g, b_g], [tile, tile]
+        if lse_tma:  # the LSE rows (`[H, T']`) and flag rows (`[T']`) of each tile by TMA, with it
+            at = lambda i: tiles.at(i)[1]  # noqa: E731
+            lse = plgpu.BlockSpec((None, pl.Element(bt)), lambda i: (tiles.at(i)[0] // nc, at(i)))
+            flags = [r for r in (e_g, c_g) if r is not None]
+            inputs += [p_g, s_g, *flags]
+            specs += [lse, lse] + [plgpu.BlockSpec((pl.Element(bt),), lambda i: (at(i),))] * len(flags)
+        mc.pipeline(step, inputs, grid=(steps,), in_specs=specs, tune=tune, wgs=wgs,
+                    init_carry=lambda: () if lse_tma else rows(0))
         plgpu.wait_smem_to_gmem(0)
 
     own = mc.per_warpgroup([plgpu.SMEM((5, bt), F32), mc.output_slots(quant, tune["stores"], width, out_type[0].dtype)],
@@ -148,8 +166,9 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
     rows = lambda x: mc.padded_rows(mc.padded_heads(x, cols).reshape(num_tokens, num_heads * cols),  # noqa: E731
                                     num_tokens, 0)
     copy_rows = prefill_tokens_with_context is not None and stored_dtype == out_dtype
-    args = [rows(prefix_output), rows(suffix_output), mc.lse_rows(prefix_lse, lse_layout),
-            mc.lse_rows(suffix_lse, lse_layout)]
+    lse_tma = mc.rows_by_tma(tune, tp)
+    args = [rows(prefix_output), rows(suffix_output), mc.lse_rows(prefix_lse, lse_layout, flat=not lse_tma),
+            mc.lse_rows(suffix_lse, lse_layout, flat=not lse_tma)]
     if empty is not None:
         args.append(mc.flag_rows(empty))
     if copy_rows:
@@ -157,7 +176,8 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
     width = dc // mc.compute_warpgroups(tune, quant, dc, stored_dtype)  # the columns one warpgroup quantizes
     out_type = mc.kernel_io(args, quant, output_scale, width, tp, num_heads, cols, stored_dtype, return_lse)
     results = _kernel(tp, num_heads, cols, dc, out_type, output_lse=return_lse, empty_rows=empty is not None,
-                      copy_rows=copy_rows, lse_base2=lse_base2, quant=quant, interpret=interpret)(*args)
+                      copy_rows=copy_rows, lse_base2=lse_base2, quant=quant, lse_tma=lse_tma,
+                      interpret=interpret)(*args)
     # XLA after the kernel: NVFP4 (4.8), per-group scales' layout, the pass-through LSE (4.4: the suffix's raw
     # bits), the layout.
     return mc.finish(results, prefix_output.shape, copy_t, suffix_output,
