@@ -38,12 +38,16 @@ SMEM_BYTES = 227 * 1024 - 1024
 # The N-way merge keeps a shared-memory weight row per partial up to WEIGHT_ROWS partials (its loops over them
 # unrolled); beyond, its loops run at runtime and the weights of WEIGHT_ROWS partials at a time.
 WEIGHT_ROWS = 64
+# The N-way merge copies each tile's LSE rows into shared memory a tile ahead up to this many partials
+# (`prefetches_rows`); beyond, its threads load them from GMEM when the tile starts.
+PREFETCH_PARTIALS = 16
 # Launch choices per kernel (they change which CTA owns a tile, never an element's arithmetic):
 # steps: token tiles per CTA (one emit_pipeline); concurrent: pipelined steps in flight; tile_bytes: the most bytes
 # of one [128, dc] input tile; stores: output tiles whose TMA stores may be in flight (1 or 2 shared-memory slots;
 # docs/design.md, "Mosaic GPU backend", says why stores go through shared memory); ctas_per_sm: 0 for a grid of
 # `steps` tiles per CTA, k > 0 for k persistent CTAs per SM (`Tiles`); compute_wgs: 1, or 2 for a
-# warp-specialised merge (`compute_warpgroups`); lse_tma: each tile's LSE rows copied by TMA with it (`rows_by_tma`).
+# warp-specialised merge (`compute_warpgroups`); lse_tma: each tile's LSE rows copied by TMA (`rows_by_tma`, the
+# N-way merge's a tile ahead, `prefetches_rows`).
 # The 2-way merge keeps 2 inputs x `concurrent` tiles in shared memory, the N-way and the rescale 1 x `concurrent`:
 # smaller 2-way tiles keep two CTAs per SM (228 KiB of shared memory on an H100/H200).
 # `python -m tools mosaic-speed` sweeps these on the GPU (it sets them here and clears jax's caches). The 2-way merge
@@ -51,7 +55,8 @@ WEIGHT_ROWS = 64
 TUNING = {
     "merge": dict(steps=8, concurrent=2, tile_bytes=16 * 1024, stores=2, ctas_per_sm=0, compute_wgs=1, lse_tma=True,
                   long_tokens=16384, long_tile_bytes=32 * 1024),
-    "merge_n": dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1, ctas_per_sm=0, compute_wgs=1),
+    "merge_n": dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1, ctas_per_sm=0, compute_wgs=1,
+                    lse_tma=True),
     "cp_rescale": dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2),
     # heads: LSE rows (of 128 tokens) per CTA; the output rows are split as many ways as the heads.
     # tokens: output rows (of one head group's share) per TMA store of zeros. "mask_lse": without output zeroing
@@ -333,10 +338,17 @@ def rows_by_tma(tune: dict, num_tokens: int) -> bool:
     return bool(tune.get("lse_tma")) and num_tokens % 4 == 0
 
 
-def stacked_lse_rows(lses, lse_layout: str):
-    """`lse_rows` of N stacked LSEs: f32[N * H * T'], rows (k, h)."""
+def prefetches_rows(tune: dict, num_tokens: int, num_partials: int) -> bool:
+    """Whether the N-way merge's tiles take their N LSE rows (and flag rows) from shared memory, copied by TMA a tile
+    ahead (`rows_by_tma`), up to `PREFETCH_PARTIALS` partials (two `[N, BLOCK_T]` slots of each kind of row)."""
+    return rows_by_tma(tune, num_tokens) and num_partials <= PREFETCH_PARTIALS
+
+
+def stacked_lse_rows(lses, lse_layout: str, flat: bool = True):
+    """`lse_rows` of N stacked LSEs: f32[N * H * T'], rows (k, h), or (not `flat`) f32[N, H, T']."""
     x = lses if lse_layout == "HT" else jnp.swapaxes(lses, 1, 2)
-    return padded_rows(x, x.shape[-1], -jnp.inf, axis=-1).reshape(-1)
+    x = padded_rows(x, x.shape[-1], -jnp.inf, axis=-1)
+    return x.reshape(-1) if flat else x
 
 
 def fused_empties(query_start_loc, cu_seq_lens, num_tokens: int):
@@ -350,9 +362,11 @@ def fused_empties(query_start_loc, cu_seq_lens, num_tokens: int):
     return empty(cu_seq_lens)
 
 
-def flag_rows(flags):
-    """bool[..., T] as the f32[... * T'] rows a kernel reads per tile (1 where set; T' >= BLOCK_T padded with 0)."""
-    return padded_rows(flags.astype(jnp.float32), flags.shape[-1], 0.0, axis=-1).reshape(-1)
+def flag_rows(flags, flat: bool = True):
+    """bool[..., T] as the f32[... * T'] rows a kernel reads per tile (1 where set; T' >= BLOCK_T padded with 0), or
+    (not `flat`) f32[..., T']."""
+    x = padded_rows(flags.astype(jnp.float32), flags.shape[-1], 0.0, axis=-1)
+    return x.reshape(-1) if flat else x
 
 
 def last_lse_ht(lses, lse_layout: str, empties):

@@ -35,9 +35,12 @@ F32 = jnp.float32
 
 
 def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *,
-            output_lse: bool, empty_rows: bool, copy_rows: bool, lse_base2: bool, quant, interpret: bool):
+            output_lse: bool, empty_rows: bool, copy_rows: bool, lse_base2: bool, quant, prefetch: bool,
+            interpret: bool):
     """The merge kernel over stacked partials `[N, T', H * D]`, T' >= 128 (padded); quantized outputs
-    quantized in registers (`quant`: `mc.output_plan`)."""
+    quantized in registers (`quant`: `mc.output_plan`). `prefetch` (`mc.prefetches_rows`): the raw LSE rows come
+    as `[N, H, T']` and each tile's rows (and flag rows) by TMA a tile ahead; else `[N * H * T']`, loaded per
+    thread."""
     plgpu = mc.plgpu()
     tune = mc.TUNING["merge_n"]
     nc = head_dim // dc
@@ -55,19 +58,38 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     wgs = mc.compute_warpgroups(tune, quant, dc, out_type[0].dtype)
     width = dc // wgs  # the columns of a tile each compute warpgroup merges
 
-    def body(x_g, l_g, *rest):  # x_g: the partials; l_g: f32[N * H * T'] raw LSE rows ((k * H + h) * T' + t)
-        # e_g: f32[N * T'], 1 on the fused mask's tokens; c_g: f32[T'], 1 where t copies the last partial; q_g:
+    def body(x_g, l_g, *rest):  # x_g: the partials; l_g: the raw LSE rows, f32[N * H * T'] ((k * H + h) * T' + t)
+        # or, with prefetch, f32[N, H, T']
+        # e_g: f32[N * T'] (prefetch: [N, T']), 1 on the fused mask's tokens; c_g: f32[T'], 1 where t copies the
+        # last partial; q_g:
         # f32[128], the static fp8 scale or NVFP4's global scale; m_g: NVFP4's packing matrix; g_g: the scales, a
         # row per group
         e_g, c_g, q_g, m_g, o_g, g_g, lo_g, *rest = mc.optional_refs(rest, empty_rows, copy_rows, scaled, nvfp4,
                                                                      True, grouped, output_lse)
         # rows of w_smem: the weights, the all-empty flag (, m, z with blocks) (, the static or global scale)
         w_smem, row_smem, o_scr, *q_scr = rest
+        if prefetch:  # the row buffers (two slots each: this tile's, the next one's) and their barriers
+            bufs, row_bar, q_scr = q_scr[:prefetch_refs], q_scr[prefetch_refs], q_scr[prefetch_refs + 1:]
         # With two compute warpgroups (and a third issuing the TMA copies), warpgroup wg merges columns
         # [wg * width, (wg + 1) * width) of each tile, with its own weight rows, output slots and quantization
         # scratch.
         wg = lax.axis_index("wg") if wgs > 1 else 0
         w_smem, row_smem, o_scr = mc.per_warpgroup_refs((w_smem, row_smem, o_scr), wg, wgs)
+        if prefetch:
+            l_buf, e_buf, c_buf = mc.optional_refs(mc.per_warpgroup_refs(bufs, wg, wgs), True, empty_rows,
+                                                   copy_rows)
+
+            def fetch(i, slot):
+                """Tile i's rows into `slot` of the row buffers, on that slot's barrier (one per warpgroup)."""
+                hc, t0 = tiles.at(i)
+                barrier = row_bar.at[wg * 2 + slot]
+                plgpu.copy_gmem_to_smem(l_g.at[:, hc // nc, pl.ds(t0, bt)], l_buf.at[slot], barrier)
+                if empty_rows:
+                    plgpu.copy_gmem_to_smem(e_g.at[:, pl.ds(t0, bt)], e_buf.at[slot], barrier)
+                if copy_rows:
+                    plgpu.copy_gmem_to_smem(c_g.at[pl.ds(t0, bt)], c_buf.at[slot], barrier)
+
+            mc.when_computing(wg, wgs, lambda: fetch(0, 0))
         q_scr = mc.warpgroup_quant_scratch(q_scr, wg, wgs)
         if nvfp4:
             mc.when_computing(wg, wgs, lambda: mc.load_packing(m_g, q_scr[2], q_scr[3]))
@@ -78,13 +100,26 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
             h = hc // nc
 
             def lse_of(k):  # partial k's raw LSE row of the tile (k may be traced), one element per thread
-                x = mc.strided_row(l_g, (k * num_heads + h) * num_tokens + t0)
+                if prefetch:
+                    x = mc.strided_row(l_buf.at[i % 2, k], 0)
+                    e = mc.strided_row(e_buf.at[i % 2, k], 0) if empty_rows else None
+                else:
+                    x = mc.strided_row(l_g, (k * num_heads + h) * num_tokens + t0)
+                    e = mc.strided_row(e_g, k * num_tokens + t0) if empty_rows else None
                 if empty_rows:
-                    x = jnp.where(mc.strided_row(e_g, k * num_tokens + t0) > 0, -jnp.inf, x)
+                    x = jnp.where(e > 0, -jnp.inf, x)
                 return _math.clean_lse(x)
 
             @pl.when(n == 0)
             def _sums():  # docs/spec.md 8.2, 8.3
+                if prefetch:  # this tile's rows have come; the next tile's into the other slot, once every thread
+                    # is past the reads of that slot (the previous tile's: its flags at its last step)
+                    plgpu.barrier_wait(row_bar.at[wg * 2 + i % 2])
+                    plgpu.commit_smem()
+
+                    @pl.when(i + 1 < steps)
+                    def _():
+                        fetch(i + 1, 1 - i % 2)
                 if blocks:  # the loops over the partials run at runtime (`_math.fold_partials`)
                     m, all_empty, _, z = _math.n_way_max_and_sum(lse_of, num_partials, lse_base2)
                     w_smem[rows + 1] = m
@@ -124,7 +159,8 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                 out = jnp.where(jnp.broadcast_to(empty[:, None], (bt, width)), 0.0, acc)
                 copy = None
                 if copy_rows:  # 8.4: the last partial's own bits (x is its tile at this step)
-                    copy = jnp.broadcast_to((mc.load_row(c_g, t0, row_smem) > 0)[:, None], (bt, width))
+                    flags = mc.load(c_buf.at[i % 2], L.reduce(1)) if prefetch else mc.load_row(c_g, t0, row_smem)
+                    copy = jnp.broadcast_to((flags > 0)[:, None], (bt, width))
                 result = mc.stored(out, x, copy, F32 if quant else o_scr.dtype)
                 scale = mc.load(w_smem.at[scale_at], L.reduce(1)) if scaled else None
                 # 4.6, 4.7, 4.8: column chunk hc * wgs + wg of `width` columns
@@ -140,9 +176,16 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
 
     own = mc.per_warpgroup([plgpu.SMEM((scale_at + 1, bt), F32), plgpu.SMEM((bt,), F32),
                             mc.output_slots(quant, tune["stores"], width, out_type[0].dtype)], wgs)
+    row_bufs = []
+    if prefetch:
+        row_bufs = mc.per_warpgroup([plgpu.SMEM(shape, F32) for shape, present in (
+            ((2, num_partials, bt), True), ((2, num_partials, bt), empty_rows), ((2, bt), copy_rows)) if present],
+                                    wgs)
+        row_bufs.append(plgpu.Barrier(num_arrivals=len(row_bufs), num_barriers=2 * wgs))
+    prefetch_refs = len(row_bufs) - 1
     return mc.kernel(body, out_type=tuple(out_type), grid=tiles.grid, grid_names=tiles.names,
-                     scratch_types=[*own, *mc.quant_scratch(quant, tune["stores"], width, wgs)], interpret=interpret,
-                     **mc.warpgroups(wgs))
+                     scratch_types=[*own, *row_bufs, *mc.quant_scratch(quant, tune["stores"], width, wgs)],
+                     interpret=interpret, **mc.warpgroups(wgs))
 
 
 @functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2", "group",
@@ -153,29 +196,31 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
     num_partials, num_tokens, num_heads, head_dim = outputs.shape
     tune = mc.TUNING["merge_n"]
     rows = min(num_partials, mc.WEIGHT_ROWS)
+    tp = max(num_tokens, mc.BLOCK_T)
+    prefetch = mc.prefetches_rows(tune, tp, num_partials)
+    row_bytes = (rows + 5 + (2 * (2 * num_partials + 1) if prefetch else 0)) * mc.BLOCK_T * 4
     plan = functools.partial(mc.head_plan, head_dim, outputs.dtype, tune["tile_bytes"],  # cols >= D: TMA rows
                              input_tiles=tune["concurrent"], out_slots=tune["stores"],
-                             other_bytes=(rows + 5) * mc.BLOCK_T * 4 * tune.get("compute_wgs", 1))
+                             other_bytes=row_bytes * tune.get("compute_wgs", 1))
     quant, stored_dtype, (cols, dc) = mc.output_plan(out_dtype, output_scale, group, plan)
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     # XLA before the kernel: the fused mask's token flags (docs/spec.md 8.1), the layout, T < 128.
     empties = mc.fused_empties(query_start_loc, cu_seq_lens, num_tokens)
-    lf = mc.stacked_lse_rows(lses, lse_layout)
-    tp = max(num_tokens, mc.BLOCK_T)
+    lf = mc.stacked_lse_rows(lses, lse_layout, flat=not prefetch)
     x = mc.padded_rows(mc.padded_heads(outputs, cols).reshape(num_partials, num_tokens, num_heads * cols),
                        num_tokens, 0)
     copy_rows = prefill_tokens_with_context is not None and stored_dtype == out_dtype
     args = [x, lf]
     if empties is not None:
-        args.append(mc.flag_rows(empties))
+        args.append(mc.flag_rows(empties, flat=not prefetch))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
     width = dc // mc.compute_warpgroups(tune, quant, dc, stored_dtype)  # the columns one warpgroup quantizes
     out_type = mc.kernel_io(args, quant, output_scale, width, tp, num_heads, cols, stored_dtype, return_lse)
     results = _kernel(num_partials, tp, num_heads, cols, dc, out_type, output_lse=return_lse,
                       empty_rows=empties is not None, copy_rows=copy_rows, lse_base2=lse_base2, quant=quant,
-                      interpret=interpret)(*args)
+                      prefetch=prefetch, interpret=interpret)(*args)
     # XLA after the kernel: NVFP4 (4.8), per-group scales' layout, the pass-through LSE (8.4), the layout.
     return mc.finish(results, outputs.shape[1:], copy_t, outputs[-1], mc.last_lse_ht(lses, lse_layout, empties),
                      output_scale, out_dtype=out_dtype, return_lse=return_lse, lse_layout=lse_layout,
