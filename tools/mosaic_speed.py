@@ -46,13 +46,16 @@ CANDIDATES = {
     "mask_lse": [dict(mc.TUNING["mask_lse"]), dict(heads=16, offsets_in_smem=False)]
                 + [dict(heads=k, offsets_in_smem=True) for k in (8, 32)],
     # (Candidates well behind in the committed sweeps are left out: docs/results.md.)
-    # ctas_per_sm > 0: persistent CTAs (`mc.Tiles`); 32 KiB 2-way tiles hold one CTA per SM, 16 KiB ones two.
+    # ctas_per_sm > 0: persistent CTAs (`mc.Tiles`); 32 KiB 2-way tiles hold one CTA per SM, 16 KiB ones two (for
+    # the issue-bound quantized merges, more warps per scheduler).
     # compute_wgs=2: warp-specialised (`mc.compute_warpgroups`); lse_tma=False: the LSE rows by per-thread loads.
     "merge": [dict(mc.TUNING["merge"]),
               dict(mc.TUNING["merge"], lse_tma=False),
               dict(mc.TUNING["merge"], compute_wgs=2),
               dict(mc.TUNING["merge"], ctas_per_sm=1),
               dict(mc.TUNING["merge"], compute_wgs=2, ctas_per_sm=1),
+              dict(mc.TUNING["merge"], long_tile_bytes=16 * 1024),
+              dict(mc.TUNING["merge"], compute_wgs=2, long_tile_bytes=16 * 1024),
               dict(mc.TUNING["merge"], ctas_per_sm=2, long_tile_bytes=16 * 1024),
               dict(mc.TUNING["merge"], ctas_per_sm=1, concurrent=3, long_tile_bytes=16 * 1024),
               dict(steps=16, concurrent=2, tile_bytes=32 * 1024, stores=2)],
