@@ -5,10 +5,11 @@ Experimental (docs/design.md, "Mosaic GPU backend"): tested against the referenc
 
 Grid: (H * D / dc, token splits) CTAs; a CTA pipelines `TUNING["merge"]["steps"]` tiles of 128 tokens of the
 `[T, H * D]` views of the prefix and the suffix (`emit_pipeline`, TMA copies of `[128, dc]` tiles in). At each
-tile the weights are computed one LSE row per thread (per-thread loads: an `[H, T]` row may start anywhere; TMA
-needs 16-byte alignment), as the N-way kernel does, and relaid out through shared memory into the tile's row
-layout; a tile's LSE rows are loaded a step ahead, in the pipeline's carry; the merged tile leaves by a TMA store
-from one of the output slots in shared memory, the previous store still in flight. The last tile is shifted to end at T: no copy leaves
+tile the weights are computed one LSE row per thread, as the N-way kernel does, and relaid out through shared
+memory into the tile's row layout. The tile's LSE rows (and flag rows) come with it by TMA where T' is a multiple
+of 4 (`mc.rows_by_tma`: an `[H, T']` row's stride is then whole 16-byte units); at other T each thread loads its
+row's elements from GMEM a step ahead, in the pipeline's carry. The merged tile leaves by a TMA store from one of
+the output slots in shared memory, the previous store still in flight. The last tile is shifted to end at T: no copy leaves
 the arrays, and overlapping tiles write identical values. Tiles of `TUNING["merge"]["tile_bytes"]`, from
 `long_tokens` padded tokens `long_tile_bytes` (`mc.merge_tuning`). Launch choices and their shared-memory budget:
 docs/design.md, "Mosaic GPU backend".

@@ -4,12 +4,13 @@ Experimental (docs/design.md, "Mosaic GPU backend"): tested against the referenc
 (tests/test_pallas_mosaic.py) and, compiled, bit for bit against the Triton backend (`python -m parity check`).
 
 Grid: (H * D / dc, token splits) CTAs. A CTA pipelines `TUNING["merge_n"]["steps"]` tiles of 128 tokens of the
-`[T, H * D]` view
-(`emit_pipeline`: TMA copies of `[128, dc]` tiles of every partial, `concurrent` in flight) over
+`[T, H * D]` view (`emit_pipeline`: TMA copies of `[128, dc]` tiles of every partial, `concurrent` in flight) over
 (token tile, partial), carrying the f32 accumulator. The last tile is shifted to end at T, so no copy leaves
 the arrays and overlapping tiles write identical values. At partial 0 a tile's weights are computed from the
-N LSE rows (per-thread loads, any alignment) into shared memory (up to N = `WEIGHT_ROWS`; beyond, m and z at
-partial 0 by runtime loops, and the weights of `WEIGHT_ROWS` partials at a time at the first of them); at
+N LSE rows into shared memory (up to N = `WEIGHT_ROWS`; beyond, m and z at partial 0 by runtime loops, and the
+weights of `WEIGHT_ROWS` partials at a time at the first of them). Up to `mc.PREFETCH_PARTIALS` partials and T' a
+multiple of 4 (`mc.prefetches_rows`), the next tile's rows (and flag rows) are copied into shared memory by TMA
+when a tile starts, so they are there when it ends; else each thread loads its rows' elements from GMEM. At
 partial N - 1 the tile is stored by hand (`emit_pipeline` writes an output block at the first step of its
 index, not the last).
 
