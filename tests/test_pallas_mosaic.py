@@ -185,7 +185,7 @@ def test_the_two_way_merge_takes_the_long_tiles_from_long_tokens():
     assert mc.merge_tuning(mc.TUNING["merge"]["long_tokens"] - 1)["tile_bytes"] == short
     assert mc.merge_tuning(mc.TUNING["merge"]["long_tokens"])["tile_bytes"] == long
     assert set(mc.merge_tuning(mc.BLOCK_T)) == {"steps", "concurrent", "tile_bytes", "stores", "ctas_per_sm",
-                                                 "compute_wgs", "lse_tma"}
+                                                 "compute_wgs", "lse_tma", "row_weights"}
 
 
 PERSISTENT_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in cases.select("ci", kind="all")
@@ -194,15 +194,17 @@ PERSISTENT_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in cas
 
 @needs_mosaic
 @pytest.mark.parametrize("launch", [dict(ctas_per_sm=1), dict(ctas_per_sm=3), dict(compute_wgs=2),
-                                    dict(compute_wgs=2, ctas_per_sm=1), dict(lse_tma=False)],
+                                    dict(compute_wgs=2, ctas_per_sm=1), dict(lse_tma=False),
+                                    dict(row_weights=False)],
                          ids=lambda d: json.dumps(d))
 @pytest.mark.parametrize("case, op", PERSISTENT_OPS)
 def test_launch_schedules_match_reference(case, op, launch, monkeypatch):
     """The merges' other schedules: persistent CTAs (`ctas_per_sm`, `mc.Tiles`; in the interpreter
     `INTERPRET_SMS` SMs, so a CTA's pipeline wraps over the column chunks and token tiles and the last CTAs repeat
-    the last tile), the warp-specialised pipeline (`compute_wgs`, `mc.compute_warpgroups`) and the 2-way merge's LSE
-    rows by per-thread loads where they would come by TMA (`lse_tma`, `mc.rows_by_tma`: T' a multiple of 4; the
-    cases of other T take that path by default)."""
+    the last tile), the warp-specialised pipeline (`compute_wgs`, `mc.compute_warpgroups`), the LSE rows by
+    per-thread loads where they would come by TMA (`lse_tma`, `mc.rows_by_tma`: T' a multiple of 4; the cases of
+    other T take that path by default) and the 2-way merge's weights relaid out where they would be computed in
+    the row layout (`row_weights`)."""
     from pallas_impl.mosaic import _common as mc
 
     for kernel in ("merge", "merge_n"):

@@ -51,6 +51,7 @@ CANDIDATES = {
     # compute_wgs=2: warp-specialised (`mc.compute_warpgroups`); lse_tma=False: the LSE rows by per-thread loads.
     "merge": [dict(mc.TUNING["merge"]),
               dict(mc.TUNING["merge"], lse_tma=False),
+              dict(mc.TUNING["merge"], row_weights=False),
               dict(mc.TUNING["merge"], compute_wgs=2),
               dict(mc.TUNING["merge"], ctas_per_sm=1),
               dict(mc.TUNING["merge"], compute_wgs=2, ctas_per_sm=1),

@@ -47,14 +47,15 @@ PREFETCH_PARTIALS = 16
 # docs/design.md, "Mosaic GPU backend", says why stores go through shared memory); ctas_per_sm: 0 for a grid of
 # `steps` tiles per CTA, k > 0 for k persistent CTAs per SM (`Tiles`); compute_wgs: 1, or 2 for a
 # warp-specialised merge (`compute_warpgroups`); lse_tma: each tile's LSE rows copied by TMA (`rows_by_tma`, the
-# N-way merge's a tile ahead, `prefetches_rows`).
+# N-way merge's a tile ahead, `prefetches_rows`); row_weights: the 2-way merge's weights from those rows in the
+# tile's row layout (no relayout through shared memory).
 # The 2-way merge keeps 2 inputs x `concurrent` tiles in shared memory, the N-way and the rescale 1 x `concurrent`:
 # smaller 2-way tiles keep two CTAs per SM (228 KiB of shared memory on an H100/H200).
 # `python -m tools mosaic-speed` sweeps these on the GPU (it sets them here and clears jax's caches). The 2-way merge
 # takes `long_tile_bytes` from `long_tokens` padded tokens on (`merge_tuning`): larger tiles pay at long T only.
 TUNING = {
     "merge": dict(steps=8, concurrent=2, tile_bytes=16 * 1024, stores=2, ctas_per_sm=0, compute_wgs=1, lse_tma=True,
-                  long_tokens=16384, long_tile_bytes=32 * 1024),
+                  row_weights=True, long_tokens=16384, long_tile_bytes=32 * 1024),
     "merge_n": dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1, ctas_per_sm=0, compute_wgs=1,
                     lse_tma=True),
     "cp_rescale": dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2),

@@ -44,6 +44,12 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
     tiles = mc.Tiles(num_tokens, num_heads * nc, tune, interpret)
     bt, steps = mc.BLOCK_T, tiles.steps
     L = plgpu.Layout.WGMMA
+    R = L.reduce(1)  # a tile's rows, each where the tile's row layout holds it
+    # The weights in the tile's row layout from the rows in shared memory (lse_tma), else one row per thread,
+    # relaid out through shared memory (`TUNING["merge"]["row_weights"]`). Not with the merged LSE, which leaves
+    # by per-thread stores one row per thread: the same rows in both layouts in one kernel fail Mosaic GPU's
+    # layout inference (jax 0.11.2).
+    row_weights = lse_tma and tune.get("row_weights", False) and not output_lse
     grouped, nvfp4 = mc.grouped(quant), quant == (mc.NVFP4,)
     scaled = quant in ((mc.STATIC,), (mc.NVFP4,))  # a scale row in: the static fp8 scale, NVFP4's global scale
     wgs = mc.compute_warpgroups(tune, quant, dc, out_type[0].dtype)
@@ -81,6 +87,12 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             return cleaned(mc.strided_row(p_g, h * num_tokens + t0), mc.strided_row(s_g, h * num_tokens + t0),
                            flag(e_g), flag(c_g))
 
+        if scaled and row_weights:  # the scale row, once
+            def scale_row():
+                w_smem[4] = mc.strided_row(q_g, 0)
+
+            mc.when_computing(wg, wgs, scale_row)
+
         def step(idx, a_s, b_s, *rest):
             (i,) = idx
             hc, t0 = tiles.at(i)
@@ -89,41 +101,59 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             if lse_tma:  # the rows came with the tiles: p, s, then the flag rows present
                 p_s, s_s, *flag_s = row_s
                 flag_s = iter(flag_s)
-                flag = lambda r: mc.strided_row(next(flag_s), 0) if r is not None else None  # noqa: E731
-                current, following = cleaned(mc.strided_row(p_s, 0), mc.strided_row(s_s, 0), flag(e_g), flag(c_g)), ()
+                e_s, c_s = [next(flag_s) if r is not None else None for r in (e_g, c_g)]
+
+                def tile_rows(strided: bool):
+                    """The rows one per thread (`strided`) or in the tile's row layout."""
+                    read = lambda r: (mc.strided_row(r, 0) if strided else mc.load(r, R))  # noqa: E731
+                    return cleaned(*(read(r) if r is not None else None for r in (p_s, s_s, e_s, c_s)))
+
+                following = ()
             else:
                 # This tile's rows were loaded a step ahead (the carry); the next tile's loads are issued now, so
                 # their latency overlaps this tile's work rather than stalling the next step.
                 current, following = carry, rows(i + 1)
-            p, s = current[:2]
-            # The weights of the tile's 128 rows, one row per thread, as the N-way kernel computes them; relaid
-            # out through shared memory into the tile's row layout.
-            m, both_empty, z, wp, ws = _math.two_way_weights(p, s, lse_base2)
-            w_smem[0] = wp
-            w_smem[1] = ws
-            w_smem[2] = jnp.where(both_empty, 1.0, 0.0)
-            if copy_rows:
-                w_smem[3] = current[2]
-            if scaled:
+
+            if lse_tma and row_weights:
+                # The weights of the rows each thread holds in the tile's row layout, from the rows in shared
+                # memory: no relayout.
+                p, s, *copy = tile_rows(strided=False)
+                _, both_empty, _, wp, ws = _math.two_way_weights(p, s, lse_base2)
+                empty, copy = jnp.where(both_empty, 1.0, 0.0), (copy[0] if copy_rows else None)
+            else:
+                # The weights of the tile's 128 rows, one row per thread, as the N-way kernel computes them; relaid
+                # out through shared memory into the tile's row layout.
+                if lse_tma:
+                    current = tile_rows(strided=True)
+                p, s = current[:2]
+                m, both_empty, z, wp, ws = _math.two_way_weights(p, s, lse_base2)
+                w_smem[0] = wp
+                w_smem[1] = ws
+                w_smem[2] = jnp.where(both_empty, 1.0, 0.0)
+                if copy_rows:
+                    w_smem[3] = current[2]
+                if output_lse:
+                    @pl.when((hc % nc == 0) & (wg == 0))
+                    def _():
+                        lo_g[pl.ds(h * num_tokens + t0, bt)] = _math.merged_lse(z, m, both_empty, lse_base2)
+                wp, ws, empty = (mc.load(w_smem.at[k], R) for k in range(3))
+                copy = mc.load(w_smem.at[3], R) if copy_rows else None
+            if scaled and not row_weights:
                 w_smem[4] = mc.strided_row(q_g, 0)
-            if output_lse:
-                @pl.when((hc % nc == 0) & (wg == 0))
-                def _():
-                    lo_g[pl.ds(h * num_tokens + t0, bt)] = _math.merged_lse(z, m, both_empty, lse_base2)
 
             if wgs > 1:
                 a_s, b_s = a_s.at[:, pl.ds(wg * width, width)], b_s.at[:, pl.ds(wg * width, width)]
             a = mc.load(a_s, L)
             b = mc.load(b_s, L)
-            row = lambda k: jnp.broadcast_to(mc.load(w_smem.at[k], L.reduce(1))[:, None], (bt, width))  # noqa: E731
-            wpb = row(0)
-            wsb = row(1)
+            row = lambda x: jnp.broadcast_to(x[:, None], (bt, width))  # noqa: E731
+            wpb = row(wp)
+            wsb = row(ws)
             # 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
             out = jnp.where(wpb > 0, a.astype(F32) * wpb, 0.0) + jnp.where(wsb > 0, b.astype(F32) * wsb, 0.0)
-            out = jnp.where(row(2) > 0, 0.0, out)
+            out = jnp.where(row(empty) > 0, 0.0, out)
             # 4.4: the suffix's bits (its value rounded once, for another output dtype; quantized as a merged row)
-            result = mc.stored(out, b, row(3) > 0 if copy_rows else None, F32 if quant else o_scr.dtype)
-            scale = mc.load(w_smem.at[4], L.reduce(1)) if scaled else None
+            result = mc.stored(out, b, row(copy) > 0 if copy_rows else None, F32 if quant else o_scr.dtype)
+            scale = mc.load(w_smem.at[4], R) if scaled else None
             # 4.6, 4.7, 4.8: column chunk hc * wgs + wg of `width` columns
             mc.store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc * wgs + wg, i)
             return following
