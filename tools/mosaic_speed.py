@@ -48,9 +48,11 @@ CANDIDATES = {
     # (Candidates well behind in the committed sweeps are left out: docs/results.md.)
     # ctas_per_sm > 0: persistent CTAs (`mc.Tiles`); 32 KiB 2-way tiles hold one CTA per SM, 16 KiB ones two (for
     # the issue-bound quantized merges, more warps per scheduler).
-    # compute_wgs=2: warp-specialised (`mc.compute_warpgroups`); lse_tma=False: the LSE rows by per-thread loads.
+    # compute_wgs=2: warp-specialised (`mc.compute_warpgroups`); lse_tma=False: the LSE rows by per-thread loads;
+    # grouped={}: per-group FP8 and NVFP4 outputs with the plain merges' choices (`mc.merge_tuning`).
     "merge": [dict(mc.TUNING["merge"]),
               dict(mc.TUNING["merge"], lse_tma=False),
+              dict(mc.TUNING["merge"], grouped={}),
               dict(mc.TUNING["merge"], row_weights=False),
               dict(mc.TUNING["merge"], compute_wgs=2),
               dict(mc.TUNING["merge"], ctas_per_sm=1),
@@ -63,9 +65,9 @@ CANDIDATES = {
     "merge_n": [dict(mc.TUNING["merge_n"]),
                 dict(mc.TUNING["merge_n"], lse_tma=False),
                 dict(mc.TUNING["merge_n"], compute_wgs=2),
+                dict(mc.TUNING["merge_n"], ctas_per_sm=0),
                 dict(mc.TUNING["merge_n"], ctas_per_sm=1),
                 dict(mc.TUNING["merge_n"], compute_wgs=2, ctas_per_sm=1),
-                dict(mc.TUNING["merge_n"], ctas_per_sm=2),
                 dict(steps=16, concurrent=2, tile_bytes=32 * 1024, stores=1)],
 }
 

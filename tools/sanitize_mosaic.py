@@ -25,7 +25,7 @@ KW = dict(backend="mosaic_gpu")
 QUANTIZED = (dict(out_dtype=jnp.float8_e4m3fn, output_scale=jnp.float32(0.5)), dict(group_size=128),
              dict(group_size=64, scale_ue8m0=True), dict(out_dtype=jnp.float4_e2m1fn, output_scale=jnp.float32(40.0)),
              dict(out_dtype=jnp.float4_e2m1fn, output_scale=jnp.float32(40.0), scale_layout="swizzled"))
-DEFAULT_WGS = {k: mc.TUNING[k].get("compute_wgs", 1) for k in ("merge", "merge_n")}
+DEFAULTS = {k: dict(mc.TUNING[k]) for k in ("merge", "merge_n")}
 
 
 def main() -> int:
@@ -60,7 +60,7 @@ def main() -> int:
     # and split over two (`compute_wgs`).
     for wgs in (1, 2):
         for kernel in ("merge", "merge_n"):
-            mc.TUNING[kernel]["compute_wgs"] = wgs
+            mc.TUNING[kernel] = dict(DEFAULTS[kernel], compute_wgs=wgs, grouped={})
         jax.clear_caches()
         for quant in QUANTIZED:
             jax.block_until_ready(pallas_impl.merge_attn_states(o[0], lse[0], o[1], lse[1], return_lse=True,
@@ -69,7 +69,7 @@ def main() -> int:
                                                                   **quant, **KW))
         print(f"quantized merges (static fp8, per-group FP8, NVFP4) with compute_wgs={wgs} ok", flush=True)
     for kernel in ("merge", "merge_n"):
-        mc.TUNING[kernel]["compute_wgs"] = DEFAULT_WGS[kernel]
+        mc.TUNING[kernel] = dict(DEFAULTS[kernel])
     jax.clear_caches()
     combine = jax.vmap(lambda a, b, c: pallas_impl.cp_merge_attn_states(
         a, b, axis_name="cp", method="reduce_scatter", query_start_loc=qsl, cu_seq_lens=c, **KW), axis_name="cp")

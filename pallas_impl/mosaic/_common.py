@@ -52,11 +52,14 @@ PREFETCH_PARTIALS = 16
 # The 2-way merge keeps 2 inputs x `concurrent` tiles in shared memory, the N-way and the rescale 1 x `concurrent`:
 # smaller 2-way tiles keep two CTAs per SM (228 KiB of shared memory on an H100/H200).
 # `python -m tools mosaic-speed` sweeps these on the GPU (it sets them here and clears jax's caches). The 2-way merge
-# takes `long_tile_bytes` from `long_tokens` padded tokens on (`merge_tuning`): larger tiles pay at long T only.
+# takes `long_tile_bytes` from `long_tokens` padded tokens on (`merge_tuning`): larger tiles pay at long T only; and
+# for per-group FP8 and NVFP4 outputs the choices in `grouped` (two compute warpgroups where half a tile holds whole
+# groups: the quantizer is issue-bound on one). The N-way merge runs two persistent CTAs per SM. The defaults are
+# the best of `python -m tools mosaic-speed`'s sweep on the H100 (docs/results.md, 2026-12-07).
 TUNING = {
     "merge": dict(steps=8, concurrent=2, tile_bytes=16 * 1024, stores=2, ctas_per_sm=0, compute_wgs=1, lse_tma=True,
-                  row_weights=True, long_tokens=16384, long_tile_bytes=32 * 1024),
-    "merge_n": dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1, ctas_per_sm=0, compute_wgs=1,
+                  row_weights=True, long_tokens=16384, long_tile_bytes=32 * 1024, grouped=dict(compute_wgs=2)),
+    "merge_n": dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1, ctas_per_sm=2, compute_wgs=1,
                     lse_tma=True),
     "cp_rescale": dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2),
     # heads: LSE rows (of 128 tokens) per CTA; the output rows are split as many ways as the heads.
@@ -313,12 +316,15 @@ def column_chunk(head_dim: int, itemsize: int, tile_bytes: int = 32 * 1024, mult
     return max(fitting) if fitting else chunks[0]
 
 
-def merge_tuning(num_tokens: int) -> dict:
-    """The 2-way merge's launch choices for `num_tokens` padded tokens (`long_tile_bytes` tiles from `long_tokens`)."""
+def merge_tuning(num_tokens: int, grouped_output: bool = False) -> dict:
+    """The 2-way merge's launch choices for `num_tokens` padded tokens (`long_tile_bytes` tiles from `long_tokens`),
+    with the `grouped` ones for a `grouped_output` (per-group FP8, NVFP4: `grouped`)."""
     tune = dict(TUNING["merge"])
     if num_tokens >= tune.pop("long_tokens", num_tokens + 1):
         tune["tile_bytes"] = tune["long_tile_bytes"]
     tune.pop("long_tile_bytes", None)
+    tune.update(tune.pop("grouped", {}) if grouped_output else {})
+    tune.pop("grouped", None)
     return tune
 
 

@@ -39,7 +39,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
     tile (`lse_tma`, `mc.rows_by_tma`) or `[H * T']` loaded per thread; quantized outputs quantized in registers
     (`quant`: `mc.output_plan`)."""
     plgpu = mc.plgpu()
-    tune = mc.merge_tuning(num_tokens)
+    tune = mc.merge_tuning(num_tokens, mc.grouped(quant))
     nc = head_dim // dc
     tiles = mc.Tiles(num_tokens, num_heads * nc, tune, interpret)
     bt, steps = mc.BLOCK_T, tiles.steps
@@ -185,11 +185,12 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
     """`pallas_impl.merge_attn_states` with backend="mosaic_gpu" (its arguments, checked there)."""
     num_tokens, num_heads, head_dim = prefix_output.shape
     tp = max(num_tokens, mc.BLOCK_T)
-    tune = mc.merge_tuning(tp)
+    tune = mc.merge_tuning(tp, group is not None)  # for the head plan; then as the kernel takes it
     plan = functools.partial(mc.head_plan, head_dim, prefix_output.dtype, tune["tile_bytes"],  # cols >= D: TMA rows
                              input_tiles=2 * tune["concurrent"], out_slots=tune["stores"],
                              other_bytes=5 * mc.BLOCK_T * 4 * tune.get("compute_wgs", 1))
     quant, stored_dtype, (cols, dc) = mc.output_plan(out_dtype, output_scale, group, plan)
+    tune = mc.merge_tuning(tp, mc.grouped(quant))
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     # XLA before the kernel: the fused mask's token flags (4.5), the layout, T < 128.
