@@ -3,7 +3,8 @@
 Experimental (docs/design.md, "Mosaic GPU backend"): tested against the reference in jax's Mosaic GPU interpreter
 (tests/test_pallas_mosaic.py) and, compiled, bit for bit against the Triton backend (`python -m parity check`).
 
-Grid: (H * D / dc, token splits) CTAs. A CTA pipelines `TUNING["merge_n"]["steps"]` tiles of 128 tokens of the
+Grid: `mc.Tiles` (by default `TUNING["merge_n"]["ctas_per_sm"]` persistent CTAs per SM, each taking every P-th
+tile; with 0, (H * D / dc, token splits) CTAs of `steps` tiles). A CTA pipelines its tiles of 128 tokens of the
 `[T, H * D]` view (`emit_pipeline`: TMA copies of `[128, dc]` tiles of every partial, `concurrent` in flight) over
 (token tile, partial), carrying the f32 accumulator. The last tile is shifted to end at T, so no copy leaves
 the arrays and overlapping tiles write identical values. At partial 0 a tile's weights are computed from the
