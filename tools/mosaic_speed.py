@@ -49,8 +49,11 @@ CANDIDATES = {
     # ctas_per_sm > 0: persistent CTAs (`mc.Tiles`); 32 KiB 2-way tiles hold one CTA per SM, 16 KiB ones two (for
     # the issue-bound quantized merges, more warps per scheduler).
     # compute_wgs=2: warp-specialised (`mc.compute_warpgroups`); lse_tma=False: the LSE rows by per-thread loads;
-    # grouped={}: per-group FP8 and NVFP4 outputs with the plain merges' choices (`mc.merge_tuning`).
+    # grouped={}: per-group FP8 and NVFP4 outputs with the plain merges' choices (`mc.merge_tuning`); split="rows":
+    # two compute warpgroups of 64 rows each (`mc.warpgroup_tile`).
     "merge": [dict(mc.TUNING["merge"]),
+              dict(mc.TUNING["merge"], grouped=dict(compute_wgs=2, split="rows")),
+              dict(mc.TUNING["merge"], compute_wgs=2, split="rows", grouped=dict(compute_wgs=2, split="rows")),
               dict(mc.TUNING["merge"], lse_tma=False),
               dict(mc.TUNING["merge"], grouped={}),
               dict(mc.TUNING["merge"], row_weights=False),
@@ -63,9 +66,9 @@ CANDIDATES = {
               dict(mc.TUNING["merge"], ctas_per_sm=1, concurrent=3, long_tile_bytes=16 * 1024),
               dict(steps=16, concurrent=2, tile_bytes=32 * 1024, stores=2)],
     "merge_n": [dict(mc.TUNING["merge_n"]),
-                dict(mc.TUNING["merge_n"], lse_tma=False),
-                dict(mc.TUNING["merge_n"], compute_wgs=2),
                 dict(mc.TUNING["merge_n"], ctas_per_sm=0),
+                dict(mc.TUNING["merge_n"], compute_wgs=2),
+                dict(mc.TUNING["merge_n"], lse_tma=False),
                 dict(mc.TUNING["merge_n"], ctas_per_sm=1),
                 dict(mc.TUNING["merge_n"], compute_wgs=2, ctas_per_sm=1),
                 dict(steps=16, concurrent=2, tile_bytes=32 * 1024, stores=1)],

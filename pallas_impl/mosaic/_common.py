@@ -125,9 +125,12 @@ MEMORY_REGISTERS = 40  # registers per thread of the warpgroup that issues a war
 def compute_warpgroups(tune: dict, quant, dc: int, out_dtype) -> int:
     """Compute warpgroups of a merge kernel: `tune["compute_wgs"]` (1: one warpgroup copies and computes; 2: a
     warp-specialised pipeline, a third warpgroup issuing the TMA copies and each compute warpgroup merging half of
-    each tile's columns), 1 where half a tile is not whole 16-byte rows of a multiple of 8 columns and of the
-    output's groups (a group of per-group FP8, two NVFP4 blocks: a group never spans warpgroups)."""
+    each tile's columns, or with `tune["split"] == "rows"` half of its rows, `warpgroup_tile`). Split by columns,
+    1 where half a tile is not whole 16-byte rows of a multiple of 8 columns and of the output's groups (a group
+    of per-group FP8, two NVFP4 blocks: a group never spans warpgroups); split by rows, any tile."""
     wgs = tune.get("compute_wgs", 1)
+    if wgs > 1 and tune.get("split") == "rows":
+        return wgs
     if wgs == 1 or dc % wgs:
         return 1
     width = dc // wgs
@@ -135,6 +138,17 @@ def compute_warpgroups(tune: dict, quant, dc: int, out_dtype) -> int:
     if width % multiple or width % 8 or width * jnp.dtype(out_dtype).itemsize % 16:
         return 1
     return wgs
+
+
+def warpgroup_tile(tune: dict, quant, dc: int, out_dtype) -> tuple[int, int, int]:
+    """(compute warpgroups, rows, columns) of the `[rows, columns]` part of each `[BLOCK_T, dc]` tile a compute
+    warpgroup merges (`compute_warpgroups`): the whole tile with one; with two, half its columns (`split` "cols",
+    the default) or half its rows (`split` "rows": 64, a WGMMA layout's tile of rows; any group size, the LSE
+    rows' weights loaded for its own rows only)."""
+    wgs = compute_warpgroups(tune, quant, dc, out_dtype)
+    if wgs > 1 and tune.get("split") == "rows":
+        return wgs, BLOCK_T // wgs, dc
+    return wgs, BLOCK_T, dc // wgs
 
 
 def pipeline(step, inputs, *, grid, in_specs, tune: dict, wgs: int, init_carry) -> None:
@@ -235,10 +249,10 @@ def load_row(ref, start, row_smem):
 
 
 def store_tile(result, o_scr, dst, count, scales=None, s_scr=None, s_dst=None) -> None:
-    """A finished `[BLOCK_T, dc]` tile to GMEM `dst` by a TMA store from slot `count % S` of `o_scr`
-    (`[S, BLOCK_T, dc]`), once the store that last used that slot has read it (at most S - 1 others in flight);
-    with per-group `scales` (`quantized`), those rows too, from the same slot of `s_scr` (`[S, groups, BLOCK_T]`)
-    to `s_dst` (`[groups, BLOCK_T]` of the scales' rows)."""
+    """A finished `[rows, dc]` tile (or a warpgroup's part of one, `warpgroup_tile`) to GMEM `dst` by a TMA store
+    from slot `count % S` of `o_scr` (`[S, rows, dc]`), once the store that last used that slot has read it (at
+    most S - 1 others in flight); with per-group `scales` (`quantized`), those rows too, from the same slot of
+    `s_scr` (`[S, groups, rows]`) to `s_dst` (`[groups, rows]` of the scales' rows)."""
     m = plgpu()
     slots = o_scr.shape[0]
     m.wait_smem_to_gmem((slots - 1) * (1 if scales is None else 2), wait_read_only=True)
@@ -517,21 +531,22 @@ def quantized(result, quant, scale, pack=None):
         m.wgmma(acc, codes_smem, matrix_smem)
         return acc[...]
 
-    packed = pl.run_scoped(product, m.ACC((BLOCK_T, q.shape[1] // 2), jnp.float32))
+    packed = pl.run_scoped(product, m.ACC((q.shape[0], q.shape[1] // 2), jnp.float32))
     return packed.astype(jnp.int32).astype(jnp.uint8), scales
 
 
-def quant_scratch(quant, stores: int, dc: int, wgs: int = 1) -> list:
+def quant_scratch(quant, stores: int, dc: int, wgs: int = 1, rows: int = BLOCK_T) -> list:
     """The shared memory a `grouped` quant adds to a merge kernel whose compute warpgroups (`wgs`) each quantize
-    `dc` columns of a tile: the scale slots (`store_tile`), and for NVFP4 the packing's code tile, matrix and
-    barrier (`quantized`, `load_packing`); each once per warpgroup (`warpgroup_quant_scratch` picks them)."""
+    `[rows, dc]` of a tile (`warpgroup_tile`): the scale slots (`store_tile`), and for NVFP4 the packing's code
+    tile, matrix and barrier (`quantized`, `load_packing`); each once per warpgroup (`warpgroup_quant_scratch`
+    picks them)."""
     if not grouped(quant):
         return []
     m = plgpu()
     dtype = FP8 if quant[0] == NVFP4 else jnp.float32
-    scratch = [m.SMEM((stores, dc // block_of(quant), BLOCK_T), dtype)]
+    scratch = [m.SMEM((stores, dc // block_of(quant), rows), dtype)]
     if quant[0] == NVFP4:
-        scratch += [m.SMEM((BLOCK_T, dc), jnp.float16), m.SMEM((dc, dc // 2), jnp.float16)]
+        scratch += [m.SMEM((rows, dc), jnp.float16), m.SMEM((dc, dc // 2), jnp.float16)]
     return per_warpgroup(scratch, wgs) + ([m.Barrier(num_barriers=wgs)] if quant[0] == NVFP4 else [])
 
 
@@ -559,27 +574,30 @@ def kernel_io(args: list, quant, output_scale, dc: int, num_tokens: int, num_hea
     return out_type
 
 
-def output_slots(quant, stores: int, dc: int, dtype):
-    """The shared-memory output slots of a merge kernel (`store_tile`): `[stores, BLOCK_T, dc]` of the stored dtype,
+def output_slots(quant, stores: int, dc: int, dtype, rows: int = BLOCK_T):
+    """The shared-memory output slots of a merge kernel (`store_tile`): `[stores, rows, dc]` of the stored dtype,
     half as wide for NVFP4's packed codes."""
-    return plgpu().SMEM((stores, BLOCK_T, dc // 2 if quant == (NVFP4,) else dc), dtype)
+    return plgpu().SMEM((stores, rows, dc // 2 if quant == (NVFP4,) else dc), dtype)
 
 
-def store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc, count) -> None:
-    """A merged f32 tile `result` `[BLOCK_T, dc]` (column chunk `hc` of the rows from `t0`) stored: quantized first
-    where `quant` says (`quantized`, `scale` the scale row or None; `q_scr` the kernel's `quant_scratch`), its
-    scales to their rows of `g_g`."""
-    dc = result.shape[1]
+def store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc, count, row0=0) -> None:
+    """A merged f32 tile `result` `[rows, dc]` (column chunk `hc` of rows `row0` .. `row0 + rows - 1` of the tile
+    from `t0`) stored: quantized first where `quant` says (`quantized`, `scale` the scale row or None; `q_scr` the
+    kernel's `quant_scratch`), its scales to their rows of `g_g`."""
+    rows, dc = result.shape
     scales = None
     if quant:
         result, scales = quantized(result, quant, scale, q_scr[1:3])
     width = dc // 2 if quant == (NVFP4,) else dc
-    dst = o_g.at[pl.ds(t0, BLOCK_T), pl.ds(hc * width, width)]
+    dst = o_g.at[pl.ds(t0 + row0, rows), pl.ds(hc * width, width)]
     if not grouped(quant):
         store_tile(result, o_scr, dst, count)
         return
     ng = dc // block_of(quant)
-    store_tile(result, o_scr, dst, count, scales, q_scr[0], tile_scale_rows(g_g, t0, hc, ng, o_g.shape[0]))
+    s_dst = tile_scale_rows(g_g, t0, hc, ng, o_g.shape[0])
+    if rows < BLOCK_T:  # its tokens' columns of the scale rows (64 f32 or e4m3 columns: whole 16-byte units)
+        s_dst = s_dst.at[:, pl.ds(row0, rows)]
+    store_tile(result, o_scr, dst, count, scales, q_scr[0], s_dst)
 
 
 def stored(out, last, copy, dtype):

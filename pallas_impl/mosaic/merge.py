@@ -52,8 +52,9 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
     row_weights = lse_tma and tune.get("row_weights", False) and not output_lse
     grouped, nvfp4 = mc.grouped(quant), quant == (mc.NVFP4,)
     scaled = quant in ((mc.STATIC,), (mc.NVFP4,))  # a scale row in: the static fp8 scale, NVFP4's global scale
-    wgs = mc.compute_warpgroups(tune, quant, dc, out_type[0].dtype)
-    width = dc // wgs  # the columns of a tile each compute warpgroup merges
+    # Each compute warpgroup merges `[rw, width]` of a tile: all of it, or half its columns or its rows.
+    wgs, rw, width = mc.warpgroup_tile(tune, quant, dc, out_type[0].dtype)
+    by_rows = rw < bt
 
     def body(a_g, b_g, p_g, s_g, *rest):
         # e_g: f32[T'], 1 on the fused mask's tokens; c_g: f32[T'], 1 where t copies the suffix; q_g: f32[128],
@@ -64,9 +65,10 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
         # rows of w_smem: wp, ws, both-empty flag, copy flag, static or global scale
         w_smem, o_scr, *q_scr = rest
         # With two compute warpgroups (and a third issuing the TMA copies), warpgroup wg merges columns
-        # [wg * width, (wg + 1) * width) of each tile, with its own weight rows, output slots and quantization
-        # scratch.
+        # [wg * width, (wg + 1) * width) of each tile, or rows [wg * rw, (wg + 1) * rw) (`by_rows`), with its own
+        # weight rows, output slots and quantization scratch.
         wg = lax.axis_index("wg") if wgs > 1 else 0
+        mine = lambda r: r.at[pl.ds(wg * rw, rw)] if by_rows else r  # noqa: E731 - its part of a row
         w_smem, o_scr = mc.per_warpgroup_refs((w_smem, o_scr), wg, wgs)
         q_scr = mc.warpgroup_quant_scratch(q_scr, wg, wgs)
         if nvfp4:
@@ -105,7 +107,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
 
                 def tile_rows(strided: bool):
                     """The rows one per thread (`strided`) or in the tile's row layout."""
-                    read = lambda r: (mc.strided_row(r, 0) if strided else mc.load(r, R))  # noqa: E731
+                    read = lambda r: (mc.strided_row(r, 0) if strided else mc.load(mine(r), R))  # noqa: E731
                     return cleaned(*(read(r) if r is not None else None for r in (p_s, s_s, e_s, c_s)))
 
                 following = ()
@@ -136,16 +138,18 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
                     @pl.when((hc % nc == 0) & (wg == 0))
                     def _():
                         lo_g[pl.ds(h * num_tokens + t0, bt)] = _math.merged_lse(z, m, both_empty, lse_base2)
-                wp, ws, empty = (mc.load(w_smem.at[k], R) for k in range(3))
-                copy = mc.load(w_smem.at[3], R) if copy_rows else None
+                wp, ws, empty = (mc.load(mine(w_smem.at[k]), R) for k in range(3))
+                copy = mc.load(mine(w_smem.at[3]), R) if copy_rows else None
             if scaled and not row_weights:
                 w_smem[4] = mc.strided_row(q_g, 0)
 
-            if wgs > 1:
+            if by_rows:
+                a_s, b_s = a_s.at[pl.ds(wg * rw, rw), :], b_s.at[pl.ds(wg * rw, rw), :]
+            elif wgs > 1:
                 a_s, b_s = a_s.at[:, pl.ds(wg * width, width)], b_s.at[:, pl.ds(wg * width, width)]
             a = mc.load(a_s, L)
             b = mc.load(b_s, L)
-            row = lambda x: jnp.broadcast_to(x[:, None], (bt, width))  # noqa: E731
+            row = lambda x: jnp.broadcast_to(x[:, None], (rw, width))  # noqa: E731
             wpb = row(wp)
             wsb = row(ws)
             # 4.3: a zero weight gives exactly 0, so NaN in an empty partial cannot leak.
@@ -153,9 +157,12 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             out = jnp.where(row(empty) > 0, 0.0, out)
             # 4.4: the suffix's bits (its value rounded once, for another output dtype; quantized as a merged row)
             result = mc.stored(out, b, row(copy) > 0 if copy_rows else None, F32 if quant else o_scr.dtype)
-            scale = mc.load(w_smem.at[4], R) if scaled else None
-            # 4.6, 4.7, 4.8: column chunk hc * wgs + wg of `width` columns
-            mc.store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc * wgs + wg, i)
+            scale = mc.load(mine(w_smem.at[4]), R) if scaled else None
+            # 4.6, 4.7, 4.8: column chunk hc * wgs + wg of `width` columns, or chunk hc of rows from wg * rw
+            if by_rows:
+                mc.store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc, i, row0=wg * rw)
+            else:
+                mc.store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc * wgs + wg, i)
             return following
 
         tile = plgpu.BlockSpec((pl.Element(bt), dc), lambda i: tiles.at(i)[::-1])
@@ -170,11 +177,11 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
                     init_carry=lambda: () if lse_tma else rows(0))
         plgpu.wait_smem_to_gmem(0)
 
-    own = mc.per_warpgroup([plgpu.SMEM((5, bt), F32), mc.output_slots(quant, tune["stores"], width, out_type[0].dtype)],
-                           wgs)
+    own = mc.per_warpgroup([plgpu.SMEM((5, bt), F32),
+                            mc.output_slots(quant, tune["stores"], width, out_type[0].dtype, rw)], wgs)
     return mc.kernel(body, out_type=tuple(out_type), grid=tiles.grid, grid_names=tiles.names,
-                     scratch_types=[*own, *mc.quant_scratch(quant, tune["stores"], width, wgs)], interpret=interpret,
-                     **mc.warpgroups(wgs))
+                     scratch_types=[*own, *mc.quant_scratch(quant, tune["stores"], width, wgs, rw)],
+                     interpret=interpret, **mc.warpgroups(wgs))
 
 
 @functools.partial(jax.jit, static_argnames=("return_lse", "out_dtype", "lse_layout", "lse_base2", "group",
@@ -205,7 +212,7 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
         args.append(mc.flag_rows(empty))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
-    width = dc // mc.compute_warpgroups(tune, quant, dc, stored_dtype)  # the columns one warpgroup quantizes
+    width = mc.warpgroup_tile(tune, quant, dc, stored_dtype)[2]  # the columns one warpgroup quantizes
     out_type = mc.kernel_io(args, quant, output_scale, width, tp, num_heads, cols, stored_dtype, return_lse)
     results = _kernel(tp, num_heads, cols, dc, out_type, output_lse=return_lse, empty_rows=empty is not None,
                       copy_rows=copy_rows, lse_base2=lse_base2, quant=quant, lse_tma=lse_tma,

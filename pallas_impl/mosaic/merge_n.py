@@ -57,8 +57,8 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     grouped, nvfp4 = mc.grouped(quant), quant == (mc.NVFP4,)
     scaled = quant in ((mc.STATIC,), (mc.NVFP4,))  # a scale row in: the static fp8 scale, NVFP4's global scale
     scale_at = rows + (3 if blocks else 1)  # the row of w_smem holding that scale
-    wgs = mc.compute_warpgroups(tune, quant, dc, out_type[0].dtype)
-    width = dc // wgs  # the columns of a tile each compute warpgroup merges
+    # the columns of a tile each compute warpgroup merges (the split by rows is the 2-way merge's)
+    wgs, _, width = mc.warpgroup_tile(dict(tune, split="cols"), quant, dc, out_type[0].dtype)
 
     def body(x_g, l_g, *rest):  # x_g: the partials; l_g: the raw LSE rows, f32[N * H * T'] ((k * H + h) * T' + t)
         # or, with prefetch, f32[N, H, T']
@@ -218,7 +218,8 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
         args.append(mc.flag_rows(empties, flat=not prefetch))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
-    width = dc // mc.compute_warpgroups(tune, quant, dc, stored_dtype)  # the columns one warpgroup quantizes
+    width = mc.warpgroup_tile(dict(tune, split="cols"), quant, dc, stored_dtype)[2]  # the columns one warpgroup
+    # quantizes
     out_type = mc.kernel_io(args, quant, output_scale, width, tp, num_heads, cols, stored_dtype, return_lse)
     results = _kernel(num_partials, tp, num_heads, cols, dc, out_type, output_lse=return_lse,
                       empty_rows=empties is not None, copy_rows=copy_rows, lse_base2=lse_base2, quant=quant,
