@@ -194,14 +194,15 @@ PERSISTENT_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in cas
 
 @needs_mosaic
 @pytest.mark.parametrize("launch", [dict(ctas_per_sm=1), dict(ctas_per_sm=3), dict(compute_wgs=2),
-                                    dict(compute_wgs=2, ctas_per_sm=1), dict(lse_tma=False),
-                                    dict(row_weights=False)],
+                                    dict(compute_wgs=2, ctas_per_sm=1), dict(compute_wgs=2, split="rows"),
+                                    dict(lse_tma=False), dict(row_weights=False)],
                          ids=lambda d: json.dumps(d))
 @pytest.mark.parametrize("case, op", PERSISTENT_OPS)
 def test_launch_schedules_match_reference(case, op, launch, monkeypatch):
     """The merges' other schedules: persistent CTAs (`ctas_per_sm`, `mc.Tiles`; in the interpreter
     `INTERPRET_SMS` SMs, so a CTA's pipeline wraps over the column chunks and token tiles and the last CTAs repeat
-    the last tile), the warp-specialised pipeline (`compute_wgs`, `mc.compute_warpgroups`), the LSE rows by
+    the last tile), the warp-specialised pipeline (`compute_wgs`, `mc.compute_warpgroups`; the 2-way merge's tiles
+    split by columns or by rows, `mc.warpgroup_tile`), the LSE rows by
     per-thread loads where they would come by TMA (`lse_tma`, `mc.rows_by_tma`: T' a multiple of 4; the cases of
     other T take that path by default) and the 2-way merge's weights relaid out where they would be computed in
     the row layout (`row_weights`)."""
@@ -219,7 +220,8 @@ def test_launch_schedules_match_reference(case, op, launch, monkeypatch):
     _check_against_reference(case, op, inputs, got)
 
 
-GROUPED_WS = {  # grouped outputs whose half tile (64 columns at D = 128) holds whole groups
+GROUPED_WS = {  # grouped outputs whose half tile (64 columns at D = 128) holds whole groups; and G = 128
+    "group_fp8_g128": dict(out_dtype=jnp.float8_e4m3fn, group_size=128),
     "group_fp8_g64": dict(out_dtype=jnp.float8_e4m3fn, group_size=64),
     "group_fp8_g32_ue8m0": dict(out_dtype=jnp.float8_e4m3fn, group_size=32, scale_ue8m0=True),
     "nvfp4_row": dict(out_dtype=jnp.float4_e2m1fn, output_scale=jnp.float32(40.0)),
@@ -232,17 +234,21 @@ GROUPED_WS = {  # grouped outputs whose half tile (64 columns at D = 128) holds 
 
 
 @needs_mosaic
-@pytest.mark.parametrize("output", list(GROUPED_WS))
-def test_grouped_outputs_split_over_two_compute_warpgroups_keep_their_bits(output, monkeypatch):
+@pytest.mark.parametrize("output, split", [(o, "cols") for o in GROUPED_WS if o != "group_fp8_g128"]
+                         + [(o, "rows") for o in GROUPED_WS])
+def test_grouped_outputs_split_over_two_compute_warpgroups_keep_their_bits(output, split, monkeypatch):
     """Per-group FP8 and NVFP4 with the warp-specialised pipeline (`compute_wgs=2`): each compute warpgroup
-    quantizes whole groups of its half tile with its own scale slots (NVFP4: its own code tile and packing matrix),
-    and the outputs, scales and LSE are the one-warpgroup kernels' bits (2-way and N = 3; T = 130, H = 2,
-    D = 128). A group as wide as the tile (128) keeps one warpgroup."""
+    quantizes whole groups of its half tile (`split`: its columns, or its 64 rows: the 2-way merge's
+    `mc.warpgroup_tile`) with its own scale slots (NVFP4: its own code tile and packing matrix), and the outputs,
+    scales and LSE are the one-warpgroup kernels' bits (2-way and N = 3; T = 130, H = 2, D = 128). A group as
+    wide as the tile (128) splits by rows only."""
     from pallas_impl.mosaic import _common as mc
 
-    quant = {"group_fp8_g64": (64, False), "group_fp8_g32_ue8m0": (32, True)}.get(output, (mc.NVFP4,))
-    assert mc.compute_warpgroups(dict(compute_wgs=2), quant, 128, jnp.uint8) == 2
-    assert mc.compute_warpgroups(dict(compute_wgs=2), (128, False), 128, jnp.float8_e4m3fn) == 1
+    quant = {"group_fp8_g64": (64, False), "group_fp8_g32_ue8m0": (32, True),
+             "group_fp8_g128": (128, False)}.get(output, (mc.NVFP4,))
+    tune = dict(compute_wgs=2, split=split)
+    assert mc.warpgroup_tile(tune, quant, 128, jnp.uint8) == ((2, 64, 128) if split == "rows" else (2, 128, 64))
+    assert mc.warpgroup_tile(dict(compute_wgs=2), (128, False), 128, jnp.float8_e4m3fn) == (1, 128, 128)
     kw = GROUPED_WS[output]
     keys = jax.random.split(jax.random.PRNGKey(3), 2)
     outs = jax.random.normal(keys[0], (3, 130, 2, 128), jnp.bfloat16) * 3
@@ -251,7 +257,7 @@ def test_grouped_outputs_split_over_two_compute_warpgroups_keep_their_bits(outpu
     for wgs in (1, 2):
         for kernel in ("merge", "merge_n"):
             # (`grouped`: the 2-way merge's choices for these outputs, emptied so that `compute_wgs` holds)
-            monkeypatch.setitem(mc.TUNING, kernel, dict(mc.TUNING[kernel], compute_wgs=wgs, grouped={}))
+            monkeypatch.setitem(mc.TUNING, kernel, dict(mc.TUNING[kernel], compute_wgs=wgs, split=split, grouped={}))
         jax.clear_caches()  # the schedule is chosen at trace time
         two = pallas_impl.merge_attn_states(outs[0], lses[0], outs[1], lses[1], backend="mosaic_gpu",
                                             return_lse=True, **kw)

@@ -284,7 +284,8 @@ def padded_heads(x, columns: int):
 
 
 def head_plan(head_dim: int, dtype, tile_bytes: int, *, out_dtype, input_tiles: int, out_slots: int,
-              other_bytes: int, group_size: int = 1, scale_bytes: int = 0, nvfp4: bool = False) -> tuple[int, int]:
+              other_bytes: int, group_size: int = 1, scale_bytes: int = 0, nvfp4: bool = False,
+              packing_matrices: int = 1) -> tuple[int, int]:
     """(columns of a kernel's head, columns of one TMA tile) for heads of `head_dim` elements of `dtype`:
     `head_columns`, then `column_chunk` of that width (a multiple of `group_size`: a quantization group stays in one
     tile), narrowed (halving `tile_bytes`) until the kernel's shared memory fits `SMEM_BYTES`: `input_tiles`
@@ -292,7 +293,8 @@ def head_plan(head_dim: int, dtype, tile_bytes: int, *, out_dtype, input_tiles: 
     per group of a row each) and `other_bytes` of other scratch. (An f32 output of bf16 inputs doubles the output
     slots: at the 2-way merge's long-T tiles it needed 258 KiB.) `nvfp4`: packed codes (half a byte a column) and
     e4m3 block scales out, tiles a multiple of 32 columns (16-byte packed rows), and the packing's scratch
-    (`pack_fp4`: an f16 code tile and the `[dc, dc / 2]` packing matrix). ValueError where no tile fits."""
+    (`pack_fp4`: an f16 code tile and the `[dc, dc / 2]` packing matrix, `packing_matrices` of them: one per compute
+    warpgroup of a split by rows, `warpgroup_tile`). ValueError where no tile fits."""
     itemsize = jnp.dtype(dtype).itemsize
     out_itemsize = jnp.dtype(out_dtype).itemsize
     cols = head_columns(head_dim, itemsize, out_itemsize)
@@ -301,7 +303,7 @@ def head_plan(head_dim: int, dtype, tile_bytes: int, *, out_dtype, input_tiles: 
 
     def smem(dc):
         if nvfp4:
-            out_tile, packing = dc // 2 + dc // NVFP4_BLOCK, BLOCK_T * dc * 2 + dc * dc
+            out_tile, packing = dc // 2 + dc // NVFP4_BLOCK, BLOCK_T * dc * 2 + dc * dc * packing_matrices
         else:
             out_tile, packing = dc * out_itemsize + dc // group_size * scale_bytes, 0
         return BLOCK_T * (dc * input_tiles * itemsize + out_slots * out_tile) + packing + other_bytes

@@ -195,7 +195,8 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
     tune = mc.merge_tuning(tp, group is not None)  # for the head plan; then as the kernel takes it
     plan = functools.partial(mc.head_plan, head_dim, prefix_output.dtype, tune["tile_bytes"],  # cols >= D: TMA rows
                              input_tiles=2 * tune["concurrent"], out_slots=tune["stores"],
-                             other_bytes=5 * mc.BLOCK_T * 4 * tune.get("compute_wgs", 1))
+                             other_bytes=5 * mc.BLOCK_T * 4 * tune.get("compute_wgs", 1),
+                             packing_matrices=tune.get("compute_wgs", 1) if tune.get("split") == "rows" else 1)
     quant, stored_dtype, (cols, dc) = mc.output_plan(out_dtype, output_scale, group, plan)
     tune = mc.merge_tuning(tp, mc.grouped(quant))
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
