@@ -1,7 +1,7 @@
 """The Mosaic GPU kernels of pallas_impl once each on a small ragged batch, for `compute-sanitizer` (memcheck): the
 mask in place (donated; LSE only and with output zeroing), the 2-way merge (plain and fused, with pass-through
 rows), the N-way merge (fused, N = 4; N = 256; D = 20; other output dtypes), the quantized outputs (static fp8,
-per-group FP8, NVFP4 with row and swizzled scales; on one compute warpgroup and split over two) and the
+per-group FP8, NVFP4 with row and swizzled scales; on one compute warpgroup, and per-group FP8 split over two) and the
 context-parallel rescale (reduce_scatter over 4 ranks simulated by a named vmap); then 200 requests over 16384
 tokens (the mask's window search, the 2-way merge's long tiles).
 jax >= 0.11 on a GPU.

@@ -54,8 +54,9 @@ PREFETCH_PARTIALS = 16
 # `python -m tools mosaic-speed` sweeps these on the GPU (it sets them here and clears jax's caches). The 2-way merge
 # takes `long_tile_bytes` from `long_tokens` padded tokens on (`merge_tuning`): larger tiles pay at long T only; and
 # for per-group FP8 and NVFP4 outputs the choices in `grouped` (two compute warpgroups where half a tile holds whole
-# groups: the quantizer is issue-bound on one). The N-way merge runs two persistent CTAs per SM. The defaults are
-# the best of `python -m tools mosaic-speed`'s sweep on the H100 (docs/results.md, 2026-12-07).
+# groups: the quantizer is issue-bound on one; NVFP4 keeps one, `compute_warpgroups`). The N-way merge runs two
+# persistent CTAs per SM. The defaults are the best of `python -m tools mosaic-speed`'s sweeps on the H100 whose
+# bits the full check confirmed (docs/results.md, 2026-12-07).
 TUNING = {
     "merge": dict(steps=8, concurrent=2, tile_bytes=16 * 1024, stores=2, ctas_per_sm=0, compute_wgs=1, lse_tma=True,
                   row_weights=True, long_tokens=16384, long_tile_bytes=32 * 1024, grouped=dict(compute_wgs=2)),
@@ -127,14 +128,17 @@ def compute_warpgroups(tune: dict, quant, dc: int, out_dtype) -> int:
     warp-specialised pipeline, a third warpgroup issuing the TMA copies and each compute warpgroup merging half of
     each tile's columns, or with `tune["split"] == "rows"` half of its rows, `warpgroup_tile`). Split by columns,
     1 where half a tile is not whole 16-byte rows of a multiple of 8 columns and of the output's groups (a group
-    of per-group FP8, two NVFP4 blocks: a group never spans warpgroups); split by rows, any tile."""
+    of per-group FP8 never spans warpgroups); split by rows, any tile. NVFP4 always 1: split, its packing WGMMA
+    gave wrong codes and hung on the H100 (2026-12-07; docs/design.md, "Mosaic GPU backend")."""
     wgs = tune.get("compute_wgs", 1)
+    if quant == (NVFP4,):
+        return 1
     if wgs > 1 and tune.get("split") == "rows":
         return wgs
     if wgs == 1 or dc % wgs:
         return 1
     width = dc // wgs
-    multiple = 8 if not grouped(quant) else 2 * NVFP4_BLOCK if quant[0] == NVFP4 else quant[0]
+    multiple = quant[0] if grouped(quant) else 8
     if width % multiple or width % 8 or width * jnp.dtype(out_dtype).itemsize % 16:
         return 1
     return wgs
