@@ -60,12 +60,11 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     # the columns of a tile each compute warpgroup merges (the split by rows is the 2-way merge's)
     wgs, _, width = mc.warpgroup_tile(dict(tune, split="cols"), quant, dc, out_type[0].dtype)
 
-    def body(x_g, l_g, *rest):  # x_g: the partials; l_g: the raw LSE rows, f32[N * H * T'] ((k * H + h) * T' + t)
-        # or, with prefetch, f32[N, H, T']
-        # e_g: f32[N * T'] (prefetch: [N, T']), 1 on the fused mask's tokens; c_g: f32[T'], 1 where t copies the
-        # last partial; q_g:
-        # f32[128], the static fp8 scale or NVFP4's global scale; m_g: NVFP4's packing matrix; g_g: the scales, a
-        # row per group
+    def body(x_g, l_g, *rest):
+        # x_g: the partials; l_g: the raw LSE rows, f32[N * H * T'] ((k * H + h) * T' + t) or, with prefetch,
+        # f32[N, H, T']; e_g: f32[N * T'] (prefetch: [N, T']), 1 on the fused mask's tokens; c_g: f32[T'], 1 where t
+        # copies the last partial; q_g: f32[128], the static fp8 scale or NVFP4's global scale; m_g: NVFP4's
+        # packing matrix; g_g: the scales, a row per group
         e_g, c_g, q_g, m_g, o_g, g_g, lo_g, *rest = mc.optional_refs(rest, empty_rows, copy_rows, scaled, nvfp4,
                                                                      True, grouped, output_lse)
         # rows of w_smem: the weights, the all-empty flag (, m, z with blocks) (, the static or global scale)
