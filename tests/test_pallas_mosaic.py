@@ -224,28 +224,30 @@ GROUPED_WS = {  # grouped outputs whose half tile (64 columns at D = 128) holds 
     "group_fp8_g128": dict(out_dtype=jnp.float8_e4m3fn, group_size=128),
     "group_fp8_g64": dict(out_dtype=jnp.float8_e4m3fn, group_size=64),
     "group_fp8_g32_ue8m0": dict(out_dtype=jnp.float8_e4m3fn, group_size=32, scale_ue8m0=True),
+    "nvfp4_row": dict(out_dtype=jnp.float4_e2m1fn, output_scale=jnp.float32(40.0)),
+    "nvfp4_swizzled": dict(out_dtype=jnp.float4_e2m1fn, output_scale=jnp.float32(40.0), scale_layout="swizzled"),
 }
-# Not NVFP4: split over two compute warpgroups it gave wrong codes and hung on the H100 (2026-12-07), where jax
-# 0.11.2's interpreter gave the one-warpgroup bits but hung in about one call in 30; it keeps one warpgroup
-# (docs/design.md, "Mosaic GPU backend").
 
 
 @needs_mosaic
 @pytest.mark.parametrize("output, split", [(o, "cols") for o in GROUPED_WS if o != "group_fp8_g128"]
-                         + [(o, "rows") for o in GROUPED_WS])
+                         + [(o, "rows") for o in GROUPED_WS if not o.startswith("nvfp4")])
 def test_grouped_outputs_split_over_two_compute_warpgroups_keep_their_bits(output, split, monkeypatch):
-    """Per-group FP8 with the warp-specialised pipeline (`compute_wgs=2`): each compute warpgroup quantizes whole
-    groups of its half tile (`split`: its columns, or its 64 rows: the 2-way merge's `mc.warpgroup_tile`) with its
-    own scale slots, and the outputs, scales and LSE are the one-warpgroup kernels' bits (2-way and N = 3;
-    T = 130, H = 2, D = 128). A group as wide as the tile (128) splits by rows only; NVFP4 never splits."""
+    """Per-group FP8 and NVFP4 with the warp-specialised pipeline (`compute_wgs=2`): each compute warpgroup
+    quantizes whole groups of its half tile (`split`: its columns, or its 64 rows: the 2-way merge's
+    `mc.warpgroup_tile`) with its own scale slots (NVFP4: its own code tile and packing matrix), and the outputs,
+    scales and LSE are the one-warpgroup kernels' bits (2-way, its long 128-column tiles, and N = 3; T = 130,
+    H = 2, D = 128). A group as wide as the tile (128) splits by rows only; NVFP4 by columns only, where each half
+    packs `NVFP4_PACK_COLUMNS` (at 32 the GPU gave wrong codes; split by rows jax's interpreter hung)."""
     from pallas_impl.mosaic import _common as mc
 
-    quant = {"group_fp8_g64": (64, False), "group_fp8_g32_ue8m0": (32, True), "group_fp8_g128": (128, False)}[output]
+    quant = {"group_fp8_g64": (64, False), "group_fp8_g32_ue8m0": (32, True),
+             "group_fp8_g128": (128, False)}.get(output, (mc.NVFP4,))
     tune = dict(compute_wgs=2, split=split)
     assert mc.warpgroup_tile(tune, quant, 128, jnp.uint8) == ((2, 64, 128) if split == "rows" else (2, 128, 64))
     assert mc.warpgroup_tile(dict(compute_wgs=2), (128, False), 128, jnp.float8_e4m3fn) == (1, 128, 128)
-    for nvfp4_split in ("cols", "rows"):  # NVFP4 keeps one warpgroup
-        assert mc.warpgroup_tile(dict(compute_wgs=2, split=nvfp4_split), (mc.NVFP4,), 128, jnp.uint8) == (1, 128, 128)
+    assert mc.warpgroup_tile(dict(compute_wgs=2), (mc.NVFP4,), 64, jnp.uint8) == (1, 128, 64)
+    assert mc.warpgroup_tile(dict(compute_wgs=2, split="rows"), (mc.NVFP4,), 128, jnp.uint8) == (1, 128, 128)
     kw = GROUPED_WS[output]
     keys = jax.random.split(jax.random.PRNGKey(3), 2)
     outs = jax.random.normal(keys[0], (3, 130, 2, 128), jnp.bfloat16) * 3
@@ -254,7 +256,9 @@ def test_grouped_outputs_split_over_two_compute_warpgroups_keep_their_bits(outpu
     for wgs in (1, 2):
         for kernel in ("merge", "merge_n"):
             # (`grouped`: the 2-way merge's choices for these outputs, emptied so that `compute_wgs` holds)
-            monkeypatch.setitem(mc.TUNING, kernel, dict(mc.TUNING[kernel], compute_wgs=wgs, split=split, grouped={}))
+            # `long_tokens`: the 2-way merge's 128-column tiles at T = 130, so that G = 64 and NVFP4 split
+            monkeypatch.setitem(mc.TUNING, kernel, dict(mc.TUNING[kernel], compute_wgs=wgs, split=split, grouped={},
+                                                        long_tokens=mc.BLOCK_T))
         jax.clear_caches()  # the schedule is chosen at trace time
         two = pallas_impl.merge_attn_states(outs[0], lses[0], outs[1], lses[1], backend="mosaic_gpu",
                                             return_lse=True, **kw)
@@ -717,7 +721,7 @@ def test_scale_rows_of_each_tile_come_back_in_token_order(num_tokens):
 ])
 def test_per_group_tiles_hold_whole_groups_else_xla_quantizes(dtype, head_dim, group_size, in_kernel):
     """The 2-way merge's plan for per-group FP8 (`output_plan`): tiles a multiple of G wide, their scales counted
-    in shared memory; where no such tile fits, f32 rows that XLA quantizes. NVFP4: tiles of 32 columns and more."""
+    in shared memory; where no such tile fits, f32 rows that XLA quantizes. NVFP4: tiles of 64 columns and more."""
     import functools
 
     from pallas_impl.mosaic import _common as mc
@@ -735,7 +739,7 @@ def test_per_group_tiles_hold_whole_groups_else_xla_quantizes(dtype, head_dim, g
     else:
         assert stored == jnp.float32
     quant, stored, (_, dc) = mc.output_plan(jnp.float4_e2m1fn, jnp.ones(1), (16, "nvfp4", "row"), plan)
-    assert quant == (mc.NVFP4,) and stored == jnp.uint8 and dc % 32 == 0
+    assert quant == (mc.NVFP4,) and stored == jnp.uint8 and dc % mc.NVFP4_PACK_COLUMNS == 0
 
 
 def _avals(jaxpr):
@@ -754,7 +758,8 @@ QUANTIZED_IN_KERNEL = {  # output -> (dtype, D, options, quantized in the kernel
     "group_fp8": (jnp.bfloat16, 128, LONG_T_OUTPUTS["group_fp8"], True),
     "nvfp4_row": (jnp.bfloat16, 128, LONG_T_OUTPUTS["nvfp4_row"], True),
     "nvfp4_swizzled": (jnp.bfloat16, 64, LONG_T_OUTPUTS["nvfp4_swizzled"], True),
-    "nvfp4_d16": (jnp.bfloat16, 16, LONG_T_OUTPUTS["nvfp4_row"], False),  # no tile of 32 columns divides D
+    "nvfp4_d16": (jnp.bfloat16, 16, LONG_T_OUTPUTS["nvfp4_row"], False),  # no tile of 64 columns divides D
+    "nvfp4_d32": (jnp.bfloat16, 32, LONG_T_OUTPUTS["nvfp4_row"], False),  # 32-column packing: wrong on the GPU
     "group_fp8_g256_f32": (jnp.float32, 256, dict(group_size=256), False),  # no tile of a group fits
 }
 

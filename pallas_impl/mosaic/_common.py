@@ -128,17 +128,15 @@ def compute_warpgroups(tune: dict, quant, dc: int, out_dtype) -> int:
     warp-specialised pipeline, a third warpgroup issuing the TMA copies and each compute warpgroup merging half of
     each tile's columns, or with `tune["split"] == "rows"` half of its rows, `warpgroup_tile`). Split by columns,
     1 where half a tile is not whole 16-byte rows of a multiple of 8 columns and of the output's groups (a group
-    of per-group FP8 never spans warpgroups); split by rows, any tile. NVFP4 always 1: split, its packing WGMMA
-    gave wrong codes and hung on the H100 (2026-12-07; docs/design.md, "Mosaic GPU backend")."""
+    of per-group FP8 never spans warpgroups; NVFP4 packs `NVFP4_PACK_COLUMNS` at least); split by rows, any tile
+    but NVFP4's (its 64-row packing hung jax's interpreter; its bits are unchecked on the GPU)."""
     wgs = tune.get("compute_wgs", 1)
-    if quant == (NVFP4,):
-        return 1
     if wgs > 1 and tune.get("split") == "rows":
-        return wgs
+        return wgs if quant != (NVFP4,) else 1
     if wgs == 1 or dc % wgs:
         return 1
     width = dc // wgs
-    multiple = quant[0] if grouped(quant) else 8
+    multiple = 8 if not grouped(quant) else NVFP4_PACK_COLUMNS if quant[0] == NVFP4 else quant[0]
     if width % multiple or width % 8 or width * jnp.dtype(out_dtype).itemsize % 16:
         return 1
     return wgs
@@ -296,13 +294,14 @@ def head_plan(head_dim: int, dtype, tile_bytes: int, *, out_dtype, input_tiles: 
     `[BLOCK_T, dc]` input tiles in flight, `out_slots` output tiles of `out_dtype` (with `scale_bytes` of scales
     per group of a row each) and `other_bytes` of other scratch. (An f32 output of bf16 inputs doubles the output
     slots: at the 2-way merge's long-T tiles it needed 258 KiB.) `nvfp4`: packed codes (half a byte a column) and
-    e4m3 block scales out, tiles a multiple of 32 columns (16-byte packed rows), and the packing's scratch
+    e4m3 block scales out, tiles a multiple of `NVFP4_PACK_COLUMNS` (16-byte packed rows, and the narrowest packing
+    the GPU gets right), and the packing's scratch
     (`pack_fp4`: an f16 code tile and the `[dc, dc / 2]` packing matrix, `packing_matrices` of them: one per compute
     warpgroup of a split by rows, `warpgroup_tile`). ValueError where no tile fits."""
     itemsize = jnp.dtype(dtype).itemsize
     out_itemsize = jnp.dtype(out_dtype).itemsize
     cols = head_columns(head_dim, itemsize, out_itemsize)
-    multiple = 2 * NVFP4_BLOCK if nvfp4 else math.lcm(group_size, 16 // math.gcd(16, out_itemsize))
+    multiple = NVFP4_PACK_COLUMNS if nvfp4 else math.lcm(group_size, 16 // math.gcd(16, out_itemsize))
     dc = column_chunk(cols, itemsize, tile_bytes, multiple)
 
     def smem(dc):
@@ -418,6 +417,11 @@ FP8 = jnp.float8_e4m3fn
 STATIC = "static"  # `output_plan`: an fp8 output with a static scale (docs/spec.md 4.6)
 NVFP4 = _math.NVFP4  # `output_plan`: NVFP4 (4.8)
 NVFP4_BLOCK = 16
+# The fewest columns an NVFP4 tile, or a compute warpgroup's part of one, packs by its WGMMA (`quantized`): at 32
+# (a [128, 32] f16 code tile by a [32, 16] packing matrix) the H100 gave wrong codes and hung (2026-12-07: the
+# 2-way merge split over two warpgroups at 64-column tiles), at 64 and 128 the Triton backend's bits; the
+# interpreter gave the right bits at 32. Narrower heads store f32 rows for XLA to quantize (`output_plan`).
+NVFP4_PACK_COLUMNS = 64
 
 
 def output_plan(out_dtype, output_scale, group, plan):
@@ -425,7 +429,7 @@ def output_plan(out_dtype, output_scale, group, plan):
     4.7, 4.8): None (it stores the output dtype), (STATIC,), (group size, UE8M0) of per-group FP8, or (NVFP4,)
     (packed codes, u8), with its head plan (`plan(out_dtype=..., group_size=..., scale_bytes=..., nvfp4=...)`,
     `head_plan` of the kernel's tiles). Where no tile holding whole groups fits shared memory (a group of 256 f32
-    columns; NVFP4 heads not a multiple of 32 columns), the kernel stores f32 rows that XLA quantizes after it
+    columns; NVFP4 heads not a multiple of `NVFP4_PACK_COLUMNS`), the kernel stores f32 rows that XLA quantizes after it
     (`finish`)."""
     if group is None:
         return ((STATIC,) if output_scale is not None else None), out_dtype, plan(out_dtype=out_dtype)
