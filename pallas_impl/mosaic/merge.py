@@ -89,7 +89,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             return cleaned(mc.strided_row(p_g, h * num_tokens + t0), mc.strided_row(s_g, h * num_tokens + t0),
                            flag(e_g), flag(c_g))
 
-        if scaled and row_weights:  # the scale row, once
+        if scaled:  # the scale row, once (the weights' rows are rewritten per tile, this one never)
             def scale_row():
                 w_smem[4] = mc.strided_row(q_g, 0)
 
@@ -116,7 +116,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
                 # their latency overlaps this tile's work rather than stalling the next step.
                 current, following = carry, rows(i + 1)
 
-            if lse_tma and row_weights:
+            if row_weights:
                 # The weights of the rows each thread holds in the tile's row layout, from the rows in shared
                 # memory: no relayout.
                 p, s, *copy = tile_rows(strided=False)
@@ -140,8 +140,6 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
                         lo_g[pl.ds(h * num_tokens + t0, bt)] = _math.merged_lse(z, m, both_empty, lse_base2)
                 wp, ws, empty = (mc.load(mine(w_smem.at[k]), R) for k in range(3))
                 copy = mc.load(mine(w_smem.at[3]), R) if copy_rows else None
-            if scaled and not row_weights:
-                w_smem[4] = mc.strided_row(q_g, 0)
 
             if by_rows:
                 a_s, b_s = a_s.at[pl.ds(wg * rw, rw), :], b_s.at[pl.ds(wg * rw, rw), :]
@@ -159,10 +157,8 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             result = mc.stored(out, b, row(copy) > 0 if copy_rows else None, F32 if quant else o_scr.dtype)
             scale = mc.load(mine(w_smem.at[4]), R) if scaled else None
             # 4.6, 4.7, 4.8: column chunk hc * wgs + wg of `width` columns, or chunk hc of rows from wg * rw
-            if by_rows:
-                mc.store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc, i, row0=wg * rw)
-            else:
-                mc.store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc * wgs + wg, i)
+            chunk, row0 = (hc, wg * rw) if by_rows else (hc * wgs + wg, 0)
+            mc.store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, chunk, i, row0=row0)
             return following
 
         tile = plgpu.BlockSpec((pl.Element(bt), dc), lambda i: tiles.at(i)[::-1])
