@@ -14,7 +14,8 @@ What it times (jax.profiler kernel time per call, `parity.tools.bench.timers.tim
 Every point runs on the Triton backend and on Mosaic GPU with the shipped defaults first, then with the other
 candidates of `CANDIDATES` (until `--budget-s`). The table ends with each kernel's candidates ranked over its
 points (the mask's two variants apart): put the best in `TUNING` if it is not the default. `--no-sweep` times
-the defaults only; `--grid` times the merges' whole table (`GRID_PARTIALS`, both LSE layouts) with the defaults.
+the defaults only; `--grid` times the merges' whole table (`GRID_PARTIALS`, both LSE layouts) with the defaults;
+`--match REGEX` keeps the points whose label matches.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -50,9 +52,10 @@ CANDIDATES = {
     # the issue-bound quantized merges, more warps per scheduler).
     # compute_wgs=2: warp-specialised (`mc.compute_warpgroups`); lse_tma=False: the LSE rows by per-thread loads;
     # grouped={}: per-group FP8 and NVFP4 outputs with the plain merges' choices (`mc.merge_tuning`); split="rows":
-    # two compute warpgroups of 64 rows each (`mc.warpgroup_tile`).
+    # two compute warpgroups of 64 rows each (`mc.warpgroup_tile`); nvfp4={}: the N-way NVFP4 merge on one compute
+    # warpgroup (`mc.merge_n_tuning`).
     "merge": [dict(mc.TUNING["merge"]),
-              dict(mc.TUNING["merge"], grouped=dict(compute_wgs=2, split="rows")),
+              dict(mc.TUNING["merge"], grouped=dict(compute_wgs=2)),
               dict(mc.TUNING["merge"], compute_wgs=2, split="rows", grouped=dict(compute_wgs=2, split="rows")),
               dict(mc.TUNING["merge"], lse_tma=False),
               dict(mc.TUNING["merge"], grouped={}),
@@ -67,6 +70,7 @@ CANDIDATES = {
               dict(steps=16, concurrent=2, tile_bytes=32 * 1024, stores=2)],
     "merge_n": [dict(mc.TUNING["merge_n"]),
                 dict(mc.TUNING["merge_n"], ctas_per_sm=0),
+                dict(mc.TUNING["merge_n"], nvfp4={}),
                 dict(mc.TUNING["merge_n"], compute_wgs=2),
                 dict(mc.TUNING["merge_n"], lse_tma=False),
                 dict(mc.TUNING["merge_n"], ctas_per_sm=1),
@@ -194,6 +198,7 @@ def main(argv=None) -> int:
     p.add_argument("--first", type=int, default=None, help="sweep only the first FIRST candidates of each kernel")
     p.add_argument("--kernels", nargs="+", choices=sorted(CANDIDATES), default=None,
                    help="only the points of these kernels (TUNING keys)")
+    p.add_argument("--match", default=None, help="only the points whose label matches this regular expression")
     p.add_argument("--grid", action="store_true",
                    help="the merges' whole table instead of the default points (GRID; implies --no-sweep)")
     args = p.parse_args(argv)
@@ -230,6 +235,8 @@ def main(argv=None) -> int:
         points = points[:1] + grid_points()
     if args.kernels:
         points = [p for p in points if p[0] in args.kernels or p[0] == "empty"]
+    if args.match:
+        points = [p for p in points if re.search(args.match, p[1]) or p[0] == "empty"]
 
     def run(kernel, label, fn, backend, cand):
         if time.time() - start > args.budget_s:

@@ -60,7 +60,8 @@ def main() -> int:
     # and split over two (`compute_wgs`).
     for wgs in (1, 2):
         for kernel in ("merge", "merge_n"):
-            mc.TUNING[kernel] = dict(DEFAULTS[kernel], compute_wgs=wgs, grouped={})
+            own = dict(grouped={}) if kernel == "merge" else dict(nvfp4={})
+            mc.TUNING[kernel] = dict(DEFAULTS[kernel], compute_wgs=wgs, **own)
         jax.clear_caches()
         for quant in QUANTIZED:
             jax.block_until_ready(pallas_impl.merge_attn_states(o[0], lse[0], o[1], lse[1], return_lse=True,

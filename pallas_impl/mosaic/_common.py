@@ -53,15 +53,17 @@ PREFETCH_PARTIALS = 16
 # smaller 2-way tiles keep two CTAs per SM (228 KiB of shared memory on an H100/H200).
 # `python -m tools mosaic-speed` sweeps these on the GPU (it sets them here and clears jax's caches). The 2-way merge
 # takes `long_tile_bytes` from `long_tokens` padded tokens on (`merge_tuning`): larger tiles pay at long T only; and
-# for per-group FP8 and NVFP4 outputs the choices in `grouped` (two compute warpgroups where half a tile holds whole
-# groups: the quantizer is issue-bound on one; NVFP4 keeps one, `compute_warpgroups`). The N-way merge runs two
-# persistent CTAs per SM. The defaults are the best of `python -m tools mosaic-speed`'s sweeps on the H100 whose
+# for per-group FP8 and NVFP4 outputs the choices in `grouped` (two compute warpgroups, the quantizer being
+# issue-bound on one: per-group FP8 split by rows, any group size; NVFP4 by columns where each half packs
+# `NVFP4_PACK_COLUMNS`, `compute_warpgroups`). The N-way merge runs two persistent CTAs per SM, and for NVFP4
+# the choices in `nvfp4` (`merge_n_tuning`: two compute warpgroups, by columns). The defaults are the best of `python -m tools mosaic-speed`'s sweeps on the H100 whose
 # bits the full check confirmed (docs/results.md, 2026-12-07).
 TUNING = {
     "merge": dict(steps=8, concurrent=2, tile_bytes=16 * 1024, stores=2, ctas_per_sm=0, compute_wgs=1, lse_tma=True,
-                  row_weights=True, long_tokens=16384, long_tile_bytes=32 * 1024, grouped=dict(compute_wgs=2)),
+                  row_weights=True, long_tokens=16384, long_tile_bytes=32 * 1024,
+                  grouped=dict(compute_wgs=2, split="rows")),
     "merge_n": dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1, ctas_per_sm=2, compute_wgs=1,
-                    lse_tma=True),
+                    lse_tma=True, nvfp4=dict(compute_wgs=2)),
     "cp_rescale": dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2),
     # heads: LSE rows (of 128 tokens) per CTA; the output rows are split as many ways as the heads.
     # tokens: output rows (of one head group's share) per TMA store of zeros. "mask_lse": without output zeroing
@@ -126,13 +128,12 @@ MEMORY_REGISTERS = 40  # registers per thread of the warpgroup that issues a war
 def compute_warpgroups(tune: dict, quant, dc: int, out_dtype) -> int:
     """Compute warpgroups of a merge kernel: `tune["compute_wgs"]` (1: one warpgroup copies and computes; 2: a
     warp-specialised pipeline, a third warpgroup issuing the TMA copies and each compute warpgroup merging half of
-    each tile's columns, or with `tune["split"] == "rows"` half of its rows, `warpgroup_tile`). Split by columns,
-    1 where half a tile is not whole 16-byte rows of a multiple of 8 columns and of the output's groups (a group
-    of per-group FP8 never spans warpgroups; NVFP4 packs `NVFP4_PACK_COLUMNS` at least); split by rows, any tile
-    but NVFP4's (its 64-row packing hung jax's interpreter; its bits are unchecked on the GPU)."""
+    each tile's columns, or half of its rows, `split_by_rows`, `warpgroup_tile`). Split by columns, 1 where half a
+    tile is not whole 16-byte rows of a multiple of 8 columns and of the output's groups (a group of per-group FP8
+    never spans warpgroups; NVFP4 packs `NVFP4_PACK_COLUMNS` at least); split by rows, any tile."""
     wgs = tune.get("compute_wgs", 1)
-    if wgs > 1 and tune.get("split") == "rows":
-        return wgs if quant != (NVFP4,) else 1
+    if wgs > 1 and split_by_rows(tune, quant):
+        return wgs
     if wgs == 1 or dc % wgs:
         return 1
     width = dc // wgs
@@ -142,13 +143,19 @@ def compute_warpgroups(tune: dict, quant, dc: int, out_dtype) -> int:
     return wgs
 
 
+def split_by_rows(tune: dict, quant) -> bool:
+    """Whether two compute warpgroups split a tile by rows (`tune["split"] == "rows"`) rather than by columns: not
+    NVFP4, which splits by columns (its 64-row packing hung jax's interpreter, and the GPU never ran it)."""
+    return tune.get("split") == "rows" and quant != (NVFP4,)
+
+
 def warpgroup_tile(tune: dict, quant, dc: int, out_dtype) -> tuple[int, int, int]:
     """(compute warpgroups, rows, columns) of the `[rows, columns]` part of each `[BLOCK_T, dc]` tile a compute
-    warpgroup merges (`compute_warpgroups`): the whole tile with one; with two, half its columns (`split` "cols",
-    the default) or half its rows (`split` "rows": 64, a WGMMA layout's tile of rows; any group size, the LSE
-    rows' weights loaded for its own rows only)."""
+    warpgroup merges (`compute_warpgroups`): the whole tile with one; with two, half its columns or half its rows
+    (`split_by_rows`: 64, a WGMMA layout's tile of rows; any group size, the LSE rows' weights loaded for its own
+    rows only)."""
     wgs = compute_warpgroups(tune, quant, dc, out_dtype)
-    if wgs > 1 and tune.get("split") == "rows":
+    if wgs > 1 and split_by_rows(tune, quant):
         return wgs, BLOCK_T // wgs, dc
     return wgs, BLOCK_T, dc // wgs
 
@@ -286,8 +293,7 @@ def padded_heads(x, columns: int):
 
 
 def head_plan(head_dim: int, dtype, tile_bytes: int, *, out_dtype, input_tiles: int, out_slots: int,
-              other_bytes: int, group_size: int = 1, scale_bytes: int = 0, nvfp4: bool = False,
-              packing_matrices: int = 1) -> tuple[int, int]:
+              other_bytes: int, group_size: int = 1, scale_bytes: int = 0, nvfp4: bool = False) -> tuple[int, int]:
     """(columns of a kernel's head, columns of one TMA tile) for heads of `head_dim` elements of `dtype`:
     `head_columns`, then `column_chunk` of that width (a multiple of `group_size`: a quantization group stays in one
     tile), narrowed (halving `tile_bytes`) until the kernel's shared memory fits `SMEM_BYTES`: `input_tiles`
@@ -295,9 +301,8 @@ def head_plan(head_dim: int, dtype, tile_bytes: int, *, out_dtype, input_tiles: 
     per group of a row each) and `other_bytes` of other scratch. (An f32 output of bf16 inputs doubles the output
     slots: at the 2-way merge's long-T tiles it needed 258 KiB.) `nvfp4`: packed codes (half a byte a column) and
     e4m3 block scales out, tiles a multiple of `NVFP4_PACK_COLUMNS` (16-byte packed rows, and the narrowest packing
-    the GPU gets right), and the packing's scratch
-    (`pack_fp4`: an f16 code tile and the `[dc, dc / 2]` packing matrix, `packing_matrices` of them: one per compute
-    warpgroup of a split by rows, `warpgroup_tile`). ValueError where no tile fits."""
+    the GPU gets right), and the packing's scratch (`pack_fp4`: an f16 code tile and the `[dc, dc / 2]` packing
+    matrix; a split by columns packs two halves of a quarter of its bytes each). ValueError where no tile fits."""
     itemsize = jnp.dtype(dtype).itemsize
     out_itemsize = jnp.dtype(out_dtype).itemsize
     cols = head_columns(head_dim, itemsize, out_itemsize)
@@ -306,7 +311,7 @@ def head_plan(head_dim: int, dtype, tile_bytes: int, *, out_dtype, input_tiles: 
 
     def smem(dc):
         if nvfp4:
-            out_tile, packing = dc // 2 + dc // NVFP4_BLOCK, BLOCK_T * dc * 2 + dc * dc * packing_matrices
+            out_tile, packing = dc // 2 + dc // NVFP4_BLOCK, BLOCK_T * dc * 2 + dc * dc
         else:
             out_tile, packing = dc * out_itemsize + dc // group_size * scale_bytes, 0
         return BLOCK_T * (dc * input_tiles * itemsize + out_slots * out_tile) + packing + other_bytes
@@ -347,10 +352,46 @@ def merge_tuning(num_tokens: int, grouped_output: bool = False) -> dict:
     return tune
 
 
-def lse_rows(lse, lse_layout: str, flat: bool = True):
-    """A raw LSE as a kernel reads it: f32[H * T'] (`flat`: rows h, for per-thread loads) or f32[H, T'] (TMA
-    copies, `rows_by_tma`), T' >= BLOCK_T padded with -inf. The sentinels are the kernel's (`_math.clean_lse`); an
-    `[H, T]` LSE of T >= BLOCK_T is only reshaped (no XLA kernel)."""
+def merge_n_tuning(quant) -> dict:
+    """The N-way merge's launch choices for the output `quant` (`output_plan`): with the `nvfp4` ones for NVFP4."""
+    tune = dict(TUNING["merge_n"])
+    tune.update(tune.pop("nvfp4", {}) if quant == (NVFP4,) else {})
+    tune.pop("nvfp4", None)
+    return tune
+
+
+# A `[T', H]` LSE's tile of rows copied by TMA (`lse_columns`): 8 heads (32 bytes, a WGMMA layout's tile wide).
+TH_HEADS = 8
+
+
+def lse_columns(lse_layout: str, num_heads: int, by_tma: bool) -> bool:
+    """Whether the 2-way merge reads a `[T, H]` LSE as it is (`lse_layout` "TH"; `by_tma`: `rows_by_tma` and what
+    its caller needs): each tile's `[BLOCK_T, TH_HEADS]` box of heads by TMA (H a multiple of TH_HEADS: whole
+    boxes, 16-byte rows), its head's column picked in registers (`lse_column`). Else the kernel reads `[H, T']`
+    rows and XLA transposes a `[T, H]` LSE before it: a read and a write of both LSEs, 2% of the merge's bytes at
+    D = 128 bf16, and two more kernels. (The N-way merge always does: its boxes, N of them in each of two slots,
+    would take the shared memory of its second CTA per SM.)"""
+    return by_tma and lse_layout == "TH" and num_heads % TH_HEADS == 0
+
+
+def lse_column(box, head, layout):
+    """Head `head`'s column (`head % TH_HEADS`) of a `[rows, TH_HEADS]` LSE box in shared memory (`lse_columns`) as
+    a row in the `layout` of a tile's rows (the WGMMA layout reduced over columns): the other columns at -inf, then
+    the maximum over the box's columns, which is that column's value, bits and all (a NaN stays NaN, -0.0 stays
+    -0.0; `_math.clean_lse` then takes the sentinels as it does in `[H, T']` rows)."""
+    m = plgpu()
+    x = load(box, m.Layout.WGMMA)
+    col = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    return jnp.max(jnp.where(col == head % TH_HEADS, x, -jnp.inf), axis=1)
+
+
+def lse_rows(lse, lse_layout: str, flat: bool = True, columns: bool = False):
+    """A raw LSE as a kernel reads it: f32[H * T'] (`flat`: rows h, for per-thread loads), f32[H, T'] (TMA
+    copies, `rows_by_tma`) or, `columns` (`lse_columns`), a `[T, H]` LSE as f32[T', H]; T' >= BLOCK_T padded with
+    -inf. The sentinels are the kernel's (`_math.clean_lse`); an LSE of T >= BLOCK_T in the layout the kernel reads
+    is only reshaped (no XLA kernel)."""
+    if columns:
+        return padded_rows(lse, lse.shape[0], -jnp.inf, axis=0)
     x = lse if lse_layout == "HT" else lse.T
     x = padded_rows(x, x.shape[-1], -jnp.inf, axis=-1)
     return x.reshape(-1) if flat else x

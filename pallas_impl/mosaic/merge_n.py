@@ -44,7 +44,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     as `[N, H, T']` and each tile's rows (and flag rows) by TMA a tile ahead; else `[N * H * T']`, loaded per
     thread."""
     plgpu = mc.plgpu()
-    tune = mc.TUNING["merge_n"]
+    tune = mc.merge_n_tuning(quant)
     nc = head_dim // dc
     tiles = mc.Tiles(num_tokens, num_heads * nc, tune, interpret)
     bt, steps = mc.BLOCK_T, tiles.steps
@@ -195,7 +195,8 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
                    return_lse, out_dtype, lse_layout, lse_base2, interpret, group=None):
     """`pallas_impl.merge_attn_states_n` with backend="mosaic_gpu" (its arguments, checked there)."""
     num_partials, num_tokens, num_heads, head_dim = outputs.shape
-    tune = mc.TUNING["merge_n"]
+    # NVFP4's launch choices for the head plan (the most shared memory); then as the kernel takes them
+    tune = mc.merge_n_tuning((mc.NVFP4,) if group is not None and _math.is_nvfp4(group) else None)
     rows = min(num_partials, mc.WEIGHT_ROWS)
     tp = max(num_tokens, mc.BLOCK_T)
     prefetch = mc.prefetches_rows(tune, tp, num_partials)
@@ -204,6 +205,7 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
                              input_tiles=tune["concurrent"], out_slots=tune["stores"],
                              other_bytes=row_bytes * tune.get("compute_wgs", 1))
     quant, stored_dtype, (cols, dc) = mc.output_plan(out_dtype, output_scale, group, plan)
+    tune = mc.merge_n_tuning(quant)
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     # XLA before the kernel: the fused mask's token flags (docs/spec.md 8.1), the layout, T < 128.
