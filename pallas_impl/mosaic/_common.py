@@ -55,15 +55,16 @@ PREFETCH_PARTIALS = 16
 # takes `long_tile_bytes` from `long_tokens` padded tokens on (`merge_tuning`): larger tiles pay at long T only; and
 # for per-group FP8 and NVFP4 outputs the choices in `grouped` (two compute warpgroups, the quantizer being
 # issue-bound on one: per-group FP8 split by rows, any group size; NVFP4 by columns where each half packs
-# `NVFP4_PACK_COLUMNS`, `compute_warpgroups`). The N-way merge runs two persistent CTAs per SM, and for NVFP4
-# the choices in `nvfp4` (`merge_n_tuning`: two compute warpgroups, by columns). The defaults are the best of `python -m tools mosaic-speed`'s sweeps on the H100 whose
+# `NVFP4_PACK_COLUMNS`, `compute_warpgroups`). The N-way merge runs two persistent CTAs per SM; its NVFP4 outputs
+# take the choices in `nvfp4` (`merge_n_tuning`; two compute warpgroups timed 1.42x the Triton backend's time
+# against 2.36x, and gave wrong codes at T = 1001 on the H100: docs/results.md). The defaults are the best of `python -m tools mosaic-speed`'s sweeps on the H100 whose
 # bits the full check confirmed (docs/results.md, 2026-12-07).
 TUNING = {
     "merge": dict(steps=8, concurrent=2, tile_bytes=16 * 1024, stores=2, ctas_per_sm=0, compute_wgs=1, lse_tma=True,
                   row_weights=True, long_tokens=16384, long_tile_bytes=32 * 1024,
                   grouped=dict(compute_wgs=2, split="rows")),
     "merge_n": dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1, ctas_per_sm=2, compute_wgs=1,
-                    lse_tma=True, nvfp4=dict(compute_wgs=2)),
+                    lse_tma=True, nvfp4={}),
     "cp_rescale": dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2),
     # heads: LSE rows (of 128 tokens) per CTA; the output rows are split as many ways as the heads.
     # tokens: output rows (of one head group's share) per TMA store of zeros. "mask_lse": without output zeroing
@@ -360,38 +361,10 @@ def merge_n_tuning(quant) -> dict:
     return tune
 
 
-# A `[T', H]` LSE's tile of rows copied by TMA (`lse_columns`): 8 heads (32 bytes, a WGMMA layout's tile wide).
-TH_HEADS = 8
-
-
-def lse_columns(lse_layout: str, num_heads: int, by_tma: bool) -> bool:
-    """Whether the 2-way merge reads a `[T, H]` LSE as it is (`lse_layout` "TH"; `by_tma`: `rows_by_tma` and what
-    its caller needs): each tile's `[BLOCK_T, TH_HEADS]` box of heads by TMA (H a multiple of TH_HEADS: whole
-    boxes, 16-byte rows), its head's column picked in registers (`lse_column`). Else the kernel reads `[H, T']`
-    rows and XLA transposes a `[T, H]` LSE before it: a read and a write of both LSEs, 2% of the merge's bytes at
-    D = 128 bf16, and two more kernels. (The N-way merge always does: its boxes, N of them in each of two slots,
-    would take the shared memory of its second CTA per SM.)"""
-    return by_tma and lse_layout == "TH" and num_heads % TH_HEADS == 0
-
-
-def lse_column(box, head, layout):
-    """Head `head`'s column (`head % TH_HEADS`) of a `[rows, TH_HEADS]` LSE box in shared memory (`lse_columns`) as
-    a row in the `layout` of a tile's rows (the WGMMA layout reduced over columns): the other columns at -inf, then
-    the maximum over the box's columns, which is that column's value, bits and all (a NaN stays NaN, -0.0 stays
-    -0.0; `_math.clean_lse` then takes the sentinels as it does in `[H, T']` rows)."""
-    m = plgpu()
-    x = load(box, m.Layout.WGMMA)
-    col = lax.broadcasted_iota(jnp.int32, x.shape, 1)
-    return jnp.max(jnp.where(col == head % TH_HEADS, x, -jnp.inf), axis=1)
-
-
-def lse_rows(lse, lse_layout: str, flat: bool = True, columns: bool = False):
-    """A raw LSE as a kernel reads it: f32[H * T'] (`flat`: rows h, for per-thread loads), f32[H, T'] (TMA
-    copies, `rows_by_tma`) or, `columns` (`lse_columns`), a `[T, H]` LSE as f32[T', H]; T' >= BLOCK_T padded with
-    -inf. The sentinels are the kernel's (`_math.clean_lse`); an LSE of T >= BLOCK_T in the layout the kernel reads
-    is only reshaped (no XLA kernel)."""
-    if columns:
-        return padded_rows(lse, lse.shape[0], -jnp.inf, axis=0)
+def lse_rows(lse, lse_layout: str, flat: bool = True):
+    """A raw LSE as a kernel reads it: f32[H * T'] (`flat`: rows h, for per-thread loads) or f32[H, T'] (TMA
+    copies, `rows_by_tma`), T' >= BLOCK_T padded with -inf. The sentinels are the kernel's (`_math.clean_lse`); an
+    `[H, T]` LSE of T >= BLOCK_T is only reshaped (no XLA kernel)."""
     x = lse if lse_layout == "HT" else lse.T
     x = padded_rows(x, x.shape[-1], -jnp.inf, axis=-1)
     return x.reshape(-1) if flat else x

@@ -8,9 +8,8 @@ Grid: (H * D / dc, token splits) CTAs; a CTA pipelines `TUNING["merge"]["steps"]
 tile the weights are computed one LSE row per thread, as the N-way kernel does, and relaid out through shared
 memory into the tile's row layout. The tile's LSE rows (and flag rows) come with it by TMA where T' is a multiple
 of 4 (`mc.rows_by_tma`: an `[H, T']` row's stride is then whole 16-byte units); at other T each thread loads its
-row's elements from GMEM a step ahead, in the pipeline's carry. A `[T, H]` LSE comes as it is, a `[128, 8]` box of
-heads with each tile, where the weights are computed in the row layout and the tiles are long (`mc.lse_columns`);
-elsewhere XLA transposes it first. The merged tile leaves by a TMA store from one of
+row's elements from GMEM a step ahead, in the pipeline's carry. XLA transposes a `[T, H]` LSE first (read in
+boxes of heads instead, it was slower: docs/results.md). The merged tile leaves by a TMA store from one of
 the output slots in shared memory, the previous store still in flight. The last tile is shifted to end at T: no copy leaves
 the arrays, and overlapping tiles write identical values. Tiles of `TUNING["merge"]["tile_bytes"]`, from
 `long_tokens` padded tokens `long_tile_bytes` (`mc.merge_tuning`). Launch choices and their shared-memory budget:
@@ -36,12 +35,10 @@ F32 = jnp.float32
 
 
 def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *, output_lse: bool,
-            empty_rows: bool, copy_rows: bool, lse_base2: bool, quant, lse_tma: bool, lse_columns: bool,
-            interpret: bool):
+            empty_rows: bool, copy_rows: bool, lse_base2: bool, quant, lse_tma: bool, interpret: bool):
     """The merge of padded `[T', H * D]` prefix and suffix (T' >= 128) with raw LSE rows, `[H, T']` copied with each
-    tile (`lse_tma`, `mc.rows_by_tma`), `[T', H]` boxes of heads copied with each tile (`lse_columns`,
-    `mc.lse_columns`: with `row_weights` only) or `[H * T']` loaded per thread; quantized outputs quantized in
-    registers (`quant`: `mc.output_plan`)."""
+    tile (`lse_tma`, `mc.rows_by_tma`) or `[H * T']` loaded per thread; quantized outputs quantized in registers
+    (`quant`: `mc.output_plan`)."""
     plgpu = mc.plgpu()
     tune = mc.merge_tuning(num_tokens, mc.grouped(quant))
     nc = head_dim // dc
@@ -54,7 +51,6 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
     # by per-thread stores one row per thread: the same rows in both layouts in one kernel fail Mosaic GPU's
     # layout inference (jax 0.11.2).
     row_weights = lse_tma and tune.get("row_weights", False) and not output_lse
-    assert row_weights or not lse_columns, "a [T', H] LSE's boxes give the weights in the row layout only"
     grouped, nvfp4 = mc.grouped(quant), quant == (mc.NVFP4,)
     scaled = quant in ((mc.STATIC,), (mc.NVFP4,))  # a scale row in: the static fp8 scale, NVFP4's global scale
     # Each compute warpgroup merges `[rw, width]` of a tile: all of it, or half its columns or its rows.
@@ -113,8 +109,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
                 def tile_rows(strided: bool):
                     """The rows one per thread (`strided`) or in the tile's row layout."""
                     read = lambda r: (mc.strided_row(r, 0) if strided else mc.load(mine(r), R))  # noqa: E731
-                    lse = (lambda r: mc.lse_column(mine(r), h, R)) if lse_columns else read  # noqa: E731
-                    return cleaned(lse(p_s), lse(s_s), *(read(r) if r is not None else None for r in (e_s, c_s)))
+                    return cleaned(*(read(r) if r is not None else None for r in (p_s, s_s, e_s, c_s)))
 
                 following = ()
             else:
@@ -171,11 +166,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
         inputs, specs = [a_g, b_g], [tile, tile]
         if lse_tma:  # the LSE rows (`[H, T']`) and flag rows (`[T']`) of each tile by TMA, with it
             at = lambda i: tiles.at(i)[1]  # noqa: E731
-            if lse_columns:  # the tile's rows of the box of heads holding head hc // nc
-                lse = plgpu.BlockSpec((pl.Element(bt), mc.TH_HEADS),
-                                      lambda i: (at(i), tiles.at(i)[0] // nc // mc.TH_HEADS))
-            else:
-                lse = plgpu.BlockSpec((None, pl.Element(bt)), lambda i: (tiles.at(i)[0] // nc, at(i)))
+            lse = plgpu.BlockSpec((None, pl.Element(bt)), lambda i: (tiles.at(i)[0] // nc, at(i)))
             flags = [r for r in (e_g, c_g) if r is not None]
             inputs += [p_g, s_g, *flags]
             specs += [lse, lse] + [plgpu.BlockSpec((pl.Element(bt),), lambda i: (at(i),))] * len(flags)
@@ -212,12 +203,8 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
                                     num_tokens, 0)
     copy_rows = prefill_tokens_with_context is not None and stored_dtype == out_dtype
     lse_tma = mc.rows_by_tma(tune, tp)
-    # a [T, H] LSE read as it is where the weights come in the row layout (`row_weights`: no merged LSE out) and
-    # the long tiles hold one CTA per SM anyway (the boxes' 16 KiB would cost the short tiles their second one)
-    columns = mc.lse_columns(lse_layout, num_heads, lse_tma and tune.get("row_weights", False) and not return_lse
-                             and tp >= mc.TUNING["merge"]["long_tokens"])
-    args = [rows(prefix_output), rows(suffix_output),
-            *(mc.lse_rows(x, lse_layout, flat=not lse_tma, columns=columns) for x in (prefix_lse, suffix_lse))]
+    args = [rows(prefix_output), rows(suffix_output), mc.lse_rows(prefix_lse, lse_layout, flat=not lse_tma),
+            mc.lse_rows(suffix_lse, lse_layout, flat=not lse_tma)]
     if empty is not None:
         args.append(mc.flag_rows(empty))
     if copy_rows:
@@ -226,7 +213,7 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
     out_type = mc.kernel_io(args, quant, output_scale, width, tp, num_heads, cols, stored_dtype, return_lse)
     results = _kernel(tp, num_heads, cols, dc, out_type, output_lse=return_lse, empty_rows=empty is not None,
                       copy_rows=copy_rows, lse_base2=lse_base2, quant=quant, lse_tma=lse_tma,
-                      lse_columns=columns, interpret=interpret)(*args)
+                      interpret=interpret)(*args)
     # XLA after the kernel: NVFP4 (4.8), per-group scales' layout, the pass-through LSE (4.4: the suffix's raw
     # bits), the layout.
     return mc.finish(results, prefix_output.shape, copy_t, suffix_output,
