@@ -188,12 +188,14 @@ def test_the_two_way_merge_takes_the_long_tiles_from_long_tokens():
                                                  "compute_wgs", "lse_tma", "row_weights"}
 
 
-def test_the_grouped_and_nvfp4_launch_choices_apply_to_their_outputs_only():
-    """The 2-way merge's `grouped` choices (per-group FP8 and NVFP4) and the N-way merge's `nvfp4` ones replace the
-    plain merges' for those outputs and no other."""
+def test_the_grouped_and_nvfp4_launch_choices_apply_to_their_outputs_only(monkeypatch):
+    """The 2-way merge's `grouped` choices (per-group FP8 and NVFP4) and the N-way merge's `nvfp4` ones (empty by
+    default: set here) replace the plain merges' for those outputs and no other."""
     from pallas_impl.mosaic import _common as mc
 
-    grouped, nvfp4 = mc.TUNING["merge"]["grouped"], mc.TUNING["merge_n"]["nvfp4"]
+    nvfp4 = dict(compute_wgs=2)
+    monkeypatch.setitem(mc.TUNING, "merge_n", dict(mc.TUNING["merge_n"], nvfp4=nvfp4))
+    grouped = mc.TUNING["merge"]["grouped"]
     assert grouped
     assert mc.merge_tuning(mc.BLOCK_T, True) == dict(mc.merge_tuning(mc.BLOCK_T), **grouped)
     plain = {k: v for k, v in mc.TUNING["merge_n"].items() if k != "nvfp4"}

@@ -57,8 +57,9 @@ PREFETCH_PARTIALS = 16
 # issue-bound on one: per-group FP8 split by rows, any group size; NVFP4 by columns where each half packs
 # `NVFP4_PACK_COLUMNS`, `compute_warpgroups`). The N-way merge runs two persistent CTAs per SM; its NVFP4 outputs
 # take the choices in `nvfp4` (`merge_n_tuning`; two compute warpgroups timed 1.42x the Triton backend's time
-# against 2.36x, and gave wrong codes at T = 1001 on the H100: docs/results.md). The defaults are the best of `python -m tools mosaic-speed`'s sweeps on the H100 whose
-# bits the full check confirmed (docs/results.md, 2026-12-07).
+# against 2.36x, and gave wrong codes at T = 1001 on the H100: docs/results.md). The defaults are the best of
+# `python -m tools mosaic-speed`'s sweeps on the H100 whose bits the full check confirmed (docs/results.md,
+# 2026-12-07).
 TUNING = {
     "merge": dict(steps=8, concurrent=2, tile_bytes=16 * 1024, stores=2, ctas_per_sm=0, compute_wgs=1, lse_tma=True,
                   row_weights=True, long_tokens=16384, long_tile_bytes=32 * 1024,
