@@ -809,3 +809,18 @@ def test_quantized_outputs_leave_the_kernel_quantized(partials, output):
     stored = (num_tokens, heads * head_dim // 2) if nvfp4 else (num_tokens, heads * head_dim)
     stored_dtype = jnp.uint8 if nvfp4 else jnp.float8_e4m3fn
     assert any(tuple(a.shape) == stored and a.dtype == stored_dtype for a in avals) == in_kernel
+
+
+def test_the_profile_tool_keeps_the_merge_kernels_of_both_backends_and_needs_ncu(monkeypatch, capsys):
+    """`python -m tools mosaic-profile`: its kernel filter keeps Mosaic GPU's kernel (by its name there,
+    `body_mosaic_gpu_kernel`) and the Triton backend's merge, not the XLA kernels around them (the names Nsight
+    Compute listed on the H100, 2026-12-07); without `ncu` it says so and exits 2."""
+    from tools import mosaic_profile
+
+    kernels = re.compile(mosaic_profile.KERNELS.removeprefix("regex:"))
+    assert kernels.search("body_mosaic_gpu_kernel") and kernels.search("_merge_attn_states_kernel")
+    for xla in ("input_concatenate_fusion", "loop_dynamic_slice_fusion", "loop_multiply_fusion_1", "loop_xor_fusion"):
+        assert not kernels.search(xla)
+    monkeypatch.setattr(mosaic_profile.shutil, "which", lambda name: None)
+    assert mosaic_profile.main([]) == 2
+    assert "ncu" in capsys.readouterr().err

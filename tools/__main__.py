@@ -21,6 +21,7 @@ COMMANDS = {
     "wide-n": ("wide_n", "the N-way merge's first call and bandwidth at large N (a GPU)"),
     "mosaic-cpu": ("mosaic_cpu.sh", "the Mosaic GPU tests on a CPU: jax 0.11 in a Debian trixie root (root, network)"),
     "mosaic-speed": ("mosaic_speed", "the Mosaic GPU kernels beside the Pallas Triton backend's (a GPU)"),
+    "mosaic-profile": ("mosaic_profile", "Nsight Compute on one merge, Mosaic GPU beside the Triton backend (a GPU)"),
     "mask-floor": ("mask_floor", "the mask's candidates beside `fill_` and upstream's design (a GPU)"),
     "group-fp8-speed": ("group_fp8_speed", "the merges with per-group FP8 or NVFP4 fused, beside bf16 and unfused"),
     "host-cost": ("host_cost", "per-call host cost of every Triton entry point"),

@@ -17,7 +17,8 @@
 #                 JAX), the probe in one process, then GPU tests (GPU_TESTS, default all) in the time left
 #   mosaic        the Mosaic GPU backend of pallas_impl: its tests, the full check on it, compute-sanitizer
 #   mosaic_speed  the Mosaic GPU kernels timed beside the Triton backend's, with a sweep of their launch choices
-#                 (MOSAIC_SPEED_ARGS="--grid --budget-s 480": the merges' whole table instead)
+#                 (MOSAIC_SPEED_ARGS="--grid --budget-s 480": the merges' whole table instead), then the 2-way
+#                 merge under Nsight Compute on both backends (mosaic-profile): mosaic_speed.* ncu_*.txt
 #   verify        after a kernel or launch change: the full parity check (Pallas on its Triton backend; with
 #                 VERIFY_MOSAIC=1 on Mosaic GPU too), the N-way merge at large N (wide-n speed; with
 #                 VERIFY_KERNELS=1 each kernel of the split fused merge), the GPU tests of the N-way merge and the
@@ -129,8 +130,12 @@ if [ "$PLAN" = mosaic ] || [ "$PLAN" = mosaic_speed ]; then
     else
         # MOSAIC_SPEED_ARGS: e.g. "--grid --budget-s 480" for the merges' whole table (with DEADLINE_S=560)
         # shellcheck disable=SC2086
-        step mosaic_speed $([ -n "${MOSAIC_SPEED_ARGS:-}" ] && echo 540 || echo 200) 5 "$OUT/mosaic_speed.log" "$PY" \
+        step mosaic_speed $([ -n "${MOSAIC_SPEED_ARGS:-}" ] && echo 540 || echo 200) 65 "$OUT/mosaic_speed.log" "$PY" \
             -m tools.mosaic_speed ${MOSAIC_SPEED_ARGS:-} --json "$OUT/mosaic_speed.json"
+        # the 2-way plain merge under Nsight Compute on both backends (MOSAIC_PROFILE_ARGS: another op or variant)
+        # shellcheck disable=SC2086
+        step mosaic_profile 60 5 "$OUT/mosaic_profile.log" "$PY" -m tools.mosaic_profile ${MOSAIC_PROFILE_ARGS:-} \
+            --out "$OUT"
     fi
     echo "== summary ($(( $(date +%s) - START ))s of ${DEADLINE_S}s)"
     printf '%s' "$SUMMARY"

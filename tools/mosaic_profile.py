@@ -1,0 +1,104 @@
+"""Nsight Compute's view of one merge kernel on Mosaic GPU beside the Pallas Triton backend's, in one run: what
+limits the Mosaic GPU merges where they trail (docs/results.md, "Missed targets and what limits them").
+
+    python -m tools mosaic-profile [--op merge|merge_n] [--variant plain|lse|fused|fp8_g128|fp8_g64|nvfp4]
+                                   [--tokens 32768] [--partials 4] [--lse-layout HT|TH] [--out DIR]
+
+For each backend it runs `ncu` (on the PATH; the device image has it) on a child process of this module that calls
+the merge once to compile and once to be profiled (`--launch-skip 1 --launch-count 1`), keeping the kernel by its
+name: Mosaic GPU names its kernels `body_mosaic_gpu_kernel`, the Triton backend after the op (`*merge*`); a filter
+on "merge" alone profiles nothing on Mosaic GPU (2026-12-07). Sections: speed of light, memory workload, occupancy,
+warp state (the stall reasons), scheduler, launch. It prints each report's headline lines; the reports are
+`DIR/ncu_BACKEND.txt`. Shapes: bf16, H = 64, D = 128, as `python -m tools mosaic-speed` (its `merge_point`
+arguments; no timing here: Nsight Compute's replays are its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "WarpStateStats", "SchedulerStats", "LaunchStats")
+KERNELS = "regex:body_mosaic|merge"  # Mosaic GPU's kernel name, then the Triton backend's
+HEADLINES = re.compile(r"Duration|DRAM Throughput|Registers Per Thread|Achieved Occupancy|Warp Cycles Per Issued|"
+                       r"Issued Warp Per Scheduler|No Eligible|Active Warps Per Scheduler|Eligible Warps|Block Size|"
+                       r"Grid Size|Dynamic Shared Memory Per Block|Stall")
+
+
+def run_once(args) -> None:
+    """The child: the merge called twice on `args.backend` (compile, then the profiled launch)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import pallas_impl
+    from tools import mosaic_speed as ms
+
+    T, n, parts = args.tokens, (args.partials if args.op == "merge_n" else 0), max(args.partials, 2)
+    key = jax.random.key(1)
+    o = jax.random.normal(key, (parts, T, ms.H, ms.D), ms.DTYPE)
+    lse = jax.random.normal(key, (parts, ms.H, T), jnp.float32) * 3 + 4
+    if args.lse_layout == "TH":
+        lse = jnp.swapaxes(lse, 1, 2)
+    quant = ms.QUANTIZED.get(args.variant, ({}, 0))[0]
+    kw = dict(return_lse=args.variant in ("lse", "fused"), backend=args.backend, lse_layout=args.lse_layout, **quant)
+    if args.variant == "fused":  # as mosaic_speed.merge_point: every even 128-token request empty in the prefix
+        qsl = np.arange(0, T + 1, 128, dtype=np.int32)
+        lens = np.where(np.arange(len(qsl) - 1) % 2 == 0, 0, 64)
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        kw["query_start_loc"] = jnp.asarray(qsl)
+        if n:
+            kw["cu_seq_lens"] = jnp.asarray(np.stack([cu] * (n - 1) + [np.arange(len(qsl), dtype=np.int32) * 64]))
+        else:
+            kw["prefix_cu_seq_lens"] = jnp.asarray(cu)
+    if n:
+        f = jax.jit(lambda o, l: pallas_impl.merge_attn_states_n(o, l, **kw))
+        call = lambda: f(o[:n], lse[:n])  # noqa: E731
+    else:
+        f = jax.jit(lambda a, p, b, s: pallas_impl.merge_attn_states(a, p, b, s, **kw))
+        call = lambda: f(o[0], lse[0], o[1], lse[1])  # noqa: E731
+    jax.block_until_ready(call())
+    jax.block_until_ready(call())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--op", choices=("merge", "merge_n"), default="merge")
+    p.add_argument("--variant", choices=("plain", "lse", "fused", "fp8_g128", "fp8_g64", "nvfp4"), default="plain")
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--partials", type=int, default=4, help="N of the N-way merge")
+    p.add_argument("--lse-layout", choices=("HT", "TH"), default="HT")
+    p.add_argument("--out", default=".", help="folder of the reports")
+    p.add_argument("--backend", choices=("triton", "mosaic_gpu"), default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.backend:  # the child under ncu
+        run_once(args)
+        return 0
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        print("mosaic_profile: needs Nsight Compute's `ncu` on the PATH", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    child = [sys.executable, "-m", "tools.mosaic_profile", "--op", args.op, "--variant", args.variant, "--tokens",
+             str(args.tokens), "--partials", str(args.partials), "--lse-layout", args.lse_layout]
+    failed = 0
+    for backend in ("triton", "mosaic_gpu"):
+        cmd = [ncu, "-k", KERNELS, "--launch-skip", "1", "--launch-count", "1"]
+        cmd += [a for s in SECTIONS for a in ("--section", s)] + child + ["--backend", backend]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        report = out / f"ncu_{backend}.txt"
+        report.write_text(done.stdout + done.stderr)
+        lines = [line.strip() for line in done.stdout.splitlines() if HEADLINES.search(line)]
+        print(f"== {backend} ({args.op} {args.variant}, T = {args.tokens}, {args.lse_layout}): rc={done.returncode}")
+        print("\n".join(lines) if lines else f"  no kernel profiled: see {report}")
+        failed |= done.returncode != 0 or not lines
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
