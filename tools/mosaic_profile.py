@@ -9,8 +9,8 @@ the merge once to compile and once to be profiled (`--launch-skip 1 --launch-cou
 name: Mosaic GPU names its kernels `body_mosaic_gpu_kernel`, the Triton backend after the op (`*merge*`); a filter
 on "merge" alone profiles nothing on Mosaic GPU (2026-12-07). Sections: speed of light, memory workload, occupancy,
 warp state (the stall reasons), scheduler, launch. It prints each report's headline lines; the reports are
-`DIR/ncu_BACKEND.txt`. Shapes: bf16, H = 64, D = 128, as `python -m tools mosaic-speed` (its `merge_point`
-arguments; no timing here: Nsight Compute's replays are its own).
+`DIR/ncu_BACKEND.txt`. The merge and its inputs are `python -m tools mosaic-speed`'s (`merge_call`: bf16, H = 64,
+D = 128); no timing here: Nsight Compute's replays are its own.
 """
 
 from __future__ import annotations
@@ -32,35 +32,11 @@ HEADLINES = re.compile(r"Duration|DRAM Throughput|Registers Per Thread|Achieved 
 def run_once(args) -> None:
     """The child: the merge called twice on `args.backend` (compile, then the profiled launch)."""
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
-    import pallas_impl
-    from tools import mosaic_speed as ms
+    from tools import mosaic_speed
 
-    T, n, parts = args.tokens, (args.partials if args.op == "merge_n" else 0), max(args.partials, 2)
-    key = jax.random.key(1)
-    o = jax.random.normal(key, (parts, T, ms.H, ms.D), ms.DTYPE)
-    lse = jax.random.normal(key, (parts, ms.H, T), jnp.float32) * 3 + 4
-    if args.lse_layout == "TH":
-        lse = jnp.swapaxes(lse, 1, 2)
-    quant = ms.QUANTIZED.get(args.variant, ({}, 0))[0]
-    kw = dict(return_lse=args.variant in ("lse", "fused"), backend=args.backend, lse_layout=args.lse_layout, **quant)
-    if args.variant == "fused":  # as mosaic_speed.merge_point: every even 128-token request empty in the prefix
-        qsl = np.arange(0, T + 1, 128, dtype=np.int32)
-        lens = np.where(np.arange(len(qsl) - 1) % 2 == 0, 0, 64)
-        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        kw["query_start_loc"] = jnp.asarray(qsl)
-        if n:
-            kw["cu_seq_lens"] = jnp.asarray(np.stack([cu] * (n - 1) + [np.arange(len(qsl), dtype=np.int32) * 64]))
-        else:
-            kw["prefix_cu_seq_lens"] = jnp.asarray(cu)
-    if n:
-        f = jax.jit(lambda o, l: pallas_impl.merge_attn_states_n(o, l, **kw))
-        call = lambda: f(o[:n], lse[:n])  # noqa: E731
-    else:
-        f = jax.jit(lambda a, p, b, s: pallas_impl.merge_attn_states(a, p, b, s, **kw))
-        call = lambda: f(o[0], lse[0], o[1], lse[1])  # noqa: E731
+    n = args.partials if args.op == "merge_n" else 0
+    call, _ = mosaic_speed.merge_call(args.tokens, n, args.variant, args.backend, args.lse_layout)
     jax.block_until_ready(call())
     jax.block_until_ready(call())
 

@@ -134,9 +134,9 @@ QUANTIZED = {"fp8_g128": (dict(group_size=128), 1 + 4 / 128), "fp8_g64": (dict(g
              "nvfp4": (dict(out_dtype=jnp.float4_e2m1fn, output_scale=jnp.float32(40.0)), 0.5 + 1 / 16)}
 
 
-def merge_point(T: int, n: int, variant: str, backend: str, lse_layout: str = "HT") -> tuple[float, int]:
-    """(GPU us, bytes) of the 2-way merge (n = 0) or the N-way merge; `variant` plain, lse, fused or one of
-    QUANTIZED (no output LSE)."""
+def merge_call(T: int, n: int, variant: str, backend: str, lse_layout: str = "HT"):
+    """(call, bytes) of the 2-way merge (n = 0) or the N-way merge: `call()` runs it once on its inputs (on the
+    GPU); `variant` plain, lse, fused or one of QUANTIZED (no output LSE)."""
     key = jax.random.key(1)
     parts = max(n, 2)
     o = jax.random.normal(key, (parts, T, H, D), DTYPE)
@@ -161,11 +161,16 @@ def merge_point(T: int, n: int, variant: str, backend: str, lse_layout: str = "H
     else:  # separate prefix and suffix arrays: slicing a stacked one inside the jit would time XLA's copies too
         f = jax.jit(lambda a, p, b, s: pallas_impl.merge_attn_states(a, p, b, s, **kw))
         args = (o[0], lse[0], o[1], lse[1])
-    res = [None]
-    us = gpu_us(lambda: res.__setitem__(0, f(*args)), lambda: jax.block_until_ready(res[0]))
     elems = T * H * D
     lse_out = T * H * 4 if kw["return_lse"] else 0
-    nbytes = parts * (elems * 2 + T * H * 4) + int(elems * out_bytes) + lse_out
+    return (lambda: f(*args)), parts * (elems * 2 + T * H * 4) + int(elems * out_bytes) + lse_out
+
+
+def merge_point(T: int, n: int, variant: str, backend: str, lse_layout: str = "HT") -> tuple[float, int]:
+    """(GPU us, bytes) of `merge_call`'s merge."""
+    call, nbytes = merge_call(T, n, variant, backend, lse_layout)
+    res = [None]
+    us = gpu_us(lambda: res.__setitem__(0, call()), lambda: jax.block_until_ready(res[0]))
     return us, nbytes
 
 

@@ -349,17 +349,18 @@ def merge_tuning(num_tokens: int, grouped_output: bool = False) -> dict:
     if num_tokens >= tune.pop("long_tokens", num_tokens + 1):
         tune["tile_bytes"] = tune["long_tile_bytes"]
     tune.pop("long_tile_bytes", None)
-    tune.update(tune.pop("grouped", {}) if grouped_output else {})
-    tune.pop("grouped", None)
-    return tune
+    return _overridden(tune, "grouped", grouped_output)
 
 
 def merge_n_tuning(quant) -> dict:
     """The N-way merge's launch choices for the output `quant` (`output_plan`): with the `nvfp4` ones for NVFP4."""
-    tune = dict(TUNING["merge_n"])
-    tune.update(tune.pop("nvfp4", {}) if quant == (NVFP4,) else {})
-    tune.pop("nvfp4", None)
-    return tune
+    return _overridden(dict(TUNING["merge_n"]), "nvfp4", quant == (NVFP4,))
+
+
+def _overridden(tune: dict, key: str, applies: bool) -> dict:
+    """`tune` without its `key` of choices for some outputs, those choices applied where `applies`."""
+    own = tune.pop(key, {})
+    return dict(tune, **own) if applies else tune
 
 
 def lse_rows(lse, lse_layout: str, flat: bool = True):
