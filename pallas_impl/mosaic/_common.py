@@ -363,13 +363,16 @@ def _overridden(tune: dict, key: str, applies: bool) -> dict:
     return dict(tune, **own) if applies else tune
 
 
-def lse_rows(lse, lse_layout: str, flat: bool = True):
-    """A raw LSE as a kernel reads it (`lse_row`), T' >= BLOCK_T padded with -inf: an `[H, T]` LSE as f32[H * T']
-    (`flat`: rows h, for per-thread loads) or f32[H, T'] (TMA copies, `rows_by_tma`); a `[T, H]` LSE as it is,
-    f32[T', H], its rows loaded per thread down column h (no transpose). The sentinels are the kernel's
-    (`_math.clean_lse`); for T >= BLOCK_T these are reshapes only (no XLA kernel)."""
-    x = stacked_lse_rows(lse[None], lse_layout, flat)
-    return x if x.ndim == 1 else x[0]
+def lse_rows(lses, lse_layout: str, flat: bool = True):
+    """Raw LSEs (one, or N stacked) as a kernel reads them (`lse_row`), T' >= BLOCK_T padded with -inf: `[..., H, T]`
+    as f32[... * H * T'] (`flat`: rows (k, h), for per-thread loads) or f32[..., H, T'] (TMA copies,
+    `rows_by_tma`); `[..., T, H]` as it is, f32[..., T', H], its rows loaded per thread down column h (no
+    transpose). The sentinels are the kernel's (`_math.clean_lse`); for T >= BLOCK_T these are reshapes only (no
+    XLA kernel)."""
+    if lse_layout == "TH":
+        return padded_rows(lses, lses.shape[-2], -jnp.inf)
+    x = padded_rows(lses, lses.shape[-1], -jnp.inf, axis=-1)
+    return x.reshape(-1) if flat else x
 
 
 def rows_by_tma(tune: dict, num_tokens: int, lse_layout: str) -> bool:
@@ -388,18 +391,9 @@ def prefetches_rows(tune: dict, num_tokens: int, num_partials: int, lse_layout: 
     return rows_by_tma(tune, num_tokens, lse_layout) and num_partials <= PREFETCH_PARTIALS
 
 
-def stacked_lse_rows(lses, lse_layout: str, flat: bool = True):
-    """`lse_rows` of N stacked LSEs: `[N, H, T]` as f32[N * H * T'], rows (k, h), or (not `flat`) f32[N, H, T'];
-    `[N, T, H]` as f32[N, T', H]."""
-    if lse_layout == "TH":
-        return padded_rows(lses, lses.shape[-2], -jnp.inf)
-    x = padded_rows(lses, lses.shape[-1], -jnp.inf, axis=-1)
-    return x.reshape(-1) if flat else x
-
-
 def lse_row(ref, t0, h, num_tokens: int, k=0, num_heads: int = 1):
     """Partial k's raw LSE row of head h, tokens t0 .. t0 + BLOCK_T - 1, one element per thread, from GMEM as
-    `stacked_lse_rows` lays it out: flat `[H, T']` rows, or down column h of `[T', H]` (`[N, T', H]`)."""
+    `lse_rows` lays it out: flat `[H, T']` rows, or down column h of `[T', H]` (`[N, T', H]`)."""
     if ref.ndim == 1:
         return strided_row(ref, (k * num_heads + h) * num_tokens + t0)
     m = plgpu()

@@ -102,7 +102,7 @@ def rescale_mosaic(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     empties = mc.fused_empties(query_start_loc, cu_seq_lens, num_tokens)
-    lf = mc.stacked_lse_rows(lses, lse_layout)
+    lf = mc.lse_rows(lses, lse_layout)
     copy_rows = prefill_tokens_with_context is not None
     args = [mc.padded_rows(mc.padded_heads(part, cols).reshape(num_tokens, num_heads * cols), num_tokens, 0), lf,
             jnp.asarray(rank, jnp.int32).reshape(1)]
