@@ -5,13 +5,13 @@ and NaN read as -inf, `_math.clean_lse`), the maximum, the exponentials (of base
 their sum, the weights, the weighted sum, the log (`_math.merged_lse`) — and leave the per-row bookkeeping to XLA
 around the call, as the same operations in the same order (the jnp path's, which gives the Triton kernels' bits on
 the GPU): the fused mask's per-token emptiness from the offsets (`jnp_fallback._empty_tokens`), the pass-through
-LSE, `T < 128` (padded with empty rows), heads that are not whole TMA rows (padded with zero columns,
-`head_columns`) and per-group or NVFP4 scales into the caller's layout (the kernel writes a row per group). LSEs
-stay in the caller's layout: a kernel reads (and writes) a `[T, H]` LSE's rows down its columns (`lse_row`). Inside
-the kernel, per-token flag rows set the fused mask's raw LSEs to -inf and give pass-through rows of the output the
-last partial's own bits, and quantized outputs (fp8 with a static scale or per group, NVFP4) are quantized in
-registers and stored quantized with their scales (`output_plan`, `quantized`). For the common call (T >= 128, no
-fused mask, no pass-through; either LSE layout) what runs in XLA is reshapes only: no kernel but the merge.
+LSE, `[T, H]` layouts (transposed), `T < 128` (padded with empty rows), heads that are not whole TMA rows (padded
+with zero columns, `head_columns`) and per-group or NVFP4 scales into the caller's layout (the kernel writes a row
+per group). Inside the kernel, per-token flag rows set the fused mask's raw LSEs to -inf and give pass-through rows
+of the output the last partial's own bits, and quantized outputs (fp8 with a static scale or per group, NVFP4) are
+quantized in registers and stored quantized with their scales (`output_plan`, `quantized`). For the common call
+(`[H, T]` LSEs, T >= 128, no fused mask, no pass-through) what runs in XLA is reshapes only: no kernel but the
+merge.
 
 Why this split (docs/design.md, "Mosaic GPU backend"): Mosaic GPU has no masked loads or stores, its TMA copies need
 16-byte aligned rows (an `[H, T]` LSE row at an odd T is not), its Warpgroup layout inference needs tiles of
@@ -363,57 +363,34 @@ def _overridden(tune: dict, key: str, applies: bool) -> dict:
     return dict(tune, **own) if applies else tune
 
 
-def lse_rows(lses, lse_layout: str, flat: bool = True):
-    """Raw LSEs (one, or N stacked) as a kernel reads them (`lse_row`), T' >= BLOCK_T padded with -inf: `[..., H, T]`
-    as f32[... * H * T'] (`flat`: rows (k, h), for per-thread loads) or f32[..., H, T'] (TMA copies,
-    `rows_by_tma`); `[..., T, H]` as it is, f32[..., T', H], its rows loaded per thread down column h (no
-    transpose). The sentinels are the kernel's (`_math.clean_lse`); for T >= BLOCK_T these are reshapes only (no
-    XLA kernel)."""
-    if lse_layout == "TH":
-        return padded_rows(lses, lses.shape[-2], -jnp.inf)
-    x = padded_rows(lses, lses.shape[-1], -jnp.inf, axis=-1)
+def lse_rows(lse, lse_layout: str, flat: bool = True):
+    """A raw LSE as a kernel reads it: f32[H * T'] (`flat`: rows h, for per-thread loads) or f32[H, T'] (TMA
+    copies, `rows_by_tma`), T' >= BLOCK_T padded with -inf. The sentinels are the kernel's (`_math.clean_lse`); an
+    `[H, T]` LSE of T >= BLOCK_T is only reshaped (no XLA kernel)."""
+    x = lse if lse_layout == "HT" else lse.T
+    x = padded_rows(x, x.shape[-1], -jnp.inf, axis=-1)
     return x.reshape(-1) if flat else x
 
 
-def rows_by_tma(tune: dict, num_tokens: int, lse_layout: str) -> bool:
+def rows_by_tma(tune: dict, num_tokens: int) -> bool:
     """Whether a merge kernel over `num_tokens` padded tokens copies each tile's LSE and flag rows into shared memory
-    by TMA with the tile (`tune["lse_tma"]`): `[H, T]` LSEs where a row's stride is a multiple of 16 bytes (T' a
+    by TMA with the tile (`tune["lse_tma"]`): where an `[H, T']` row's stride is a multiple of 16 bytes (T' a
     multiple of 4), as a TMA copy needs (its box may start at any token). Else each thread loads its row's element
-    from GMEM, a step ahead (`lse_row`): any T, and a `[T, H]` LSE's column (a TMA box of it would be a 32-byte
-    sector for each head's 4 bytes: slower, docs/results.md). Either way the same values reach the same
-    arithmetic."""
-    return bool(tune.get("lse_tma")) and num_tokens % 4 == 0 and lse_layout == "HT"
+    from GMEM, a step ahead (`strided_row`). Either way the same values reach the same arithmetic."""
+    return bool(tune.get("lse_tma")) and num_tokens % 4 == 0
 
 
-def prefetches_rows(tune: dict, num_tokens: int, num_partials: int, lse_layout: str) -> bool:
+def prefetches_rows(tune: dict, num_tokens: int, num_partials: int) -> bool:
     """Whether the N-way merge's tiles take their N LSE rows (and flag rows) from shared memory, copied by TMA a tile
     ahead (`rows_by_tma`), up to `PREFETCH_PARTIALS` partials (two `[N, BLOCK_T]` slots of each kind of row)."""
-    return rows_by_tma(tune, num_tokens, lse_layout) and num_partials <= PREFETCH_PARTIALS
+    return rows_by_tma(tune, num_tokens) and num_partials <= PREFETCH_PARTIALS
 
 
-def lse_row(ref, t0, h, num_tokens: int, k=0, num_heads: int = 1):
-    """Partial k's raw LSE row of head h, tokens t0 .. t0 + BLOCK_T - 1, one element per thread, from GMEM as
-    `lse_rows` lays it out: flat `[H, T']` rows, or down column h of `[T', H]` (`[N, T', H]`)."""
-    if ref.ndim == 1:
-        return strided_row(ref, (k * num_heads + h) * num_tokens + t0)
-    m = plgpu()
-    column = ref[pl.ds(t0, BLOCK_T), h] if ref.ndim == 2 else ref[k, pl.ds(t0, BLOCK_T), h]
-    return m.layout_cast(column, m.Layout.WG_STRIDED((BLOCK_T,), vec_size=1))
-
-
-def store_lse_row(ref, t0, h, num_tokens: int, row) -> None:
-    """A merged LSE row of head h from token t0 by per-thread stores (any alignment): into f32[H * T'], or down
-    column h of f32[T', H] (`lse_struct`)."""
-    if ref.ndim == 1:
-        ref[pl.ds(h * num_tokens + t0, BLOCK_T)] = row
-    else:
-        ref[pl.ds(t0, BLOCK_T), h] = row
-
-
-def lse_struct(num_tokens: int, num_heads: int, lse_layout: str, *args):
-    """The merged LSE a kernel writes, in the caller's layout: f32[H * T'] (rows h) or f32[T', H]."""
-    shape = (num_heads * num_tokens,) if lse_layout == "HT" else (num_tokens, num_heads)
-    return _sharding.out_struct(shape, jnp.float32, *args)
+def stacked_lse_rows(lses, lse_layout: str, flat: bool = True):
+    """`lse_rows` of N stacked LSEs: f32[N * H * T'], rows (k, h), or (not `flat`) f32[N, H, T']."""
+    x = lses if lse_layout == "HT" else jnp.swapaxes(lses, 1, 2)
+    x = padded_rows(x, x.shape[-1], -jnp.inf, axis=-1)
+    return x.reshape(-1) if flat else x
 
 
 def fused_empties(query_start_loc, cu_seq_lens, num_tokens: int):
@@ -434,12 +411,11 @@ def flag_rows(flags, flat: bool = True):
     return x.reshape(-1) if flat else x
 
 
-def last_lse(lses, lse_layout: str, empties):
-    """The pass-through LSE of an N-way merge in the caller's layout (docs/spec.md 8.4): the last partial's raw
-    bits, -inf on the fused mask's empty tokens of that partial."""
-    if empties is None:
-        return lses[-1]
-    return jnp.where(empties[-1][None, :] if lse_layout == "HT" else empties[-1][:, None], -jnp.inf, lses[-1])
+def last_lse_ht(lses, lse_layout: str, empties):
+    """The pass-through LSE of an N-way merge as `[H, T]` (docs/spec.md 8.4): the last partial's raw bits, -inf on
+    the fused mask's empty tokens of that partial."""
+    x = lses[-1] if lse_layout == "HT" else lses[-1].T
+    return x if empties is None else jnp.where(empties[-1][None, :], -jnp.inf, x)
 
 
 def padded_rows(x, num_tokens: int, fill, axis: int = -2):
@@ -609,10 +585,9 @@ def warpgroup_quant_scratch(q_scr: list, wg, wgs: int) -> list:
 
 
 def kernel_io(args: list, quant, output_scale, dc: int, num_tokens: int, num_heads: int, cols: int, stored_dtype,
-              return_lse: bool, lse_layout: str) -> list:
+              return_lse: bool) -> list:
     """A merge kernel's quantization inputs appended to `args` (the static or NVFP4 global scale as a row, NVFP4's
-    packing matrix) and its outputs' types: the output (`out_struct`), the scales of a `grouped` quant, the LSE
-    (`lse_struct`)."""
+    packing matrix) and its outputs' types: the output (`out_struct`), the scales of a `grouped` quant, the LSE."""
     if quant in ((STATIC,), (NVFP4,)):
         args.append(scale_row(output_scale))
     if quant == (NVFP4,):
@@ -621,7 +596,7 @@ def kernel_io(args: list, quant, output_scale, dc: int, num_tokens: int, num_hea
     if grouped(quant):
         out_type.append(scales_struct(num_tokens, num_heads, cols, quant, *args))
     if return_lse:
-        out_type.append(lse_struct(num_tokens, num_heads, lse_layout, *args))
+        out_type.append(_sharding.out_struct((num_heads * num_tokens,), jnp.float32, *args))
     return out_type
 
 
@@ -667,10 +642,10 @@ def finish(results, shape, copy_t, last_output, last_lse, output_scale, *, out_d
     """XLA after a merge kernel (docs/spec.md 4.4, 4.7, 4.8, 8.4): the `[T, H, D]` output (quantized in the kernel:
     its scales, `scales_struct` in token order by `tile_scales`, in the caller's layout; a group wider than any
     tile, `output_plan`: the kernel's f32 rows, the last partial's rows copied, quantized, with `output_scale`
-    NVFP4's global scale), and the merged LSE (the kernel writes it in the caller's base and layout; with
-    `pass_through`, the rows of `copy_t` take `last_lse`'s bits, in that layout too). `results`: the kernel's padded
-    `[T', H * D]` output (NVFP4: `[T', H * D / 2]`; then its scales, then its LSE, `lse_struct`), its heads of
-    `head_columns`; for T >= BLOCK_T, whole heads and no pass-through these are reshapes only."""
+    NVFP4's global scale), and the merged LSE (the kernel writes it in the caller's base; with `pass_through`, the rows of `copy_t` take `last_lse`'s
+    `[H, T]` bits), in the caller's layout. `results`: the kernel's padded `[T', H * D]` output (NVFP4: `[T', H * D
+    / 2]`; then its scales, then its `[H * T']` LSE), its heads of `head_columns`; for T >= BLOCK_T, an `[H, T]`
+    LSE, whole heads and no pass-through these are reshapes only."""
     num_tokens, num_heads, head_dim = shape
     results = list(results)
     out = results.pop(0)[:num_tokens]
@@ -682,9 +657,9 @@ def finish(results, shape, copy_t, last_output, last_lse, output_scale, *, out_d
     elif group is not None:
         scales = _math.scale_layout(tile_scales(results.pop(0), num_tokens).T, group[2])
     merged = None
-    if return_lse:  # `lse_struct`
-        th = lse_layout == "TH"
-        merged = results[0][:num_tokens] if th else results[0].reshape(num_heads, -1)[:, :num_tokens]
+    if return_lse:
+        merged = results[0].reshape(num_heads, -1)[:, :num_tokens]  # [H, T]
         if pass_through:
-            merged = jnp.where(copy_t[:, None] if th else copy_t[None, :], last_lse, merged)
+            merged = jnp.where(copy_t[None, :], last_lse, merged)
+        merged = merged if lse_layout == "HT" else merged.T
     return jnp_fallback._results(out, merged, scales)

@@ -52,7 +52,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
             (i,) = idx
             t0 = mc.tile_start(sp, i, num_tokens, steps)
             def row_of(k):  # partial k's LSE row of the tile, one element per thread
-                row = mc.lse_row(l_g, t0, h, num_tokens, k, num_heads)
+                row = mc.strided_row(l_g, (k * num_heads + h) * num_tokens + t0)
                 if empty_rows:
                     row = jnp.where(mc.strided_row(e_g, k * num_tokens + t0) > 0, -jnp.inf, row)
                 return _math.clean_lse(row)
@@ -69,7 +69,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
             if output_lse:  # the merged LSE of every head (the caller keeps its own)
                 @pl.when(hc % nc == 0)
                 def _():
-                    mc.store_lse_row(lo_g, t0, h, num_tokens, _math.merged_lse(z, m, all_empty, lse_base2))
+                    lo_g[pl.ds(h * num_tokens + t0, bt)] = _math.merged_lse(z, m, all_empty, lse_base2)
 
             x = mc.load(x_s, L).astype(F32)
             row = lambda k: jnp.broadcast_to(mc.load(w_smem.at[k], L.reduce(1))[:, None], (bt, dc))  # noqa: E731
@@ -102,7 +102,7 @@ def rescale_mosaic(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     empties = mc.fused_empties(query_start_loc, cu_seq_lens, num_tokens)
-    lf = mc.lse_rows(lses, lse_layout)
+    lf = mc.stacked_lse_rows(lses, lse_layout)
     copy_rows = prefill_tokens_with_context is not None
     args = [mc.padded_rows(mc.padded_heads(part, cols).reshape(num_tokens, num_heads * cols), num_tokens, 0), lf,
             jnp.asarray(rank, jnp.int32).reshape(1)]
@@ -113,10 +113,10 @@ def rescale_mosaic(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with
     tp = max(num_tokens, mc.BLOCK_T)
     out_type = [_sharding.out_struct((tp, num_heads * cols), reduce_dtype, *args)]
     if return_lse:
-        out_type.append(mc.lse_struct(tp, num_heads, lse_layout, *args))
+        out_type.append(_sharding.out_struct((num_heads * tp,), F32, *args))
     results = _kernel(num_partials, tp, num_heads, cols, dc, out_type, output_lse=return_lse,
                       empty_rows=empties is not None, copy_rows=copy_rows, lse_base2=lse_base2,
                       interpret=interpret)(*args)
-    res = mc.finish(results, part.shape, copy_t, None, mc.last_lse(lses, lse_layout, empties), None,
+    res = mc.finish(results, part.shape, copy_t, None, mc.last_lse_ht(lses, lse_layout, empties), None,
                     out_dtype=reduce_dtype, return_lse=return_lse, lse_layout=lse_layout, pass_through=copy_rows)
     return res if return_lse else (res, None)

@@ -4,15 +4,16 @@ Experimental (docs/design.md, "Mosaic GPU backend"): tested against the referenc
 (tests/test_pallas_mosaic.py) and, compiled, bit for bit against the Triton backend (`python -m parity check`).
 
 Grid: (H * D / dc, token splits) CTAs; a CTA pipelines `TUNING["merge"]["steps"]` tiles of 128 tokens of the
-`[T, H * D]` views of the prefix and the suffix (`emit_pipeline`, TMA copies of `[128, dc]` tiles in). At each tile
-the weights are computed one LSE row per thread, as the N-way kernel does, and relaid out through shared memory into
-the tile's row layout. The tile's `[H, T]` LSE rows (and flag rows) come with it by TMA where T' is a multiple of 4
-(`mc.rows_by_tma`: a row's stride is then whole 16-byte units); at other T, and down column h of a `[T, H]` LSE (no
-transpose), each thread loads its row's elements from GMEM a step ahead, in the pipeline's carry (`mc.lse_row`). The
-merged tile leaves by a TMA store from one of the output slots in shared memory, the previous store still in flight.
-The last tile is shifted to end at T: no copy leaves the arrays, and overlapping tiles write identical values. Tiles
-of `TUNING["merge"]["tile_bytes"]`, from `long_tokens` padded tokens `long_tile_bytes` (`mc.merge_tuning`). Launch
-choices and their shared-memory budget: docs/design.md, "Mosaic GPU backend".
+`[T, H * D]` views of the prefix and the suffix (`emit_pipeline`, TMA copies of `[128, dc]` tiles in). At each
+tile the weights are computed one LSE row per thread, as the N-way kernel does, and relaid out through shared
+memory into the tile's row layout. The tile's LSE rows (and flag rows) come with it by TMA where T' is a multiple
+of 4 (`mc.rows_by_tma`: an `[H, T']` row's stride is then whole 16-byte units); at other T each thread loads its
+row's elements from GMEM a step ahead, in the pipeline's carry. XLA transposes a `[T, H]` LSE first (read in
+boxes of heads instead, it was slower: docs/results.md). The merged tile leaves by a TMA store from one of the
+output slots in shared memory, the previous store still in flight. The last tile is shifted to end at T: no copy
+leaves the arrays, and overlapping tiles write identical values. Tiles of `TUNING["merge"]["tile_bytes"]`, from
+`long_tokens` padded tokens `long_tile_bytes` (`mc.merge_tuning`). Launch choices and their shared-memory budget:
+docs/design.md, "Mosaic GPU backend".
 
 Float math in the order of `pallas_impl/merge.py`; what runs in XLA around the kernel: `_common`.
 """
@@ -36,8 +37,8 @@ F32 = jnp.float32
 def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *, output_lse: bool,
             empty_rows: bool, copy_rows: bool, lse_base2: bool, quant, lse_tma: bool, interpret: bool):
     """The merge of padded `[T', H * D]` prefix and suffix (T' >= 128) with raw LSE rows, `[H, T']` copied with each
-    tile (`lse_tma`, `mc.rows_by_tma`) or `[H * T']` or `[T', H]` loaded per thread (`mc.lse_row`); quantized
-    outputs quantized in registers (`quant`: `mc.output_plan`)."""
+    tile (`lse_tma`, `mc.rows_by_tma`) or `[H * T']` loaded per thread; quantized outputs quantized in registers
+    (`quant`: `mc.output_plan`)."""
     plgpu = mc.plgpu()
     tune = mc.merge_tuning(num_tokens, mc.grouped(quant))
     nc = head_dim // dc
@@ -86,8 +87,8 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             hc, t0 = tiles.at(jnp.minimum(i, steps - 1))
             h = hc // nc
             flag = lambda r: mc.strided_row(r, t0) if r is not None else None  # noqa: E731
-            return cleaned(mc.lse_row(p_g, t0, h, num_tokens), mc.lse_row(s_g, t0, h, num_tokens), flag(e_g),
-                           flag(c_g))
+            return cleaned(mc.strided_row(p_g, h * num_tokens + t0), mc.strided_row(s_g, h * num_tokens + t0),
+                           flag(e_g), flag(c_g))
 
         if scaled:  # the scale row, once (the weights' rows are rewritten per tile, this one never)
             def scale_row():
@@ -137,7 +138,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
                 if output_lse:
                     @pl.when((hc % nc == 0) & (wg == 0))
                     def _():
-                        mc.store_lse_row(lo_g, t0, h, num_tokens, _math.merged_lse(z, m, both_empty, lse_base2))
+                        lo_g[pl.ds(h * num_tokens + t0, bt)] = _math.merged_lse(z, m, both_empty, lse_base2)
                 wp, ws, empty = (mc.load(mine(w_smem.at[k]), R) for k in range(3))
                 copy = mc.load(mine(w_smem.at[3]), R) if copy_rows else None
 
@@ -201,7 +202,7 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
     rows = lambda x: mc.padded_rows(mc.padded_heads(x, cols).reshape(num_tokens, num_heads * cols),  # noqa: E731
                                     num_tokens, 0)
     copy_rows = prefill_tokens_with_context is not None and stored_dtype == out_dtype
-    lse_tma = mc.rows_by_tma(tune, tp, lse_layout)
+    lse_tma = mc.rows_by_tma(tune, tp)
     args = [rows(prefix_output), rows(suffix_output), mc.lse_rows(prefix_lse, lse_layout, flat=not lse_tma),
             mc.lse_rows(suffix_lse, lse_layout, flat=not lse_tma)]
     if empty is not None:
@@ -209,13 +210,13 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
     width = mc.warpgroup_tile(tune, quant, dc, stored_dtype)[2]  # the columns one warpgroup quantizes
-    out_type = mc.kernel_io(args, quant, output_scale, width, tp, num_heads, cols, stored_dtype, return_lse,
-                            lse_layout)
+    out_type = mc.kernel_io(args, quant, output_scale, width, tp, num_heads, cols, stored_dtype, return_lse)
     results = _kernel(tp, num_heads, cols, dc, out_type, output_lse=return_lse, empty_rows=empty is not None,
                       copy_rows=copy_rows, lse_base2=lse_base2, quant=quant, lse_tma=lse_tma,
                       interpret=interpret)(*args)
     # XLA after the kernel: NVFP4 (4.8), per-group scales' layout, the pass-through LSE (4.4: the suffix's raw
-    # bits).
-    return mc.finish(results, prefix_output.shape, copy_t, suffix_output, suffix_lse, output_scale, out_dtype=out_dtype,
+    # bits), the layout.
+    return mc.finish(results, prefix_output.shape, copy_t, suffix_output,
+                     suffix_lse if lse_layout == "HT" else suffix_lse.T, output_scale, out_dtype=out_dtype,
                      return_lse=return_lse, lse_layout=lse_layout,
                      pass_through=prefill_tokens_with_context is not None, group=group)

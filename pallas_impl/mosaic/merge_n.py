@@ -9,10 +9,9 @@ tile; with 0, (H * D / dc, token splits) CTAs of `steps` tiles). A CTA pipelines
 (token tile, partial), carrying the f32 accumulator. The last tile is shifted to end at T, so no copy leaves
 the arrays and overlapping tiles write identical values. At partial 0 a tile's weights are computed from the
 N LSE rows into shared memory (up to N = `WEIGHT_ROWS`; beyond, m and z at partial 0 by runtime loops, and the
-weights of `WEIGHT_ROWS` partials at a time at the first of them). Up to `mc.PREFETCH_PARTIALS` partials, `[H, T]`
-LSEs and T' a multiple of 4 (`mc.prefetches_rows`), the next tile's rows (and flag rows) are copied into shared
-memory by TMA when a tile starts, so they are there when it ends; else each thread loads its rows' elements from
-GMEM (`mc.lse_row`; a `[T, H]` LSE down column h, not transposed). At
+weights of `WEIGHT_ROWS` partials at a time at the first of them). Up to `mc.PREFETCH_PARTIALS` partials and T' a
+multiple of 4 (`mc.prefetches_rows`), the next tile's rows (and flag rows) are copied into shared memory by TMA
+when a tile starts, so they are there when it ends; else each thread loads its rows' elements from GMEM. At
 partial N - 1 the tile is stored by hand (`emit_pipeline` writes an output block at the first step of its
 index, not the last).
 
@@ -42,8 +41,8 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
             interpret: bool):
     """The merge kernel over stacked partials `[N, T', H * D]`, T' >= 128 (padded); quantized outputs
     quantized in registers (`quant`: `mc.output_plan`). `prefetch` (`mc.prefetches_rows`): the raw LSE rows come
-    as `[N, H, T']` and each tile's rows (and flag rows) by TMA a tile ahead; else `[N * H * T']` or `[N, T', H]`,
-    loaded per thread (`mc.lse_row`)."""
+    as `[N, H, T']` and each tile's rows (and flag rows) by TMA a tile ahead; else `[N * H * T']`, loaded per
+    thread."""
     plgpu = mc.plgpu()
     tune = mc.merge_n_tuning(quant)
     nc = head_dim // dc
@@ -62,10 +61,10 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     wgs, _, width = mc.warpgroup_tile(dict(tune, split="cols"), quant, dc, out_type[0].dtype)
 
     def body(x_g, l_g, *rest):
-        # x_g: the partials; l_g: the raw LSE rows, f32[N * H * T'] ((k * H + h) * T' + t) or f32[N, T', H] or,
-        # with prefetch, f32[N, H, T']; e_g: f32[N * T'] (prefetch: [N, T']), 1 on the fused mask's tokens; c_g:
-        # f32[T'], 1 where t copies the last partial; q_g: f32[128], the static fp8 scale or NVFP4's global scale;
-        # m_g: NVFP4's packing matrix; g_g: the scales, a row per group
+        # x_g: the partials; l_g: the raw LSE rows, f32[N * H * T'] ((k * H + h) * T' + t) or, with prefetch,
+        # f32[N, H, T']; e_g: f32[N * T'] (prefetch: [N, T']), 1 on the fused mask's tokens; c_g: f32[T'], 1 where t
+        # copies the last partial; q_g: f32[128], the static fp8 scale or NVFP4's global scale; m_g: NVFP4's
+        # packing matrix; g_g: the scales, a row per group
         e_g, c_g, q_g, m_g, o_g, g_g, lo_g, *rest = mc.optional_refs(rest, empty_rows, copy_rows, scaled, nvfp4,
                                                                      True, grouped, output_lse)
         # rows of w_smem: the weights, the all-empty flag (, m, z with blocks) (, the static or global scale)
@@ -106,7 +105,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                     x = mc.strided_row(l_buf.at[i % 2, k], 0)
                     e = mc.strided_row(e_buf.at[i % 2, k], 0) if empty_rows else None
                 else:
-                    x = mc.lse_row(l_g, t0, h, num_tokens, k, num_heads)
+                    x = mc.strided_row(l_g, (k * num_heads + h) * num_tokens + t0)
                     e = mc.strided_row(e_g, k * num_tokens + t0) if empty_rows else None
                 if empty_rows:
                     x = jnp.where(e > 0, -jnp.inf, x)
@@ -138,7 +137,8 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                 if output_lse:
                     @pl.when((hc % nc == 0) & (wg == 0))
                     def _():
-                        mc.store_lse_row(lo_g, t0, h, num_tokens, _math.merged_lse(z, m, all_empty, lse_base2))
+                        # per-thread stores: any alignment
+                        lo_g[pl.ds(h * num_tokens + t0, bt)] = _math.merged_lse(z, m, all_empty, lse_base2)
 
             if blocks:
                 @pl.when(n % rows == 0)
@@ -199,7 +199,7 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
     tune = mc.merge_n_tuning((mc.NVFP4,) if group is not None and _math.is_nvfp4(group) else None)
     rows = min(num_partials, mc.WEIGHT_ROWS)
     tp = max(num_tokens, mc.BLOCK_T)
-    prefetch = mc.prefetches_rows(tune, tp, num_partials, lse_layout)
+    prefetch = mc.prefetches_rows(tune, tp, num_partials)
     row_bytes = (rows + 5 + (2 * (2 * num_partials + 1) if prefetch else 0)) * mc.BLOCK_T * 4
     plan = functools.partial(mc.head_plan, head_dim, outputs.dtype, tune["tile_bytes"],  # cols >= D: TMA rows
                              input_tiles=tune["concurrent"], out_slots=tune["stores"],
@@ -210,7 +210,7 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     # XLA before the kernel: the fused mask's token flags (docs/spec.md 8.1), the layout, T < 128.
     empties = mc.fused_empties(query_start_loc, cu_seq_lens, num_tokens)
-    lf = mc.lse_rows(lses, lse_layout, flat=not prefetch)
+    lf = mc.stacked_lse_rows(lses, lse_layout, flat=not prefetch)
     x = mc.padded_rows(mc.padded_heads(outputs, cols).reshape(num_partials, num_tokens, num_heads * cols),
                        num_tokens, 0)
     copy_rows = prefill_tokens_with_context is not None and stored_dtype == out_dtype
@@ -221,12 +221,11 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
         args.append(mc.flag_rows(copy_t))
     width = mc.warpgroup_tile(dict(tune, split="cols"), quant, dc, stored_dtype)[2]  # the columns one warpgroup
     # quantizes
-    out_type = mc.kernel_io(args, quant, output_scale, width, tp, num_heads, cols, stored_dtype, return_lse,
-                            lse_layout)
+    out_type = mc.kernel_io(args, quant, output_scale, width, tp, num_heads, cols, stored_dtype, return_lse)
     results = _kernel(num_partials, tp, num_heads, cols, dc, out_type, output_lse=return_lse,
                       empty_rows=empties is not None, copy_rows=copy_rows, lse_base2=lse_base2, quant=quant,
                       prefetch=prefetch, interpret=interpret)(*args)
     # XLA after the kernel: NVFP4 (4.8), per-group scales' layout, the pass-through LSE (8.4), the layout.
-    return mc.finish(results, outputs.shape[1:], copy_t, outputs[-1], mc.last_lse(lses, lse_layout, empties),
+    return mc.finish(results, outputs.shape[1:], copy_t, outputs[-1], mc.last_lse_ht(lses, lse_layout, empties),
                      output_scale, out_dtype=out_dtype, return_lse=return_lse, lse_layout=lse_layout,
                      pass_through=prefill_tokens_with_context is not None, group=group)
