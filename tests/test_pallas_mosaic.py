@@ -260,6 +260,32 @@ def test_launch_schedules_match_reference(case, op, launch, monkeypatch):
     _check_against_reference(case, op, inputs, got)
 
 
+@needs_mosaic
+@pytest.mark.parametrize("lse_step", [16, 5])
+def test_the_n_way_runtime_loops_take_any_lse_step(lse_step, monkeypatch):
+    """Beyond `WEIGHT_ROWS` partials the N-way kernel's maximum and sum run as runtime loops of `lse_step` LSE
+    loads an iteration (`TUNING["merge_n"]["lse_step"]`): the reference's result at any step (N = 130, `[T, H]`
+    LSEs with NaN and +-inf, f32 out), and the default step's bits (the same operations in the same order)."""
+    from pallas_impl.mosaic import _common as mc
+
+    case = cases.by_name("n130_bf16_to_fp32_th")
+    assert case.partials > mc.WEIGHT_ROWS and lse_step != mc.TUNING["merge_n"]["lse_step"]
+    inputs = _operands(case, "merge_n")
+    jax.clear_caches()
+    default = impls.run(RT, "mosaic", "merge_n", case, _device(inputs))
+    monkeypatch.setitem(mc.TUNING, "merge_n", dict(mc.TUNING["merge_n"], lse_step=lse_step))
+    jax.clear_caches()  # the step is read at trace time
+    try:
+        got = impls.run(RT, "mosaic", "merge_n", case, _device(inputs))
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    _check_against_reference(case, "merge_n", inputs, got)
+    for key, value in got.items():
+        if value is not None:
+            np.testing.assert_array_equal(np.asarray(value).view(np.uint8), np.asarray(default[key]).view(np.uint8))
+
+
 GROUPED_WS = {  # grouped outputs whose half tile (64 columns at D = 128) holds whole groups; and G = 128
     "group_fp8_g128": dict(out_dtype=jnp.float8_e4m3fn, group_size=128),
     "group_fp8_g64": dict(out_dtype=jnp.float8_e4m3fn, group_size=64),

@@ -75,7 +75,8 @@ CANDIDATES = {
                 dict(mc.TUNING["merge_n"], lse_tma=False),
                 dict(mc.TUNING["merge_n"], ctas_per_sm=1),
                 dict(mc.TUNING["merge_n"], compute_wgs=2, ctas_per_sm=1),
-                dict(steps=16, concurrent=2, tile_bytes=32 * 1024, stores=1)],
+                dict(mc.TUNING["merge_n"], lse_step=16),
+                dict(steps=16, concurrent=2, tile_bytes=32 * 1024, stores=1, lse_step=4)],
 }
 
 
@@ -231,6 +232,8 @@ def main(argv=None) -> int:
         for variant in ("plain", "lse", "fused"):
             points.append(("merge_n", f"merge_n N={n} T=32768 {variant}",
                            lambda b, n=n, v=variant: merge_point(32768, n, v, b)))
+    # N = 128: the runtime loops over the partials' LSE rows (`lse_step`)
+    points.append(("merge_n", "merge_n N=128 T=8192 plain", lambda b: merge_point(8192, 128, "plain", b)))
     for variant in QUANTIZED:  # the quantized merges: per-group FP8 (G = 128, and 64: two compute warpgroups split
         # it) and NVFP4, 2-way and N = 4
         points.append(("merge", f"merge T=32768 {variant}", lambda b, v=variant: merge_point(32768, 0, v, b)))

@@ -48,7 +48,9 @@ PREFETCH_PARTIALS = 16
 # `steps` tiles per CTA, k > 0 for k persistent CTAs per SM (`Tiles`); compute_wgs: 1, or 2 for a
 # warp-specialised merge (`compute_warpgroups`); lse_tma: each tile's LSE rows copied by TMA (`rows_by_tma`, the
 # N-way merge's a tile ahead, `prefetches_rows`); row_weights: the 2-way merge's weights from those rows in the
-# tile's row layout (no relayout through shared memory).
+# tile's row layout (no relayout through shared memory); lse_step: beyond WEIGHT_ROWS partials, the LSE loads of
+# each iteration of the N-way merge's runtime loops over them (its maximum and sum, `_math.n_way_max_and_sum`'s
+# `exp_step`; the same operations in the same order at any step).
 # The 2-way merge keeps 2 inputs x `concurrent` tiles in shared memory, the N-way and the rescale 1 x `concurrent`:
 # smaller 2-way tiles keep two CTAs per SM (228 KiB of shared memory on an H100/H200).
 # `python -m tools mosaic-speed` sweeps these on the GPU (it sets them here and clears jax's caches). The 2-way merge
@@ -65,7 +67,7 @@ TUNING = {
                   row_weights=True, long_tokens=16384, long_tile_bytes=32 * 1024,
                   grouped=dict(compute_wgs=2, split="rows")),
     "merge_n": dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1, ctas_per_sm=2, compute_wgs=1,
-                    lse_tma=True, nvfp4={}),
+                    lse_tma=True, lse_step=4, nvfp4={}),
     "cp_rescale": dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2),
     # heads: LSE rows (of 128 tokens) per CTA; the output rows are split as many ways as the heads.
     # tokens: output rows (of one head group's share) per TMA store of zeros. "mask_lse": without output zeroing

@@ -122,7 +122,8 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                     def _():
                         fetch(i + 1, 1 - i % 2)
                 if blocks:  # the loops over the partials run at runtime (`_math.fold_partials`)
-                    m, all_empty, _, z = _math.n_way_max_and_sum(lse_of, num_partials, lse_base2)
+                    m, all_empty, _, z = _math.n_way_max_and_sum(lse_of, num_partials, lse_base2,
+                                                                  exp_step=tune["lse_step"])
                     w_smem[rows + 1] = m
                     w_smem[rows + 2] = z
                 else:
