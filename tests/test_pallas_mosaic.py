@@ -873,3 +873,19 @@ def test_the_profile_tool_keeps_the_merge_kernels_of_both_backends_and_needs_ncu
     monkeypatch.setattr(mosaic_profile.shutil, "which", lambda name: None)
     assert mosaic_profile.main([]) == 2
     assert "ncu" in capsys.readouterr().err
+
+
+def test_the_profile_tool_ranks_the_sass_instructions_by_their_stall_samples():
+    """`mosaic_profile.top_stalls` on a source page as Nsight Compute writes it (CSV, a header row naming the
+    sampling column): the instructions with the most samples first, each with its share; a page without samples says
+    so."""
+    from tools import mosaic_profile
+
+    page = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"\n'
+            '"0x10","LDG.E R2, [R4.64]","30","28"\n"0x20","SYNCS.PHASECHK.TRANS64 P0, [UR4], R3","60","59"\n'
+            '"0x30","FFMA R5, R2, R6, R7","10","1"\n')
+    lines = mosaic_profile.top_stalls(page, count=2)
+    assert "All Samples" in lines[0]
+    assert lines[1].split() == ["60.0%", "SYNCS.PHASECHK.TRANS64", "P0,", "[UR4],", "R3"]
+    assert lines[2].split()[:2] == ["30.0%", "LDG.E"] and len(lines) == 3
+    assert "no warp stall samples" in mosaic_profile.top_stalls('"Address","Source"\n"0x10","NOP"\n')[0]

@@ -8,8 +8,9 @@ For each backend it runs `ncu` (on the PATH; the device image has it) on a child
 the merge once to compile and once to be profiled (`--launch-skip 1 --launch-count 1`), keeping the kernel by its
 name: Mosaic GPU names its kernels `body_mosaic_gpu_kernel`, the Triton backend after the op (`*merge*`); a filter
 on "merge" alone profiles nothing on Mosaic GPU (2026-12-07). Sections: speed of light, memory workload, occupancy,
-warp state (the stall reasons), scheduler, launch. It prints each report's headline lines; the reports are
-`DIR/ncu_BACKEND.txt`. The merge and its inputs are `python -m tools mosaic-speed`'s (`merge_call`: bf16, H = 64,
+warp state (the stall reasons), scheduler, launch, source counters. It prints each report's headline lines and the
+SASS instructions with the most warp stall samples (`top_stalls`: where the warps wait, which the sections alone
+did not say on 2026-12-07); the reports are `DIR/ncu_BACKEND.txt` (and `.ncu-rep`, `_sass.csv`). The merge and its inputs are `python -m tools mosaic-speed`'s (`merge_call`: bf16, H = 64,
 D = 128); no timing here: Nsight Compute's replays are its own.
 """
 
@@ -22,7 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "WarpStateStats", "SchedulerStats", "LaunchStats")
+SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "WarpStateStats", "SchedulerStats", "LaunchStats",
+            "SourceCounters")  # SourceCounters: the warp stall samples per SASS instruction (`top_stalls`)
 KERNELS = "regex:body_mosaic|merge"  # Mosaic GPU's kernel name, then the Triton backend's
 HEADLINES = re.compile(r"Duration|DRAM Throughput|Registers Per Thread|Achieved Occupancy|Warp Cycles Per Issued|"
                        r"Issued Warp Per Scheduler|No Eligible|Active Warps Per Scheduler|Eligible Warps|Block Size|"
@@ -64,16 +66,49 @@ def main(argv=None) -> int:
              str(args.tokens), "--partials", str(args.partials), "--lse-layout", args.lse_layout]
     failed = 0
     for backend in ("triton", "mosaic_gpu"):
-        cmd = [ncu, "-k", KERNELS, "--launch-skip", "1", "--launch-count", "1"]
+        saved = out / f"ncu_{backend}.ncu-rep"
+        cmd = [ncu, "-f", "-o", str(saved.with_suffix("")), "-k", KERNELS, "--launch-skip", "1", "--launch-count", "1"]
         cmd += [a for s in SECTIONS for a in ("--section", s)] + child + ["--backend", backend]
         done = subprocess.run(cmd, capture_output=True, text=True)
+        details = subprocess.run([ncu, "-i", str(saved), "--page", "details"], capture_output=True, text=True)
         report = out / f"ncu_{backend}.txt"
-        report.write_text(done.stdout + done.stderr)
-        lines = [line.strip() for line in done.stdout.splitlines() if HEADLINES.search(line)]
+        report.write_text(done.stdout + done.stderr + details.stdout + details.stderr)
+        lines = [line.strip() for line in details.stdout.splitlines() if HEADLINES.search(line)]
         print(f"== {backend} ({args.op} {args.variant}, T = {args.tokens}, {args.lse_layout}): rc={done.returncode}")
         print("\n".join(lines) if lines else f"  no kernel profiled: see {report}")
+        source = subprocess.run([ncu, "-i", str(saved), "--page", "source", "--print-source", "sass", "--csv"],
+                                capture_output=True, text=True)
+        (out / f"ncu_{backend}_sass.csv").write_text(source.stdout)
+        print("\n".join(top_stalls(source.stdout)))
         failed |= done.returncode != 0 or not lines
     return 1 if failed else 0
+
+
+def top_stalls(csv_text: str, count: int = 8) -> list[str]:
+    """The SASS instructions with the most warp stall samples in Nsight Compute's source page (CSV), each with its
+    share of the samples: where the warps wait. Empty (with a line saying so) where the page has no such column."""
+    import csv
+    import io
+
+    rows = list(csv.reader(io.StringIO(csv_text)))
+    header = next((i for i, row in enumerate(rows) if any("Sampling" in cell for cell in row)), None)
+    if header is None:
+        return ["  no warp stall samples in the source page"]
+    names = rows[header]
+    samples = next(i for i, name in enumerate(names) if "Sampling" in name and "Not" not in name)
+    source = next((i for i, name in enumerate(names) if name.strip() == "Source"), 1)
+
+    def number(row):
+        try:
+            return float(row[samples].replace(",", ""))
+        except (IndexError, ValueError):
+            return 0.0
+
+    body = [row for row in rows[header + 1:] if len(row) == len(names)]
+    total = sum(map(number, body)) or 1.0
+    top = sorted(body, key=number, reverse=True)[:count]
+    return [f"  top stalls ({names[samples]}):"] + [f"  {100 * number(r) / total:5.1f}%  {r[source].strip()}"
+                                                   for r in top]
 
 
 if __name__ == "__main__":
