@@ -151,9 +151,8 @@ def test_cases_lower_for_the_gpu(case, op):
 @pytest.mark.parametrize("partials", [0, 4])
 def test_the_common_merge_is_the_kernel_alone(partials):
     """`[H, T]` LSEs, T >= 128, no fused mask, no pass-through, with the merged LSE: the exported module runs the
-    Mosaic GPU kernel and no other XLA work on the data (`_common`: reshapes only). `[T, H]` LSEs are transposed
-    around the kernel: read down their columns inside it instead, the merges were slower from T = 32K (H100,
-    2026-12-07, docs/results.md)."""
+    Mosaic GPU kernel and no other XLA work on the data (`_common`: reshapes only; `[T, H]` LSEs are transposed
+    around the kernel, docs/design.md says why)."""
     T, H, D = 256, 4, 128
     if partials:
         def merge(o, l):

@@ -4,16 +4,16 @@ Experimental (docs/design.md, "Mosaic GPU backend"): tested against the referenc
 (tests/test_pallas_mosaic.py) and, compiled, bit for bit against the Triton backend (`python -m parity check`).
 
 Grid: (H * D / dc, token splits) CTAs; a CTA pipelines `TUNING["merge"]["steps"]` tiles of 128 tokens of the
-`[T, H * D]` views of the prefix and the suffix (`emit_pipeline`, TMA copies of `[128, dc]` tiles in). At each
-tile the weights are computed one LSE row per thread, as the N-way kernel does, and relaid out through shared
-memory into the tile's row layout. The tile's LSE rows (and flag rows) come with it by TMA where T' is a multiple
-of 4 (`mc.rows_by_tma`: an `[H, T']` row's stride is then whole 16-byte units); at other T each thread loads its
-row's elements from GMEM a step ahead, in the pipeline's carry. XLA transposes a `[T, H]` LSE first (read in
-boxes of heads instead, it was slower: docs/results.md). The merged tile leaves by a TMA store from one of the
-output slots in shared memory, the previous store still in flight. The last tile is shifted to end at T: no copy
-leaves the arrays, and overlapping tiles write identical values. Tiles of `TUNING["merge"]["tile_bytes"]`, from
-`long_tokens` padded tokens `long_tile_bytes` (`mc.merge_tuning`). Launch choices and their shared-memory budget:
-docs/design.md, "Mosaic GPU backend".
+`[T, H * D]` views of the prefix and the suffix (`emit_pipeline`, TMA copies of `[128, dc]` tiles in). At each tile
+the weights are computed one LSE row per thread, as the N-way kernel does, and relaid out through shared memory into
+the tile's row layout. The tile's LSE rows (and flag rows) come with it by TMA where T' is a multiple of 4
+(`mc.rows_by_tma`: an `[H, T']` row's stride is then whole 16-byte units); at other T each thread loads its row's
+elements from GMEM a step ahead, in the pipeline's carry. XLA transposes a `[T, H]` LSE first (read in the kernel
+instead, as boxes of heads or down its columns, it was slower: docs/results.md). The merged tile leaves by a TMA
+store from one of the output slots in shared memory, the previous store still in flight. The last tile is shifted to
+end at T: no copy leaves the arrays, and overlapping tiles write identical values. Tiles of
+`TUNING["merge"]["tile_bytes"]`, from `long_tokens` padded tokens `long_tile_bytes` (`mc.merge_tuning`). Launch
+choices and their shared-memory budget: docs/design.md, "Mosaic GPU backend".
 
 Float math in the order of `pallas_impl/merge.py`; what runs in XLA around the kernel: `_common`.
 """
