@@ -234,7 +234,8 @@ PERSISTENT_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in cas
 @needs_mosaic
 @pytest.mark.parametrize("launch", [dict(ctas_per_sm=1), dict(ctas_per_sm=3), dict(compute_wgs=2),
                                     dict(compute_wgs=2, ctas_per_sm=1), dict(compute_wgs=2, split="rows"),
-                                    dict(lse_tma=False), dict(row_weights=False)],
+                                    dict(lse_tma=False), dict(row_weights=False), dict(vector_tile=True),
+                                    dict(vector_tile=True, compute_wgs=2)],
                          ids=lambda d: json.dumps(d))
 @pytest.mark.parametrize("case, op", PERSISTENT_OPS)
 def test_launch_schedules_match_reference(case, op, launch, monkeypatch):
@@ -244,7 +245,7 @@ def test_launch_schedules_match_reference(case, op, launch, monkeypatch):
     split by columns or by rows, `mc.warpgroup_tile`), the LSE rows by
     per-thread loads where they would come by TMA (`lse_tma`, `mc.rows_by_tma`: T' a multiple of 4; the cases of
     other T take that path by default) and the 2-way merge's weights relaid out where they would be computed in
-    the row layout (`row_weights`)."""
+    the row layout (`row_weights`), and the tiles in 16-byte register vectors (`vector_tile`, `mc.tile_layout`)."""
     from pallas_impl.mosaic import _common as mc
 
     for kernel in ("merge", "merge_n"):
@@ -257,6 +258,21 @@ def test_launch_schedules_match_reference(case, op, launch, monkeypatch):
         monkeypatch.undo()
         jax.clear_caches()
     _check_against_reference(case, op, inputs, got)
+
+
+@needs_mosaic
+def test_vector_tiles_hold_16_bytes_a_thread_where_whole_tiles_fit():
+    """`vector_tile` (`mc.tile_layout`): eight 16-bit or four 32-bit columns a thread where the width is whole
+    32- or 16-column tiles and the output is not quantized; WGMMA's two otherwise, and without the choice."""
+    from pallas_impl.mosaic import _common as mc
+
+    layout, on = mc.plgpu().Layout, dict(vector_tile=True)
+    assert mc.tile_layout(on, (), 128, 2) == layout.WGMMA_UPCAST_4X
+    assert mc.tile_layout(on, (), 48, 4) == layout.WGMMA_UPCAST_2X
+    assert mc.tile_layout(on, (), 48, 2) == layout.WGMMA  # not whole 32-column tiles
+    assert mc.tile_layout(on, (), 40, 4) == layout.WGMMA
+    assert mc.tile_layout(on, (mc.STATIC,), 128, 2) == layout.WGMMA
+    assert mc.tile_layout({}, (), 128, 2) == layout.WGMMA
 
 
 @needs_mosaic

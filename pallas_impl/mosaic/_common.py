@@ -164,6 +164,23 @@ def warpgroup_tile(tune: dict, quant, dc: int, out_dtype) -> tuple[int, int, int
     return wgs, BLOCK_T, dc // wgs
 
 
+def tile_layout(tune: dict, quant, width: int, itemsize: int):
+    """The register layout of a merge's `[rows, width]` tiles of `itemsize`-byte inputs. WGMMA holds two
+    consecutive columns a thread (a 4-byte shared-memory access per two 16-bit elements); with
+    `tune["vector_tile"]`, 16 bytes of consecutive columns a thread, its rows on the same threads
+    (`WGMMA_UPCAST_4X`: eight 16-bit elements in tiles of 32 columns; `WGMMA_UPCAST_2X`: four f32 in 16), a
+    quarter of the shared-memory instructions (half for f32), where the output is not quantized (the quantizers
+    slice groups out of WGMMA tiles) and `width` is whole tiles. Which thread holds an element never changes that
+    element's arithmetic."""
+    layout = plgpu().Layout
+    if tune.get("vector_tile", False) and not quant:
+        if itemsize <= 2 and width % 32 == 0:
+            return layout.WGMMA_UPCAST_4X
+        if itemsize == 4 and width % 16 == 0:
+            return layout.WGMMA_UPCAST_2X
+    return layout.WGMMA
+
+
 def pipeline(step, inputs, *, grid, in_specs, tune: dict, wgs: int, init_carry) -> None:
     """`step` pipelined over `grid` with `tune["concurrent"]` steps in flight and the carry from `init_carry()`:
     `emit_pipeline` for one compute warpgroup; for `wgs` > 1, the warp-specialised pipeline (`compute_warpgroups`:
@@ -254,11 +271,12 @@ def strided_row(ref, start):
     return m.layout_cast(ref[pl.ds(start, BLOCK_T)], m.Layout.WG_STRIDED((BLOCK_T,), vec_size=1))
 
 
-def load_row(ref, start, row_smem):
+def load_row(ref, start, row_smem, layout):
     """f32[BLOCK_T] of a flat GMEM `ref` from `start`, by per-thread loads (an LSE row may start anywhere; TMA
-    needs 16-byte alignment), relaid out through `row_smem` into the row layout of a `[BLOCK_T, dc]` tile."""
+    needs 16-byte alignment), relaid out through `row_smem` into the row layout of a `[BLOCK_T, dc]` tile in
+    `layout` (`tile_layout`)."""
     row_smem[...] = strided_row(ref, start)
-    return load(row_smem, plgpu().Layout.WGMMA.reduce(1))
+    return load(row_smem, layout.reduce(1))
 
 
 def store_tile(result, o_scr, dst, count, scales=None, s_scr=None, s_dst=None) -> None:

@@ -35,7 +35,8 @@ F32 = jnp.float32
 
 
 def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *, output_lse: bool,
-            empty_rows: bool, copy_rows: bool, lse_base2: bool, quant, lse_tma: bool, interpret: bool):
+            empty_rows: bool, copy_rows: bool, lse_base2: bool, quant, lse_tma: bool, itemsize: int,
+            interpret: bool):
     """The merge of padded `[T', H * D]` prefix and suffix (T' >= 128) with raw LSE rows, `[H, T']` copied with each
     tile (`lse_tma`, `mc.rows_by_tma`) or `[H * T']` loaded per thread; quantized outputs quantized in registers
     (`quant`: `mc.output_plan`)."""
@@ -44,8 +45,6 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
     nc = head_dim // dc
     tiles = mc.Tiles(num_tokens, num_heads * nc, tune, interpret)
     bt, steps = mc.BLOCK_T, tiles.steps
-    L = plgpu.Layout.WGMMA
-    R = L.reduce(1)  # a tile's rows, each where the tile's row layout holds it
     # The weights in the tile's row layout from the rows in shared memory (lse_tma), else one row per thread,
     # relaid out through shared memory (`TUNING["merge"]["row_weights"]`). Not with the merged LSE, which leaves
     # by per-thread stores one row per thread: the same rows in both layouts in one kernel fail Mosaic GPU's
@@ -55,6 +54,8 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
     scaled = quant in ((mc.STATIC,), (mc.NVFP4,))  # a scale row in: the static fp8 scale, NVFP4's global scale
     # Each compute warpgroup merges `[rw, width]` of a tile: all of it, or half its columns or its rows.
     wgs, rw, width = mc.warpgroup_tile(tune, quant, dc, out_type[0].dtype)
+    L = mc.tile_layout(tune, quant, width, itemsize)
+    R = L.reduce(1)  # a tile's rows, each where the tile's row layout holds it
     by_rows = rw < bt
 
     def body(a_g, b_g, p_g, s_g, *rest):
@@ -213,7 +214,7 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
     out_type = mc.kernel_io(args, quant, output_scale, width, tp, num_heads, cols, stored_dtype, return_lse)
     results = _kernel(tp, num_heads, cols, dc, out_type, output_lse=return_lse, empty_rows=empty is not None,
                       copy_rows=copy_rows, lse_base2=lse_base2, quant=quant, lse_tma=lse_tma,
-                      interpret=interpret)(*args)
+                      itemsize=prefix_output.dtype.itemsize, interpret=interpret)(*args)
     # XLA after the kernel: NVFP4 (4.8), per-group scales' layout, the pass-through LSE (4.4: the suffix's raw
     # bits), the layout.
     return mc.finish(results, prefix_output.shape, copy_t, suffix_output,
