@@ -262,17 +262,22 @@ def test_launch_schedules_match_reference(case, op, launch, monkeypatch):
 
 @needs_mosaic
 def test_vector_tiles_hold_16_bytes_a_thread_where_whole_tiles_fit():
-    """`vector_tile` (`mc.tile_layout`): eight 16-bit or four 32-bit columns a thread where the width is whole
-    32- or 16-column tiles and the output is not quantized; WGMMA's two otherwise, and without the choice."""
+    """`vector_tile` (`mc.tile_layout`): eight 16-bit or four 32-bit columns a thread where the width and a
+    per-group output's groups are whole 32- or 16-column tiles (not NVFP4); WGMMA's two otherwise, and without
+    the choice."""
     from pallas_impl.mosaic import _common as mc
 
     layout, on = mc.plgpu().Layout, dict(vector_tile=True)
-    assert mc.tile_layout(on, (), 128, 2) == layout.WGMMA_UPCAST_4X
-    assert mc.tile_layout(on, (), 48, 4) == layout.WGMMA_UPCAST_2X
-    assert mc.tile_layout(on, (), 48, 2) == layout.WGMMA  # not whole 32-column tiles
-    assert mc.tile_layout(on, (), 40, 4) == layout.WGMMA
-    assert mc.tile_layout(on, (mc.STATIC,), 128, 2) == layout.WGMMA
-    assert mc.tile_layout({}, (), 128, 2) == layout.WGMMA
+    assert mc.tile_layout(on, None, 128, 2) == layout.WGMMA_UPCAST_4X
+    assert mc.tile_layout(on, None, 48, 4) == layout.WGMMA_UPCAST_2X
+    assert mc.tile_layout(on, None, 48, 2) == layout.WGMMA  # not whole 32-column tiles
+    assert mc.tile_layout(on, None, 40, 4) == layout.WGMMA
+    assert mc.tile_layout(on, (mc.STATIC,), 128, 2) == layout.WGMMA_UPCAST_4X
+    assert mc.tile_layout(on, (64, False), 128, 2) == layout.WGMMA_UPCAST_4X
+    assert mc.tile_layout(on, (16, True), 128, 2) == layout.WGMMA  # groups narrower than its tiles
+    assert mc.tile_layout(on, (16, True), 128, 4) == layout.WGMMA_UPCAST_2X
+    assert mc.tile_layout(on, (mc.NVFP4,), 128, 2) == layout.WGMMA
+    assert mc.tile_layout({}, None, 128, 2) == layout.WGMMA
 
 
 @needs_mosaic
@@ -353,6 +358,35 @@ def test_grouped_outputs_split_over_two_compute_warpgroups_keep_their_bits(outpu
         np.testing.assert_array_equal(one.view(np.uint8), split.view(np.uint8))
 
 
+@needs_mosaic
+@pytest.mark.parametrize("output", ["static_fp8", "group_fp8_g128", "group_fp8_g64", "group_fp8_g32_ue8m0"])
+def test_quantized_outputs_in_vector_tiles_keep_their_bits(output, monkeypatch):
+    """Static fp8 and per-group FP8 with `vector_tile` (`mc.tile_layout`: eight columns a thread; groups of 32 and
+    more are whole 32-column tiles): the outputs, scales and LSE of the WGMMA-layout kernels, bit for bit, 2-way
+    (with pass-through rows) and N = 3, on their default launches (per-group FP8: two compute warpgroups of 64
+    rows in the 2-way merge)."""
+    from pallas_impl.mosaic import _common as mc
+
+    kw = dict(GROUPED_WS.get(output, dict(out_dtype=jnp.float8_e4m3fn, output_scale=jnp.float32(0.5))))
+    keys = jax.random.split(jax.random.PRNGKey(5), 2)
+    outs = jax.random.normal(keys[0], (3, 300, 2, 128), jnp.bfloat16) * 3
+    lses = jax.random.normal(keys[1], (3, 2, 300), jnp.float32)
+    results = {}
+    for vector in (False, True):
+        for kernel in ("merge", "merge_n"):
+            monkeypatch.setitem(mc.TUNING, kernel, dict(mc.TUNING[kernel], vector_tile=vector))
+        jax.clear_caches()  # the layout is chosen at trace time
+        two = pallas_impl.merge_attn_states(outs[0], lses[0], outs[1], lses[1], backend="mosaic_gpu",
+                                            prefill_tokens_with_context=250, return_lse=True, **kw)
+        many = pallas_impl.merge_attn_states_n(outs, lses, backend="mosaic_gpu", return_lse=True, **kw)
+        results[vector] = [np.asarray(x) for x in jax.tree.leaves((two, many))]
+    monkeypatch.undo()
+    jax.clear_caches()
+    for wgmma, vector in zip(results[False], results[True]):
+        assert wgmma.dtype == vector.dtype and wgmma.shape == vector.shape
+        np.testing.assert_array_equal(wgmma.view(np.uint8), vector.view(np.uint8))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Choosing the backend
 
@@ -427,25 +461,34 @@ def test_cp_rescale_gives_the_triton_backends_bits(lse_layout, lse_base, reduce_
 
 
 @needs_mosaic
-@pytest.mark.parametrize("fused", [False, True])
-def test_cp_rescale_past_64_devices_matches_the_jnp_path(fused):
+@pytest.mark.parametrize("fused, vector_tile", [(False, False), (True, False), (True, True)])
+def test_cp_rescale_past_64_devices_matches_the_jnp_path(fused, vector_tile, monkeypatch):
     """N = 70 devices (the rescale's loops over the partials at runtime, each LSE row loaded per loop): ranks 0, 37
     and 69 against the jnp path's rescale, within f32 rounding (the interpreter runs XLA:CPU arithmetic; the bits
-    are the GPU's check)."""
+    are the GPU's check); also with its tiles in 16-byte register vectors (`vector_tile`, `mc.tile_layout`)."""
     from pallas_impl import jnp_fallback
+    from pallas_impl.mosaic import _common as mc
     from pallas_impl.mosaic.cp_merge import rescale_mosaic
+
+    monkeypatch.setitem(mc.TUNING, "cp_rescale", dict(mc.TUNING["cp_rescale"], vector_tile=vector_tile))
+    jax.clear_caches()  # the layout is chosen at trace time
 
     case = dataclasses.replace(CP_CASE, name="n70_cp", partials=70)
     inputs = {k: jnp.asarray(v) for k, v in cases.make_inputs_n(case).items()}
     outs, lses = inputs["outputs"], inputs["lses"]
     qsl, cus = (inputs["query_start_loc"], inputs["cu_seq_lens"]) if fused else (None, None)
     kw = dict(reduce_dtype=jnp.dtype(jnp.float32), return_lse=True, lse_layout="HT", lse_base2=False)
-    for rank in (0, 37, 69):
-        args = (outs[rank], lses, qsl, cus, case.prefill_tokens_with_context, jnp.int32(rank))
-        got = rescale_mosaic(*args, **kw, interpret=jax.default_backend() == "cpu")
-        want = jnp_fallback.cp_rescale(*args, **kw)
-        for name, g, w in zip(("scaled", "lse"), got, want):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=1e-6, err_msg=f"rank {rank} {name}")
+    try:
+        for rank in (0, 37, 69):
+            args = (outs[rank], lses, qsl, cus, case.prefill_tokens_with_context, jnp.int32(rank))
+            got = rescale_mosaic(*args, **kw, interpret=jax.default_backend() == "cpu")
+            want = jnp_fallback.cp_rescale(*args, **kw)
+            for name, g, w in zip(("scaled", "lse"), got, want):
+                np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=1e-6,
+                                           err_msg=f"rank {rank} {name}")
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
 
 
 @needs_mosaic

@@ -3,6 +3,7 @@ limits the Mosaic GPU merges where they trail (docs/results.md, "Missed targets 
 
     python -m tools mosaic-profile [--op merge|merge_n] [--variant plain|lse|fused|fp8_g128|fp8_g64|nvfp4]
                                    [--tokens 32768] [--partials 4] [--lse-layout HT|TH] [--out DIR]
+                                   [--tuning '{"vector_tile": true}']
 
 For each backend it runs `ncu` (on the PATH; the device image has it) on a child process of this module that calls
 the merge once to compile and once to be profiled (`--launch-skip 1 --launch-count 1`), keeping the kernel by its
@@ -11,12 +12,14 @@ on "merge" alone profiles nothing on Mosaic GPU (2026-12-07). Sections: speed of
 warp state (the stall reasons), scheduler, launch, source counters. It prints each report's headline lines and the
 SASS instructions with the most warp stall samples (`top_stalls`: where the warps wait, which the sections alone
 did not say on 2026-12-07); the reports are `DIR/ncu_BACKEND.txt` (and `.ncu-rep`, `_sass.csv`). The merge and its inputs are `python -m tools mosaic-speed`'s (`merge_call`: bf16, H = 64,
-D = 128); no timing here: Nsight Compute's replays are its own.
+D = 128); no timing here: Nsight Compute's replays are its own. `--tuning` sets launch choices of the op's
+Mosaic GPU kernel (`mc.TUNING[op]` keys, as `mosaic-speed` sweeps them) for the Mosaic GPU report.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shutil
 import subprocess
@@ -35,8 +38,10 @@ def run_once(args) -> None:
     """The child: the merge called twice on `args.backend` (compile, then the profiled launch)."""
     import jax
 
+    from pallas_impl.mosaic import _common as mc
     from tools import mosaic_speed
 
+    mc.TUNING[args.op] = dict(mc.TUNING[args.op], **json.loads(args.tuning))
     n = args.partials if args.op == "merge_n" else 0
     call, _ = mosaic_speed.merge_call(args.tokens, n, args.variant, args.backend, args.lse_layout)
     jax.block_until_ready(call())
@@ -51,6 +56,7 @@ def main(argv=None) -> int:
     p.add_argument("--partials", type=int, default=4, help="N of the N-way merge")
     p.add_argument("--lse-layout", choices=("HT", "TH"), default="HT")
     p.add_argument("--out", default=".", help="folder of the reports")
+    p.add_argument("--tuning", default="{}", help="JSON: launch choices of the op's Mosaic GPU kernel (TUNING keys)")
     p.add_argument("--backend", choices=("triton", "mosaic_gpu"), default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.backend:  # the child under ncu
@@ -63,7 +69,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     child = [sys.executable, "-m", "tools.mosaic_profile", "--op", args.op, "--variant", args.variant, "--tokens",
-             str(args.tokens), "--partials", str(args.partials), "--lse-layout", args.lse_layout]
+             str(args.tokens), "--partials", str(args.partials), "--lse-layout", args.lse_layout, "--tuning",
+             args.tuning]
     failed = 0
     for backend in ("triton", "mosaic_gpu"):
         saved = out / f"ncu_{backend}.ncu-rep"
@@ -74,7 +81,9 @@ def main(argv=None) -> int:
         report = out / f"ncu_{backend}.txt"
         report.write_text(done.stdout + done.stderr + details.stdout + details.stderr)
         lines = [line.strip() for line in details.stdout.splitlines() if HEADLINES.search(line)]
-        print(f"== {backend} ({args.op} {args.variant}, T = {args.tokens}, {args.lse_layout}): rc={done.returncode}")
+        tuning = f", {args.tuning}" if backend == "mosaic_gpu" and args.tuning != "{}" else ""
+        print(f"== {backend} ({args.op} {args.variant}, T = {args.tokens}, {args.lse_layout}{tuning}): "
+              f"rc={done.returncode}")
         print("\n".join(lines) if lines else f"  no kernel profiled: see {report}")
         source = subprocess.run([ncu, "-i", str(saved), "--page", "source", "--print-source", "sass", "--csv"],
                                 capture_output=True, text=True)

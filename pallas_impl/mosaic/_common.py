@@ -169,15 +169,14 @@ def tile_layout(tune: dict, quant, width: int, itemsize: int):
     consecutive columns a thread (a 4-byte shared-memory access per two 16-bit elements); with
     `tune["vector_tile"]`, 16 bytes of consecutive columns a thread, its rows on the same threads
     (`WGMMA_UPCAST_4X`: eight 16-bit elements in tiles of 32 columns; `WGMMA_UPCAST_2X`: four f32 in 16), a
-    quarter of the shared-memory instructions (half for f32), where the output is not quantized (the quantizers
-    slice groups out of WGMMA tiles) and `width` is whole tiles. Which thread holds an element never changes that
-    element's arithmetic."""
+    quarter of the shared-memory instructions (half for f32), where `width` and a per-group output's groups are
+    whole such tiles (NVFP4's 16-column blocks are not: it keeps WGMMA). Which thread holds an element never
+    changes that element's arithmetic."""
     layout = plgpu().Layout
-    if tune.get("vector_tile", False) and not quant:
-        if itemsize <= 2 and width % 32 == 0:
-            return layout.WGMMA_UPCAST_4X
-        if itemsize == 4 and width % 16 == 0:
-            return layout.WGMMA_UPCAST_2X
+    columns = 32 if itemsize <= 2 else 16
+    whole = width % columns == 0 and (not grouped(quant) or quant[0] != NVFP4 and quant[0] % columns == 0)
+    if tune.get("vector_tile", False) and whole:
+        return layout.WGMMA_UPCAST_4X if itemsize <= 2 else layout.WGMMA_UPCAST_2X
     return layout.WGMMA
 
 
