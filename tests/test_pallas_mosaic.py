@@ -358,6 +358,33 @@ def test_grouped_outputs_split_over_two_compute_warpgroups_keep_their_bits(outpu
         np.testing.assert_array_equal(one.view(np.uint8), split.view(np.uint8))
 
 
+NVFP4_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in map(cases.by_name, (
+    "nvfp4_ptwc_specials", "n4_fp16_nvfp4_th_base2")) for op in impls.ops_of(case) if op.startswith("merge")]
+
+
+@needs_mosaic
+@pytest.mark.parametrize("launch", [{}, dict(grouped=dict(compute_wgs=2), nvfp4=dict(compute_wgs=2)),
+                                    dict(grouped=dict(compute_wgs=2, split="rows"))], ids=lambda d: json.dumps(d))
+@pytest.mark.parametrize("case, op", NVFP4_OPS)
+def test_nvfp4_stored_as_int4_matches_reference(case, op, launch, monkeypatch):
+    """NVFP4 codes stored as an int4 tile (`nvfp4_store="int4"`, `mc.NVFP4_INT4`: its bytes are the packed bytes,
+    viewed as u8 after the kernel; no packing WGMMA) against the float64 reference: the full suite's NVFP4 cases
+    (pass-through rows, specials, `[T, H]` base-2 LSEs, N = 4), on one compute warpgroup and split over two by
+    columns or (the 2-way merge) by rows."""
+    from pallas_impl.mosaic import _common as mc
+
+    for kernel in ("merge", "merge_n"):
+        monkeypatch.setitem(mc.TUNING, kernel, dict(mc.TUNING[kernel], nvfp4_store="int4", **launch))
+    jax.clear_caches()  # the store is chosen at trace time
+    try:
+        inputs = _operands(case, op)
+        got = impls.run(RT, "mosaic", op, case, _device(inputs))
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    _check_against_reference(case, op, inputs, got)
+
+
 @needs_mosaic
 @pytest.mark.parametrize("output", ["static_fp8", "group_fp8_g128", "group_fp8_g64", "group_fp8_g32_ue8m0"])
 def test_quantized_outputs_in_vector_tiles_keep_their_bits(output, monkeypatch):
@@ -869,6 +896,8 @@ def test_per_group_tiles_hold_whole_groups_else_xla_quantizes(dtype, head_dim, g
         assert stored == jnp.float32
     quant, stored, (_, dc) = mc.output_plan(jnp.float4_e2m1fn, jnp.ones(1), (16, "nvfp4", "row"), plan)
     assert quant == (mc.NVFP4,) and stored == jnp.uint8 and dc % mc.NVFP4_PACK_COLUMNS == 0
+    quant, stored, (_, dc) = mc.output_plan(jnp.float4_e2m1fn, jnp.ones(1), (16, "nvfp4", "row"), plan, "int4")
+    assert quant == mc.NVFP4_INT4 and stored == jnp.int4 and dc % 32 == 0
 
 
 def _avals(jaxpr):

@@ -57,6 +57,7 @@ CANDIDATES = {
     # vector_tile: 16-byte register vectors of each row (`mc.tile_layout`) for the plain merges.
     "merge": [dict(mc.TUNING["merge"]),
               dict(mc.TUNING["merge"], vector_tile=True),
+              dict(mc.TUNING["merge"], nvfp4_store="int4"),
               dict(mc.TUNING["merge"], grouped=dict(compute_wgs=2)),
               dict(mc.TUNING["merge"], compute_wgs=2, split="rows", grouped=dict(compute_wgs=2, split="rows")),
               dict(mc.TUNING["merge"], lse_tma=False),
@@ -72,6 +73,8 @@ CANDIDATES = {
               dict(steps=16, concurrent=2, tile_bytes=32 * 1024, stores=2)],
     "merge_n": [dict(mc.TUNING["merge_n"]),
                 dict(mc.TUNING["merge_n"], vector_tile=True),
+                dict(mc.TUNING["merge_n"], nvfp4_store="int4"),
+                dict(mc.TUNING["merge_n"], nvfp4_store="int4", nvfp4=dict(compute_wgs=2)),
                 dict(mc.TUNING["merge_n"], ctas_per_sm=0),
                 dict(mc.TUNING["merge_n"], nvfp4=dict(compute_wgs=2)),
                 dict(mc.TUNING["merge_n"], compute_wgs=2),

@@ -50,7 +50,9 @@ PREFETCH_PARTIALS = 16
 # N-way merge's a tile ahead, `prefetches_rows`); row_weights: the 2-way merge's weights from those rows in the
 # tile's row layout (no relayout through shared memory); lse_step: beyond WEIGHT_ROWS partials, the LSE loads of
 # each iteration of the N-way merge's runtime loops over them (its maximum and sum, `_math.n_way_max_and_sum`'s
-# `exp_step`; the same operations in the same order at any step).
+# `exp_step`; the same operations in the same order at any step); vector_tile: tiles in 16-byte register vectors
+# (`tile_layout`); nvfp4_store: NVFP4's codes packed by a WGMMA ("wgmma", the default) or stored as int4
+# (`NVFP4_INT4`). Both off until timed on the GPU.
 # The 2-way merge keeps 2 inputs x `concurrent` tiles in shared memory, the N-way and the rescale 1 x `concurrent`:
 # smaller 2-way tiles keep two CTAs per SM (228 KiB of shared memory on an H100/H200).
 # `python -m tools mosaic-speed` sweeps these on the GPU (it sets them here and clears jax's caches). The 2-way merge
@@ -141,7 +143,8 @@ def compute_warpgroups(tune: dict, quant, dc: int, out_dtype) -> int:
     if wgs == 1 or dc % wgs:
         return 1
     width = dc // wgs
-    multiple = 8 if not grouped(quant) else NVFP4_PACK_COLUMNS if quant[0] == NVFP4 else quant[0]
+    multiple = (8 if not grouped(quant) else NVFP4_PACK_COLUMNS if packs_by_wgmma(quant) else 32
+                if is_nvfp4(quant) else quant[0])
     if width % multiple or width % 8 or width * jnp.dtype(out_dtype).itemsize % 16:
         return 1
     return wgs
@@ -149,8 +152,9 @@ def compute_warpgroups(tune: dict, quant, dc: int, out_dtype) -> int:
 
 def split_by_rows(tune: dict, quant) -> bool:
     """Whether two compute warpgroups split a tile by rows (`tune["split"] == "rows"`) rather than by columns: not
-    NVFP4, which splits by columns (its 64-row packing hung jax's interpreter, and the GPU never ran it)."""
-    return tune.get("split") == "rows" and quant != (NVFP4,)
+    NVFP4 packed by WGMMA, which splits by columns (its 64-row packing hung jax's interpreter, and the GPU never ran
+    it)."""
+    return tune.get("split") == "rows" and not packs_by_wgmma(quant)
 
 
 def warpgroup_tile(tune: dict, quant, dc: int, out_dtype) -> tuple[int, int, int]:
@@ -314,25 +318,28 @@ def padded_heads(x, columns: int):
 
 
 def head_plan(head_dim: int, dtype, tile_bytes: int, *, out_dtype, input_tiles: int, out_slots: int,
-              other_bytes: int, group_size: int = 1, scale_bytes: int = 0, nvfp4: bool = False) -> tuple[int, int]:
+              other_bytes: int, group_size: int = 1, scale_bytes: int = 0, nvfp4: str | None = None) -> tuple[int, int]:
     """(columns of a kernel's head, columns of one TMA tile) for heads of `head_dim` elements of `dtype`:
     `head_columns`, then `column_chunk` of that width (a multiple of `group_size`: a quantization group stays in one
     tile), narrowed (halving `tile_bytes`) until the kernel's shared memory fits `SMEM_BYTES`: `input_tiles`
     `[BLOCK_T, dc]` input tiles in flight, `out_slots` output tiles of `out_dtype` (with `scale_bytes` of scales
     per group of a row each) and `other_bytes` of other scratch. (An f32 output of bf16 inputs doubles the output
-    slots: at the 2-way merge's long-T tiles it needed 258 KiB.) `nvfp4`: packed codes (half a byte a column) and
-    e4m3 block scales out, tiles a multiple of `NVFP4_PACK_COLUMNS` (16-byte packed rows, and the narrowest packing
-    the GPU gets right), and the packing's scratch (`pack_fp4`: an f16 code tile and the `[dc, dc / 2]` packing
-    matrix; a split by columns packs two halves of a quarter of its bytes each). ValueError where no tile fits."""
+    slots: at the 2-way merge's long-T tiles it needed 258 KiB.) `nvfp4` (its `nvfp4_store`): packed codes (half a
+    byte a column) and e4m3 block scales out; "wgmma": tiles a multiple of `NVFP4_PACK_COLUMNS` (16-byte packed
+    rows, and the narrowest packing the GPU gets right) and the packing's scratch (`pack_fp4`: an f16 code tile and
+    the `[dc, dc / 2]` packing matrix; a split by columns packs two halves of a quarter of its bytes each); "int4":
+    tiles a multiple of 32 columns (16-byte int4 rows), no scratch. ValueError where no tile fits."""
     itemsize = jnp.dtype(dtype).itemsize
     out_itemsize = jnp.dtype(out_dtype).itemsize
     cols = head_columns(head_dim, itemsize, out_itemsize)
-    multiple = NVFP4_PACK_COLUMNS if nvfp4 else math.lcm(group_size, 16 // math.gcd(16, out_itemsize))
+    multiple = {"wgmma": NVFP4_PACK_COLUMNS, "int4": 32}.get(nvfp4) or math.lcm(group_size,
+                                                                              16 // math.gcd(16, out_itemsize))
     dc = column_chunk(cols, itemsize, tile_bytes, multiple)
 
     def smem(dc):
         if nvfp4:
-            out_tile, packing = dc // 2 + dc // NVFP4_BLOCK, BLOCK_T * dc * 2 + dc * dc
+            out_tile = dc // 2 + dc // NVFP4_BLOCK
+            packing = BLOCK_T * dc * 2 + dc * dc if nvfp4 == "wgmma" else 0
         else:
             out_tile, packing = dc * out_itemsize + dc // group_size * scale_bytes, 0
         return BLOCK_T * (dc * input_tiles * itemsize + out_slots * out_tile) + packing + other_bytes
@@ -373,7 +380,7 @@ def merge_tuning(num_tokens: int, grouped_output: bool = False) -> dict:
 
 def merge_n_tuning(quant) -> dict:
     """The N-way merge's launch choices for the output `quant` (`output_plan`): with the `nvfp4` ones for NVFP4."""
-    return _overridden(dict(TUNING["merge_n"]), "nvfp4", quant == (NVFP4,))
+    return _overridden(dict(TUNING["merge_n"]), "nvfp4", is_nvfp4(quant))
 
 
 def _overridden(tune: dict, key: str, applies: bool) -> dict:
@@ -457,20 +464,37 @@ NVFP4_BLOCK = 16
 # 2-way merge split over two warpgroups at 64-column tiles), at 64 and 128 the Triton backend's bits; the
 # interpreter gave the right bits at 32. Narrower heads store f32 rows for XLA to quantize (`output_plan`).
 NVFP4_PACK_COLUMNS = 64
+# How a kernel stores NVFP4's codes (`TUNING[kernel]["nvfp4_store"]`, `output_plan`): "wgmma" packs them two a
+# byte in registers by a WGMMA (`quantized`) and stores u8; "int4" stores them as an int4 tile, whose bytes in
+# memory are the packed bytes (two codes a byte, the low nibble first: `_math.pack_fp4`'s order), which XLA views
+# as u8 after the kernel (`finish`; a pass over the half-byte output).
+NVFP4_INT4 = (NVFP4, "int4")  # the `quant` of NVFP4 stored as int4
 
 
-def output_plan(out_dtype, output_scale, group, plan):
+def is_nvfp4(quant) -> bool:
+    """Whether `quant` (`output_plan`) is NVFP4, packed by WGMMA or stored as int4."""
+    return quant is not None and quant[0] == NVFP4
+
+
+def packs_by_wgmma(quant) -> bool:
+    """Whether `quant` is NVFP4 packed by a WGMMA (its packing matrix, code tile and barrier: `quant_scratch`)."""
+    return quant == (NVFP4,)
+
+
+def output_plan(out_dtype, output_scale, group, plan, nvfp4_store: str = "wgmma"):
     """(quant, stored dtype, (cols, dc)) of a merge kernel: what it quantizes in its registers (docs/spec.md 4.6,
-    4.7, 4.8): None (it stores the output dtype), (STATIC,), (group size, UE8M0) of per-group FP8, or (NVFP4,)
-    (packed codes, u8), with its head plan (`plan(out_dtype=..., group_size=..., scale_bytes=..., nvfp4=...)`,
-    `head_plan` of the kernel's tiles). Where no tile holding whole groups fits shared memory (a group of 256 f32
-    columns; NVFP4 heads not a multiple of `NVFP4_PACK_COLUMNS`), the kernel stores f32 rows that XLA quantizes after it
-    (`finish`)."""
+    4.7, 4.8): None (it stores the output dtype), (STATIC,), (group size, UE8M0) of per-group FP8, or NVFP4 as
+    `nvfp4_store` says ((NVFP4,): codes packed by WGMMA, u8; `NVFP4_INT4`: int4 codes), with its head plan
+    (`plan(out_dtype=..., group_size=..., scale_bytes=..., nvfp4=...)`, `head_plan` of the kernel's tiles). Where
+    no tile holding whole groups fits shared memory (a group of 256 f32 columns; NVFP4 heads not a multiple of
+    `NVFP4_PACK_COLUMNS`, or 32 for int4), the kernel stores f32 rows that XLA quantizes after it (`finish`)."""
     if group is None:
         return ((STATIC,) if output_scale is not None else None), out_dtype, plan(out_dtype=out_dtype)
     try:
+        if _math.is_nvfp4(group) and nvfp4_store == "int4":
+            return NVFP4_INT4, jnp.int4, plan(out_dtype=jnp.uint8, nvfp4="int4")
         if _math.is_nvfp4(group):
-            return (NVFP4,), jnp.uint8, plan(out_dtype=jnp.uint8, nvfp4=True)
+            return (NVFP4,), jnp.uint8, plan(out_dtype=jnp.uint8, nvfp4="wgmma")
         return tuple(group[:2]), out_dtype, plan(out_dtype=out_dtype, group_size=group[0], scale_bytes=4)
     except ValueError:
         return None, jnp.float32, plan(out_dtype=jnp.float32)
@@ -522,8 +546,9 @@ def tile_scales(raw, num_tokens: int):
 
 
 def out_struct(num_tokens: int, num_heads: int, cols: int, quant, stored_dtype, *args):
-    """The output a merge kernel writes: `[T', H * D]` of the stored dtype, NVFP4's packed codes `[T', H * D / 2]`."""
-    width = num_heads * cols // (2 if quant == (NVFP4,) else 1)
+    """The output a merge kernel writes: `[T', H * D]` of the stored dtype (NVFP4's int4 codes), NVFP4's codes packed
+    by WGMMA `[T', H * D / 2]`."""
+    width = num_heads * cols // (2 if packs_by_wgmma(quant) else 1)
     return _sharding.out_struct((num_tokens, width), stored_dtype, *args)
 
 
@@ -550,7 +575,7 @@ def quantized(result, quant, scale, pack=None):
     `_math.nvfp4_blocks` of each 16-column slice with the global scale `scale` (a row), e4m3 scales, the codes
     packed two a byte (u8 `[BLOCK_T, dc / 2]`) by a WGMMA of the f16 codes by the packing matrix (`pack`: (the
     code tile's and the matrix's shared memory); Mosaic GPU's register arrays have no operation that pairs
-    columns)."""
+    columns), or, `NVFP4_INT4`, as an int4 tile `[BLOCK_T, dc]`."""
     if quant[0] == STATIC:
         return _math.static_fp8(result, jnp.broadcast_to(scale[:, None], result.shape)).astype(FP8), None
     g = block_of(quant)
@@ -567,6 +592,8 @@ def quantized(result, quant, scale, pack=None):
     q = jnp.concatenate(qs, axis=1) if len(qs) > 1 else qs[0]
     if quant[0] != NVFP4:
         return q, scales
+    if not packs_by_wgmma(quant):  # int4: codes 8..15 as their two's complement, the same four bits
+        return jnp.where(q >= 8, q - 16, q).astype(jnp.int4), scales
     m = plgpu()
     codes_smem, matrix_smem = pack
     codes_smem[...] = q.astype(jnp.float16)  # 0..15: exact
@@ -582,7 +609,7 @@ def quantized(result, quant, scale, pack=None):
 
 def quant_scratch(quant, stores: int, dc: int, wgs: int = 1, rows: int = BLOCK_T) -> list:
     """The shared memory a `grouped` quant adds to a merge kernel whose compute warpgroups (`wgs`) each quantize
-    `[rows, dc]` of a tile (`warpgroup_tile`): the scale slots (`store_tile`), and for NVFP4 the packing's code
+    `[rows, dc]` of a tile (`warpgroup_tile`): the scale slots (`store_tile`), and for `packs_by_wgmma` the code
     tile, matrix and barrier (`quantized`, `load_packing`); each once per warpgroup (`warpgroup_quant_scratch`
     picks them)."""
     if not grouped(quant):
@@ -590,9 +617,9 @@ def quant_scratch(quant, stores: int, dc: int, wgs: int = 1, rows: int = BLOCK_T
     m = plgpu()
     dtype = FP8 if quant[0] == NVFP4 else jnp.float32
     scratch = [m.SMEM((stores, dc // block_of(quant), rows), dtype)]
-    if quant[0] == NVFP4:
+    if packs_by_wgmma(quant):
         scratch += [m.SMEM((rows, dc), jnp.float16), m.SMEM((dc, dc // 2), jnp.float16)]
-    return per_warpgroup(scratch, wgs) + ([m.Barrier(num_barriers=wgs)] if quant[0] == NVFP4 else [])
+    return per_warpgroup(scratch, wgs) + ([m.Barrier(num_barriers=wgs)] if packs_by_wgmma(quant) else [])
 
 
 def warpgroup_quant_scratch(q_scr: list, wg, wgs: int) -> list:
@@ -607,9 +634,9 @@ def kernel_io(args: list, quant, output_scale, dc: int, num_tokens: int, num_hea
               return_lse: bool) -> list:
     """A merge kernel's quantization inputs appended to `args` (the static or NVFP4 global scale as a row, NVFP4's
     packing matrix) and its outputs' types: the output (`out_struct`), the scales of a `grouped` quant, the LSE."""
-    if quant in ((STATIC,), (NVFP4,)):
+    if quant is not None and quant[0] in (STATIC, NVFP4):
         args.append(scale_row(output_scale))
-    if quant == (NVFP4,):
+    if packs_by_wgmma(quant):
         args.append(packing_matrix(dc))  # dc: the columns one warpgroup quantizes
     out_type = [out_struct(num_tokens, num_heads, cols, quant, stored_dtype, *args)]
     if grouped(quant):
@@ -621,8 +648,8 @@ def kernel_io(args: list, quant, output_scale, dc: int, num_tokens: int, num_hea
 
 def output_slots(quant, stores: int, dc: int, dtype, rows: int = BLOCK_T):
     """The shared-memory output slots of a merge kernel (`store_tile`): `[stores, rows, dc]` of the stored dtype,
-    half as wide for NVFP4's packed codes."""
-    return plgpu().SMEM((stores, rows, dc // 2 if quant == (NVFP4,) else dc), dtype)
+    half as wide for NVFP4's codes packed by WGMMA."""
+    return plgpu().SMEM((stores, rows, dc // 2 if packs_by_wgmma(quant) else dc), dtype)
 
 
 def store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc, count, row0=0) -> None:
@@ -633,7 +660,7 @@ def store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc, count, ro
     scales = None
     if quant:
         result, scales = quantized(result, quant, scale, q_scr[1:3])
-    width = dc // 2 if quant == (NVFP4,) else dc
+    width = dc // 2 if packs_by_wgmma(quant) else dc
     dst = o_g.at[pl.ds(t0 + row0, rows), pl.ds(hc * width, width)]
     if not grouped(quant):
         store_tile(result, o_scr, dst, count)
@@ -668,6 +695,8 @@ def finish(results, shape, copy_t, last_output, last_lse, output_scale, *, out_d
     num_tokens, num_heads, head_dim = shape
     results = list(results)
     out = results.pop(0)[:num_tokens]
+    if out.dtype == jnp.int4:  # NVFP4's int4 codes (`NVFP4_INT4`): their bytes, two codes each
+        out = lax.bitcast_convert_type(out.reshape(num_tokens, -1, 2), jnp.uint8)
     width = head_dim // 2 if out.dtype == jnp.uint8 else head_dim  # NVFP4: two codes a byte
     out = out.reshape(num_tokens, num_heads, out.shape[1] // num_heads)[..., :width]  # padded heads cut
     scales = None

@@ -50,8 +50,9 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
     # by per-thread stores one row per thread: the same rows in both layouts in one kernel fail Mosaic GPU's
     # layout inference (jax 0.11.2).
     row_weights = lse_tma and tune.get("row_weights", False) and not output_lse
-    grouped, nvfp4 = mc.grouped(quant), quant == (mc.NVFP4,)
-    scaled = quant in ((mc.STATIC,), (mc.NVFP4,))  # a scale row in: the static fp8 scale, NVFP4's global scale
+    grouped, packing = mc.grouped(quant), mc.packs_by_wgmma(quant)  # packing: NVFP4's WGMMA
+    # a scale row in: the static fp8 scale, NVFP4's global scale
+    scaled = quant is not None and quant[0] in (mc.STATIC, mc.NVFP4)
     # Each compute warpgroup merges `[rw, width]` of a tile: all of it, or half its columns or its rows.
     wgs, rw, width = mc.warpgroup_tile(tune, quant, dc, out_type[0].dtype)
     L = mc.tile_layout(tune, quant, width, itemsize)
@@ -62,7 +63,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
         # e_g: f32[T'], 1 on the fused mask's tokens; c_g: f32[T'], 1 where t copies the suffix; q_g: f32[128],
         # the static fp8 scale or NVFP4's global scale; m_g: NVFP4's packing matrix; g_g: the scales, a row per
         # group
-        e_g, c_g, q_g, m_g, o_g, g_g, lo_g, *rest = mc.optional_refs(rest, empty_rows, copy_rows, scaled, nvfp4,
+        e_g, c_g, q_g, m_g, o_g, g_g, lo_g, *rest = mc.optional_refs(rest, empty_rows, copy_rows, scaled, packing,
                                                                      True, grouped, output_lse)
         # rows of w_smem: wp, ws, both-empty flag, copy flag, static or global scale
         w_smem, o_scr, *q_scr = rest
@@ -73,7 +74,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
         mine = lambda r: r.at[pl.ds(wg * rw, rw)] if by_rows else r  # noqa: E731 - its part of a row
         w_smem, o_scr = mc.per_warpgroup_refs((w_smem, o_scr), wg, wgs)
         q_scr = mc.warpgroup_quant_scratch(q_scr, wg, wgs)
-        if nvfp4:
+        if packing:
             mc.when_computing(wg, wgs, lambda: mc.load_packing(m_g, q_scr[2], q_scr[3]))
 
         def cleaned(p, s, e, c):
@@ -194,7 +195,8 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
     plan = functools.partial(mc.head_plan, head_dim, prefix_output.dtype, tune["tile_bytes"],  # cols >= D: TMA rows
                              input_tiles=2 * tune["concurrent"], out_slots=tune["stores"],
                              other_bytes=5 * mc.BLOCK_T * 4 * tune.get("compute_wgs", 1))
-    quant, stored_dtype, (cols, dc) = mc.output_plan(out_dtype, output_scale, group, plan)
+    quant, stored_dtype, (cols, dc) = mc.output_plan(out_dtype, output_scale, group, plan,
+                                                     tune.get("nvfp4_store", "wgmma"))
     tune = mc.merge_tuning(tp, mc.grouped(quant))
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
@@ -202,7 +204,8 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
     empty = mc.fused_empties(query_start_loc, prefix_cu_seq_lens, num_tokens)
     rows = lambda x: mc.padded_rows(mc.padded_heads(x, cols).reshape(num_tokens, num_heads * cols),  # noqa: E731
                                     num_tokens, 0)
-    copy_rows = prefill_tokens_with_context is not None and stored_dtype == out_dtype
+    # the kernel takes the pass-through rows unless it stores f32 rows for XLA to quantize (`mc.output_plan`)
+    copy_rows = prefill_tokens_with_context is not None and (stored_dtype == out_dtype or quant == mc.NVFP4_INT4)
     lse_tma = mc.rows_by_tma(tune, tp)
     args = [rows(prefix_output), rows(suffix_output), mc.lse_rows(prefix_lse, lse_layout, flat=not lse_tma),
             mc.lse_rows(suffix_lse, lse_layout, flat=not lse_tma)]

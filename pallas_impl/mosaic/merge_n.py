@@ -53,8 +53,9 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     # blocks of WEIGHT_ROWS, each computed at its first partial from m and z (rows + 1, rows + 2).
     rows = min(num_partials, mc.WEIGHT_ROWS)
     blocks = num_partials > rows
-    grouped, nvfp4 = mc.grouped(quant), quant == (mc.NVFP4,)
-    scaled = quant in ((mc.STATIC,), (mc.NVFP4,))  # a scale row in: the static fp8 scale, NVFP4's global scale
+    grouped, packing = mc.grouped(quant), mc.packs_by_wgmma(quant)  # packing: NVFP4's WGMMA
+    # a scale row in: the static fp8 scale, NVFP4's global scale
+    scaled = quant is not None and quant[0] in (mc.STATIC, mc.NVFP4)
     scale_at = rows + (3 if blocks else 1)  # the row of w_smem holding that scale
     # the columns of a tile each compute warpgroup merges (the split by rows is the 2-way merge's)
     wgs, _, width = mc.warpgroup_tile(dict(tune, split="cols"), quant, dc, out_type[0].dtype)
@@ -65,7 +66,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
         # f32[N, H, T']; e_g: f32[N * T'] (prefetch: [N, T']), 1 on the fused mask's tokens; c_g: f32[T'], 1 where t
         # copies the last partial; q_g: f32[128], the static fp8 scale or NVFP4's global scale; m_g: NVFP4's
         # packing matrix; g_g: the scales, a row per group
-        e_g, c_g, q_g, m_g, o_g, g_g, lo_g, *rest = mc.optional_refs(rest, empty_rows, copy_rows, scaled, nvfp4,
+        e_g, c_g, q_g, m_g, o_g, g_g, lo_g, *rest = mc.optional_refs(rest, empty_rows, copy_rows, scaled, packing,
                                                                      True, grouped, output_lse)
         # rows of w_smem: the weights, the all-empty flag (, m, z with blocks) (, the static or global scale)
         w_smem, row_smem, o_scr, *q_scr = rest
@@ -92,7 +93,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
 
             mc.when_computing(wg, wgs, lambda: fetch(0, 0))
         q_scr = mc.warpgroup_quant_scratch(q_scr, wg, wgs)
-        if nvfp4:
+        if packing:
             mc.when_computing(wg, wgs, lambda: mc.load_packing(m_g, q_scr[2], q_scr[3]))
 
         def step(idx, x_s, acc):
@@ -205,7 +206,8 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
     plan = functools.partial(mc.head_plan, head_dim, outputs.dtype, tune["tile_bytes"],  # cols >= D: TMA rows
                              input_tiles=tune["concurrent"], out_slots=tune["stores"],
                              other_bytes=row_bytes * tune.get("compute_wgs", 1))
-    quant, stored_dtype, (cols, dc) = mc.output_plan(out_dtype, output_scale, group, plan)
+    quant, stored_dtype, (cols, dc) = mc.output_plan(out_dtype, output_scale, group, plan,
+                                                     tune.get("nvfp4_store", "wgmma"))
     tune = mc.merge_n_tuning(quant)
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
@@ -214,7 +216,8 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
     lf = mc.stacked_lse_rows(lses, lse_layout, flat=not prefetch)
     x = mc.padded_rows(mc.padded_heads(outputs, cols).reshape(num_partials, num_tokens, num_heads * cols),
                        num_tokens, 0)
-    copy_rows = prefill_tokens_with_context is not None and stored_dtype == out_dtype
+    # the kernel takes the pass-through rows unless it stores f32 rows for XLA to quantize (`mc.output_plan`)
+    copy_rows = prefill_tokens_with_context is not None and (stored_dtype == out_dtype or quant == mc.NVFP4_INT4)
     args = [x, lf]
     if empties is not None:
         args.append(mc.flag_rows(empties, flat=not prefetch))
