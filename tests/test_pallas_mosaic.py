@@ -829,6 +829,12 @@ def test_quantized_and_f32_outputs_at_long_t_give_the_triton_backends_bits(num_t
     tiles failed to compile before 2026-12-07; at T not a multiple of 16 the last tile's scale rows were a
     misaligned TMA store until 2026-12-07). Also `[T, H]` LSEs with NaN and -inf among them (`bf16_th`), with and
     without the merged LSE."""
+    _assert_same_bits(_long_t_merges(num_tokens, output, "mosaic_gpu"), _long_t_merges(num_tokens, output, "triton"))
+
+
+def _long_t_merges(num_tokens: int, output: str, backend: str) -> list:
+    """The long-T test's merges on `backend`: 2-way (the fused mask, pass-through rows) and N = 4, bf16, H = 16,
+    D = 128, with the options of `output` (`LONG_T_OUTPUTS`; "bf16": none); their results as numpy arrays."""
     heads, head_dim, partials = 16, 128, 4
     keys = jax.random.split(jax.random.PRNGKey(num_tokens), 2)
     outs = jax.random.normal(keys[0], (partials, num_tokens, heads, head_dim), jnp.bfloat16) * 3
@@ -839,17 +845,51 @@ def test_quantized_and_f32_outputs_at_long_t_give_the_triton_backends_bits(num_t
     if output.startswith("bf16_th"):
         lses = jnp.swapaxes(lses, 1, 2).at[:, ::5, 3].set(jnp.nan).at[:, ::7, 9].set(-jnp.inf)
         kw.update(lse_layout="TH", return_lse=output.endswith("lse"))
-    results = {}
-    for backend in ("triton", "mosaic_gpu"):
-        two = pallas_impl.merge_attn_states(outs[0], lses[0], outs[1], lses[1], query_start_loc=qsl,
-                                            prefix_cu_seq_lens=cu, prefill_tokens_with_context=num_tokens - 3,
-                                            implementation="pallas", backend=backend, **kw)
-        many = pallas_impl.merge_attn_states_n(outs, lses, implementation="pallas", backend=backend, **kw)
-        results[backend] = [np.asarray(x) for x in jax.tree.leaves((two, many))]
-    for g, w in zip(results["mosaic_gpu"], results["triton"]):
+    two = pallas_impl.merge_attn_states(outs[0], lses[0], outs[1], lses[1], query_start_loc=qsl,
+                                        prefix_cu_seq_lens=cu, prefill_tokens_with_context=num_tokens - 3,
+                                        implementation="pallas", backend=backend, **kw)
+    many = pallas_impl.merge_attn_states_n(outs, lses, implementation="pallas", backend=backend, **kw)
+    return [np.asarray(x) for x in jax.tree.leaves((two, many))]
+
+
+def _assert_same_bits(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
         assert g.dtype == w.dtype and g.shape == w.shape
         np.testing.assert_array_equal(g.view(np.uint8) if g.dtype.itemsize == 1 else g,
                                       w.view(np.uint8) if w.dtype.itemsize == 1 else w)
+
+
+# The launch choices `python -m tools mosaic-speed` sweeps that no default takes yet, with the outputs they change:
+# before one becomes a default, the GPU gives its bits here (the interpreter tests above check it on a CPU).
+CANDIDATES = {
+    "vector_tile": (dict(vector_tile=True), ["bf16", "float32", "static_fp8", "group_fp8", "group_fp8_ue8m0",
+                                             "bf16_th_lse"]),
+    "nvfp4_int4": (dict(nvfp4_store="int4"), ["nvfp4_row", "nvfp4_swizzled"]),
+    "nvfp4_int4_split": (dict(nvfp4_store="int4", grouped=dict(compute_wgs=2), nvfp4=dict(compute_wgs=2)),
+                         ["nvfp4_row", "nvfp4_swizzled"]),
+}
+
+
+@pytest.mark.gpu
+@needs_mosaic
+@pytest.mark.parametrize("num_tokens", [1001, 32768])
+@pytest.mark.parametrize("candidate, output", [(c, o) for c, (_, outs) in CANDIDATES.items() for o in outs])
+def test_launch_candidates_give_the_triton_backends_bits(candidate, output, num_tokens, monkeypatch):
+    """Each candidate of `CANDIDATES` (set on both merges) compiled on the GPU: the Triton backend's bits at a T
+    that is not a multiple of 16 (the shifted last tile) and at the 2-way merge's long tiles."""
+    from pallas_impl.mosaic import _common as mc
+
+    want = _long_t_merges(num_tokens, output, "triton")
+    for kernel in ("merge", "merge_n"):
+        monkeypatch.setitem(mc.TUNING, kernel, dict(mc.TUNING[kernel], **CANDIDATES[candidate][0]))
+    jax.clear_caches()  # the choices are read at trace time
+    try:
+        got = _long_t_merges(num_tokens, output, "mosaic_gpu")
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    _assert_same_bits(got, want)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 127, 128, 130, 255, 256, 1001, 4096 + 77])
