@@ -15,7 +15,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # command: (module or shell script, what it does)
 COMMANDS = {
-    "gpu-run": ("gpu_run.sh", "one GPU run: PLAN=tests|bench|more|mosaic|mosaic_speed|verify|fp8|verify_tests|all"),
+    "gpu-run": ("gpu_run.sh", "one GPU run: PLAN=tests|bench|more|mosaic|mosaic_speed|mosaic_candidates|verify|fp8|"
+                              "verify_tests|all"),
     "check-shards": ("check_shards.sh", "`parity check --suite full` in CHECK_SHARDS parallel processes"),
     "tune": ("tune", "the tile and launch sweeps of the merges and the mask (a GPU)"),
     "wide-n": ("wide_n", "the N-way merge's first call and bandwidth at large N (a GPU)"),

@@ -2,7 +2,8 @@
 # One GPU run of the maintainers' checks and measurements (`python -m tools gpu-run`, docs/results.md "Recording a
 # GPU run"):
 #
-#   OUT=/some/dir [PLAN=all|tests|bench|more|mosaic|mosaic_speed|verify|fp8|verify_tests] python -m tools gpu-run
+#   OUT=/some/dir [PLAN=all|tests|bench|more|mosaic|mosaic_speed|mosaic_candidates|verify|fp8|verify_tests] \
+#       python -m tools gpu-run
 #
 # PLAN picks the steps; each plan but "all" fits one 10-minute call (DEADLINE_S, default 560 s; "all": 1500 s):
 #   tests         the GPU-marked tests (`pytest -m gpu`; the CPU tests are CI's) and the full parity check on
@@ -19,6 +20,10 @@
 #   mosaic_speed  the Mosaic GPU kernels timed beside the Triton backend's, with a sweep of their launch choices
 #                 (MOSAIC_SPEED_ARGS="--grid --budget-s 480": the merges' whole table instead), then the 2-way
 #                 merge under Nsight Compute on both backends (mosaic-profile): mosaic_speed.* ncu_*.txt
+#   mosaic_candidates  the Mosaic GPU launch choices no default takes yet (`CANDIDATES` of
+#                 tests/test_pallas_mosaic.py): their bits against the Triton backend's, their time beside the
+#                 defaults (mosaic-speed's first five candidates of the merges), the 2-way merge's profile with
+#                 vector tiles: pytest.log mosaic_speed.* ncu_*.txt
 #   verify        after a kernel or launch change: the full parity check (Pallas on its Triton backend; with
 #                 VERIFY_MOSAIC=1 on Mosaic GPU too), the N-way merge at large N (wide-n speed; with
 #                 VERIFY_KERNELS=1 each kernel of the split fused merge), the GPU tests of the N-way merge and the
@@ -111,14 +116,21 @@ export CHECK_SHARDS=${CHECK_SHARDS:-8}
 XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
 GPU_TESTS=${GPU_TESTS:-}  # PLAN=more, verify: test files for their GPU tests step (default: every GPU test; verify: its own)
 
-if [ "$PLAN" = mosaic ] || [ "$PLAN" = mosaic_speed ]; then
+if [ "$PLAN" = mosaic ] || [ "$PLAN" = mosaic_speed ] || [ "$PLAN" = mosaic_candidates ]; then
     # The experimental Mosaic GPU backend of pallas_impl (docs/design.md, "Mosaic GPU backend"). PLAN=mosaic: the
     # Pallas test suite with that backend as the default (PALLAS_IMPL_BACKEND) and its own tests (bits against the
     # Triton backend), then the full parity check with Pallas on Mosaic GPU (its compiles take most of it: 3 shards
     # did not finish in 150 s on the H200; 8 shards took 78-83 s, 2026-12-01), then its kernels under
     # compute-sanitizer (tools/sanitize_mosaic.py). PLAN=mosaic_speed: its
     # kernels timed beside the Triton backend's with a sweep of their launch choices (tools/mosaic_speed.py).
-    if [ "$PLAN" = mosaic ]; then
+    if [ "$PLAN" = mosaic_candidates ]; then
+        step pytest 200 5 "$OUT/pytest.log" "$PY" -m pytest -m gpu -q -rf tests/test_pallas_mosaic.py \
+            -k launch_candidates
+        step mosaic_speed 240 5 "$OUT/mosaic_speed.log" "$PY" -m tools.mosaic_speed --kernels merge merge_n --first 5 \
+            --budget-s 220 --json "$OUT/mosaic_speed.json"
+        step mosaic_profile 60 5 "$OUT/mosaic_profile.log" "$PY" -m tools.mosaic_profile \
+            --tuning '{"vector_tile": true}' --out "$OUT"
+    elif [ "$PLAN" = mosaic ]; then
         # shellcheck disable=SC2086
         step pytest 240 150 "$OUT/pytest.log" env PALLAS_IMPL_BACKEND=mosaic_gpu "$PY" -m pytest -q -rs $XDIST \
             tests/test_pallas_mask.py tests/test_pallas_merge.py tests/test_pallas_merge_n.py tests/test_pallas_mosaic.py \
