@@ -227,6 +227,21 @@ def test_the_grouped_and_nvfp4_launch_choices_apply_to_their_outputs_only(monkey
     assert mc.merge_n_tuning((mc.NVFP4,)) == dict(plain, **nvfp4)
 
 
+def _with_choices(choices: dict, monkeypatch, run):
+    """`run()` with the launch `choices` set on both merges (`mc.TUNING`, read at trace time: jax's caches cleared
+    before and after)."""
+    from pallas_impl.mosaic import _common as mc
+
+    for kernel in ("merge", "merge_n"):
+        monkeypatch.setitem(mc.TUNING, kernel, dict(mc.TUNING[kernel], **choices))
+    jax.clear_caches()
+    try:
+        return run()
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+
+
 PERSISTENT_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in cases.select("ci", kind="all")
                   for op in impls.ops_of(case) if op in ("merge", "merge_n")]
 
@@ -246,17 +261,8 @@ def test_launch_schedules_match_reference(case, op, launch, monkeypatch):
     per-thread loads where they would come by TMA (`lse_tma`, `mc.rows_by_tma`: T' a multiple of 4; the cases of
     other T take that path by default) and the 2-way merge's weights relaid out where they would be computed in
     the row layout (`row_weights`), and the tiles in 16-byte register vectors (`vector_tile`, `mc.tile_layout`)."""
-    from pallas_impl.mosaic import _common as mc
-
-    for kernel in ("merge", "merge_n"):
-        monkeypatch.setitem(mc.TUNING, kernel, dict(mc.TUNING[kernel], **launch))
-    jax.clear_caches()  # the schedule is chosen at trace time
-    try:
-        inputs = _operands(case, op)
-        got = impls.run(RT, "mosaic", op, case, _device(inputs))
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()
+    inputs = _operands(case, op)
+    got = _with_choices(launch, monkeypatch, lambda: impls.run(RT, "mosaic", op, case, _device(inputs)))
     _check_against_reference(case, op, inputs, got)
 
 
@@ -371,17 +377,9 @@ def test_nvfp4_stored_as_int4_matches_reference(case, op, launch, monkeypatch):
     viewed as u8 after the kernel; no packing WGMMA) against the float64 reference: the full suite's NVFP4 cases
     (pass-through rows, specials, `[T, H]` base-2 LSEs, N = 4), on one compute warpgroup and split over two by
     columns or (the 2-way merge) by rows."""
-    from pallas_impl.mosaic import _common as mc
-
-    for kernel in ("merge", "merge_n"):
-        monkeypatch.setitem(mc.TUNING, kernel, dict(mc.TUNING[kernel], nvfp4_store="int4", **launch))
-    jax.clear_caches()  # the store is chosen at trace time
-    try:
-        inputs = _operands(case, op)
-        got = impls.run(RT, "mosaic", op, case, _device(inputs))
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()
+    inputs = _operands(case, op)
+    got = _with_choices(dict(launch, nvfp4_store="int4"), monkeypatch,
+                        lambda: impls.run(RT, "mosaic", op, case, _device(inputs)))
     _check_against_reference(case, op, inputs, got)
 
 
@@ -398,20 +396,17 @@ def test_quantized_outputs_in_vector_tiles_keep_their_bits(output, monkeypatch):
     keys = jax.random.split(jax.random.PRNGKey(5), 2)
     outs = jax.random.normal(keys[0], (3, 300, 2, 128), jnp.bfloat16) * 3
     lses = jax.random.normal(keys[1], (3, 2, 300), jnp.float32)
-    results = {}
-    for vector in (False, True):
-        for kernel in ("merge", "merge_n"):
-            monkeypatch.setitem(mc.TUNING, kernel, dict(mc.TUNING[kernel], vector_tile=vector))
-        jax.clear_caches()  # the layout is chosen at trace time
+
+    def merges():
         two = pallas_impl.merge_attn_states(outs[0], lses[0], outs[1], lses[1], backend="mosaic_gpu",
                                             prefill_tokens_with_context=250, return_lse=True, **kw)
         many = pallas_impl.merge_attn_states_n(outs, lses, backend="mosaic_gpu", return_lse=True, **kw)
-        results[vector] = [np.asarray(x) for x in jax.tree.leaves((two, many))]
-    monkeypatch.undo()
-    jax.clear_caches()
-    for wgmma, vector in zip(results[False], results[True]):
-        assert wgmma.dtype == vector.dtype and wgmma.shape == vector.shape
-        np.testing.assert_array_equal(wgmma.view(np.uint8), vector.view(np.uint8))
+        return [np.asarray(x) for x in jax.tree.leaves((two, many))]
+
+    wgmma = _with_choices(dict(vector_tile=False), monkeypatch, merges)
+    quant = (kw["group_size"], kw.get("scale_ue8m0", False)) if "group_size" in kw else (mc.STATIC,)
+    assert mc.tile_layout(dict(vector_tile=True), quant, 128, 2) == mc.plgpu().Layout.WGMMA_UPCAST_4X  # it applies
+    _assert_same_bits(_with_choices(dict(vector_tile=True), monkeypatch, merges), wgmma)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -878,17 +873,8 @@ CANDIDATES = {
 def test_launch_candidates_give_the_triton_backends_bits(candidate, output, num_tokens, monkeypatch):
     """Each candidate of `CANDIDATES` (set on both merges) compiled on the GPU: the Triton backend's bits at a T
     that is not a multiple of 16 (the shifted last tile) and at the 2-way merge's long tiles."""
-    from pallas_impl.mosaic import _common as mc
-
     want = _long_t_merges(num_tokens, output, "triton")
-    for kernel in ("merge", "merge_n"):
-        monkeypatch.setitem(mc.TUNING, kernel, dict(mc.TUNING[kernel], **CANDIDATES[candidate][0]))
-    jax.clear_caches()  # the choices are read at trace time
-    try:
-        got = _long_t_merges(num_tokens, output, "mosaic_gpu")
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()
+    got = _with_choices(CANDIDATES[candidate][0], monkeypatch, lambda: _long_t_merges(num_tokens, output, "mosaic_gpu"))
     _assert_same_bits(got, want)
 
 
