@@ -923,7 +923,7 @@ def test_per_group_tiles_hold_whole_groups_else_xla_quantizes(dtype, head_dim, g
     quant, stored, (_, dc) = mc.output_plan(jnp.float4_e2m1fn, jnp.ones(1), (16, "nvfp4", "row"), plan)
     assert quant == (mc.NVFP4,) and stored == jnp.uint8 and dc % mc.NVFP4_PACK_COLUMNS == 0
     quant, stored, (_, dc) = mc.output_plan(jnp.float4_e2m1fn, jnp.ones(1), (16, "nvfp4", "row"), plan, "int4")
-    assert quant == mc.NVFP4_INT4 and stored == jnp.int4 and dc % 32 == 0
+    assert quant == mc.NVFP4_INT4 and stored == jnp.int4 and dc % mc.NVFP4_INT4_COLUMNS == 0
 
 
 def _avals(jaxpr):

@@ -143,8 +143,12 @@ def compute_warpgroups(tune: dict, quant, dc: int, out_dtype) -> int:
     if wgs == 1 or dc % wgs:
         return 1
     width = dc // wgs
-    multiple = (8 if not grouped(quant) else NVFP4_PACK_COLUMNS if packs_by_wgmma(quant) else 32
-                if is_nvfp4(quant) else quant[0])
+    if not grouped(quant):
+        multiple = 8
+    elif is_nvfp4(quant):
+        multiple = NVFP4_PACK_COLUMNS if packs_by_wgmma(quant) else NVFP4_INT4_COLUMNS
+    else:
+        multiple = quant[0]
     if width % multiple or width % 8 or width * jnp.dtype(out_dtype).itemsize % 16:
         return 1
     return wgs
@@ -318,7 +322,8 @@ def padded_heads(x, columns: int):
 
 
 def head_plan(head_dim: int, dtype, tile_bytes: int, *, out_dtype, input_tiles: int, out_slots: int,
-              other_bytes: int, group_size: int = 1, scale_bytes: int = 0, nvfp4: str | None = None) -> tuple[int, int]:
+              other_bytes: int, group_size: int = 1, scale_bytes: int = 0,
+              nvfp4: str | None = None) -> tuple[int, int]:
     """(columns of a kernel's head, columns of one TMA tile) for heads of `head_dim` elements of `dtype`:
     `head_columns`, then `column_chunk` of that width (a multiple of `group_size`: a quantization group stays in one
     tile), narrowed (halving `tile_bytes`) until the kernel's shared memory fits `SMEM_BYTES`: `input_tiles`
@@ -328,12 +333,14 @@ def head_plan(head_dim: int, dtype, tile_bytes: int, *, out_dtype, input_tiles: 
     byte a column) and e4m3 block scales out; "wgmma": tiles a multiple of `NVFP4_PACK_COLUMNS` (16-byte packed
     rows, and the narrowest packing the GPU gets right) and the packing's scratch (`pack_fp4`: an f16 code tile and
     the `[dc, dc / 2]` packing matrix; a split by columns packs two halves of a quarter of its bytes each); "int4":
-    tiles a multiple of 32 columns (16-byte int4 rows), no scratch. ValueError where no tile fits."""
+    tiles a multiple of `NVFP4_INT4_COLUMNS`, no scratch. ValueError where no tile fits."""
     itemsize = jnp.dtype(dtype).itemsize
     out_itemsize = jnp.dtype(out_dtype).itemsize
     cols = head_columns(head_dim, itemsize, out_itemsize)
-    multiple = {"wgmma": NVFP4_PACK_COLUMNS, "int4": 32}.get(nvfp4) or math.lcm(group_size,
-                                                                              16 // math.gcd(16, out_itemsize))
+    if nvfp4:
+        multiple = NVFP4_PACK_COLUMNS if nvfp4 == "wgmma" else NVFP4_INT4_COLUMNS
+    else:
+        multiple = math.lcm(group_size, 16 // math.gcd(16, out_itemsize))
     dc = column_chunk(cols, itemsize, tile_bytes, multiple)
 
     def smem(dc):
@@ -469,6 +476,7 @@ NVFP4_PACK_COLUMNS = 64
 # memory are the packed bytes (two codes a byte, the low nibble first: `_math.pack_fp4`'s order), which XLA views
 # as u8 after the kernel (`finish`; a pass over the half-byte output).
 NVFP4_INT4 = (NVFP4, "int4")  # the `quant` of NVFP4 stored as int4
+NVFP4_INT4_COLUMNS = 32  # the fewest columns of its tiles: 16-byte int4 rows for TMA
 
 
 def is_nvfp4(quant) -> bool:
@@ -487,7 +495,8 @@ def output_plan(out_dtype, output_scale, group, plan, nvfp4_store: str = "wgmma"
     `nvfp4_store` says ((NVFP4,): codes packed by WGMMA, u8; `NVFP4_INT4`: int4 codes), with its head plan
     (`plan(out_dtype=..., group_size=..., scale_bytes=..., nvfp4=...)`, `head_plan` of the kernel's tiles). Where
     no tile holding whole groups fits shared memory (a group of 256 f32 columns; NVFP4 heads not a multiple of
-    `NVFP4_PACK_COLUMNS`, or 32 for int4), the kernel stores f32 rows that XLA quantizes after it (`finish`)."""
+    `NVFP4_PACK_COLUMNS`, or `NVFP4_INT4_COLUMNS`), the kernel stores f32 rows that XLA quantizes after it
+    (`finish`)."""
     if group is None:
         return ((STATIC,) if output_scale is not None else None), out_dtype, plan(out_dtype=out_dtype)
     try:
@@ -569,13 +578,13 @@ def load_packing(p_g, p_smem, barrier) -> None:
 
 
 def quantized(result, quant, scale, pack=None):
-    """The f32 tile `result` `[BLOCK_T, dc]` quantized in registers (`output_plan`): (tile, [scale row of each
-    group] or None). Static: `_math.static_fp8` by the scale row `scale`, broadcast (fp8); per group: `_math.quant_groups`
+    """The f32 tile `result` `[BLOCK_T, dc]` quantized in registers (`output_plan`): (tile, [scale row of each group]
+    or None). Static: `_math.static_fp8` by the scale row `scale`, broadcast (fp8); per group: `_math.quant_groups`
     of each `[BLOCK_T, G]` column slice (a group never spans tiles: `head_plan`), fp8, f32 scales; NVFP4:
     `_math.nvfp4_blocks` of each 16-column slice with the global scale `scale` (a row), e4m3 scales, the codes
-    packed two a byte (u8 `[BLOCK_T, dc / 2]`) by a WGMMA of the f16 codes by the packing matrix (`pack`: (the
-    code tile's and the matrix's shared memory); Mosaic GPU's register arrays have no operation that pairs
-    columns), or, `NVFP4_INT4`, as an int4 tile `[BLOCK_T, dc]`."""
+    packed two a byte (u8 `[BLOCK_T, dc / 2]`) by a WGMMA of the f16 codes by the packing matrix (`pack`: (the code
+    tile's and the matrix's shared memory); Mosaic GPU's register arrays have no operation that pairs columns), or,
+    `NVFP4_INT4`, as an int4 tile `[BLOCK_T, dc]`."""
     if quant[0] == STATIC:
         return _math.static_fp8(result, jnp.broadcast_to(scale[:, None], result.shape)).astype(FP8), None
     g = block_of(quant)
@@ -688,10 +697,11 @@ def finish(results, shape, copy_t, last_output, last_lse, output_scale, *, out_d
     """XLA after a merge kernel (docs/spec.md 4.4, 4.7, 4.8, 8.4): the `[T, H, D]` output (quantized in the kernel:
     its scales, `scales_struct` in token order by `tile_scales`, in the caller's layout; a group wider than any
     tile, `output_plan`: the kernel's f32 rows, the last partial's rows copied, quantized, with `output_scale`
-    NVFP4's global scale), and the merged LSE (the kernel writes it in the caller's base; with `pass_through`, the rows of `copy_t` take `last_lse`'s
-    `[H, T]` bits), in the caller's layout. `results`: the kernel's padded `[T', H * D]` output (NVFP4: `[T', H * D
-    / 2]`; then its scales, then its `[H * T']` LSE), its heads of `head_columns`; for T >= BLOCK_T, an `[H, T]`
-    LSE, whole heads and no pass-through these are reshapes only."""
+    NVFP4's global scale), and the merged LSE (the kernel writes it in the caller's base; with `pass_through`, the
+    rows of `copy_t` take `last_lse`'s `[H, T]` bits), in the caller's layout. `results`: the kernel's padded
+    `[T', H * D]` output (NVFP4 packed by WGMMA: `[T', H * D / 2]` u8; as int4: `[T', H * D]`, viewed as u8 here;
+    then its scales, then its `[H * T']` LSE), its heads of `head_columns`; for T >= BLOCK_T, an `[H, T]` LSE,
+    whole heads and no pass-through these are reshapes only."""
     num_tokens, num_heads, head_dim = shape
     results = list(results)
     out = results.pop(0)[:num_tokens]

@@ -6,10 +6,10 @@ Experimental (docs/design.md, "Mosaic GPU backend"): tested against the referenc
 
 Each device scales its own partial by its N-way weight, as `pallas_impl/cp_merge.py`'s Triton-backend kernel does,
 in its order: the N-way maximum and sum of every device's LSE (`_math.n_way_max_and_sum`), `w = exp(lse_rank - m) /
-z` (base 2: `exp((lse_rank - m) * ln2)`), the weighted tile behind a select, 0 where every partial is empty, and on pass-through
-tokens the last device's own row (the others -0.0). Grid and pipeline: those of the 2-way merge (`merge.py`), one
-input. What runs in XLA around the kernel: `_common` (the fused mask's token flags, the layout; the pass-through
-LSE).
+z` (base 2: `exp((lse_rank - m) * ln2)`), the weighted tile behind a select, 0 where every partial is empty, and on
+pass-through tokens the last device's own row (the others -0.0). Grid and pipeline: those of the 2-way merge
+(`merge.py`), one input. What runs in XLA around the kernel: `_common` (the fused mask's token flags, the layout;
+the pass-through LSE).
 """
 
 from __future__ import annotations
