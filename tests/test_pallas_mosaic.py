@@ -973,6 +973,30 @@ def test_quantized_outputs_leave_the_kernel_quantized(partials, output):
     assert any(tuple(a.shape) == stored and a.dtype == stored_dtype for a in avals) == in_kernel
 
 
+@needs_mosaic
+@pytest.mark.parametrize("partials", [2, 3])
+@pytest.mark.parametrize("head_dim", [128, 32])
+def test_nvfp4_as_int4_leaves_the_kernel_as_int4_codes(partials, head_dim, monkeypatch):
+    """With `nvfp4_store="int4"` the kernel writes NVFP4's codes as an int4 `[T', H * D]` array (its bytes the
+    packed ones, viewed as u8 by XLA after it) and no f32 rows, at D = 32 too, which the WGMMA packing leaves to XLA
+    (`QUANTIZED_IN_KERNEL`, "nvfp4_d32")."""
+    num_tokens, heads = 300, 4
+    keys = jax.random.split(jax.random.PRNGKey(0), 2)
+    outs = jax.random.normal(keys[0], (partials, num_tokens, heads, head_dim), jnp.bfloat16)
+    lses = jax.random.normal(keys[1], (partials, heads, num_tokens), jnp.float32)
+    kw = LONG_T_OUTPUTS["nvfp4_row"]
+
+    def fn(o, s):
+        if partials == 2:
+            return pallas_impl.merge_attn_states(o[0], s[0], o[1], s[1], backend="mosaic_gpu", **kw)
+        return pallas_impl.merge_attn_states_n(o, s, backend="mosaic_gpu", **kw)
+
+    jaxpr = _with_choices(dict(nvfp4_store="int4"), monkeypatch, lambda: jax.make_jaxpr(fn)(outs, lses).jaxpr)
+    avals = [(tuple(a.shape), a.dtype) for a in _avals(jaxpr) if hasattr(a, "shape")]
+    assert ((num_tokens, heads * head_dim), jnp.dtype(jnp.int4)) in avals
+    assert ((num_tokens, heads * head_dim), jnp.dtype(jnp.float32)) not in avals
+
+
 def test_the_profile_tool_keeps_the_merge_kernels_of_both_backends_and_needs_ncu(monkeypatch, capsys):
     """`python -m tools mosaic-profile`: its kernel filter keeps Mosaic GPU's kernel (by its name there,
     `body_mosaic_gpu_kernel`) and the Triton backend's merge, not the XLA kernels around them (the names Nsight
