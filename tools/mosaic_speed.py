@@ -54,7 +54,8 @@ CANDIDATES = {
     # grouped={}: per-group FP8 and NVFP4 outputs with the plain merges' choices (`mc.merge_tuning`); split="rows":
     # two compute warpgroups of 64 rows each (`mc.warpgroup_tile`); nvfp4=...: the N-way NVFP4 merge on two compute
     # warpgroups (`mc.merge_n_tuning`; wrong codes at T = 1001 on the H100, docs/results.md).
-    # vector_tile: 16-byte register vectors of each row (`mc.tile_layout`) for the plain merges.
+    # vector_tile: 16-byte register vectors of each tile row (`mc.tile_layout`); nvfp4_store="int4": NVFP4's codes
+    # stored as an int4 tile instead of packed by a WGMMA (`mc.NVFP4_INT4`). Not yet timed (docs/results.md).
     "merge": [dict(mc.TUNING["merge"]),
               dict(mc.TUNING["merge"], vector_tile=True),
               dict(mc.TUNING["merge"], nvfp4_store="int4"),
