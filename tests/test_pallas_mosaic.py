@@ -249,8 +249,7 @@ PERSISTENT_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in cas
 @needs_mosaic
 @pytest.mark.parametrize("launch", [dict(ctas_per_sm=1), dict(ctas_per_sm=3), dict(compute_wgs=2),
                                     dict(compute_wgs=2, ctas_per_sm=1), dict(compute_wgs=2, split="rows"),
-                                    dict(lse_tma=False), dict(row_weights=False), dict(vector_tile=True),
-                                    dict(vector_tile=True, compute_wgs=2)],
+                                    dict(lse_tma=False), dict(row_weights=False)],
                          ids=lambda d: json.dumps(d))
 @pytest.mark.parametrize("case, op", PERSISTENT_OPS)
 def test_launch_schedules_match_reference(case, op, launch, monkeypatch):
@@ -260,30 +259,10 @@ def test_launch_schedules_match_reference(case, op, launch, monkeypatch):
     split by columns or by rows, `mc.warpgroup_tile`), the LSE rows by
     per-thread loads where they would come by TMA (`lse_tma`, `mc.rows_by_tma`: T' a multiple of 4; the cases of
     other T take that path by default) and the 2-way merge's weights relaid out where they would be computed in
-    the row layout (`row_weights`), and the tiles in 16-byte register vectors (`vector_tile`, `mc.tile_layout`)."""
+    the row layout (`row_weights`)."""
     inputs = _operands(case, op)
     got = _with_choices(launch, monkeypatch, lambda: impls.run(RT, "mosaic", op, case, _device(inputs)))
     _check_against_reference(case, op, inputs, got)
-
-
-@needs_mosaic
-def test_vector_tiles_hold_16_bytes_a_thread_where_whole_tiles_fit():
-    """`vector_tile` (`mc.tile_layout`): eight 16-bit or four 32-bit columns a thread where the width and a
-    per-group output's groups are whole 32- or 16-column tiles (not NVFP4); WGMMA's two otherwise, and without
-    the choice."""
-    from pallas_impl.mosaic import _common as mc
-
-    layout, on = mc.plgpu().Layout, dict(vector_tile=True)
-    assert mc.tile_layout(on, None, 128, 2) == layout.WGMMA_UPCAST_4X
-    assert mc.tile_layout(on, None, 48, 4) == layout.WGMMA_UPCAST_2X
-    assert mc.tile_layout(on, None, 48, 2) == layout.WGMMA  # not whole 32-column tiles
-    assert mc.tile_layout(on, None, 40, 4) == layout.WGMMA
-    assert mc.tile_layout(on, (mc.STATIC,), 128, 2) == layout.WGMMA_UPCAST_4X
-    assert mc.tile_layout(on, (64, False), 128, 2) == layout.WGMMA_UPCAST_4X
-    assert mc.tile_layout(on, (16, True), 128, 2) == layout.WGMMA  # groups narrower than its tiles
-    assert mc.tile_layout(on, (16, True), 128, 4) == layout.WGMMA_UPCAST_2X
-    assert mc.tile_layout(on, (mc.NVFP4,), 128, 2) == layout.WGMMA
-    assert mc.tile_layout({}, None, 128, 2) == layout.WGMMA
 
 
 @needs_mosaic
@@ -383,32 +362,6 @@ def test_nvfp4_stored_as_int4_matches_reference(case, op, launch, monkeypatch):
     _check_against_reference(case, op, inputs, got)
 
 
-@needs_mosaic
-@pytest.mark.parametrize("output", ["static_fp8", "group_fp8_g128", "group_fp8_g64", "group_fp8_g32_ue8m0"])
-def test_quantized_outputs_in_vector_tiles_keep_their_bits(output, monkeypatch):
-    """Static fp8 and per-group FP8 with `vector_tile` (`mc.tile_layout`: eight columns a thread; groups of 32 and
-    more are whole 32-column tiles): the outputs, scales and LSE of the WGMMA-layout kernels, bit for bit, 2-way
-    (with pass-through rows) and N = 3, on their default launches (per-group FP8: two compute warpgroups of 64
-    rows in the 2-way merge)."""
-    from pallas_impl.mosaic import _common as mc
-
-    kw = dict(GROUPED_WS.get(output, dict(out_dtype=jnp.float8_e4m3fn, output_scale=jnp.float32(0.5))))
-    keys = jax.random.split(jax.random.PRNGKey(5), 2)
-    outs = jax.random.normal(keys[0], (3, 300, 2, 128), jnp.bfloat16) * 3
-    lses = jax.random.normal(keys[1], (3, 2, 300), jnp.float32)
-
-    def merges():
-        two = pallas_impl.merge_attn_states(outs[0], lses[0], outs[1], lses[1], backend="mosaic_gpu",
-                                            prefill_tokens_with_context=250, return_lse=True, **kw)
-        many = pallas_impl.merge_attn_states_n(outs, lses, backend="mosaic_gpu", return_lse=True, **kw)
-        return [np.asarray(x) for x in jax.tree.leaves((two, many))]
-
-    wgmma = _with_choices(dict(vector_tile=False), monkeypatch, merges)
-    quant = (kw["group_size"], kw.get("scale_ue8m0", False)) if "group_size" in kw else (mc.STATIC,)
-    assert mc.tile_layout(dict(vector_tile=True), quant, 128, 2) == mc.plgpu().Layout.WGMMA_UPCAST_4X  # it applies
-    _assert_same_bits(_with_choices(dict(vector_tile=True), monkeypatch, merges), wgmma)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Choosing the backend
 
@@ -483,34 +436,26 @@ def test_cp_rescale_gives_the_triton_backends_bits(lse_layout, lse_base, reduce_
 
 
 @needs_mosaic
-@pytest.mark.parametrize("fused, vector_tile", [(False, False), (True, False), (True, True)])
-def test_cp_rescale_past_64_devices_matches_the_jnp_path(fused, vector_tile, monkeypatch):
+@pytest.mark.parametrize("fused", [False, True])
+def test_cp_rescale_past_64_devices_matches_the_jnp_path(fused):
     """N = 70 devices (the rescale's loops over the partials at runtime, each LSE row loaded per loop): ranks 0, 37
     and 69 against the jnp path's rescale, within f32 rounding (the interpreter runs XLA:CPU arithmetic; the bits
-    are the GPU's check); also with its tiles in 16-byte register vectors (`vector_tile`, `mc.tile_layout`)."""
+    are the GPU's check)."""
     from pallas_impl import jnp_fallback
-    from pallas_impl.mosaic import _common as mc
     from pallas_impl.mosaic.cp_merge import rescale_mosaic
 
-    monkeypatch.setitem(mc.TUNING, "cp_rescale", dict(mc.TUNING["cp_rescale"], vector_tile=vector_tile))
-    jax.clear_caches()  # the layout is chosen at trace time
 
     case = dataclasses.replace(CP_CASE, name="n70_cp", partials=70)
     inputs = {k: jnp.asarray(v) for k, v in cases.make_inputs_n(case).items()}
     outs, lses = inputs["outputs"], inputs["lses"]
     qsl, cus = (inputs["query_start_loc"], inputs["cu_seq_lens"]) if fused else (None, None)
     kw = dict(reduce_dtype=jnp.dtype(jnp.float32), return_lse=True, lse_layout="HT", lse_base2=False)
-    try:
-        for rank in (0, 37, 69):
-            args = (outs[rank], lses, qsl, cus, case.prefill_tokens_with_context, jnp.int32(rank))
-            got = rescale_mosaic(*args, **kw, interpret=jax.default_backend() == "cpu")
-            want = jnp_fallback.cp_rescale(*args, **kw)
-            for name, g, w in zip(("scaled", "lse"), got, want):
-                np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=1e-6,
-                                           err_msg=f"rank {rank} {name}")
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()
+    for rank in (0, 37, 69):
+        args = (outs[rank], lses, qsl, cus, case.prefill_tokens_with_context, jnp.int32(rank))
+        got = rescale_mosaic(*args, **kw, interpret=jax.default_backend() == "cpu")
+        want = jnp_fallback.cp_rescale(*args, **kw)
+        for name, g, w in zip(("scaled", "lse"), got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=1e-6, err_msg=f"rank {rank} {name}")
 
 
 @needs_mosaic
@@ -858,8 +803,6 @@ def _assert_same_bits(got: list, want: list) -> None:
 # The launch choices `python -m tools mosaic-speed` sweeps that no default takes yet, with the outputs they change:
 # before one becomes a default, the GPU gives its bits here (the interpreter tests above check it on a CPU).
 CANDIDATES = {
-    "vector_tile": (dict(vector_tile=True), ["bf16", "float32", "static_fp8", "group_fp8", "group_fp8_ue8m0",
-                                             "bf16_th_lse"]),
     "nvfp4_int4": (dict(nvfp4_store="int4"), ["nvfp4_row", "nvfp4_swizzled"]),
     "nvfp4_int4_split": (dict(nvfp4_store="int4", grouped=dict(compute_wgs=2), nvfp4=dict(compute_wgs=2)),
                          ["nvfp4_row", "nvfp4_swizzled"]),

@@ -22,8 +22,8 @@
 #                 merge under Nsight Compute on both backends (mosaic-profile): mosaic_speed.* ncu_*.txt
 #   mosaic_candidates  the Mosaic GPU launch choices no default takes yet (`CANDIDATES` of
 #                 tests/test_pallas_mosaic.py): their bits against the Triton backend's, their time beside the
-#                 defaults (mosaic-speed's candidates of the merges), the 2-way merge's profile with vector tiles:
-#                 pytest.log mosaic_speed*.* ncu_*.txt
+#                 defaults (mosaic-speed's candidates of the merges), the 2-way NVFP4 merge's profile with them:
+#                 pytest.log mosaic_speed_nvfp4.* ncu_*.txt
 #   verify        after a kernel or launch change: the full parity check (Pallas on its Triton backend; with
 #                 VERIFY_MOSAIC=1 on Mosaic GPU too), the N-way merge at large N (wide-n speed; with
 #                 VERIFY_KERNELS=1 each kernel of the split fused merge), the GPU tests of the N-way merge and the
@@ -124,16 +124,15 @@ if [ "$PLAN" = mosaic ] || [ "$PLAN" = mosaic_speed ] || [ "$PLAN" = mosaic_cand
     # compute-sanitizer (tools/sanitize_mosaic.py). PLAN=mosaic_speed: its
     # kernels timed beside the Triton backend's with a sweep of their launch choices (tools/mosaic_speed.py).
     if [ "$PLAN" = mosaic_candidates ]; then
-        step pytest 180 300 "$OUT/pytest.log" "$PY" -m pytest -m gpu -q -rf tests/test_pallas_mosaic.py \
+        # (each test compiles both backends at T = 1001 and 32K: about 95 s a test on the H100, 2026-12-07)
+        step pytest 400 100 "$OUT/pytest.log" "$PY" -m pytest -m gpu -v -rf tests/test_pallas_mosaic.py \
             -k launch_candidates
-        # vector tiles (each merge's second candidate) on the points they change, then NVFP4 stored as int4
-        # (the third, and the N-way merge's fourth: split over two compute warpgroups) on the NVFP4 points
-        step mosaic_speed 150 135 "$OUT/mosaic_speed.log" "$PY" -m tools.mosaic_speed --kernels merge merge_n \
-            --first 2 --match "plain|lse|fused|fp8" --budget-s 130 --json "$OUT/mosaic_speed.json"
-        step mosaic_speed_nvfp4 70 65 "$OUT/mosaic_speed_nvfp4.log" "$PY" -m tools.mosaic_speed --kernels merge \
-            merge_n --first 4 --match nvfp4 --budget-s 55 --json "$OUT/mosaic_speed_nvfp4.json"
-        step mosaic_profile 60 5 "$OUT/mosaic_profile.log" "$PY" -m tools.mosaic_profile \
-            --tuning '{"vector_tile": true}' --out "$OUT"
+        # NVFP4 stored as int4 (the merges' second candidate, and the N-way merge's third: split over two compute
+        # warpgroups) on the NVFP4 points
+        step mosaic_speed_nvfp4 70 25 "$OUT/mosaic_speed_nvfp4.log" "$PY" -m tools.mosaic_speed --kernels merge \
+            merge_n --first 3 --match nvfp4 --budget-s 55 --json "$OUT/mosaic_speed_nvfp4.json"
+        step mosaic_profile 60 5 "$OUT/mosaic_profile.log" "$PY" -m tools.mosaic_profile --variant nvfp4 \
+            --tuning '{"nvfp4_store": "int4"}' --out "$OUT"
     elif [ "$PLAN" = mosaic ]; then
         # shellcheck disable=SC2086
         step pytest 240 150 "$OUT/pytest.log" env PALLAS_IMPL_BACKEND=mosaic_gpu "$PY" -m pytest -q -rs $XDIST \

@@ -3,7 +3,7 @@ limits the Mosaic GPU merges where they trail (docs/results.md, "Missed targets 
 
     python -m tools mosaic-profile [--op merge|merge_n] [--variant plain|lse|fused|fp8_g128|fp8_g64|nvfp4]
                                    [--tokens 32768] [--partials 4] [--lse-layout HT|TH] [--out DIR]
-                                   [--tuning '{"vector_tile": true}']
+                                   [--tuning '{"ctas_per_sm": 1}']
 
 For each backend it runs `ncu` (on the PATH; the device image has it) on a child process of this module that calls
 the merge once to compile and once to be profiled (`--launch-skip 1 --launch-count 1`), keeping the kernel by its

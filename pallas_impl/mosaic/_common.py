@@ -50,9 +50,8 @@ PREFETCH_PARTIALS = 16
 # N-way merge's a tile ahead, `prefetches_rows`); row_weights: the 2-way merge's weights from those rows in the
 # tile's row layout (no relayout through shared memory); lse_step: beyond WEIGHT_ROWS partials, the LSE loads of
 # each iteration of the N-way merge's runtime loops over them (its maximum and sum, `_math.n_way_max_and_sum`'s
-# `exp_step`; the same operations in the same order at any step); vector_tile: tiles in 16-byte register vectors
-# (`tile_layout`); nvfp4_store: NVFP4's codes packed by a WGMMA ("wgmma", the default) or stored as int4
-# (`NVFP4_INT4`). Both off until timed on the GPU.
+# `exp_step`; the same operations in the same order at any step); nvfp4_store: NVFP4's codes packed by a WGMMA
+# ("wgmma", the default) or stored as int4 (`NVFP4_INT4`; not the default until the GPU's full check has run it).
 # The 2-way merge keeps 2 inputs x `concurrent` tiles in shared memory, the N-way and the rescale 1 x `concurrent`:
 # smaller 2-way tiles keep two CTAs per SM (228 KiB of shared memory on an H100/H200).
 # `python -m tools mosaic-speed` sweeps these on the GPU (it sets them here and clears jax's caches). The 2-way merge
@@ -172,22 +171,6 @@ def warpgroup_tile(tune: dict, quant, dc: int, out_dtype) -> tuple[int, int, int
     return wgs, BLOCK_T, dc // wgs
 
 
-def tile_layout(tune: dict, quant, width: int, itemsize: int):
-    """The register layout of a merge's `[rows, width]` tiles of `itemsize`-byte inputs. WGMMA holds two
-    consecutive columns a thread (a 4-byte shared-memory access per two 16-bit elements); with
-    `tune["vector_tile"]`, 16 bytes of consecutive columns a thread, its rows on the same threads
-    (`WGMMA_UPCAST_4X`: eight 16-bit elements in tiles of 32 columns; `WGMMA_UPCAST_2X`: four f32 in 16), a
-    quarter of the shared-memory instructions (half for f32), where `width` and a per-group output's groups are
-    whole such tiles (NVFP4's 16-column blocks are not: it keeps WGMMA). Which thread holds an element never
-    changes that element's arithmetic."""
-    layout = plgpu().Layout
-    columns = 32 if itemsize <= 2 else 16
-    whole = width % columns == 0 and (not grouped(quant) or quant[0] != NVFP4 and quant[0] % columns == 0)
-    if tune.get("vector_tile", False) and whole:
-        return layout.WGMMA_UPCAST_4X if itemsize <= 2 else layout.WGMMA_UPCAST_2X
-    return layout.WGMMA
-
-
 def pipeline(step, inputs, *, grid, in_specs, tune: dict, wgs: int, init_carry) -> None:
     """`step` pipelined over `grid` with `tune["concurrent"]` steps in flight and the carry from `init_carry()`:
     `emit_pipeline` for one compute warpgroup; for `wgs` > 1, the warp-specialised pipeline (`compute_warpgroups`:
@@ -278,12 +261,11 @@ def strided_row(ref, start):
     return m.layout_cast(ref[pl.ds(start, BLOCK_T)], m.Layout.WG_STRIDED((BLOCK_T,), vec_size=1))
 
 
-def load_row(ref, start, row_smem, layout):
+def load_row(ref, start, row_smem):
     """f32[BLOCK_T] of a flat GMEM `ref` from `start`, by per-thread loads (an LSE row may start anywhere; TMA
-    needs 16-byte alignment), relaid out through `row_smem` into the row layout of a `[BLOCK_T, dc]` tile in
-    `layout` (`tile_layout`)."""
+    needs 16-byte alignment), relaid out through `row_smem` into the row layout of a `[BLOCK_T, dc]` tile."""
     row_smem[...] = strided_row(ref, start)
-    return load(row_smem, layout.reduce(1))
+    return load(row_smem, plgpu().Layout.WGMMA.reduce(1))
 
 
 def store_tile(result, o_scr, dst, count, scales=None, s_scr=None, s_dst=None) -> None:

@@ -29,7 +29,7 @@ F32 = jnp.float32
 
 
 def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *,
-            output_lse: bool, empty_rows: bool, copy_rows: bool, lse_base2: bool, itemsize: int, interpret: bool):
+            output_lse: bool, empty_rows: bool, copy_rows: bool, lse_base2: bool, interpret: bool):
     """This device's weighted partial `[T', H * D]` (T' >= 128) from the raw `[N * H * T']` LSE rows."""
     plgpu = mc.plgpu()
     tune = mc.TUNING["cp_rescale"]
@@ -37,7 +37,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     nc = head_dim // dc
     nsplit = pl.cdiv(pl.cdiv(num_tokens, bt), steps)
     last = num_partials - 1
-    L = mc.tile_layout(tune, None, dc, itemsize)
+    L = plgpu.Layout.WGMMA
 
     def body(x_g, l_g, r_g, *rest):
         # e_g: f32[N * T'], 1 on the fused mask's tokens; c_g: f32[T'], 1 where t copies the last partial
@@ -116,7 +116,7 @@ def rescale_mosaic(part, lses, query_start_loc, cu_seq_lens, prefill_tokens_with
         out_type.append(_sharding.out_struct((num_heads * tp,), F32, *args))
     results = _kernel(num_partials, tp, num_heads, cols, dc, out_type, output_lse=return_lse,
                       empty_rows=empties is not None, copy_rows=copy_rows, lse_base2=lse_base2,
-                      itemsize=part.dtype.itemsize, interpret=interpret)(*args)
+                      interpret=interpret)(*args)
     res = mc.finish(results, part.shape, copy_t, None, mc.last_lse_ht(lses, lse_layout, empties), None,
                     out_dtype=reduce_dtype, return_lse=return_lse, lse_layout=lse_layout, pass_through=copy_rows)
     return res if return_lse else (res, None)

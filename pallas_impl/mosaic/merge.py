@@ -35,8 +35,7 @@ F32 = jnp.float32
 
 
 def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *, output_lse: bool,
-            empty_rows: bool, copy_rows: bool, lse_base2: bool, quant, lse_tma: bool, itemsize: int,
-            interpret: bool):
+            empty_rows: bool, copy_rows: bool, lse_base2: bool, quant, lse_tma: bool, interpret: bool):
     """The merge of padded `[T', H * D]` prefix and suffix (T' >= 128) with raw LSE rows, `[H, T']` copied with each
     tile (`lse_tma`, `mc.rows_by_tma`) or `[H * T']` loaded per thread; quantized outputs quantized in registers
     (`quant`: `mc.output_plan`)."""
@@ -55,7 +54,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
     scaled = quant is not None and quant[0] in (mc.STATIC, mc.NVFP4)
     # Each compute warpgroup merges `[rw, width]` of a tile: all of it, or half its columns or its rows.
     wgs, rw, width = mc.warpgroup_tile(tune, quant, dc, out_type[0].dtype)
-    L = mc.tile_layout(tune, quant, width, itemsize)
+    L = plgpu.Layout.WGMMA
     R = L.reduce(1)  # a tile's rows, each where the tile's row layout holds it
     by_rows = rw < bt
 
@@ -217,7 +216,7 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
     out_type = mc.kernel_io(args, quant, output_scale, width, tp, num_heads, cols, stored_dtype, return_lse)
     results = _kernel(tp, num_heads, cols, dc, out_type, output_lse=return_lse, empty_rows=empty is not None,
                       copy_rows=copy_rows, lse_base2=lse_base2, quant=quant, lse_tma=lse_tma,
-                      itemsize=prefix_output.dtype.itemsize, interpret=interpret)(*args)
+                      interpret=interpret)(*args)
     # XLA after the kernel: NVFP4 (4.8), per-group scales' layout, the pass-through LSE (4.4: the suffix's raw
     # bits), the layout.
     return mc.finish(results, prefix_output.shape, copy_t, suffix_output,

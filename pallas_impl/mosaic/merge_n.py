@@ -38,7 +38,7 @@ F32 = jnp.float32
 
 def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *,
             output_lse: bool, empty_rows: bool, copy_rows: bool, lse_base2: bool, quant, prefetch: bool,
-            itemsize: int, interpret: bool):
+            interpret: bool):
     """The merge kernel over stacked partials `[N, T', H * D]`, T' >= 128 (padded); quantized outputs
     quantized in registers (`quant`: `mc.output_plan`). `prefetch` (`mc.prefetches_rows`): the raw LSE rows come
     as `[N, H, T']` and each tile's rows (and flag rows) by TMA a tile ahead; else `[N * H * T']`, loaded per
@@ -59,7 +59,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     scale_at = rows + (3 if blocks else 1)  # the row of w_smem holding that scale
     # the columns of a tile each compute warpgroup merges (the split by rows is the 2-way merge's)
     wgs, _, width = mc.warpgroup_tile(dict(tune, split="cols"), quant, dc, out_type[0].dtype)
-    L = mc.tile_layout(tune, quant, width, itemsize)
+    L = plgpu.Layout.WGMMA
 
     def body(x_g, l_g, *rest):
         # x_g: the partials; l_g: the raw LSE rows, f32[N * H * T'] ((k * H + h) * T' + t) or, with prefetch,
@@ -162,7 +162,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                 out = jnp.where(jnp.broadcast_to(empty[:, None], (bt, width)), 0.0, acc)
                 copy = None
                 if copy_rows:  # 8.4: the last partial's own bits (x is its tile at this step)
-                    flags = mc.load(c_buf.at[i % 2], L.reduce(1)) if prefetch else mc.load_row(c_g, t0, row_smem, L)
+                    flags = mc.load(c_buf.at[i % 2], L.reduce(1)) if prefetch else mc.load_row(c_g, t0, row_smem)
                     copy = jnp.broadcast_to((flags > 0)[:, None], (bt, width))
                 result = mc.stored(out, x, copy, F32 if quant else o_scr.dtype)
                 scale = mc.load(w_smem.at[scale_at], L.reduce(1)) if scaled else None
@@ -228,7 +228,7 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
     out_type = mc.kernel_io(args, quant, output_scale, width, tp, num_heads, cols, stored_dtype, return_lse)
     results = _kernel(num_partials, tp, num_heads, cols, dc, out_type, output_lse=return_lse,
                       empty_rows=empties is not None, copy_rows=copy_rows, lse_base2=lse_base2, quant=quant,
-                      prefetch=prefetch, itemsize=outputs.dtype.itemsize, interpret=interpret)(*args)
+                      prefetch=prefetch, interpret=interpret)(*args)
     # XLA after the kernel: NVFP4 (4.8), per-group scales' layout, the pass-through LSE (8.4), the layout.
     return mc.finish(results, outputs.shape[1:], copy_t, outputs[-1], mc.last_lse_ht(lses, lse_layout, empties),
                      output_scale, out_dtype=out_dtype, return_lse=return_lse, lse_layout=lse_layout,
