@@ -144,7 +144,7 @@ def compute_warpgroups(tune: dict, quant, dc: int, out_dtype) -> int:
     width = dc // wgs
     if not grouped(quant):
         multiple = 8
-    elif is_nvfp4(quant):
+    elif quant_is_nvfp4(quant):
         multiple = NVFP4_PACK_COLUMNS if packs_by_wgmma(quant) else NVFP4_INT4_COLUMNS
     else:
         multiple = quant[0]
@@ -369,7 +369,7 @@ def merge_tuning(num_tokens: int, grouped_output: bool = False) -> dict:
 
 def merge_n_tuning(quant) -> dict:
     """The N-way merge's launch choices for the output `quant` (`output_plan`): with the `nvfp4` ones for NVFP4."""
-    return _overridden(dict(TUNING["merge_n"]), "nvfp4", is_nvfp4(quant))
+    return _overridden(dict(TUNING["merge_n"]), "nvfp4", quant_is_nvfp4(quant))
 
 
 def _overridden(tune: dict, key: str, applies: bool) -> dict:
@@ -461,7 +461,7 @@ NVFP4_INT4 = (NVFP4, "int4")  # the `quant` of NVFP4 stored as int4
 NVFP4_INT4_COLUMNS = 32  # the fewest columns of its tiles: 16-byte int4 rows for TMA
 
 
-def is_nvfp4(quant) -> bool:
+def quant_is_nvfp4(quant) -> bool:
     """Whether `quant` (`output_plan`) is NVFP4, packed by WGMMA or stored as int4."""
     return quant is not None and quant[0] == NVFP4
 
@@ -489,6 +489,18 @@ def output_plan(out_dtype, output_scale, group, plan, nvfp4_store: str = "wgmma"
         return tuple(group[:2]), out_dtype, plan(out_dtype=out_dtype, group_size=group[0], scale_bytes=4)
     except ValueError:
         return None, jnp.float32, plan(out_dtype=jnp.float32)
+
+
+def has_scale_row(quant) -> bool:
+    """Whether a kernel of `quant` (`output_plan`) reads a scale row (`scale_row`): the static fp8 scale, NVFP4's
+    global scale."""
+    return quant is not None and quant[0] in (STATIC, NVFP4)
+
+
+def stores_f32_rows(group, quant) -> bool:
+    """Whether a kernel stores f32 rows for XLA to quantize after it (`output_plan`: no tile holds whole groups);
+    such a kernel does not take the pass-through rows (`finish` copies them)."""
+    return group is not None and quant is None
 
 
 def grouped(quant) -> bool:
@@ -625,7 +637,7 @@ def kernel_io(args: list, quant, output_scale, dc: int, num_tokens: int, num_hea
               return_lse: bool) -> list:
     """A merge kernel's quantization inputs appended to `args` (the static or NVFP4 global scale as a row, NVFP4's
     packing matrix) and its outputs' types: the output (`out_struct`), the scales of a `grouped` quant, the LSE."""
-    if quant is not None and quant[0] in (STATIC, NVFP4):
+    if has_scale_row(quant):
         args.append(scale_row(output_scale))
     if packs_by_wgmma(quant):
         args.append(packing_matrix(dc))  # dc: the columns one warpgroup quantizes

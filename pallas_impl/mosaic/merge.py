@@ -44,18 +44,17 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
     nc = head_dim // dc
     tiles = mc.Tiles(num_tokens, num_heads * nc, tune, interpret)
     bt, steps = mc.BLOCK_T, tiles.steps
+    L = plgpu.Layout.WGMMA
+    R = L.reduce(1)  # a tile's rows, each where the tile's row layout holds it
     # The weights in the tile's row layout from the rows in shared memory (lse_tma), else one row per thread,
     # relaid out through shared memory (`TUNING["merge"]["row_weights"]`). Not with the merged LSE, which leaves
     # by per-thread stores one row per thread: the same rows in both layouts in one kernel fail Mosaic GPU's
     # layout inference (jax 0.11.2).
     row_weights = lse_tma and tune.get("row_weights", False) and not output_lse
     grouped, packing = mc.grouped(quant), mc.packs_by_wgmma(quant)  # packing: NVFP4's WGMMA
-    # a scale row in: the static fp8 scale, NVFP4's global scale
-    scaled = quant is not None and quant[0] in (mc.STATIC, mc.NVFP4)
+    scaled = mc.has_scale_row(quant)  # a scale row in: the static fp8 scale, NVFP4's global scale
     # Each compute warpgroup merges `[rw, width]` of a tile: all of it, or half its columns or its rows.
     wgs, rw, width = mc.warpgroup_tile(tune, quant, dc, out_type[0].dtype)
-    L = plgpu.Layout.WGMMA
-    R = L.reduce(1)  # a tile's rows, each where the tile's row layout holds it
     by_rows = rw < bt
 
     def body(a_g, b_g, p_g, s_g, *rest):
@@ -203,8 +202,7 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
     empty = mc.fused_empties(query_start_loc, prefix_cu_seq_lens, num_tokens)
     rows = lambda x: mc.padded_rows(mc.padded_heads(x, cols).reshape(num_tokens, num_heads * cols),  # noqa: E731
                                     num_tokens, 0)
-    # the kernel takes the pass-through rows unless it stores f32 rows for XLA to quantize (`mc.output_plan`)
-    copy_rows = prefill_tokens_with_context is not None and (stored_dtype == out_dtype or quant == mc.NVFP4_INT4)
+    copy_rows = prefill_tokens_with_context is not None and not mc.stores_f32_rows(group, quant)
     lse_tma = mc.rows_by_tma(tune, tp)
     args = [rows(prefix_output), rows(suffix_output), mc.lse_rows(prefix_lse, lse_layout, flat=not lse_tma),
             mc.lse_rows(suffix_lse, lse_layout, flat=not lse_tma)]

@@ -48,18 +48,17 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     nc = head_dim // dc
     tiles = mc.Tiles(num_tokens, num_heads * nc, tune, interpret)
     bt, steps = mc.BLOCK_T, tiles.steps
+    L = plgpu.Layout.WGMMA
 
     # The weights live in shared memory, `rows` partials at a time: every partial's up to WEIGHT_ROWS, else
     # blocks of WEIGHT_ROWS, each computed at its first partial from m and z (rows + 1, rows + 2).
     rows = min(num_partials, mc.WEIGHT_ROWS)
     blocks = num_partials > rows
     grouped, packing = mc.grouped(quant), mc.packs_by_wgmma(quant)  # packing: NVFP4's WGMMA
-    # a scale row in: the static fp8 scale, NVFP4's global scale
-    scaled = quant is not None and quant[0] in (mc.STATIC, mc.NVFP4)
+    scaled = mc.has_scale_row(quant)  # a scale row in: the static fp8 scale, NVFP4's global scale
     scale_at = rows + (3 if blocks else 1)  # the row of w_smem holding that scale
     # the columns of a tile each compute warpgroup merges (the split by rows is the 2-way merge's)
     wgs, _, width = mc.warpgroup_tile(dict(tune, split="cols"), quant, dc, out_type[0].dtype)
-    L = plgpu.Layout.WGMMA
 
     def body(x_g, l_g, *rest):
         # x_g: the partials; l_g: the raw LSE rows, f32[N * H * T'] ((k * H + h) * T' + t) or, with prefetch,
@@ -216,8 +215,7 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
     lf = mc.stacked_lse_rows(lses, lse_layout, flat=not prefetch)
     x = mc.padded_rows(mc.padded_heads(outputs, cols).reshape(num_partials, num_tokens, num_heads * cols),
                        num_tokens, 0)
-    # the kernel takes the pass-through rows unless it stores f32 rows for XLA to quantize (`mc.output_plan`)
-    copy_rows = prefill_tokens_with_context is not None and (stored_dtype == out_dtype or quant == mc.NVFP4_INT4)
+    copy_rows = prefill_tokens_with_context is not None and not mc.stores_f32_rows(group, quant)
     args = [x, lf]
     if empties is not None:
         args.append(mc.flag_rows(empties, flat=not prefetch))
