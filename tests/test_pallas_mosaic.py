@@ -302,15 +302,13 @@ GROUPED_WS = {  # grouped outputs whose half tile (64 columns at D = 128) holds 
 
 @needs_mosaic
 @pytest.mark.parametrize("output, split", [(o, "cols") for o in GROUPED_WS if o != "group_fp8_g128"]
-                         + [(o, "rows") for o in GROUPED_WS if not o.startswith("nvfp4")])
+                         + [(o, "rows") for o in GROUPED_WS])
 def test_grouped_outputs_split_over_two_compute_warpgroups_keep_their_bits(output, split, monkeypatch):
     """Per-group FP8 and NVFP4 with the warp-specialised pipeline (`compute_wgs=2`): each compute warpgroup
     quantizes whole groups of its half tile (`split`: its columns, or its 64 rows: the 2-way merge's
-    `mc.warpgroup_tile`) with its own scale slots (NVFP4: its own code tile and packing matrix), and the outputs,
-    scales and LSE are the one-warpgroup kernels' bits (2-way, its long 128-column tiles, and N = 3; T = 130,
-    H = 2, D = 128). A group as wide as the tile (128) splits by rows only; NVFP4 by columns only, where each half
-    packs `NVFP4_PACK_COLUMNS` (at 32 the GPU gave wrong codes; split by rows jax's interpreter hung): asked to
-    split by rows, it splits by columns."""
+    `mc.warpgroup_tile`) with its own scale slots, and the outputs, scales and LSE are the one-warpgroup kernels'
+    bits (2-way, its long 128-column tiles, and N = 3; T = 130, H = 2, D = 128). A group as wide as the tile (128) splits by rows only; NVFP4 by columns where each half is
+    `NVFP4_COLUMNS` at least."""
     from pallas_impl.mosaic import _common as mc
 
     quant = {"group_fp8_g64": (64, False), "group_fp8_g32_ue8m0": (32, True),
@@ -318,8 +316,8 @@ def test_grouped_outputs_split_over_two_compute_warpgroups_keep_their_bits(outpu
     tune = dict(compute_wgs=2, split=split)
     assert mc.warpgroup_tile(tune, quant, 128, jnp.uint8) == ((2, 64, 128) if split == "rows" else (2, 128, 64))
     assert mc.warpgroup_tile(dict(compute_wgs=2), (128, False), 128, jnp.float8_e4m3fn) == (1, 128, 128)
-    assert mc.warpgroup_tile(dict(compute_wgs=2), (mc.NVFP4,), 64, jnp.uint8) == (1, 128, 64)
-    assert mc.warpgroup_tile(dict(compute_wgs=2, split="rows"), (mc.NVFP4,), 128, jnp.uint8) == (2, 128, 64)
+    assert mc.warpgroup_tile(dict(compute_wgs=2), (mc.NVFP4,), 64, jnp.int4) == (2, 128, 32)
+    assert mc.warpgroup_tile(dict(compute_wgs=2), (mc.NVFP4,), 32, jnp.int4) == (1, 128, 32)
     kw = GROUPED_WS[output]
     keys = jax.random.split(jax.random.PRNGKey(3), 2)
     outs = jax.random.normal(keys[0], (3, 130, 2, 128), jnp.bfloat16) * 3
@@ -351,13 +349,12 @@ NVFP4_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in map(case
 @pytest.mark.parametrize("launch", [{}, dict(grouped=dict(compute_wgs=2), nvfp4=dict(compute_wgs=2)),
                                     dict(grouped=dict(compute_wgs=2, split="rows"))], ids=lambda d: json.dumps(d))
 @pytest.mark.parametrize("case, op", NVFP4_OPS)
-def test_nvfp4_stored_as_int4_matches_reference(case, op, launch, monkeypatch):
-    """NVFP4 codes stored as an int4 tile (`nvfp4_store="int4"`, `mc.NVFP4_INT4`: its bytes are the packed bytes,
-    viewed as u8 after the kernel; no packing WGMMA) against the float64 reference: the full suite's NVFP4 cases
-    (pass-through rows, specials, `[T, H]` base-2 LSEs, N = 4), on one compute warpgroup and split over two by
-    columns or (the 2-way merge) by rows."""
+def test_nvfp4_on_each_schedule_matches_reference(case, op, launch, monkeypatch):
+    """NVFP4's codes stored as an int4 tile (its bytes are the packed bytes, viewed as u8 after the kernel)
+    against the float64 reference: the full suite's NVFP4 cases (pass-through rows, specials, `[T, H]` base-2
+    LSEs, N = 4), on one compute warpgroup and split over two by columns or (the 2-way merge) by rows."""
     inputs = _operands(case, op)
-    got = _with_choices(dict(launch, nvfp4_store="int4"), monkeypatch,
+    got = _with_choices(launch, monkeypatch,
                         lambda: impls.run(RT, "mosaic", op, case, _device(inputs)))
     _check_against_reference(case, op, inputs, got)
 
@@ -803,9 +800,7 @@ def _assert_same_bits(got: list, want: list) -> None:
 # The launch choices `python -m tools mosaic-speed` sweeps that no default takes yet, with the outputs they change:
 # before one becomes a default, the GPU gives its bits here (the interpreter tests above check it on a CPU).
 CANDIDATES = {
-    "nvfp4_int4": (dict(nvfp4_store="int4"), ["nvfp4_row", "nvfp4_swizzled"]),
-    "nvfp4_int4_split": (dict(nvfp4_store="int4", grouped=dict(compute_wgs=2), nvfp4=dict(compute_wgs=2)),
-                         ["nvfp4_row", "nvfp4_swizzled"]),
+    "nvfp4_n_way_split": (dict(nvfp4=dict(compute_wgs=2)), ["nvfp4_row", "nvfp4_swizzled"]),
 }
 
 
@@ -864,9 +859,7 @@ def test_per_group_tiles_hold_whole_groups_else_xla_quantizes(dtype, head_dim, g
     else:
         assert stored == jnp.float32
     quant, stored, (_, dc) = mc.output_plan(jnp.float4_e2m1fn, jnp.ones(1), (16, "nvfp4", "row"), plan)
-    assert quant == (mc.NVFP4,) and stored == jnp.uint8 and dc % mc.NVFP4_PACK_COLUMNS == 0
-    quant, stored, (_, dc) = mc.output_plan(jnp.float4_e2m1fn, jnp.ones(1), (16, "nvfp4", "row"), plan, "int4")
-    assert quant == mc.NVFP4_INT4 and stored == jnp.int4 and dc % mc.NVFP4_INT4_COLUMNS == 0
+    assert quant == (mc.NVFP4,) and stored == jnp.int4 and dc % mc.NVFP4_COLUMNS == 0
 
 
 def _avals(jaxpr):
@@ -885,8 +878,8 @@ QUANTIZED_IN_KERNEL = {  # output -> (dtype, D, options, quantized in the kernel
     "group_fp8": (jnp.bfloat16, 128, LONG_T_OUTPUTS["group_fp8"], True),
     "nvfp4_row": (jnp.bfloat16, 128, LONG_T_OUTPUTS["nvfp4_row"], True),
     "nvfp4_swizzled": (jnp.bfloat16, 64, LONG_T_OUTPUTS["nvfp4_swizzled"], True),
-    "nvfp4_d16": (jnp.bfloat16, 16, LONG_T_OUTPUTS["nvfp4_row"], False),  # no tile of 64 columns divides D
-    "nvfp4_d32": (jnp.bfloat16, 32, LONG_T_OUTPUTS["nvfp4_row"], False),  # 32-column packing: wrong on the GPU
+    "nvfp4_d16": (jnp.bfloat16, 16, LONG_T_OUTPUTS["nvfp4_row"], False),  # no tile of 32 int4 columns divides D
+    "nvfp4_d32": (jnp.bfloat16, 32, LONG_T_OUTPUTS["nvfp4_row"], True),
     "group_fp8_g256_f32": (jnp.float32, 256, dict(group_size=256), False),  # no tile of a group fits
 }
 
@@ -896,8 +889,8 @@ QUANTIZED_IN_KERNEL = {  # output -> (dtype, D, options, quantized in the kernel
 @pytest.mark.parametrize("output", list(QUANTIZED_IN_KERNEL))
 def test_quantized_outputs_leave_the_kernel_quantized(partials, output):
     """Static fp8, per-group FP8 and NVFP4 are quantized in the Mosaic GPU kernels: no f32 `[T', H * D]` array
-    anywhere in the traced merge, the kernel's fp8 (or packed u8) output instead; where no tile holds whole groups
-    the kernel stores f32 rows, which the test sees (it can fail)."""
+    anywhere in the traced merge, the kernel's fp8 (or NVFP4's int4 codes, viewed as u8 by XLA after it) output
+    instead; where no tile holds whole groups the kernel stores f32 rows, which the test sees (it can fail)."""
     dtype, head_dim, kw, in_kernel = QUANTIZED_IN_KERNEL[output]
     num_tokens, heads = 300, 4
     keys = jax.random.split(jax.random.PRNGKey(0), 2)
@@ -910,34 +903,9 @@ def test_quantized_outputs_leave_the_kernel_quantized(partials, output):
     avals = [a for a in _avals(jax.make_jaxpr(fn)(outs, lses).jaxpr) if hasattr(a, "shape")]
     f32_rows = [a for a in avals if tuple(a.shape) == (num_tokens, heads * head_dim) and a.dtype == jnp.float32]
     assert bool(f32_rows) != in_kernel, [a.str_short() for a in f32_rows]
-    nvfp4 = kw.get("out_dtype") == jnp.float4_e2m1fn
-    stored = (num_tokens, heads * head_dim // 2) if nvfp4 else (num_tokens, heads * head_dim)
-    stored_dtype = jnp.uint8 if nvfp4 else jnp.float8_e4m3fn
-    assert any(tuple(a.shape) == stored and a.dtype == stored_dtype for a in avals) == in_kernel
-
-
-@needs_mosaic
-@pytest.mark.parametrize("partials", [2, 3])
-@pytest.mark.parametrize("head_dim", [128, 32])
-def test_nvfp4_as_int4_leaves_the_kernel_as_int4_codes(partials, head_dim, monkeypatch):
-    """With `nvfp4_store="int4"` the kernel writes NVFP4's codes as an int4 `[T', H * D]` array (its bytes the
-    packed ones, viewed as u8 by XLA after it) and no f32 rows, at D = 32 too, which the WGMMA packing leaves to XLA
-    (`QUANTIZED_IN_KERNEL`, "nvfp4_d32")."""
-    num_tokens, heads = 300, 4
-    keys = jax.random.split(jax.random.PRNGKey(0), 2)
-    outs = jax.random.normal(keys[0], (partials, num_tokens, heads, head_dim), jnp.bfloat16)
-    lses = jax.random.normal(keys[1], (partials, heads, num_tokens), jnp.float32)
-    kw = LONG_T_OUTPUTS["nvfp4_row"]
-
-    def fn(o, s):
-        if partials == 2:
-            return pallas_impl.merge_attn_states(o[0], s[0], o[1], s[1], backend="mosaic_gpu", **kw)
-        return pallas_impl.merge_attn_states_n(o, s, backend="mosaic_gpu", **kw)
-
-    jaxpr = _with_choices(dict(nvfp4_store="int4"), monkeypatch, lambda: jax.make_jaxpr(fn)(outs, lses).jaxpr)
-    avals = [(tuple(a.shape), a.dtype) for a in _avals(jaxpr) if hasattr(a, "shape")]
-    assert ((num_tokens, heads * head_dim), jnp.dtype(jnp.int4)) in avals
-    assert ((num_tokens, heads * head_dim), jnp.dtype(jnp.float32)) not in avals
+    stored_dtype = jnp.int4 if kw.get("out_dtype") == jnp.float4_e2m1fn else jnp.float8_e4m3fn
+    stored = [a for a in avals if tuple(a.shape) == (num_tokens, heads * head_dim) and a.dtype == stored_dtype]
+    assert bool(stored) == in_kernel
 
 
 def test_the_profile_tool_keeps_the_merge_kernels_of_both_backends_and_needs_ncu(monkeypatch, capsys):

@@ -127,12 +127,11 @@ if [ "$PLAN" = mosaic ] || [ "$PLAN" = mosaic_speed ] || [ "$PLAN" = mosaic_cand
         # (each test compiles both backends at T = 1001 and 32K: about 95 s a test on the H100, 2026-12-07)
         step pytest 400 100 "$OUT/pytest.log" "$PY" -m pytest -m gpu -v -rf tests/test_pallas_mosaic.py \
             -k launch_candidates
-        # NVFP4 stored as int4 (the merges' second candidate, and the N-way merge's third: split over two compute
-        # warpgroups) on the NVFP4 points
+        # the N-way NVFP4 merge split over two compute warpgroups on the NVFP4 points
         step mosaic_speed_nvfp4 70 25 "$OUT/mosaic_speed_nvfp4.log" "$PY" -m tools.mosaic_speed --kernels merge \
             merge_n --first 3 --match nvfp4 --budget-s 55 --json "$OUT/mosaic_speed_nvfp4.json"
         step mosaic_profile 60 5 "$OUT/mosaic_profile.log" "$PY" -m tools.mosaic_profile --variant nvfp4 \
-            --tuning '{"nvfp4_store": "int4"}' --out "$OUT"
+            --out "$OUT"
     elif [ "$PLAN" = mosaic ]; then
         # shellcheck disable=SC2086
         step pytest 240 150 "$OUT/pytest.log" env PALLAS_IMPL_BACKEND=mosaic_gpu "$PY" -m pytest -q -rs $XDIST \

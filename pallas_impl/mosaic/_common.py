@@ -50,17 +50,14 @@ PREFETCH_PARTIALS = 16
 # N-way merge's a tile ahead, `prefetches_rows`); row_weights: the 2-way merge's weights from those rows in the
 # tile's row layout (no relayout through shared memory); lse_step: beyond WEIGHT_ROWS partials, the LSE loads of
 # each iteration of the N-way merge's runtime loops over them (its maximum and sum, `_math.n_way_max_and_sum`'s
-# `exp_step`; the same operations in the same order at any step); nvfp4_store: NVFP4's codes packed by a WGMMA
-# ("wgmma", the default) or stored as int4 (`NVFP4_INT4`; not the default until the GPU's full check has run it).
+# `exp_step`; the same operations in the same order at any step).
 # The 2-way merge keeps 2 inputs x `concurrent` tiles in shared memory, the N-way and the rescale 1 x `concurrent`:
 # smaller 2-way tiles keep two CTAs per SM (228 KiB of shared memory on an H100/H200).
 # `python -m tools mosaic-speed` sweeps these on the GPU (it sets them here and clears jax's caches). The 2-way merge
 # takes `long_tile_bytes` from `long_tokens` padded tokens on (`merge_tuning`): larger tiles pay at long T only; and
 # for per-group FP8 and NVFP4 outputs the choices in `grouped` (two compute warpgroups, the quantizer being
-# issue-bound on one: per-group FP8 split by rows, any group size; NVFP4 by columns where each half packs
-# `NVFP4_PACK_COLUMNS`, `compute_warpgroups`). The N-way merge runs two persistent CTAs per SM; its NVFP4 outputs
-# take the choices in `nvfp4` (`merge_n_tuning`; two compute warpgroups timed 1.42x the Triton backend's time
-# against 2.36x, and gave wrong codes at T = 1001 on the H100: docs/results.md). The defaults are the best of
+# issue-bound on one: split by rows, `compute_warpgroups`). The N-way merge runs two persistent CTAs per SM; its
+# NVFP4 outputs take the choices in `nvfp4` (`merge_n_tuning`). The defaults are the best of
 # `python -m tools mosaic-speed`'s sweeps on the H100 whose bits the full check confirmed (docs/results.md,
 # 2026-12-07).
 TUNING = {
@@ -135,7 +132,7 @@ def compute_warpgroups(tune: dict, quant, dc: int, out_dtype) -> int:
     warp-specialised pipeline, a third warpgroup issuing the TMA copies and each compute warpgroup merging half of
     each tile's columns, or half of its rows, `split_by_rows`, `warpgroup_tile`). Split by columns, 1 where half a
     tile is not whole 16-byte rows of a multiple of 8 columns and of the output's groups (a group of per-group FP8
-    never spans warpgroups; NVFP4 packs `NVFP4_PACK_COLUMNS` at least); split by rows, any tile."""
+    never spans warpgroups; NVFP4's int4 tiles are `NVFP4_COLUMNS` at least); split by rows, any tile."""
     wgs = tune.get("compute_wgs", 1)
     if wgs > 1 and split_by_rows(tune, quant):
         return wgs
@@ -145,7 +142,7 @@ def compute_warpgroups(tune: dict, quant, dc: int, out_dtype) -> int:
     if not grouped(quant):
         multiple = 8
     elif quant_is_nvfp4(quant):
-        multiple = NVFP4_PACK_COLUMNS if packs_by_wgmma(quant) else NVFP4_INT4_COLUMNS
+        multiple = NVFP4_COLUMNS
     else:
         multiple = quant[0]
     if width % multiple or width % 8 or width * jnp.dtype(out_dtype).itemsize % 16:
@@ -154,10 +151,8 @@ def compute_warpgroups(tune: dict, quant, dc: int, out_dtype) -> int:
 
 
 def split_by_rows(tune: dict, quant) -> bool:
-    """Whether two compute warpgroups split a tile by rows (`tune["split"] == "rows"`) rather than by columns: not
-    NVFP4 packed by WGMMA, which splits by columns (its 64-row packing hung jax's interpreter, and the GPU never ran
-    it)."""
-    return tune.get("split") == "rows" and not packs_by_wgmma(quant)
+    """Whether two compute warpgroups split a tile by rows (`tune["split"] == "rows"`) rather than by columns."""
+    return tune.get("split") == "rows"
 
 
 def warpgroup_tile(tune: dict, quant, dc: int, out_dtype) -> tuple[int, int, int]:
@@ -305,22 +300,19 @@ def padded_heads(x, columns: int):
 
 def head_plan(head_dim: int, dtype, tile_bytes: int, *, out_dtype, input_tiles: int, out_slots: int,
               other_bytes: int, group_size: int = 1, scale_bytes: int = 0,
-              nvfp4: str | None = None) -> tuple[int, int]:
+              nvfp4: bool = False) -> tuple[int, int]:
     """(columns of a kernel's head, columns of one TMA tile) for heads of `head_dim` elements of `dtype`:
     `head_columns`, then `column_chunk` of that width (a multiple of `group_size`: a quantization group stays in one
     tile), narrowed (halving `tile_bytes`) until the kernel's shared memory fits `SMEM_BYTES`: `input_tiles`
     `[BLOCK_T, dc]` input tiles in flight, `out_slots` output tiles of `out_dtype` (with `scale_bytes` of scales
     per group of a row each) and `other_bytes` of other scratch. (An f32 output of bf16 inputs doubles the output
-    slots: at the 2-way merge's long-T tiles it needed 258 KiB.) `nvfp4` (its `nvfp4_store`): packed codes (half a
-    byte a column) and e4m3 block scales out; "wgmma": tiles a multiple of `NVFP4_PACK_COLUMNS` (16-byte packed
-    rows, and the narrowest packing the GPU gets right) and the packing's scratch (`pack_fp4`: an f16 code tile and
-    the `[dc, dc / 2]` packing matrix; a split by columns packs two halves of a quarter of its bytes each); "int4":
-    tiles a multiple of `NVFP4_INT4_COLUMNS`, no scratch. ValueError where no tile fits."""
+    slots: at the 2-way merge's long-T tiles it needed 258 KiB.) `nvfp4`: int4 codes (half a byte a column) and
+    e4m3 block scales out, tiles a multiple of `NVFP4_COLUMNS`. ValueError where no tile fits."""
     itemsize = jnp.dtype(dtype).itemsize
     out_itemsize = jnp.dtype(out_dtype).itemsize
     cols = head_columns(head_dim, itemsize, out_itemsize)
     if nvfp4:
-        multiple = NVFP4_PACK_COLUMNS if nvfp4 == "wgmma" else NVFP4_INT4_COLUMNS
+        multiple = NVFP4_COLUMNS
     else:
         multiple = math.lcm(group_size, 16 // math.gcd(16, out_itemsize))
     dc = column_chunk(cols, itemsize, tile_bytes, multiple)
@@ -328,10 +320,9 @@ def head_plan(head_dim: int, dtype, tile_bytes: int, *, out_dtype, input_tiles: 
     def smem(dc):
         if nvfp4:
             out_tile = dc // 2 + dc // NVFP4_BLOCK
-            packing = BLOCK_T * dc * 2 + dc * dc if nvfp4 == "wgmma" else 0
         else:
-            out_tile, packing = dc * out_itemsize + dc // group_size * scale_bytes, 0
-        return BLOCK_T * (dc * input_tiles * itemsize + out_slots * out_tile) + packing + other_bytes
+            out_tile = dc * out_itemsize + dc // group_size * scale_bytes
+        return BLOCK_T * (dc * input_tiles * itemsize + out_slots * out_tile) + other_bytes
 
     while smem(dc) > SMEM_BYTES:
         tile_bytes //= 2
@@ -448,44 +439,31 @@ FP8 = jnp.float8_e4m3fn
 STATIC = "static"  # `output_plan`: an fp8 output with a static scale (docs/spec.md 4.6)
 NVFP4 = _math.NVFP4  # `output_plan`: NVFP4 (4.8)
 NVFP4_BLOCK = 16
-# The fewest columns an NVFP4 tile, or a compute warpgroup's part of one, packs by its WGMMA (`quantized`): at 32
-# (a [128, 32] f16 code tile by a [32, 16] packing matrix) the H100 gave wrong codes and hung (2026-12-07: the
-# 2-way merge split over two warpgroups at 64-column tiles), at 64 and 128 the Triton backend's bits; the
-# interpreter gave the right bits at 32. Narrower heads store f32 rows for XLA to quantize (`output_plan`).
-NVFP4_PACK_COLUMNS = 64
-# How a kernel stores NVFP4's codes (`TUNING[kernel]["nvfp4_store"]`, `output_plan`): "wgmma" packs them two a
-# byte in registers by a WGMMA (`quantized`) and stores u8; "int4" stores them as an int4 tile, whose bytes in
-# memory are the packed bytes (two codes a byte, the low nibble first: `_math.pack_fp4`'s order), which XLA views
-# as u8 after the kernel (`finish`; a pass over the half-byte output).
-NVFP4_INT4 = (NVFP4, "int4")  # the `quant` of NVFP4 stored as int4
-NVFP4_INT4_COLUMNS = 32  # the fewest columns of its tiles: 16-byte int4 rows for TMA
+# NVFP4's codes are stored as an int4 tile (`quantized`), whose bytes in memory are the packed bytes (two codes a
+# byte, the low nibble first: `_math.pack_fp4`'s order), and XLA views the int4 output as u8 after the kernel
+# (`finish`). Its tiles, or a compute warpgroup's part of one, are `NVFP4_COLUMNS` at least: 16-byte int4 rows
+# for TMA. (Until 2026-12-07 a WGMMA of the f16 codes by a packing matrix paired the columns into bytes in
+# registers, which Mosaic GPU's register arrays have no operation for: docs/design.md says why it went.)
+NVFP4_COLUMNS = 32
 
 
 def quant_is_nvfp4(quant) -> bool:
-    """Whether `quant` (`output_plan`) is NVFP4, packed by WGMMA or stored as int4."""
+    """Whether `quant` (`output_plan`) is NVFP4."""
     return quant is not None and quant[0] == NVFP4
 
 
-def packs_by_wgmma(quant) -> bool:
-    """Whether `quant` is NVFP4 packed by a WGMMA (its packing matrix, code tile and barrier: `quant_scratch`)."""
-    return quant == (NVFP4,)
-
-
-def output_plan(out_dtype, output_scale, group, plan, nvfp4_store: str = "wgmma"):
+def output_plan(out_dtype, output_scale, group, plan):
     """(quant, stored dtype, (cols, dc)) of a merge kernel: what it quantizes in its registers (docs/spec.md 4.6,
-    4.7, 4.8): None (it stores the output dtype), (STATIC,), (group size, UE8M0) of per-group FP8, or NVFP4 as
-    `nvfp4_store` says ((NVFP4,): codes packed by WGMMA, u8; `NVFP4_INT4`: int4 codes), with its head plan
-    (`plan(out_dtype=..., group_size=..., scale_bytes=..., nvfp4=...)`, `head_plan` of the kernel's tiles). Where
-    no tile holding whole groups fits shared memory (a group of 256 f32 columns; NVFP4 heads not a multiple of
-    `NVFP4_PACK_COLUMNS`, or `NVFP4_INT4_COLUMNS`), the kernel stores f32 rows that XLA quantizes after it
-    (`finish`)."""
+    4.7, 4.8): None (it stores the output dtype), (STATIC,), (group size, UE8M0) of per-group FP8, or (NVFP4,)
+    (int4 codes), with its head plan (`plan(out_dtype=..., group_size=..., scale_bytes=..., nvfp4=...)`,
+    `head_plan` of the kernel's tiles). Where no tile holding whole groups fits shared memory (a group of 256 f32
+    columns; NVFP4 heads not a multiple of `NVFP4_COLUMNS`), the kernel stores f32 rows that XLA quantizes after
+    it (`finish`)."""
     if group is None:
         return ((STATIC,) if output_scale is not None else None), out_dtype, plan(out_dtype=out_dtype)
     try:
-        if _math.is_nvfp4(group) and nvfp4_store == "int4":
-            return NVFP4_INT4, jnp.int4, plan(out_dtype=jnp.uint8, nvfp4="int4")
         if _math.is_nvfp4(group):
-            return (NVFP4,), jnp.uint8, plan(out_dtype=jnp.uint8, nvfp4="wgmma")
+            return (NVFP4,), jnp.int4, plan(out_dtype=jnp.uint8, nvfp4=True)
         return tuple(group[:2]), out_dtype, plan(out_dtype=out_dtype, group_size=group[0], scale_bytes=4)
     except ValueError:
         return None, jnp.float32, plan(out_dtype=jnp.float32)
@@ -549,36 +527,16 @@ def tile_scales(raw, num_tokens: int):
 
 
 def out_struct(num_tokens: int, num_heads: int, cols: int, quant, stored_dtype, *args):
-    """The output a merge kernel writes: `[T', H * D]` of the stored dtype (NVFP4's int4 codes), NVFP4's codes packed
-    by WGMMA `[T', H * D / 2]`."""
-    width = num_heads * cols // (2 if packs_by_wgmma(quant) else 1)
-    return _sharding.out_struct((num_tokens, width), stored_dtype, *args)
+    """The output a merge kernel writes: `[T', H * D]` of the stored dtype (NVFP4: int4 codes)."""
+    return _sharding.out_struct((num_tokens, num_heads * cols), stored_dtype, *args)
 
 
-def packing_matrix(dc: int):
-    """f16[dc, dc / 2]: codes `[128, dc]` times it are `c[2j] + 16 c[2j + 1]` in column j (exact: at most 255),
-    the byte of two e2m1 codes (`_math.pack_fp4`'s order) by one WGMMA (`quantized`)."""
-    j = jnp.arange(dc // 2)
-    m = jnp.zeros((dc, dc // 2), jnp.float16)
-    return m.at[2 * j, j].set(1).at[2 * j + 1, j].set(16)
-
-
-def load_packing(p_g, p_smem, barrier) -> None:
-    """The packing matrix into shared memory, once per CTA (or per compute warpgroup; before its pipeline), on
-    `barrier` (one barrier)."""
-    m = plgpu()
-    m.copy_gmem_to_smem(p_g, p_smem, barrier)
-    m.barrier_wait(barrier)
-
-
-def quantized(result, quant, scale, pack=None):
+def quantized(result, quant, scale):
     """The f32 tile `result` `[BLOCK_T, dc]` quantized in registers (`output_plan`): (tile, [scale row of each group]
     or None). Static: `_math.static_fp8` by the scale row `scale`, broadcast (fp8); per group: `_math.quant_groups`
     of each `[BLOCK_T, G]` column slice (a group never spans tiles: `head_plan`), fp8, f32 scales; NVFP4:
-    `_math.nvfp4_blocks` of each 16-column slice with the global scale `scale` (a row), e4m3 scales, the codes
-    packed two a byte (u8 `[BLOCK_T, dc / 2]`) by a WGMMA of the f16 codes by the packing matrix (`pack`: (the code
-    tile's and the matrix's shared memory); Mosaic GPU's register arrays have no operation that pairs columns), or,
-    `NVFP4_INT4`, as an int4 tile `[BLOCK_T, dc]`."""
+    `_math.nvfp4_blocks` of each 16-column slice with the global scale `scale` (a row), e4m3 scales, the codes as
+    an int4 tile (codes 8..15 as their two's complement: the same four bits)."""
     if quant[0] == STATIC:
         return _math.static_fp8(result, jnp.broadcast_to(scale[:, None], result.shape)).astype(FP8), None
     g = block_of(quant)
@@ -595,52 +553,31 @@ def quantized(result, quant, scale, pack=None):
     q = jnp.concatenate(qs, axis=1) if len(qs) > 1 else qs[0]
     if quant[0] != NVFP4:
         return q, scales
-    if not packs_by_wgmma(quant):  # int4: codes 8..15 as their two's complement, the same four bits
-        return jnp.where(q >= 8, q - 16, q).astype(jnp.int4), scales
-    m = plgpu()
-    codes_smem, matrix_smem = pack
-    codes_smem[...] = q.astype(jnp.float16)  # 0..15: exact
-    m.commit_smem()
-
-    def product(acc):
-        m.wgmma(acc, codes_smem, matrix_smem)
-        return acc[...]
-
-    packed = pl.run_scoped(product, m.ACC((q.shape[0], q.shape[1] // 2), jnp.float32))
-    return packed.astype(jnp.int32).astype(jnp.uint8), scales
+    return jnp.where(q >= 8, q - 16, q).astype(jnp.int4), scales
 
 
 def quant_scratch(quant, stores: int, dc: int, wgs: int = 1, rows: int = BLOCK_T) -> list:
     """The shared memory a `grouped` quant adds to a merge kernel whose compute warpgroups (`wgs`) each quantize
-    `[rows, dc]` of a tile (`warpgroup_tile`): the scale slots (`store_tile`), and for `packs_by_wgmma` the code
-    tile, matrix and barrier (`quantized`, `load_packing`); each once per warpgroup (`warpgroup_quant_scratch`
-    picks them)."""
+    `[rows, dc]` of a tile (`warpgroup_tile`): its scale slots (`store_tile`), once per warpgroup
+    (`warpgroup_quant_scratch` picks them)."""
     if not grouped(quant):
         return []
-    m = plgpu()
     dtype = FP8 if quant[0] == NVFP4 else jnp.float32
-    scratch = [m.SMEM((stores, dc // block_of(quant), rows), dtype)]
-    if packs_by_wgmma(quant):
-        scratch += [m.SMEM((rows, dc), jnp.float16), m.SMEM((dc, dc // 2), jnp.float16)]
-    return per_warpgroup(scratch, wgs) + ([m.Barrier(num_barriers=wgs)] if packs_by_wgmma(quant) else [])
+    return per_warpgroup([plgpu().SMEM((stores, dc // block_of(quant), rows), dtype)], wgs)
 
 
 def warpgroup_quant_scratch(q_scr: list, wg, wgs: int) -> list:
-    """Compute warpgroup `wg`'s part of `quant_scratch(..., wgs)`: its scale slots, and for NVFP4 its code tile,
-    matrix and barrier (one of `wgs`; `wg` is 0 with one warpgroup)."""
-    nvfp4 = len(q_scr) == 4
-    arrays = per_warpgroup_refs(q_scr[:3] if nvfp4 else q_scr, wg, wgs)
-    return arrays + ([q_scr[3].at[wg]] if nvfp4 else [])
+    """Compute warpgroup `wg`'s part of `quant_scratch(..., wgs)`: its scale slots (`wg` is 0 with one
+    warpgroup)."""
+    return per_warpgroup_refs(q_scr, wg, wgs)
 
 
-def kernel_io(args: list, quant, output_scale, dc: int, num_tokens: int, num_heads: int, cols: int, stored_dtype,
+def kernel_io(args: list, quant, output_scale, num_tokens: int, num_heads: int, cols: int, stored_dtype,
               return_lse: bool) -> list:
-    """A merge kernel's quantization inputs appended to `args` (the static or NVFP4 global scale as a row, NVFP4's
-    packing matrix) and its outputs' types: the output (`out_struct`), the scales of a `grouped` quant, the LSE."""
+    """A merge kernel's quantization input appended to `args` (the static or NVFP4 global scale as a row) and its
+    outputs' types: the output (`out_struct`), the scales of a `grouped` quant, the LSE."""
     if has_scale_row(quant):
         args.append(scale_row(output_scale))
-    if packs_by_wgmma(quant):
-        args.append(packing_matrix(dc))  # dc: the columns one warpgroup quantizes
     out_type = [out_struct(num_tokens, num_heads, cols, quant, stored_dtype, *args)]
     if grouped(quant):
         out_type.append(scales_struct(num_tokens, num_heads, cols, quant, *args))
@@ -649,10 +586,10 @@ def kernel_io(args: list, quant, output_scale, dc: int, num_tokens: int, num_hea
     return out_type
 
 
-def output_slots(quant, stores: int, dc: int, dtype, rows: int = BLOCK_T):
-    """The shared-memory output slots of a merge kernel (`store_tile`): `[stores, rows, dc]` of the stored dtype,
-    half as wide for NVFP4's codes packed by WGMMA."""
-    return plgpu().SMEM((stores, rows, dc // 2 if packs_by_wgmma(quant) else dc), dtype)
+def output_slots(stores: int, dc: int, dtype, rows: int = BLOCK_T):
+    """The shared-memory output slots of a merge kernel (`store_tile`): `[stores, rows, dc]` of the stored
+    dtype."""
+    return plgpu().SMEM((stores, rows, dc), dtype)
 
 
 def store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc, count, row0=0) -> None:
@@ -662,9 +599,8 @@ def store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc, count, ro
     rows, dc = result.shape
     scales = None
     if quant:
-        result, scales = quantized(result, quant, scale, q_scr[1:3])
-    width = dc // 2 if packs_by_wgmma(quant) else dc
-    dst = o_g.at[pl.ds(t0 + row0, rows), pl.ds(hc * width, width)]
+        result, scales = quantized(result, quant, scale)
+    dst = o_g.at[pl.ds(t0 + row0, rows), pl.ds(hc * dc, dc)]
     if not grouped(quant):
         store_tile(result, o_scr, dst, count)
         return
@@ -693,13 +629,13 @@ def finish(results, shape, copy_t, last_output, last_lse, output_scale, *, out_d
     tile, `output_plan`: the kernel's f32 rows, the last partial's rows copied, quantized, with `output_scale`
     NVFP4's global scale), and the merged LSE (the kernel writes it in the caller's base; with `pass_through`, the
     rows of `copy_t` take `last_lse`'s `[H, T]` bits), in the caller's layout. `results`: the kernel's padded
-    `[T', H * D]` output (NVFP4 packed by WGMMA: `[T', H * D / 2]` u8; as int4: `[T', H * D]`, viewed as u8 here;
+    `[T', H * D]` output (NVFP4's int4 codes viewed as u8 here: `[T', H * D / 2]`;
     then its scales, then its `[H * T']` LSE), its heads of `head_columns`; for T >= BLOCK_T, an `[H, T]` LSE,
     whole heads and no pass-through these are reshapes only."""
     num_tokens, num_heads, head_dim = shape
     results = list(results)
     out = results.pop(0)[:num_tokens]
-    if out.dtype == jnp.int4:  # NVFP4's int4 codes (`NVFP4_INT4`): their bytes, two codes each
+    if out.dtype == jnp.int4:  # NVFP4's int4 codes: their bytes, two codes each
         out = lax.bitcast_convert_type(out.reshape(num_tokens, -1, 2), jnp.uint8)
     width = head_dim // 2 if out.dtype == jnp.uint8 else head_dim  # NVFP4: two codes a byte
     out = out.reshape(num_tokens, num_heads, out.shape[1] // num_heads)[..., :width]  # padded heads cut

@@ -51,7 +51,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
     # by per-thread stores one row per thread: the same rows in both layouts in one kernel fail Mosaic GPU's
     # layout inference (jax 0.11.2).
     row_weights = lse_tma and tune.get("row_weights", False) and not output_lse
-    grouped, packing = mc.grouped(quant), mc.packs_by_wgmma(quant)  # packing: NVFP4's WGMMA
+    grouped = mc.grouped(quant)
     scaled = mc.has_scale_row(quant)  # a scale row in: the static fp8 scale, NVFP4's global scale
     # Each compute warpgroup merges `[rw, width]` of a tile: all of it, or half its columns or its rows.
     wgs, rw, width = mc.warpgroup_tile(tune, quant, dc, out_type[0].dtype)
@@ -59,10 +59,9 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
 
     def body(a_g, b_g, p_g, s_g, *rest):
         # e_g: f32[T'], 1 on the fused mask's tokens; c_g: f32[T'], 1 where t copies the suffix; q_g: f32[128],
-        # the static fp8 scale or NVFP4's global scale; m_g: NVFP4's packing matrix; g_g: the scales, a row per
-        # group
-        e_g, c_g, q_g, m_g, o_g, g_g, lo_g, *rest = mc.optional_refs(rest, empty_rows, copy_rows, scaled, packing,
-                                                                     True, grouped, output_lse)
+        # the static fp8 scale or NVFP4's global scale; g_g: the scales, a row per group
+        e_g, c_g, q_g, o_g, g_g, lo_g, *rest = mc.optional_refs(rest, empty_rows, copy_rows, scaled, True,
+                                                                grouped, output_lse)
         # rows of w_smem: wp, ws, both-empty flag, copy flag, static or global scale
         w_smem, o_scr, *q_scr = rest
         # With two compute warpgroups (and a third issuing the TMA copies), warpgroup wg merges columns
@@ -72,8 +71,6 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
         mine = lambda r: r.at[pl.ds(wg * rw, rw)] if by_rows else r  # noqa: E731 - its part of a row
         w_smem, o_scr = mc.per_warpgroup_refs((w_smem, o_scr), wg, wgs)
         q_scr = mc.warpgroup_quant_scratch(q_scr, wg, wgs)
-        if packing:
-            mc.when_computing(wg, wgs, lambda: mc.load_packing(m_g, q_scr[2], q_scr[3]))
 
         def cleaned(p, s, e, c):
             """The tile's rows as the weights take them: p (the fused mask's tokens at -inf), s, the copy flags."""
@@ -175,7 +172,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
         plgpu.wait_smem_to_gmem(0)
 
     own = mc.per_warpgroup([plgpu.SMEM((5, bt), F32),
-                            mc.output_slots(quant, tune["stores"], width, out_type[0].dtype, rw)], wgs)
+                            mc.output_slots(tune["stores"], width, out_type[0].dtype, rw)], wgs)
     return mc.kernel(body, out_type=tuple(out_type), grid=tiles.grid, grid_names=tiles.names,
                      scratch_types=[*own, *mc.quant_scratch(quant, tune["stores"], width, wgs, rw)],
                      interpret=interpret, **mc.warpgroups(wgs))
@@ -193,8 +190,7 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
     plan = functools.partial(mc.head_plan, head_dim, prefix_output.dtype, tune["tile_bytes"],  # cols >= D: TMA rows
                              input_tiles=2 * tune["concurrent"], out_slots=tune["stores"],
                              other_bytes=5 * mc.BLOCK_T * 4 * tune.get("compute_wgs", 1))
-    quant, stored_dtype, (cols, dc) = mc.output_plan(out_dtype, output_scale, group, plan,
-                                                     tune.get("nvfp4_store", "wgmma"))
+    quant, stored_dtype, (cols, dc) = mc.output_plan(out_dtype, output_scale, group, plan)
     tune = mc.merge_tuning(tp, mc.grouped(quant))
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
@@ -210,8 +206,7 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
         args.append(mc.flag_rows(empty))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
-    width = mc.warpgroup_tile(tune, quant, dc, stored_dtype)[2]  # the columns one warpgroup quantizes
-    out_type = mc.kernel_io(args, quant, output_scale, width, tp, num_heads, cols, stored_dtype, return_lse)
+    out_type = mc.kernel_io(args, quant, output_scale, tp, num_heads, cols, stored_dtype, return_lse)
     results = _kernel(tp, num_heads, cols, dc, out_type, output_lse=return_lse, empty_rows=empty is not None,
                       copy_rows=copy_rows, lse_base2=lse_base2, quant=quant, lse_tma=lse_tma,
                       interpret=interpret)(*args)

@@ -54,7 +54,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     # blocks of WEIGHT_ROWS, each computed at its first partial from m and z (rows + 1, rows + 2).
     rows = min(num_partials, mc.WEIGHT_ROWS)
     blocks = num_partials > rows
-    grouped, packing = mc.grouped(quant), mc.packs_by_wgmma(quant)  # packing: NVFP4's WGMMA
+    grouped = mc.grouped(quant)
     scaled = mc.has_scale_row(quant)  # a scale row in: the static fp8 scale, NVFP4's global scale
     scale_at = rows + (3 if blocks else 1)  # the row of w_smem holding that scale
     # the columns of a tile each compute warpgroup merges (the split by rows is the 2-way merge's)
@@ -63,10 +63,10 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     def body(x_g, l_g, *rest):
         # x_g: the partials; l_g: the raw LSE rows, f32[N * H * T'] ((k * H + h) * T' + t) or, with prefetch,
         # f32[N, H, T']; e_g: f32[N * T'] (prefetch: [N, T']), 1 on the fused mask's tokens; c_g: f32[T'], 1 where t
-        # copies the last partial; q_g: f32[128], the static fp8 scale or NVFP4's global scale; m_g: NVFP4's
-        # packing matrix; g_g: the scales, a row per group
-        e_g, c_g, q_g, m_g, o_g, g_g, lo_g, *rest = mc.optional_refs(rest, empty_rows, copy_rows, scaled, packing,
-                                                                     True, grouped, output_lse)
+        # copies the last partial; q_g: f32[128], the static fp8 scale or NVFP4's global scale; g_g: the
+        # scales, a row per group
+        e_g, c_g, q_g, o_g, g_g, lo_g, *rest = mc.optional_refs(rest, empty_rows, copy_rows, scaled, True,
+                                                                grouped, output_lse)
         # rows of w_smem: the weights, the all-empty flag (, m, z with blocks) (, the static or global scale)
         w_smem, row_smem, o_scr, *q_scr = rest
         if prefetch:  # the row buffers (two slots each: this tile's, the next one's) and their barriers
@@ -92,8 +92,6 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
 
             mc.when_computing(wg, wgs, lambda: fetch(0, 0))
         q_scr = mc.warpgroup_quant_scratch(q_scr, wg, wgs)
-        if packing:
-            mc.when_computing(wg, wgs, lambda: mc.load_packing(m_g, q_scr[2], q_scr[3]))
 
         def step(idx, x_s, acc):
             i, n = idx
@@ -177,7 +175,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
         plgpu.wait_smem_to_gmem(0)
 
     own = mc.per_warpgroup([plgpu.SMEM((scale_at + 1, bt), F32), plgpu.SMEM((bt,), F32),
-                            mc.output_slots(quant, tune["stores"], width, out_type[0].dtype)], wgs)
+                            mc.output_slots(tune["stores"], width, out_type[0].dtype)], wgs)
     row_bufs = []
     if prefetch:
         row_bufs = mc.per_warpgroup([plgpu.SMEM(shape, F32) for shape, present in (
@@ -205,8 +203,7 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
     plan = functools.partial(mc.head_plan, head_dim, outputs.dtype, tune["tile_bytes"],  # cols >= D: TMA rows
                              input_tiles=tune["concurrent"], out_slots=tune["stores"],
                              other_bytes=row_bytes * tune.get("compute_wgs", 1))
-    quant, stored_dtype, (cols, dc) = mc.output_plan(out_dtype, output_scale, group, plan,
-                                                     tune.get("nvfp4_store", "wgmma"))
+    quant, stored_dtype, (cols, dc) = mc.output_plan(out_dtype, output_scale, group, plan)
     tune = mc.merge_n_tuning(quant)
     prefill = _checks.prefill_tokens_array(prefill_tokens_with_context, num_tokens)
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
@@ -221,9 +218,7 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
         args.append(mc.flag_rows(empties, flat=not prefetch))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
-    width = mc.warpgroup_tile(dict(tune, split="cols"), quant, dc, stored_dtype)[2]  # the columns one warpgroup
-    # quantizes
-    out_type = mc.kernel_io(args, quant, output_scale, width, tp, num_heads, cols, stored_dtype, return_lse)
+    out_type = mc.kernel_io(args, quant, output_scale, tp, num_heads, cols, stored_dtype, return_lse)
     results = _kernel(num_partials, tp, num_heads, cols, dc, out_type, output_lse=return_lse,
                       empty_rows=empties is not None, copy_rows=copy_rows, lse_base2=lse_base2, quant=quant,
                       prefetch=prefetch, interpret=interpret)(*args)
