@@ -828,6 +828,7 @@ def _assert_same_bits(got: list, want: list) -> None:
 # before one becomes a default, the GPU gives its bits here (the interpreter tests above check it on a CPU).
 CANDIDATES = {
     "nvfp4_n_way_split": (dict(nvfp4=dict(compute_wgs=2)), ["nvfp4_row", "nvfp4_swizzled"]),
+    "nvfp4_alias": (dict(nvfp4_alias=True), ["nvfp4_row", "nvfp4_swizzled"]),
 }
 
 
