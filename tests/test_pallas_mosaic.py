@@ -169,33 +169,6 @@ def test_the_common_merge_is_the_kernel_alone(partials):
     assert ops <= {"custom_call", "reshape", "slice", "return"}, ops
 
 
-@needs_mosaic
-@pytest.mark.parametrize("partials", [0, 4])
-@pytest.mark.parametrize("alias", [False, True])
-def test_nvfp4_codes_leave_the_kernel_as_bytes_through_the_u8_alias(partials, alias, monkeypatch):
-    """NVFP4 compiled for the GPU: with `nvfp4_alias` the kernel stores its int4 slots through a u8 alias into the
-    u8 output and XLA has no pass over the codes after it (no `bitcast_convert`); without it, the int4 output is
-    viewed as u8 by XLA (the test sees it: it can fail)."""
-    T, H, D = 256, 4, 128
-    kw = dict(out_dtype=jnp.float4_e2m1fn, output_scale=jnp.float32(40.0), backend="mosaic_gpu", interpret=False)
-    if partials:
-        def merge(o, l):
-            return pallas_impl.merge_attn_states_n(o, l, **kw)
-        args = [jax.ShapeDtypeStruct((partials, T, H, D), jnp.bfloat16),
-                jax.ShapeDtypeStruct((partials, H, T), jnp.float32)]
-    else:
-        def merge(a, la, b, lb):
-            return pallas_impl.merge_attn_states(a, la, b, lb, **kw)
-        args = [jax.ShapeDtypeStruct((T, H, D), jnp.bfloat16), jax.ShapeDtypeStruct((H, T), jnp.float32)] * 2
-    text = _with_choices(dict(nvfp4_alias=alias), monkeypatch,
-                         lambda: jax.export.export(jax.jit(merge), platforms=["cuda"])(*args).mlir_module())
-    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
-    main = text[text.index("func.func public @main"):]
-    assert ("stablehlo.bitcast_convert" in main) != alias
-    kernel_out = "tensor<256x256xui8>" if alias else "tensor<256x512xi4>"
-    assert kernel_out in main
-
-
 def _long_tiles_differ(case) -> bool:
     from pallas_impl.mosaic import _common as mc
 
@@ -828,7 +801,6 @@ def _assert_same_bits(got: list, want: list) -> None:
 # before one becomes a default, the GPU gives its bits here (the interpreter tests above check it on a CPU).
 CANDIDATES = {
     "nvfp4_n_way_split": (dict(nvfp4=dict(compute_wgs=2)), ["nvfp4_row", "nvfp4_swizzled"]),
-    "nvfp4_alias": (dict(nvfp4_alias=True), ["nvfp4_row", "nvfp4_swizzled"]),
 }
 
 

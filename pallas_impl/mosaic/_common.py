@@ -181,20 +181,15 @@ def pipeline(step, inputs, *, grid, in_specs, tune: dict, wgs: int, init_carry) 
 
 
 def per_warpgroup(scratch: list, wgs: int) -> list:
-    """Shared-memory scratch `scratch` once per compute warpgroup (a leading axis of `wgs`) where `wgs` > 1 (a
-    `RefUnion`'s members each)."""
+    """Shared-memory scratch `scratch` once per compute warpgroup (a leading axis of `wgs`) where `wgs` > 1."""
     if wgs == 1:
         return scratch
-    m = plgpu()
-    once = lambda x: m.SMEM((wgs, *x.shape), x.dtype)  # noqa: E731
-    return [m.RefUnion(*map(once, x.refs)) if isinstance(x, m.RefUnion) else once(x) for x in scratch]
+    return [plgpu().SMEM((wgs, *x.shape), x.dtype) for x in scratch]
 
 
 def per_warpgroup_refs(refs, wg, wgs: int) -> list:
-    """Warpgroup `wg`'s part of each of `per_warpgroup(..., wgs)`'s refs (a union's members each)."""
-    if wgs == 1:
-        return list(refs)
-    return [tuple(r.at[wg] for r in x) if isinstance(x, (tuple, list)) else x.at[wg] for x in refs]
+    """Warpgroup `wg`'s part of each of `per_warpgroup(..., wgs)`'s refs."""
+    return [x.at[wg] for x in refs] if wgs > 1 else list(refs)
 
 
 def when_computing(wg, wgs: int, fn) -> None:
@@ -274,7 +269,6 @@ def store_tile(result, o_scr, dst, count, scales=None, s_scr=None, s_dst=None) -
     most S - 1 others in flight); with per-group `scales` (`quantized`), those rows too, from the same slot of
     `s_scr` (`[S, groups, rows]`) to `s_dst` (`[groups, rows]` of the scales' rows)."""
     m = plgpu()
-    o_scr, o_copy = o_scr if isinstance(o_scr, (tuple, list)) else (o_scr, o_scr)  # `output_slots`' alias
     slots = o_scr.shape[0]
     m.wait_smem_to_gmem((slots - 1) * (1 if scales is None else 2), wait_read_only=True)
     slot = o_scr.at[count % slots] if slots > 1 else o_scr.at[0]
@@ -284,7 +278,7 @@ def store_tile(result, o_scr, dst, count, scales=None, s_scr=None, s_dst=None) -
         for k, sc in enumerate(scales):
             s_slot[k] = sc
     m.commit_smem()
-    m.copy_smem_to_gmem(o_copy.at[count % slots] if slots > 1 else o_copy.at[0], dst)
+    m.copy_smem_to_gmem(slot, dst)
     if scales is not None:
         m.copy_smem_to_gmem(s_slot, s_dst)
 
@@ -533,18 +527,8 @@ def tile_scales(raw, num_tokens: int):
 
 
 def out_struct(num_tokens: int, num_heads: int, cols: int, quant, stored_dtype, *args):
-    """The output a merge kernel writes: `[T', H * D]` of the stored dtype (NVFP4: int4 codes; u8 `[T', H * D / 2]`
-    where the kernel stores them through a u8 alias, `nvfp4_alias`)."""
-    width = num_heads * cols // (2 if stored_dtype == jnp.uint8 else 1)
-    return _sharding.out_struct((num_tokens, width), stored_dtype, *args)
-
-
-def nvfp4_alias(tune: dict, quant, interpret: bool) -> bool:
-    """Whether a kernel stores NVFP4's int4 output slots by TMA through a u8 alias of the same shared memory (a
-    `RefUnion`; `TUNING[kernel]["nvfp4_alias"]`) into a u8 `[T', H * D / 2]` output, which XLA then takes as it
-    is, instead of an int4 output that XLA views as u8 (`finish`). Compiled only: jax's interpreter gives each
-    member of a union its own buffer."""
-    return bool(tune.get("nvfp4_alias")) and quant_is_nvfp4(quant) and not interpret
+    """The output a merge kernel writes: `[T', H * D]` of the stored dtype (NVFP4: int4 codes)."""
+    return _sharding.out_struct((num_tokens, num_heads * cols), stored_dtype, *args)
 
 
 def quantized(result, quant, scale):
@@ -603,17 +587,9 @@ def kernel_io(args: list, quant, output_scale, num_tokens: int, num_heads: int, 
 
 
 def output_slots(stores: int, dc: int, dtype, rows: int = BLOCK_T):
-    """The shared-memory output slots of a merge kernel (`store_tile`): `[stores, rows, dc]` of the stored dtype; for
-    a u8 output (NVFP4, `nvfp4_alias`), int4 slots and a u8 `[stores, rows, dc / 2]` alias of their bytes."""
-    m = plgpu()
-    if dtype == jnp.uint8:
-        return m.RefUnion(m.SMEM((stores, rows, dc), jnp.int4), m.SMEM((stores, rows, dc // 2), jnp.uint8))
-    return m.SMEM((stores, rows, dc), dtype)
-
-
-def slot_refs(o_scr, dtype):
-    """A kernel's `output_slots` ref as `store_tile` takes it: for a u8 output, its (int4 slots, u8 alias)."""
-    return tuple(o_scr) if dtype == jnp.uint8 else o_scr
+    """The shared-memory output slots of a merge kernel (`store_tile`): `[stores, rows, dc]` of the stored
+    dtype."""
+    return plgpu().SMEM((stores, rows, dc), dtype)
 
 
 def store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc, count, row0=0) -> None:
@@ -624,8 +600,7 @@ def store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc, count, ro
     scales = None
     if quant:
         result, scales = quantized(result, quant, scale)
-    width = dc // 2 if o_g.dtype == jnp.uint8 else dc  # NVFP4 through a u8 alias (`nvfp4_alias`)
-    dst = o_g.at[pl.ds(t0 + row0, rows), pl.ds(hc * width, width)]
+    dst = o_g.at[pl.ds(t0 + row0, rows), pl.ds(hc * dc, dc)]
     if not grouped(quant):
         store_tile(result, o_scr, dst, count)
         return

@@ -69,7 +69,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
         # weight rows, output slots and quantization scratch.
         wg = lax.axis_index("wg") if wgs > 1 else 0
         mine = lambda r: r.at[pl.ds(wg * rw, rw)] if by_rows else r  # noqa: E731 - its part of a row
-        w_smem, o_scr = mc.per_warpgroup_refs((w_smem, mc.slot_refs(o_scr, out_type[0].dtype)), wg, wgs)
+        w_smem, o_scr = mc.per_warpgroup_refs((w_smem, o_scr), wg, wgs)
         q_scr = mc.warpgroup_quant_scratch(q_scr, wg, wgs)
 
         def cleaned(p, s, e, c):
@@ -206,8 +206,6 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
         args.append(mc.flag_rows(empty))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
-    if mc.nvfp4_alias(tune, quant, interpret):  # NVFP4's bytes stored as u8 by the kernel
-        stored_dtype = jnp.uint8
     out_type = mc.kernel_io(args, quant, output_scale, tp, num_heads, cols, stored_dtype, return_lse)
     results = _kernel(tp, num_heads, cols, dc, out_type, output_lse=return_lse, empty_rows=empty is not None,
                       copy_rows=copy_rows, lse_base2=lse_base2, quant=quant, lse_tma=lse_tma,

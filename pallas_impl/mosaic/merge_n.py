@@ -75,7 +75,6 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
         # [wg * width, (wg + 1) * width) of each tile, with its own weight rows, output slots and quantization
         # scratch.
         wg = lax.axis_index("wg") if wgs > 1 else 0
-        o_scr = mc.slot_refs(o_scr, out_type[0].dtype)
         w_smem, row_smem, o_scr = mc.per_warpgroup_refs((w_smem, row_smem, o_scr), wg, wgs)
         if prefetch:
             l_buf, e_buf, c_buf = mc.optional_refs(mc.per_warpgroup_refs(bufs, wg, wgs), True, empty_rows,
@@ -219,8 +218,6 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
         args.append(mc.flag_rows(empties, flat=not prefetch))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
-    if mc.nvfp4_alias(tune, quant, interpret):  # NVFP4's bytes stored as u8 by the kernel
-        stored_dtype = jnp.uint8
     out_type = mc.kernel_io(args, quant, output_scale, tp, num_heads, cols, stored_dtype, return_lse)
     results = _kernel(num_partials, tp, num_heads, cols, dc, out_type, output_lse=return_lse,
                       empty_rows=empties is not None, copy_rows=copy_rows, lse_base2=lse_base2, quant=quant,
