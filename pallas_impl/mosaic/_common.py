@@ -441,10 +441,12 @@ NVFP4 = _math.NVFP4  # `output_plan`: NVFP4 (4.8)
 NVFP4_BLOCK = 16
 # NVFP4's codes are stored as an int4 tile (`quantized`), whose bytes in memory are the packed bytes (two codes a
 # byte, the low nibble first: `_math.pack_fp4`'s order), and XLA views the int4 output as u8 after the kernel
-# (`finish`). Its tiles, or a compute warpgroup's part of one, are `NVFP4_COLUMNS` at least: 16-byte int4 rows
-# for TMA. (Until 2026-12-07 a WGMMA of the f16 codes by a packing matrix paired the columns into bytes in
-# registers, which Mosaic GPU's register arrays have no operation for: docs/design.md says why it went.)
-NVFP4_COLUMNS = 32
+# (`finish`). Its tiles, or a compute warpgroup's part of one, are `NVFP4_COLUMNS` at least: 32-byte int4 rows.
+# At 32 columns (16-byte rows, the least TMA takes) the H100 wrote wrong codes (2026-12-07: heads of D = 32, the
+# 2-way and N-way merges, where jax's interpreter gives the right ones), so narrower heads store f32 rows that XLA
+# quantizes (`output_plan`). (Until 2026-12-07 a WGMMA of the f16 codes by a packing matrix paired the columns
+# into bytes in registers, which Mosaic GPU's register arrays have no operation for: docs/design.md.)
+NVFP4_COLUMNS = 64
 
 
 def quant_is_nvfp4(quant) -> bool:
