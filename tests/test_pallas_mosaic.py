@@ -305,10 +305,10 @@ GROUPED_WS = {  # grouped outputs whose half tile (64 columns at D = 128) holds 
                          + [(o, "rows") for o in GROUPED_WS])
 def test_grouped_outputs_split_over_two_compute_warpgroups_keep_their_bits(output, split, monkeypatch):
     """Per-group FP8 and NVFP4 with the warp-specialised pipeline (`compute_wgs=2`): each compute warpgroup
-    quantizes whole groups of its half tile (`split`: its columns, or its 64 rows: the 2-way merge's
-    `mc.warpgroup_tile`) with its own scale slots, and the outputs, scales and LSE are the one-warpgroup kernels'
-    bits (2-way, its long 128-column tiles, and N = 3; T = 130, H = 2, D = 128). A group as wide as the tile (128) splits by rows only; NVFP4 by columns where each half is
-    `NVFP4_COLUMNS` at least."""
+    quantizes whole groups of its half tile (`split`: its columns, or its 64 rows, `mc.warpgroup_tile`) with its
+    own scale slots, and the outputs, scales and LSE are the one-warpgroup kernels' bits (2-way, its long
+    128-column tiles, and N = 3; T = 130, H = 2, D = 128). A group as wide as the tile (128) splits by rows only;
+    NVFP4 by columns where each half is `NVFP4_COLUMNS` at least."""
     from pallas_impl.mosaic import _common as mc
 
     quant = {"group_fp8_g64": (64, False), "group_fp8_g32_ue8m0": (32, True),
@@ -347,12 +347,13 @@ NVFP4_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in map(case
 
 @needs_mosaic
 @pytest.mark.parametrize("launch", [{}, dict(grouped=dict(compute_wgs=2), nvfp4=dict(compute_wgs=2)),
-                                    dict(grouped=dict(compute_wgs=2, split="rows"))], ids=lambda d: json.dumps(d))
+                                    dict(grouped=dict(compute_wgs=2, split="rows"),
+                                         nvfp4=dict(compute_wgs=2, split="rows"))], ids=lambda d: json.dumps(d))
 @pytest.mark.parametrize("case, op", NVFP4_OPS)
 def test_nvfp4_on_each_schedule_matches_reference(case, op, launch, monkeypatch):
     """NVFP4's codes stored as an int4 tile (its bytes are the packed bytes, viewed as u8 after the kernel)
     against the float64 reference: the full suite's NVFP4 cases (pass-through rows, specials, `[T, H]` base-2
-    LSEs, N = 4), on one compute warpgroup and split over two by columns or (the 2-way merge) by rows."""
+    LSEs, N = 4), on one compute warpgroup and split over two by columns or by rows."""
     inputs = _operands(case, op)
     got = _with_choices(launch, monkeypatch,
                         lambda: impls.run(RT, "mosaic", op, case, _device(inputs)))
@@ -801,6 +802,7 @@ def _assert_same_bits(got: list, want: list) -> None:
 # before one becomes a default, the GPU gives its bits here (the interpreter tests above check it on a CPU).
 CANDIDATES = {
     "nvfp4_n_way_split": (dict(nvfp4=dict(compute_wgs=2)), ["nvfp4_row", "nvfp4_swizzled"]),
+    "nvfp4_n_way_rows": (dict(nvfp4=dict(compute_wgs=2, split="rows")), ["nvfp4_row", "nvfp4_swizzled"]),
 }
 
 

@@ -30,7 +30,7 @@ QUANTIZED = {"static fp8": dict(out_dtype=jnp.float8_e4m3fn, output_scale=jnp.fl
              "NVFP4 swizzled": dict(out_dtype=jnp.float4_e2m1fn, output_scale=jnp.float32(40.0),
                                     scale_layout="swizzled")}
 DEFAULTS = {k: dict(mc.TUNING[k]) for k in ("merge", "merge_n")}
-# the quantized merges' schedules: one compute warpgroup, two splitting each tile by columns, by rows (2-way only)
+# the quantized merges' schedules: one compute warpgroup, two splitting each tile by columns, by rows
 SCHEDULES = (dict(compute_wgs=1), dict(compute_wgs=2), dict(compute_wgs=2, split="rows"))
 
 
@@ -78,8 +78,6 @@ def main(argv=None) -> int:
             print(f"  {name}, {schedule}: 2-way", flush=True)
             jax.block_until_ready(pallas_impl.merge_attn_states(o[0], lse[0], o[1], lse[1], return_lse=True,
                                                                 prefill_tokens_with_context=290, **quant, **KW))
-            if schedule.get("split") == "rows":  # the N-way merge splits by columns only: its run above
-                continue
             print(f"  {name}, {schedule}: N-way", flush=True)
             jax.block_until_ready(pallas_impl.merge_attn_states_n(o, lse, query_start_loc=qsl, cu_seq_lens=cus,
                                                                   **quant, **KW))

@@ -256,13 +256,6 @@ def strided_row(ref, start):
     return m.layout_cast(ref[pl.ds(start, BLOCK_T)], m.Layout.WG_STRIDED((BLOCK_T,), vec_size=1))
 
 
-def load_row(ref, start, row_smem):
-    """f32[BLOCK_T] of a flat GMEM `ref` from `start`, by per-thread loads (an LSE row may start anywhere; TMA
-    needs 16-byte alignment), relaid out through `row_smem` into the row layout of a `[BLOCK_T, dc]` tile."""
-    row_smem[...] = strided_row(ref, start)
-    return load(row_smem, plgpu().Layout.WGMMA.reduce(1))
-
-
 def store_tile(result, o_scr, dst, count, scales=None, s_scr=None, s_dst=None) -> None:
     """A finished `[rows, dc]` tile (or a warpgroup's part of one, `warpgroup_tile`) to GMEM `dst` by a TMA store
     from slot `count % S` of `o_scr` (`[S, rows, dc]`), once the store that last used that slot has read it (at

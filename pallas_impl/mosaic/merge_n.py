@@ -57,8 +57,9 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     grouped = mc.grouped(quant)
     scaled = mc.has_scale_row(quant)  # a scale row in: the static fp8 scale, NVFP4's global scale
     scale_at = rows + (3 if blocks else 1)  # the row of w_smem holding that scale
-    # the columns of a tile each compute warpgroup merges (the split by rows is the 2-way merge's)
-    wgs, _, width = mc.warpgroup_tile(dict(tune, split="cols"), quant, dc, out_type[0].dtype)
+    # Each compute warpgroup merges `[rw, width]` of a tile: all of it, or half its columns or its rows.
+    wgs, rw, width = mc.warpgroup_tile(tune, quant, dc, out_type[0].dtype)
+    by_rows = rw < bt
 
     def body(x_g, l_g, *rest):
         # x_g: the partials; l_g: the raw LSE rows, f32[N * H * T'] ((k * H + h) * T' + t) or, with prefetch,
@@ -72,9 +73,11 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
         if prefetch:  # the row buffers (two slots each: this tile's, the next one's) and their barriers
             bufs, row_bar, q_scr = q_scr[:prefetch_refs], q_scr[prefetch_refs], q_scr[prefetch_refs + 1:]
         # With two compute warpgroups (and a third issuing the TMA copies), warpgroup wg merges columns
-        # [wg * width, (wg + 1) * width) of each tile, with its own weight rows, output slots and quantization
-        # scratch.
+        # [wg * width, (wg + 1) * width) of each tile, or rows [wg * rw, (wg + 1) * rw) (`by_rows`), with its own
+        # weight rows (all 128 computed by each), output slots and quantization scratch.
         wg = lax.axis_index("wg") if wgs > 1 else 0
+        mine = lambda r: r.at[pl.ds(wg * rw, rw)] if by_rows else r  # noqa: E731 - its part of a row
+        R = L.reduce(1)
         w_smem, row_smem, o_scr = mc.per_warpgroup_refs((w_smem, row_smem, o_scr), wg, wgs)
         if prefetch:
             l_buf, e_buf, c_buf = mc.optional_refs(mc.per_warpgroup_refs(bufs, wg, wgs), True, empty_rows,
@@ -147,35 +150,43 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                         k = jnp.minimum(n + j, num_partials - 1)  # past N: a row never read
                         w_smem[j] = _math.exp_base(lse_of(k) - m, lse_base2) / z
 
-            w = mc.load(w_smem.at[n % rows if blocks else n], L.reduce(1))
-            wb = jnp.broadcast_to(w[:, None], (bt, width))
-            x = mc.load(x_s.at[:, pl.ds(wg * width, width)] if wgs > 1 else x_s, L)
+            row = lambda x: jnp.broadcast_to(x[:, None], (rw, width))  # noqa: E731
+            wb = row(mc.load(mine(w_smem.at[n % rows if blocks else n]), R))
+            if by_rows:
+                x_s = x_s.at[pl.ds(wg * rw, rw), :]
+            elif wgs > 1:
+                x_s = x_s.at[:, pl.ds(wg * width, width)]
+            x = mc.load(x_s, L)
             term = jnp.where(wb > 0, x.astype(F32) * wb, 0.0)  # 4.3: a zero weight gives exactly 0
             acc = jnp.where(jnp.broadcast_to(n == 0, term.shape), term, acc + term)
 
             @pl.when(n == num_partials - 1)
             def _store():
-                empty = mc.load(w_smem.at[rows], L.reduce(1)) > 0
-                out = jnp.where(jnp.broadcast_to(empty[:, None], (bt, width)), 0.0, acc)
+                out = jnp.where(row(mc.load(mine(w_smem.at[rows]), R)) > 0, 0.0, acc)
                 copy = None
                 if copy_rows:  # 8.4: the last partial's own bits (x is its tile at this step)
-                    flags = mc.load(c_buf.at[i % 2], L.reduce(1)) if prefetch else mc.load_row(c_g, t0, row_smem)
-                    copy = jnp.broadcast_to((flags > 0)[:, None], (bt, width))
+                    if prefetch:
+                        flags = mc.load(mine(c_buf.at[i % 2]), R)
+                    else:
+                        row_smem[...] = mc.strided_row(c_g, t0)
+                        flags = mc.load(mine(row_smem), R)
+                    copy = row(flags) > 0
                 result = mc.stored(out, x, copy, F32 if quant else o_scr.dtype)
-                scale = mc.load(w_smem.at[scale_at], L.reduce(1)) if scaled else None
-                # 4.6, 4.7, 4.8: column chunk hc * wgs + wg of `width` columns
-                mc.store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, hc * wgs + wg, i)
+                scale = mc.load(mine(w_smem.at[scale_at]), R) if scaled else None
+                # 4.6, 4.7, 4.8: column chunk hc * wgs + wg of `width` columns, or chunk hc of rows from wg * rw
+                chunk, row0 = (hc, wg * rw) if by_rows else (hc * wgs + wg, 0)
+                mc.store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, chunk, i, row0=row0)
 
             return acc
 
         spec = plgpu.BlockSpec((None, pl.Element(bt), dc),
                                lambda i, n: (n, *tiles.at(i)[::-1]))
         mc.pipeline(step, (x_g,), grid=(steps, num_partials), in_specs=[spec], tune=tune, wgs=wgs,
-                    init_carry=lambda: plgpu.layout_cast(jnp.zeros((bt, width), F32), L))
+                    init_carry=lambda: plgpu.layout_cast(jnp.zeros((rw, width), F32), L))
         plgpu.wait_smem_to_gmem(0)
 
     own = mc.per_warpgroup([plgpu.SMEM((scale_at + 1, bt), F32), plgpu.SMEM((bt,), F32),
-                            mc.output_slots(tune["stores"], width, out_type[0].dtype)], wgs)
+                            mc.output_slots(tune["stores"], width, out_type[0].dtype, rw)], wgs)
     row_bufs = []
     if prefetch:
         row_bufs = mc.per_warpgroup([plgpu.SMEM(shape, F32) for shape, present in (
@@ -184,7 +195,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
         row_bufs.append(plgpu.Barrier(num_arrivals=len(row_bufs), num_barriers=2 * wgs))
     prefetch_refs = len(row_bufs) - 1
     return mc.kernel(body, out_type=tuple(out_type), grid=tiles.grid, grid_names=tiles.names,
-                     scratch_types=[*own, *row_bufs, *mc.quant_scratch(quant, tune["stores"], width, wgs)],
+                     scratch_types=[*own, *row_bufs, *mc.quant_scratch(quant, tune["stores"], width, wgs, rw)],
                      interpret=interpret, **mc.warpgroups(wgs))
 
 
