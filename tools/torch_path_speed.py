@@ -85,7 +85,7 @@ def main(argv=None) -> int:
           f"{torch.get_num_threads()} threads")
     print(f"  torch path          {merge * 1e3:9.2f} ms")
     print(f"  torch.add (2R1W)    {add * 1e3:9.2f} ms   torch path / add = {merge / add:.2f}x"
-          + ("" if args.partials == 2 else f"   (N / 2 adds: the N reads and a write)"))
+          + ("" if args.partials == 2 else "   (N / 2 adds: the N reads and a write)"))
     print(f"  Triton interpreter  {interp_scaled * 1e3:9.2f} ms   (measured at T={args.interpreter_tokens}: "
           f"{interp * 1e3:.2f} ms, scaled by T)   interpreter / torch path = {interp_scaled / merge:.1f}x")
     return 0
