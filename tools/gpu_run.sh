@@ -127,7 +127,7 @@ if [ "$PLAN" = mosaic ] || [ "$PLAN" = mosaic_speed ] || [ "$PLAN" = mosaic_cand
         # (each test compiles both backends at T = 1001 and 32K: about 95 s a test on the H100, 2026-12-07)
         step pytest 400 100 "$OUT/pytest.log" "$PY" -m pytest -m gpu -v -rf tests/test_pallas_mosaic.py \
             -k launch_candidates
-        # the N-way NVFP4 merge split over two compute warpgroups on the NVFP4 points
+        # the N-way NVFP4 merge split by rows over two compute warpgroups on the NVFP4 points
         step mosaic_speed_nvfp4 70 25 "$OUT/mosaic_speed_nvfp4.log" "$PY" -m tools.mosaic_speed --kernels merge \
             merge_n --first 3 --match nvfp4 --budget-s 55 --json "$OUT/mosaic_speed_nvfp4.json"
         step mosaic_profile 60 5 "$OUT/mosaic_profile.log" "$PY" -m tools.mosaic_profile --variant nvfp4 \
