@@ -212,7 +212,8 @@ def test_the_two_way_merge_takes_the_long_tiles_from_long_tokens():
 
 def test_the_grouped_and_nvfp4_launch_choices_apply_to_their_outputs_only(monkeypatch):
     """The 2-way merge's `grouped` choices (per-group FP8 and NVFP4) and the N-way merge's `nvfp4` ones (empty by
-    default: set here) replace the plain merges' for those outputs and no other."""
+    default: set here) replace the plain merges' for those outputs and no other; NVFP4's two compute warpgroups in
+    the N-way merge split by rows, whatever `split` says (by columns the GPU wrote wrong codes)."""
     from pallas_impl.mosaic import _common as mc
 
     nvfp4 = dict(compute_wgs=2)
@@ -224,7 +225,11 @@ def test_the_grouped_and_nvfp4_launch_choices_apply_to_their_outputs_only(monkey
     assert mc.merge_n_tuning(None) == plain
     assert mc.merge_n_tuning((mc.STATIC,)) == plain
     assert mc.merge_n_tuning((128, False)) == plain
-    assert mc.merge_n_tuning((mc.NVFP4,)) == dict(plain, **nvfp4)
+    assert mc.merge_n_tuning((mc.NVFP4,)) == dict(plain, **nvfp4, split="rows")
+    plain_split = dict(mc.TUNING["merge_n"], compute_wgs=2, split="cols", nvfp4={})
+    monkeypatch.setitem(mc.TUNING, "merge_n", plain_split)
+    assert mc.merge_n_tuning((128, False))["split"] == "cols"  # per-group FP8 keeps its split
+    assert mc.merge_n_tuning((mc.NVFP4,))["split"] == "rows"
 
 
 def _with_choices(choices: dict, monkeypatch, run):

@@ -352,8 +352,11 @@ def merge_tuning(num_tokens: int, grouped_output: bool = False) -> dict:
 
 
 def merge_n_tuning(quant) -> dict:
-    """The N-way merge's launch choices for the output `quant` (`output_plan`): with the `nvfp4` ones for NVFP4."""
-    return _overridden(dict(TUNING["merge_n"]), "nvfp4", quant_is_nvfp4(quant))
+    """The N-way merge's launch choices for the output `quant` (`output_plan`): with the `nvfp4` ones for NVFP4,
+    whose two compute warpgroups always split by rows (by columns the H100 wrote the second warpgroup's half of
+    every head wrong, 2026-12-08, where jax's interpreter gives the right bits: docs/results.md)."""
+    tune = _overridden(dict(TUNING["merge_n"]), "nvfp4", quant_is_nvfp4(quant))
+    return dict(tune, split="rows") if quant_is_nvfp4(quant) and tune.get("compute_wgs", 1) > 1 else tune
 
 
 def _overridden(tune: dict, key: str, applies: bool) -> dict:
