@@ -134,7 +134,7 @@ def compute_warpgroups(tune: dict, quant, dc: int, out_dtype) -> int:
     tile is not whole 16-byte rows of a multiple of 8 columns and of the output's groups (a group of per-group FP8
     never spans warpgroups; NVFP4's int4 tiles are `NVFP4_COLUMNS` at least); split by rows, any tile."""
     wgs = tune.get("compute_wgs", 1)
-    if wgs > 1 and split_by_rows(tune, quant):
+    if wgs > 1 and split_by_rows(tune):
         return wgs
     if wgs == 1 or dc % wgs:
         return 1
@@ -150,7 +150,7 @@ def compute_warpgroups(tune: dict, quant, dc: int, out_dtype) -> int:
     return wgs
 
 
-def split_by_rows(tune: dict, quant) -> bool:
+def split_by_rows(tune: dict) -> bool:
     """Whether two compute warpgroups split a tile by rows (`tune["split"] == "rows"`) rather than by columns."""
     return tune.get("split") == "rows"
 
@@ -161,7 +161,7 @@ def warpgroup_tile(tune: dict, quant, dc: int, out_dtype) -> tuple[int, int, int
     (`split_by_rows`: 64, a WGMMA layout's tile of rows; any group size, the LSE rows' weights loaded for its own
     rows only)."""
     wgs = compute_warpgroups(tune, quant, dc, out_dtype)
-    if wgs > 1 and split_by_rows(tune, quant):
+    if wgs > 1 and split_by_rows(tune):
         return wgs, BLOCK_T // wgs, dc
     return wgs, BLOCK_T, dc // wgs
 
@@ -524,7 +524,7 @@ def tile_scales(raw, num_tokens: int):
     return jnp.concatenate([head, tail], axis=1)[:, :num_tokens]
 
 
-def out_struct(num_tokens: int, num_heads: int, cols: int, quant, stored_dtype, *args):
+def out_struct(num_tokens: int, num_heads: int, cols: int, stored_dtype, *args):
     """The output a merge kernel writes: `[T', H * D]` of the stored dtype (NVFP4: int4 codes)."""
     return _sharding.out_struct((num_tokens, num_heads * cols), stored_dtype, *args)
 
@@ -576,7 +576,7 @@ def kernel_io(args: list, quant, output_scale, num_tokens: int, num_heads: int, 
     outputs' types: the output (`out_struct`), the scales of a `grouped` quant, the LSE."""
     if has_scale_row(quant):
         args.append(scale_row(output_scale))
-    out_type = [out_struct(num_tokens, num_heads, cols, quant, stored_dtype, *args)]
+    out_type = [out_struct(num_tokens, num_heads, cols, stored_dtype, *args)]
     if grouped(quant):
         out_type.append(scales_struct(num_tokens, num_heads, cols, quant, *args))
     if return_lse:
