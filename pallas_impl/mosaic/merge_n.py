@@ -49,6 +49,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     tiles = mc.Tiles(num_tokens, num_heads * nc, tune, interpret)
     bt, steps = mc.BLOCK_T, tiles.steps
     L = plgpu.Layout.WGMMA
+    R = L.reduce(1)  # a tile's rows, each where the tile's row layout holds it
 
     # The weights live in shared memory, `rows` partials at a time: every partial's up to WEIGHT_ROWS, else
     # blocks of WEIGHT_ROWS, each computed at its first partial from m and z (rows + 1, rows + 2).
@@ -77,7 +78,6 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
         # weight rows (all 128 computed by each), output slots and quantization scratch.
         wg = lax.axis_index("wg") if wgs > 1 else 0
         mine = lambda r: r.at[pl.ds(wg * rw, rw)] if by_rows else r  # noqa: E731 - its part of a row
-        R = L.reduce(1)
         w_smem, row_smem, o_scr = mc.per_warpgroup_refs((w_smem, row_smem, o_scr), wg, wgs)
         if prefetch:
             l_buf, e_buf, c_buf = mc.optional_refs(mc.per_warpgroup_refs(bufs, wg, wgs), True, empty_rows,
