@@ -4,6 +4,7 @@ warning (docs/design.md, "Mosaic GPU backend")."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -102,20 +103,39 @@ def resolve_implementation(implementation: str | None, backend: str | None = Non
     return implementation
 
 
-# jax 0.11 warns at every lowering of a Triton-backend pallas_call (docs/design.md: the Mosaic GPU plan).
+# jax 0.11 warns at every lowering of a Triton-backend pallas_call (docs/design.md, "Mosaic GPU backend").
 TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated and will be removed in a future JAX version\."
 
 
 @functools.cache
-def filter_triton_deprecation() -> None:
-    """Ignore exactly that message, as a DeprecationWarning, once our kernels are first used.
+def _compiler_params_type():
+    """Our kernels' Triton compiler parameters: a subclass of `pltriton.CompilerParams` whose lowering rule is
+    jax's own with the deprecation warning ignored while it lowers one of our kernels (jax picks a pallas_call's
+    GPU lowering rule by its compiler parameters' type). The filter lives inside that lowering only
+    (`warnings.catch_warnings`): the caller's own Triton-backend kernels still warn, and the process's warning
+    filters are left as they were. A jax without that registry takes `pltriton.CompilerParams` (and may warn)."""
+    try:
+        from jax._src.pallas import core as pallas_core
+        from jax._src.pallas.triton import pallas_call_registration as triton_lowering
+    except ImportError:
+        return pltriton.CompilerParams
+    if not hasattr(pallas_core, "register_lowering_rule"):
+        return pltriton.CompilerParams
 
-    The warning fires when the enclosing jit compiles, possibly after our call has returned, so a
-    `catch_warnings` block around the call cannot hold it: the filter is process-wide and this narrow.
-    """
-    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+    @dataclasses.dataclass(frozen=True)
+    class CompilerParams(pltriton.CompilerParams):
+        pass
+
+    def lowering(ctx, *in_nodes, **params):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+            return triton_lowering.pallas_call_lowering(ctx, *in_nodes, **params)
+
+    pallas_core.register_lowering_rule(CompilerParams, lowering, "gpu")
+    return CompilerParams
 
 
 def compiler_params(num_warps: int):
-    """Pins the Pallas Triton lowering (docs/spec.md 6); see docs/design.md for the move to Mosaic GPU."""
-    return pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+    """Pins the Pallas Triton lowering (docs/spec.md 6), lowered without jax's deprecation warning
+    (`_compiler_params_type`); see docs/design.md for the move to Mosaic GPU."""
+    return _compiler_params_type()(num_warps=num_warps, num_stages=1)

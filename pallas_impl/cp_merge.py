@@ -210,7 +210,6 @@ def cp_merge_attn_states(out, lse, *, axis_name, query_start_loc=None, cu_seq_le
                                                  reduce_dtype=rdt, return_lse=return_lse, lse_layout=lse_layout,
                                                  lse_base2=lse_base2)
     else:
-        _backend.filter_triton_deprecation()
         interp = _backend.resolve_interpret(interpret, backend)
         if backend == "mosaic_gpu":
             from pallas_impl.mosaic.cp_merge import rescale_mosaic as rescale

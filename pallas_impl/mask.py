@@ -201,7 +201,6 @@ def _mask_plan(lse, query_start_loc, cu_seq_lens, output, no_empty, lse_layout, 
         return _unchanged
     if impl == "jnp":
         return functools.partial(jnp_fallback.mask_empty_context_lse, lse_layout=lse_layout)
-    _backend.filter_triton_deprecation()
     interpret = _backend.resolve_interpret(interpret, backend)
     lse_axis = 0 if lse_layout == "HT" else 1
     if backend == "mosaic_gpu":

@@ -226,7 +226,6 @@ def _merge_plan(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sca
         options["group"] = group[:2] + ("row",) if group[2] == "swizzled" else group
     if impl == "jnp":
         return functools.partial(jnp_fallback.merge_attn_states, **options)
-    _backend.filter_triton_deprecation()
     interpret = _backend.resolve_interpret(interpret, backend)
     _backend.check_fp8_lowering(output_scale is not None or group is not None, interpret, backend)
     lse_axis = 0 if lse_layout == "HT" else 1

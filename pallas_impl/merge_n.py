@@ -322,7 +322,6 @@ def _merge_n_plan(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pre
         return functools.partial(jnp_fallback.empty_merge_n, **options)
     if impl == "jnp":
         return functools.partial(jnp_fallback.merge_attn_states_n, **options)
-    _backend.filter_triton_deprecation()
     interpret = _backend.resolve_interpret(interpret, backend)
     _backend.check_fp8_lowering(output_scale is not None or group is not None, interpret, backend)
     lse_axis = 0 if lse_layout == "HT" else 1

@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -490,6 +491,54 @@ def test_the_default_backend_is_triton_unless_the_environment_says_otherwise(mon
     monkeypatch.delenv("PALLAS_IMPL_BACKEND")
     got = pallas_impl.merge_attn_states_n(o, lse, implementation="jnp")
     assert all(np.array_equal(np.asarray(g), np.asarray(w), equal_nan=True) for g, w in zip(got, want))
+
+
+def _abstract_hopper():
+    """Lowering for an H100 on any machine: the Pallas Triton lowering asks for the GPU's compute capability, which
+    an abstract mesh's device kind gives where there is no GPU."""
+    from jax._src.mesh import AbstractDevice
+
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
+
+
+TRITON_CALLS = dict(CALLS, cp_merge=lambda o, lse, qsl, cu, **kw: jax.vmap(
+    lambda x, y: pallas_impl.cp_merge_attn_states(x, y, axis_name="cp", method="reduce_scatter", **kw),
+    axis_name="cp")(o[:2], lse[:2]))
+
+
+@needs_mosaic  # jax >= 0.11: the jax that deprecates the Pallas Triton backend
+@pytest.mark.parametrize("fn", TRITON_CALLS)
+def test_triton_backend_kernels_lower_without_the_deprecation_and_leave_the_warning_filters_alone(fn):
+    """Our Triton-backend kernels lower without jax's deprecation warning (the filter lives in their own lowering
+    only, `_backend._compiler_params_type`), the process's warning filters are left as they were, and the caller's
+    own Triton-backend kernel still warns."""
+    from jax.experimental import pallas as pl
+
+    def own_kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1
+
+    def theirs(x):
+        return pl.pallas_call(own_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=False)(x)
+
+    def ours(*xs):
+        return TRITON_CALLS[fn](*xs, implementation="pallas", backend="triton", interpret=False)
+
+    def lower(f, *xs):
+        return jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+                *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]).mlir_module()
+
+    deprecation = re.compile(pallas_backend.TRITON_DEPRECATION)
+    args, x = _small(), jnp.zeros((16,), jnp.float32)
+    with warnings.catch_warnings(record=True) as seen, _abstract_hopper():
+        warnings.simplefilter("always")
+        filters = list(warnings.filters)
+        assert "xla.gpu.triton" in lower(ours, *args)
+        assert not [w for w in seen if deprecation.match(str(w.message))]
+        assert warnings.filters == filters
+        lower(theirs, x)
+        assert [w.category for w in seen if deprecation.match(str(w.message))] == [DeprecationWarning]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -52,7 +52,6 @@ import torch  # noqa: E402
 import pallas_impl  # noqa: E402
 import triton_impl  # noqa: E402
 from mla_lse_common import tiles  # noqa: E402
-from pallas_impl import _backend as pbackend  # noqa: E402
 from pallas_impl import mask as pmask  # noqa: E402
 from parity.library import bridge
 from parity.harness import cases
@@ -292,7 +291,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("mask_floor.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    pbackend.filter_triton_deprecation()
     deadline = time.monotonic() + args.budget_s
     loads = {name: Workload(SEEDS[name]) for name in args.workloads}
     rows = []
