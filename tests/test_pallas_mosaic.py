@@ -271,6 +271,38 @@ def test_launch_schedules_match_reference(case, op, launch, monkeypatch):
     _check_against_reference(case, op, inputs, got)
 
 
+# `[T, H]` LSEs of whole boxes of heads (H a multiple of `mc.TH_HEADS`): T = 260 (a shifted last tile, specials)
+# and T = 68 (padded to one tile; bf16 D = 256).
+TH_BOX_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in (
+    dataclasses.replace(cases.by_name("specials_th"), name="specials_th_h16", num_heads=16, query_lens=(50, 0, 77, 133)),
+    dataclasses.replace(cases.by_name("d256_bf16_th"), name="d256_bf16_th_h8", num_heads=8))
+    for op in impls.ops_of(case) if op.startswith("merge")]
+
+
+@needs_mosaic
+@pytest.mark.parametrize("case, op", TH_BOX_OPS)
+def test_th_lses_read_in_boxes_of_heads_match_reference(case, op, monkeypatch):
+    """The 2-way merge reading a `[T, H]` LSE as it is (`th_boxes`, `mc.lse_boxes`: without the merged LSE): each
+    CTA one token tile of `TH_HEADS` heads, their box copied once, each head's column picked in registers; the
+    same bits as with XLA's transpose (the same arithmetic), and the reference's values."""
+    from pallas_impl.mosaic import _common as mc
+
+    taken = []
+    boxes = mc.lse_boxes
+    monkeypatch.setattr(mc, "lse_boxes", lambda *a: taken.append(boxes(*a)) or taken[-1])
+    inputs = _operands(case, op)
+    method, args, opts = impls.op_call(op, case, _device(inputs))
+
+    def merged():
+        return getattr(impls.adapter(RT, "mosaic"), method)(*args, **opts, return_lse=False)
+
+    want = merged()
+    got = _with_choices(dict(th_boxes=True), monkeypatch, merged)
+    assert taken == [False, True]
+    np.testing.assert_array_equal(np.asarray(got["out"]), np.asarray(want["out"]))
+    assert_merge_matches_reference(case, op, inputs, got["out"], mode="mosaic")
+
+
 @needs_mosaic
 @pytest.mark.parametrize("lse_step", [16, 5])
 def test_the_n_way_runtime_loops_take_any_lse_step(lse_step, monkeypatch):
@@ -854,7 +886,9 @@ def _assert_same_bits(got: list, want: list) -> None:
 
 # The launch choices `python -m tools mosaic-speed` sweeps that no default takes yet, with the outputs they change:
 # before one becomes a default, the GPU gives its bits here (the interpreter tests above check it on a CPU).
-CANDIDATES = {}
+CANDIDATES = {
+    "th_boxes": (dict(th_boxes=True), ["bf16_th"]),  # `[T, H]` LSEs in boxes of heads (T' a multiple of 4)
+}
 
 
 @pytest.mark.gpu

@@ -50,11 +50,13 @@ CANDIDATES = {
     # (Candidates well behind in the committed sweeps are left out: docs/results.md.)
     # ctas_per_sm > 0: persistent CTAs (`mc.Tiles`); 32 KiB 2-way tiles hold one CTA per SM, 16 KiB ones two (for
     # the issue-bound quantized merges, more warps per scheduler).
+    # th_boxes: `[T, H]` LSEs read in boxes of heads, one token tile of 8 heads per CTA (`mc.lse_boxes`);
     # compute_wgs=2: warp-specialised (`mc.compute_warpgroups`); lse_tma=False: the LSE rows by per-thread loads;
     # grouped={}: per-group FP8 and NVFP4 outputs with the plain merges' choices (`mc.merge_tuning`); split="rows":
     # two compute warpgroups of 64 rows each (`mc.warpgroup_tile`); nvfp4=...: the N-way NVFP4 merge on two compute
     # warpgroups by rows (`mc.merge_n_tuning`; by columns its second half was wrong on the H100, docs/results.md).
     "merge": [dict(mc.TUNING["merge"]),
+              dict(mc.TUNING["merge"], th_boxes=True),
               dict(mc.TUNING["merge"], grouped=dict(compute_wgs=2)),
               dict(mc.TUNING["merge"], compute_wgs=2, split="rows", grouped=dict(compute_wgs=2, split="rows")),
               dict(mc.TUNING["merge"], lse_tma=False),

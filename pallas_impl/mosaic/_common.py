@@ -219,14 +219,21 @@ class Tiles:
     taking tiles c, c + P, c + 2P, ... of the token-major order (the column chunks of one token tile, then the next
     tile), clamped to the last tile: a CTA with fewer tiles repeats that one, writing the same values. Persistent CTAs
     fill and drain their pipeline once instead of once per `steps` tiles, and no wave of CTAs is left part-full.
-    Which tile a CTA takes never changes an element's arithmetic."""
+    `chunks_per_cta` > 0 (a `[T, H]` LSE read in boxes of heads, `lse_boxes`): a grid of (H * D / dc /
+    chunks_per_cta, token tiles) CTAs, each the `chunks_per_cta` consecutive column chunks of one token tile, so a
+    CTA's heads share one box. Which tile a CTA takes never changes an element's arithmetic."""
 
-    def __init__(self, num_tokens: int, num_chunks: int, tune: dict, interpret: bool):
+    def __init__(self, num_tokens: int, num_chunks: int, tune: dict, interpret: bool, chunks_per_cta: int = 0):
         self.num_tokens, self.num_chunks = num_tokens, num_chunks
         self.token_tiles = token_tiles(num_tokens)
         self.total = num_chunks * self.token_tiles
+        self.chunks_per_cta = chunks_per_cta
         per_sm = tune.get("ctas_per_sm", 0)
-        if per_sm:
+        if chunks_per_cta:
+            assert not per_sm and num_chunks % chunks_per_cta == 0
+            self.ctas, self.steps = 0, chunks_per_cta
+            self.grid, self.names = (num_chunks // chunks_per_cta, self.token_tiles), ("g", "t")
+        elif per_sm:
             self.ctas = min(self.total, sm_count(interpret) * per_sm)
             self.steps = -(-self.total // self.ctas)
             self.grid, self.names = (self.ctas,), ("c",)
@@ -237,6 +244,9 @@ class Tiles:
 
     def at(self, i):
         """(hc, t0) of step `i` (traced) in the kernel."""
+        if self.chunks_per_cta:
+            return (lax.axis_index("g") * self.chunks_per_cta + i,
+                    jnp.minimum(lax.axis_index("t") * BLOCK_T, self.num_tokens - BLOCK_T))
         if not self.ctas:
             return lax.axis_index("hc"), tile_start(lax.axis_index("s"), i, self.num_tokens, self.steps)
         f = jnp.minimum(lax.axis_index("c") + i * self.ctas, self.total - 1)
@@ -365,10 +375,40 @@ def _overridden(tune: dict, key: str, applies: bool) -> dict:
     return dict(tune, **own) if applies else tune
 
 
-def lse_rows(lse, lse_layout: str, flat: bool = True):
-    """A raw LSE as a kernel reads it: f32[H * T'] (`flat`: rows h, for per-thread loads) or f32[H, T'] (TMA
-    copies, `rows_by_tma`), T' >= BLOCK_T padded with -inf. The sentinels are the kernel's (`_math.clean_lse`); an
-    `[H, T]` LSE of T >= BLOCK_T is only reshaped (no XLA kernel)."""
+# A `[T', H]` LSE's box of heads (`lse_boxes`): 8 heads, 32-byte rows (TMA takes 16-byte multiples).
+TH_HEADS = 8
+
+
+def lse_boxes(tune: dict, lse_layout: str, num_heads: int, num_tokens: int, output_lse: bool) -> bool:
+    """Whether the 2-way merge reads a `[T, H]` LSE as it is (`tune["th_boxes"]`): each CTA takes the column chunks
+    of `TH_HEADS` heads of one token tile (`Tiles(chunks_per_cta=...)`), copies that tile's `[BLOCK_T, TH_HEADS]`
+    box of both LSEs into shared memory once by TMA, and picks each head's column in registers (`lse_column`), so
+    no XLA transpose runs before the kernel and each box is read once. Where the weights come in the tile's row
+    layout (`row_weights`: no merged LSE out), on one warpgroup in a grid of CTAs, H a multiple of TH_HEADS and
+    `rows_by_tma`'s T'. Elsewhere XLA transposes a `[T, H]` LSE first (`lse_rows`)."""
+    return (bool(tune.get("th_boxes")) and lse_layout == "TH" and num_heads % TH_HEADS == 0 and not output_lse
+            and bool(tune.get("row_weights")) and rows_by_tma(tune, num_tokens) and tune.get("compute_wgs", 1) == 1
+            and not tune.get("ctas_per_sm"))
+
+
+def lse_column(box, head, layout):
+    """Head `head`'s column (`head % TH_HEADS`) of a `[rows, TH_HEADS]` LSE box in shared memory (`lse_boxes`) as a
+    row in the `layout` of a tile's rows (the WGMMA layout reduced over columns): the other columns at -inf, then
+    the maximum over the box's columns, which is that column's value, bits and all (a NaN stays NaN, -0.0 stays
+    -0.0; `_math.clean_lse` then takes the sentinels as it does in `[H, T']` rows)."""
+    m = plgpu()
+    x = load(box, m.Layout.WGMMA)
+    col = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    return jnp.max(jnp.where(col == head % TH_HEADS, x, -jnp.inf), axis=1)
+
+
+def lse_rows(lse, lse_layout: str, flat: bool = True, boxes: bool = False):
+    """A raw LSE as a kernel reads it: f32[H * T'] (`flat`: rows h, for per-thread loads), f32[H, T'] (TMA
+    copies, `rows_by_tma`) or, `boxes` (`lse_boxes`), a `[T, H]` LSE as f32[T', H]; T' >= BLOCK_T padded with
+    -inf. The sentinels are the kernel's (`_math.clean_lse`); an LSE of T >= BLOCK_T in the layout the kernel reads
+    is only reshaped (no XLA kernel)."""
+    if boxes:
+        return padded_rows(lse, lse.shape[0], -jnp.inf, axis=0)
     x = lse if lse_layout == "HT" else lse.T
     x = padded_rows(x, x.shape[-1], -jnp.inf, axis=-1)
     return x.reshape(-1) if flat else x

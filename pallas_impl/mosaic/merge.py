@@ -35,14 +35,15 @@ F32 = jnp.float32
 
 
 def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *, output_lse: bool,
-            empty_rows: bool, copy_rows: bool, lse_base2: bool, quant, lse_tma: bool, interpret: bool):
+            empty_rows: bool, copy_rows: bool, lse_base2: bool, quant, lse_tma: bool, lse_boxes: bool,
+            interpret: bool):
     """The merge of padded `[T', H * D]` prefix and suffix (T' >= 128) with raw LSE rows, `[H, T']` copied with each
-    tile (`lse_tma`, `mc.rows_by_tma`) or `[H * T']` loaded per thread; quantized outputs quantized in registers
-    (`quant`: `mc.output_plan`)."""
+    tile (`lse_tma`, `mc.rows_by_tma`), `[T', H]` boxes of heads copied once per CTA (`lse_boxes`, `mc.lse_boxes`)
+    or `[H * T']` loaded per thread; quantized outputs quantized in registers (`quant`: `mc.output_plan`)."""
     plgpu = mc.plgpu()
     tune = mc.merge_tuning(num_tokens, mc.grouped(quant))
     nc = head_dim // dc
-    tiles = mc.Tiles(num_tokens, num_heads * nc, tune, interpret)
+    tiles = mc.Tiles(num_tokens, num_heads * nc, tune, interpret, chunks_per_cta=mc.TH_HEADS * nc if lse_boxes else 0)
     bt, steps = mc.BLOCK_T, tiles.steps
     L = plgpu.Layout.WGMMA
     R = L.reduce(1)  # a tile's rows, each where the tile's row layout holds it
@@ -64,6 +65,13 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
                                                                 grouped, output_lse)
         # rows of w_smem: wp, ws, both-empty flag, copy flag, static or global scale
         w_smem, o_scr, *q_scr = rest
+        if lse_boxes:  # this CTA's token tile of both LSEs' boxes of its heads, once, before its tiles
+            *q_scr, boxes, box_bar = q_scr
+            head0 = tiles.at(0)[0] // nc
+            for k, x_g in enumerate((p_g, s_g)):
+                plgpu.copy_gmem_to_smem(x_g.at[pl.ds(tiles.at(0)[1], bt), pl.ds(head0, mc.TH_HEADS)], boxes.at[k],
+                                        box_bar)
+            plgpu.barrier_wait(box_bar)
         # With two compute warpgroups (and a third issuing the TMA copies), warpgroup wg merges columns
         # [wg * width, (wg + 1) * width) of each tile, or rows [wg * rw, (wg + 1) * rw) (`by_rows`), with its own
         # weight rows, output slots and quantization scratch.
@@ -98,15 +106,16 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             hc, t0 = tiles.at(i)
             h = hc // nc
             *row_s, carry = rest
-            if lse_tma:  # the rows came with the tiles: p, s, then the flag rows present
-                p_s, s_s, *flag_s = row_s
+            if lse_tma:  # the rows came with the tiles: p, s (or the boxes), then the flag rows present
+                p_s, s_s, *flag_s = (boxes.at[0], boxes.at[1], *row_s) if lse_boxes else row_s
                 flag_s = iter(flag_s)
                 e_s, c_s = [next(flag_s) if r is not None else None for r in (e_g, c_g)]
 
                 def tile_rows(strided: bool):
                     """The rows one per thread (`strided`) or in the tile's row layout."""
                     read = lambda r: (mc.strided_row(r, 0) if strided else mc.load(mine(r), R))  # noqa: E731
-                    return cleaned(*(read(r) if r is not None else None for r in (p_s, s_s, e_s, c_s)))
+                    lse = (lambda r: mc.lse_column(mine(r), h, R)) if lse_boxes else read  # noqa: E731
+                    return cleaned(lse(p_s), lse(s_s), *(read(r) if r is not None else None for r in (e_s, c_s)))
 
                 following = ()
             else:
@@ -165,16 +174,17 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             at = lambda i: tiles.at(i)[1]  # noqa: E731
             lse = plgpu.BlockSpec((None, pl.Element(bt)), lambda i: (tiles.at(i)[0] // nc, at(i)))
             flags = [r for r in (e_g, c_g) if r is not None]
-            inputs += [p_g, s_g, *flags]
-            specs += [lse, lse] + [plgpu.BlockSpec((pl.Element(bt),), lambda i: (at(i),))] * len(flags)
+            inputs += ([] if lse_boxes else [p_g, s_g]) + flags
+            specs += ([] if lse_boxes else [lse, lse]) + [plgpu.BlockSpec((pl.Element(bt),), lambda i: (at(i),))] * len(flags)
         mc.pipeline(step, inputs, grid=(steps,), in_specs=specs, tune=tune, wgs=wgs,
                     init_carry=lambda: () if lse_tma else rows(0))
         plgpu.wait_smem_to_gmem(0)
 
     own = mc.per_warpgroup([plgpu.SMEM((5, bt), F32),
                             mc.output_slots(tune["stores"], width, out_type[0].dtype, rw)], wgs)
+    boxes = [plgpu.SMEM((2, bt, mc.TH_HEADS), F32), plgpu.Barrier(num_arrivals=2)] if lse_boxes else []
     return mc.kernel(body, out_type=tuple(out_type), grid=tiles.grid, grid_names=tiles.names,
-                     scratch_types=[*own, *mc.quant_scratch(quant, tune["stores"], width, wgs, rw)],
+                     scratch_types=[*own, *mc.quant_scratch(quant, tune["stores"], width, wgs, rw), *boxes],
                      interpret=interpret, **mc.warpgroups(wgs))
 
 
@@ -200,15 +210,16 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
                                     num_tokens, 0)
     copy_rows = prefill_tokens_with_context is not None and not mc.stores_f32_rows(group, quant)
     lse_tma = mc.rows_by_tma(tune, tp)
-    args = [rows(prefix_output), rows(suffix_output), mc.lse_rows(prefix_lse, lse_layout, flat=not lse_tma),
-            mc.lse_rows(suffix_lse, lse_layout, flat=not lse_tma)]
+    boxes = mc.lse_boxes(tune, lse_layout, num_heads, tp, return_lse)
+    args = [rows(prefix_output), rows(suffix_output),
+            *(mc.lse_rows(x, lse_layout, flat=not lse_tma, boxes=boxes) for x in (prefix_lse, suffix_lse))]
     if empty is not None:
         args.append(mc.flag_rows(empty))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
     out_type = mc.kernel_io(args, quant, output_scale, tp, num_heads, cols, stored_dtype, return_lse)
     results = _kernel(tp, num_heads, cols, dc, out_type, output_lse=return_lse, empty_rows=empty is not None,
-                      copy_rows=copy_rows, lse_base2=lse_base2, quant=quant, lse_tma=lse_tma,
+                      copy_rows=copy_rows, lse_base2=lse_base2, quant=quant, lse_tma=lse_tma, lse_boxes=boxes,
                       interpret=interpret)(*args)
     # XLA after the kernel: NVFP4 (4.8), per-group scales' layout, the pass-through LSE (4.4: the suffix's raw
     # bits), the layout.
