@@ -14,7 +14,8 @@ What it times (jax.profiler kernel time per call, `parity.tools.bench.timers.tim
 Every point runs on the Triton backend and on Mosaic GPU with the shipped defaults first, then with the other
 candidates of `CANDIDATES` (until `--budget-s`). The table ends with each kernel's candidates ranked over its
 points (the mask's two variants apart): put the best in `TUNING` if it is not the default. `--no-sweep` times
-the defaults only; `--grid` times the merges' whole table (`GRID_PARTIALS`, both LSE layouts) with the defaults;
+the defaults only; `--grid` times the merges' whole table (`GRID_PARTIALS`, both LSE layouts) with the defaults (and
+the first `--first` candidates with it);
 `--match REGEX` keeps the points whose label matches.
 """
 
@@ -208,9 +209,10 @@ def main(argv=None) -> int:
                    help="only the points of these kernels (TUNING keys)")
     p.add_argument("--match", default=None, help="only the points whose label matches this regular expression")
     p.add_argument("--grid", action="store_true",
-                   help="the merges' whole table instead of the default points (GRID; implies --no-sweep)")
+                   help="the merges' whole table instead of the default points (GRID; implies --no-sweep unless "
+                        "--first is given)")
     args = p.parse_args(argv)
-    if args.grid:
+    if args.grid and args.first is None:
         args.no_sweep = True
     if jax.default_backend() != "gpu":
         print("mosaic_speed: needs a GPU (jax sees none)", file=sys.stderr)
