@@ -271,20 +271,23 @@ def test_launch_schedules_match_reference(case, op, launch, monkeypatch):
     _check_against_reference(case, op, inputs, got)
 
 
-# `[T, H]` LSEs of whole boxes of heads (H a multiple of `mc.TH_HEADS`): T = 260 (a shifted last tile, specials)
-# and T = 68 (padded to one tile; bf16 D = 256).
+# `[T, H]` LSEs of whole boxes of heads (H a multiple of `mc.TH_HEADS`): T = 260 (a shifted last tile, specials),
+# T = 257 (not a multiple of 4) and T = 68 (padded to one tile; bf16 D = 256, pass-through rows).
 TH_BOX_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in (
     dataclasses.replace(cases.by_name("specials_th"), name="specials_th_h16", num_heads=16, query_lens=(50, 0, 77, 133)),
-    dataclasses.replace(cases.by_name("d256_bf16_th"), name="d256_bf16_th_h8", num_heads=8))
+    dataclasses.replace(cases.by_name("specials_th"), name="specials_th_h8", num_heads=8),
+    dataclasses.replace(cases.by_name("d256_bf16_th"), name="d256_bf16_th_h8", num_heads=8,
+                        prefill_tokens_with_context=40))
     for op in impls.ops_of(case) if op.startswith("merge")]
 
 
 @needs_mosaic
+@pytest.mark.parametrize("return_lse", [True, False])
 @pytest.mark.parametrize("case, op", TH_BOX_OPS)
-def test_th_lses_read_in_boxes_of_heads_match_reference(case, op, monkeypatch):
-    """The 2-way merge reading a `[T, H]` LSE as it is (`th_boxes`, `mc.lse_boxes`: without the merged LSE): each
-    CTA one token tile of `TH_HEADS` heads, their box copied once, each head's column picked in registers; the
-    same bits as with XLA's transpose (the same arithmetic), and the reference's values."""
+def test_th_lses_read_in_boxes_of_heads_match_reference(case, op, return_lse, monkeypatch):
+    """The 2-way merge reading a `[T, H]` LSE as it is and writing its merged LSE so (`th_boxes`, `mc.lse_boxes`):
+    each CTA one token tile of `TH_HEADS` heads, their boxes copied once, each head's column picked in registers;
+    the same bits as with XLA's transposes (the same arithmetic), and the reference's values."""
     from pallas_impl.mosaic import _common as mc
 
     taken = []
@@ -294,13 +297,14 @@ def test_th_lses_read_in_boxes_of_heads_match_reference(case, op, monkeypatch):
     method, args, opts = impls.op_call(op, case, _device(inputs))
 
     def merged():
-        return getattr(impls.adapter(RT, "mosaic"), method)(*args, **opts, return_lse=False)
+        return getattr(impls.adapter(RT, "mosaic"), method)(*args, **opts, return_lse=return_lse)
 
     want = merged()
     got = _with_choices(dict(th_boxes=True), monkeypatch, merged)
     assert taken == [False, True]
-    np.testing.assert_array_equal(np.asarray(got["out"]), np.asarray(want["out"]))
-    assert_merge_matches_reference(case, op, inputs, got["out"], mode="mosaic")
+    for key in ("out", "lse") if return_lse else ("out",):
+        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]))
+    assert_merge_matches_reference(case, op, inputs, got["out"], got["lse"] if return_lse else None, mode="mosaic")
 
 
 @needs_mosaic

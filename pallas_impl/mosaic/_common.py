@@ -166,18 +166,19 @@ def warpgroup_tile(tune: dict, quant, dc: int, out_dtype) -> tuple[int, int, int
     return wgs, BLOCK_T, dc // wgs
 
 
-def pipeline(step, inputs, *, grid, in_specs, tune: dict, wgs: int, init_carry) -> None:
+def pipeline(step, inputs, *, grid, in_specs, tune: dict, wgs: int, init_carry):
     """`step` pipelined over `grid` with `tune["concurrent"]` steps in flight and the carry from `init_carry()`:
     `emit_pipeline` for one compute warpgroup; for `wgs` > 1, the warp-specialised pipeline (`compute_warpgroups`:
-    warpgroup `wgs` issues the copies, warpgroups 0 .. wgs - 1, axis "wg", run `step`)."""
+    warpgroup `wgs` issues the copies, warpgroups 0 .. wgs - 1, axis "wg", run `step`). One warpgroup: the final
+    carry."""
     m = plgpu()
     if wgs > 1:
-        m.emit_pipeline_warp_specialized(step, grid=grid, in_specs=in_specs, max_concurrent_steps=tune["concurrent"],
-                                         memory_registers=MEMORY_REGISTERS, wg_axis="wg", num_compute_wgs=wgs,
-                                         compute_context=lambda run: run(init_carry()))(*inputs)
-    else:
-        m.emit_pipeline(step, grid=grid, in_specs=in_specs, max_concurrent_steps=tune["concurrent"],
-                        init_carry=init_carry())(*inputs)
+        return m.emit_pipeline_warp_specialized(
+            step, grid=grid, in_specs=in_specs, max_concurrent_steps=tune["concurrent"],
+            memory_registers=MEMORY_REGISTERS, wg_axis="wg", num_compute_wgs=wgs,
+            compute_context=lambda run: run(init_carry()))(*inputs)
+    return m.emit_pipeline(step, grid=grid, in_specs=in_specs, max_concurrent_steps=tune["concurrent"],
+                           init_carry=init_carry())(*inputs)
 
 
 def per_warpgroup(scratch: list, wgs: int) -> list:
@@ -379,15 +380,16 @@ def _overridden(tune: dict, key: str, applies: bool) -> dict:
 TH_HEADS = 8
 
 
-def lse_boxes(tune: dict, lse_layout: str, num_heads: int, num_tokens: int, output_lse: bool) -> bool:
+def lse_boxes(tune: dict, lse_layout: str, num_heads: int) -> bool:
     """Whether the 2-way merge reads a `[T, H]` LSE as it is (`tune["th_boxes"]`): each CTA takes the column chunks
     of `TH_HEADS` heads of one token tile (`Tiles(chunks_per_cta=...)`), copies that tile's `[BLOCK_T, TH_HEADS]`
-    box of both LSEs into shared memory once by TMA, and picks each head's column in registers (`lse_column`), so
-    no XLA transpose runs before the kernel and each box is read once. Where the weights come in the tile's row
-    layout (`row_weights`: no merged LSE out), on one warpgroup in a grid of CTAs, H a multiple of TH_HEADS and
-    `rows_by_tma`'s T'. Elsewhere XLA transposes a `[T, H]` LSE first (`lse_rows`)."""
-    return (bool(tune.get("th_boxes")) and lse_layout == "TH" and num_heads % TH_HEADS == 0 and not output_lse
-            and bool(tune.get("row_weights")) and rows_by_tma(tune, num_tokens) and tune.get("compute_wgs", 1) == 1
+    box of both LSEs into shared memory once by TMA, picks each head's column in registers (`lse_column`) and
+    writes its merged LSE the same way, a `[BLOCK_T, TH_HEADS]` box by TMA, so no XLA transpose runs before or
+    after the kernel and each box is read once. With the weights in the tile's row layout (`row_weights`) and the
+    rows by TMA (`lse_tma`; a `[T', H]` box's rows are whole 16-byte units at any T), on one warpgroup in a grid
+    of CTAs, H a multiple of TH_HEADS. Elsewhere XLA transposes a `[T, H]` LSE first (`lse_rows`)."""
+    return (bool(tune.get("th_boxes")) and lse_layout == "TH" and num_heads % TH_HEADS == 0
+            and bool(tune.get("row_weights")) and bool(tune.get("lse_tma")) and tune.get("compute_wgs", 1) == 1
             and not tune.get("ctas_per_sm"))
 
 
@@ -611,16 +613,18 @@ def warpgroup_quant_scratch(q_scr: list, wg, wgs: int) -> list:
 
 
 def kernel_io(args: list, quant, output_scale, num_tokens: int, num_heads: int, cols: int, stored_dtype,
-              return_lse: bool) -> list:
+              return_lse: bool, lse_boxes: bool = False) -> list:
     """A merge kernel's quantization input appended to `args` (the static or NVFP4 global scale as a row) and its
-    outputs' types: the output (`out_struct`), the scales of a `grouped` quant, the LSE."""
+    outputs' types: the output (`out_struct`), the scales of a `grouped` quant, the LSE (`[H * T']`, or `[T', H]`
+    written in boxes of heads: `lse_boxes`)."""
     if has_scale_row(quant):
         args.append(scale_row(output_scale))
     out_type = [out_struct(num_tokens, num_heads, cols, stored_dtype, *args)]
     if grouped(quant):
         out_type.append(scales_struct(num_tokens, num_heads, cols, quant, *args))
     if return_lse:
-        out_type.append(_sharding.out_struct((num_heads * num_tokens,), jnp.float32, *args))
+        shape = (num_tokens, num_heads) if lse_boxes else (num_heads * num_tokens,)
+        out_type.append(_sharding.out_struct(shape, jnp.float32, *args))
     return out_type
 
 
@@ -661,12 +665,13 @@ def stored(out, last, copy, dtype):
 
 
 def finish(results, shape, copy_t, last_output, last_lse, output_scale, *, out_dtype, return_lse: bool,
-           lse_layout: str, pass_through: bool, group=None):
+           lse_layout: str, pass_through: bool, group=None, lse_boxes: bool = False):
     """XLA after a merge kernel (docs/spec.md 4.4, 4.7, 4.8, 8.4): the `[T, H, D]` output (quantized in the kernel:
     its scales, `scales_struct` in token order by `tile_scales`, in the caller's layout; a group wider than any
     tile, `output_plan`: the kernel's f32 rows, the last partial's rows copied, quantized, with `output_scale`
-    NVFP4's global scale), and the merged LSE (the kernel writes it in the caller's base; with `pass_through`, the
-    rows of `copy_t` take `last_lse`'s `[H, T]` bits), in the caller's layout. `results`: the kernel's padded
+    NVFP4's global scale), and the merged LSE (the kernel writes it in the caller's base, `[H * T']` or, `lse_boxes`,
+    `[T', H]`; with `pass_through`, the rows of `copy_t` take `last_lse`'s bits, `[H, T]` or, `lse_boxes`,
+    `[T, H]`), in the caller's layout. `results`: the kernel's padded
     `[T', H * D]` output (NVFP4's int4 codes viewed as u8 here: `[T', H * D / 2]`;
     then its scales, then its `[H * T']` LSE), its heads of `head_columns`; for T >= BLOCK_T, an `[H, T]` LSE,
     whole heads and no pass-through these are reshapes only."""
@@ -683,6 +688,10 @@ def finish(results, shape, copy_t, last_output, last_lse, output_scale, *, out_d
     elif group is not None:
         scales = _math.scale_layout(tile_scales(results.pop(0), num_tokens).T, group[2])
     merged = None
+    if return_lse and lse_boxes:
+        merged = results[0][:num_tokens]  # [T, H], the caller's layout
+        return jnp_fallback._results(out, jnp.where(copy_t[:, None], last_lse, merged) if pass_through else merged,
+                                     scales)
     if return_lse:
         merged = results[0].reshape(num_heads, -1)[:, :num_tokens]  # [H, T]
         if pass_through:

@@ -51,7 +51,8 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
     # relaid out through shared memory (`TUNING["merge"]["row_weights"]`). Not with the merged LSE, which leaves
     # by per-thread stores one row per thread: the same rows in both layouts in one kernel fail Mosaic GPU's
     # layout inference (jax 0.11.2).
-    row_weights = lse_tma and tune.get("row_weights", False) and not output_lse
+    row_weights = lse_tma and tune.get("row_weights", False) and (lse_boxes or not output_lse)
+    box_lse = lse_boxes and output_lse  # the merged LSE in boxes of heads, carried over the CTA's tiles
     grouped = mc.grouped(quant)
     scaled = mc.has_scale_row(quant)  # a scale row in: the static fp8 scale, NVFP4's global scale
     # Each compute warpgroup merges `[rw, width]` of a tile: all of it, or half its columns or its rows.
@@ -127,8 +128,11 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
                 # The weights of the rows each thread holds in the tile's row layout, from the rows in shared
                 # memory: no relayout.
                 p, s, *copy = tile_rows(strided=False)
-                _, both_empty, _, wp, ws = _math.two_way_weights(p, s, lse_base2)
+                m, both_empty, z, wp, ws = _math.two_way_weights(p, s, lse_base2)
                 empty, copy = jnp.where(both_empty, 1.0, 0.0), (copy[0] if copy_rows else None)
+                if box_lse:  # head h's column of the merged box (every column chunk of h writes the same values)
+                    column = lax.broadcasted_iota(jnp.int32, carry.shape, 1) == h % mc.TH_HEADS
+                    following = jnp.where(column, _math.merged_lse(z, m, both_empty, lse_base2)[:, None], carry)
             else:
                 # The weights of the tile's 128 rows, one row per thread, as the N-way kernel computes them; relaid
                 # out through shared memory into the tile's row layout.
@@ -176,8 +180,13 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             flags = [r for r in (e_g, c_g) if r is not None]
             inputs += ([] if lse_boxes else [p_g, s_g]) + flags
             specs += ([] if lse_boxes else [lse, lse]) + [plgpu.BlockSpec((pl.Element(bt),), lambda i: (at(i),))] * len(flags)
-        mc.pipeline(step, inputs, grid=(steps,), in_specs=specs, tune=tune, wgs=wgs,
-                    init_carry=lambda: () if lse_tma else rows(0))
+        merged = mc.pipeline(step, inputs, grid=(steps,), in_specs=specs, tune=tune, wgs=wgs,
+                             init_carry=lambda: (jnp.zeros((bt, mc.TH_HEADS), F32) if box_lse
+                                                 else () if lse_tma else rows(0)))
+        if box_lse:  # the CTA's box of merged LSEs, by TMA (the input box's shared memory is free again)
+            boxes[0] = merged
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(boxes.at[0], lo_g.at[pl.ds(tiles.at(0)[1], bt), pl.ds(head0, mc.TH_HEADS)])
         plgpu.wait_smem_to_gmem(0)
 
     own = mc.per_warpgroup([plgpu.SMEM((5, bt), F32),
@@ -210,20 +219,21 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
                                     num_tokens, 0)
     copy_rows = prefill_tokens_with_context is not None and not mc.stores_f32_rows(group, quant)
     lse_tma = mc.rows_by_tma(tune, tp)
-    boxes = mc.lse_boxes(tune, lse_layout, num_heads, tp, return_lse)
+    boxes = mc.lse_boxes(tune, lse_layout, num_heads)
+    lse_tma = lse_tma or boxes  # the flag rows by TMA too: `[T']` rows need no stride
     args = [rows(prefix_output), rows(suffix_output),
             *(mc.lse_rows(x, lse_layout, flat=not lse_tma, boxes=boxes) for x in (prefix_lse, suffix_lse))]
     if empty is not None:
         args.append(mc.flag_rows(empty))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
-    out_type = mc.kernel_io(args, quant, output_scale, tp, num_heads, cols, stored_dtype, return_lse)
+    out_type = mc.kernel_io(args, quant, output_scale, tp, num_heads, cols, stored_dtype, return_lse, boxes)
     results = _kernel(tp, num_heads, cols, dc, out_type, output_lse=return_lse, empty_rows=empty is not None,
                       copy_rows=copy_rows, lse_base2=lse_base2, quant=quant, lse_tma=lse_tma, lse_boxes=boxes,
                       interpret=interpret)(*args)
     # XLA after the kernel: NVFP4 (4.8), per-group scales' layout, the pass-through LSE (4.4: the suffix's raw
     # bits), the layout.
     return mc.finish(results, prefix_output.shape, copy_t, suffix_output,
-                     suffix_lse if lse_layout == "HT" else suffix_lse.T, output_scale, out_dtype=out_dtype,
+                     suffix_lse if lse_layout == "HT" or boxes else suffix_lse.T, output_scale, out_dtype=out_dtype,
                      return_lse=return_lse, lse_layout=lse_layout,
-                     pass_through=prefill_tokens_with_context is not None, group=group)
+                     pass_through=prefill_tokens_with_context is not None, group=group, lse_boxes=boxes)
