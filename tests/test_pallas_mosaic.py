@@ -891,6 +891,7 @@ def _assert_same_bits(got: list, want: list) -> None:
 # The launch choices `python -m tools mosaic-speed` sweeps that no default takes yet, with the outputs they change:
 # before one becomes a default, the GPU gives its bits here (the interpreter tests above check it on a CPU).
 CANDIDATES = {
+    "nvfp4_n_way_rows": (dict(nvfp4=dict(compute_wgs=2, split="rows")), ["nvfp4_row", "nvfp4_swizzled"]),
     "th_boxes": (dict(th_boxes=True), ["bf16_th"]),  # `[T, H]` LSEs in boxes of heads (T' a multiple of 4)
 }
 

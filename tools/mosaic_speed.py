@@ -72,7 +72,7 @@ CANDIDATES = {
               dict(mc.TUNING["merge"], ctas_per_sm=1, concurrent=3, long_tile_bytes=16 * 1024),
               dict(steps=16, concurrent=2, tile_bytes=32 * 1024, stores=2)],
     "merge_n": [dict(mc.TUNING["merge_n"]),
-                dict(mc.TUNING["merge_n"], nvfp4={}),
+                dict(mc.TUNING["merge_n"], nvfp4=dict(compute_wgs=2, split="rows")),
                 dict(mc.TUNING["merge_n"], ctas_per_sm=0),
                 dict(mc.TUNING["merge_n"], compute_wgs=2),
                 dict(mc.TUNING["merge_n"], lse_tma=False),

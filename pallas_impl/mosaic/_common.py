@@ -65,7 +65,7 @@ TUNING = {
                   row_weights=True, long_tokens=16384, long_tile_bytes=32 * 1024,
                   grouped=dict(compute_wgs=2, split="rows")),
     "merge_n": dict(steps=4, concurrent=2, tile_bytes=32 * 1024, stores=1, ctas_per_sm=2, compute_wgs=1,
-                    lse_tma=True, lse_step=4, nvfp4=dict(compute_wgs=2, split="rows")),
+                    lse_tma=True, lse_step=4, nvfp4={}),
     "cp_rescale": dict(steps=8, concurrent=2, tile_bytes=32 * 1024, stores=2),
     # heads: LSE rows (of 128 tokens) per CTA; the output rows are split as many ways as the heads.
     # tokens: output rows (of one head group's share) per TMA store of zeros. "mask_lse": without output zeroing
