@@ -8,8 +8,9 @@ Grid: (H * D / dc, token splits) CTAs; a CTA pipelines `TUNING["merge"]["steps"]
 the weights are computed one LSE row per thread, as the N-way kernel does, and relaid out through shared memory into
 the tile's row layout. The tile's LSE rows (and flag rows) come with it by TMA where T' is a multiple of 4
 (`mc.rows_by_tma`: an `[H, T']` row's stride is then whole 16-byte units); at other T each thread loads its row's
-elements from GMEM a step ahead, in the pipeline's carry. XLA transposes a `[T, H]` LSE first (read in the kernel
-instead, as boxes of heads or down its columns, it was slower: docs/results.md). The merged tile leaves by a TMA
+elements from GMEM a step ahead, in the pipeline's carry. XLA transposes a `[T, H]` LSE first, unless the
+launch choice `th_boxes` (a candidate, `mc.lse_boxes`) has each CTA take 8 heads of one token tile, their
+`[128, 8]` LSE boxes read once and the merged LSE written the same way. The merged tile leaves by a TMA
 store from one of the output slots in shared memory, the previous store still in flight. The last tile is shifted to
 end at T: no copy leaves the arrays, and overlapping tiles write identical values. Tiles of
 `TUNING["merge"]["tile_bytes"]`, from `long_tokens` padded tokens `long_tile_bytes` (`mc.merge_tuning`). Launch
