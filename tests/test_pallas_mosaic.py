@@ -275,11 +275,13 @@ def test_launch_schedules_match_reference(case, op, launch, monkeypatch):
 # T = 257 (not a multiple of 4), T = 68 (padded to one tile; bf16 D = 256, pass-through rows), an fp8 output with
 # base-2 LSEs, and V-padded heads with pass-through rows.
 TH_BOX_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in (
-    dataclasses.replace(cases.by_name("specials_th"), name="specials_th_h16", num_heads=16, query_lens=(50, 0, 77, 133)),
+    dataclasses.replace(cases.by_name("specials_th"), name="specials_th_h16", num_heads=16,
+                        query_lens=(50, 0, 77, 133)),
     dataclasses.replace(cases.by_name("specials_th"), name="specials_th_h8", num_heads=8),
     dataclasses.replace(cases.by_name("d256_bf16_th"), name="d256_bf16_th_h8", num_heads=8,
                         prefill_tokens_with_context=40),
-    dataclasses.replace(cases.by_name("fp8_out"), name="fp8_out_th_h8_base2", num_heads=8, lse_layout="TH", lse_base=2),
+    dataclasses.replace(cases.by_name("fp8_out"), name="fp8_out_th_h8_base2", num_heads=8, lse_layout="TH",
+                        lse_base=2),
     dataclasses.replace(cases.by_name("padded_v_ptwc"), name="padded_v_ptwc_th_h8", num_heads=8, lse_layout="TH"))
     for op in impls.ops_of(case) if op.startswith("merge")]
 

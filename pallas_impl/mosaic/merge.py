@@ -179,8 +179,9 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
             at = lambda i: tiles.at(i)[1]  # noqa: E731
             lse = plgpu.BlockSpec((None, pl.Element(bt)), lambda i: (tiles.at(i)[0] // nc, at(i)))
             flags = [r for r in (e_g, c_g) if r is not None]
+            flag = plgpu.BlockSpec((pl.Element(bt),), lambda i: (at(i),))
             inputs += ([] if lse_boxes else [p_g, s_g]) + flags
-            specs += ([] if lse_boxes else [lse, lse]) + [plgpu.BlockSpec((pl.Element(bt),), lambda i: (at(i),))] * len(flags)
+            specs += ([] if lse_boxes else [lse, lse]) + [flag] * len(flags)
         merged = mc.pipeline(step, inputs, grid=(steps,), in_specs=specs, tune=tune, wgs=wgs,
                              init_carry=lambda: (jnp.zeros((bt, mc.TH_HEADS), F32) if box_lse
                                                  else () if lse_tma else rows(0)))
