@@ -273,7 +273,8 @@ def test_launch_schedules_match_reference(case, op, launch, monkeypatch):
 
 # `[T, H]` LSEs of whole boxes of heads (H a multiple of `mc.TH_HEADS`): T = 260 (a shifted last tile, specials),
 # T = 257 (not a multiple of 4), T = 68 (padded to one tile; bf16 D = 256, pass-through rows), an fp8 output with
-# base-2 LSEs, and V-padded heads with pass-through rows.
+# base-2 LSEs, and V-padded heads with pass-through rows; N-way: N = 2-4, specials, padded heads (D = 80), D = 512
+# into fp8, NVFP4 with pass-through rows.
 TH_BOX_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in (
     dataclasses.replace(cases.by_name("specials_th"), name="specials_th_h16", num_heads=16,
                         query_lens=(50, 0, 77, 133)),
@@ -282,7 +283,9 @@ TH_BOX_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in (
                         prefill_tokens_with_context=40),
     dataclasses.replace(cases.by_name("fp8_out"), name="fp8_out_th_h8_base2", num_heads=8, lse_layout="TH",
                         lse_base=2),
-    dataclasses.replace(cases.by_name("padded_v_ptwc"), name="padded_v_ptwc_th_h8", num_heads=8, lse_layout="TH"))
+    dataclasses.replace(cases.by_name("padded_v_ptwc"), name="padded_v_ptwc_th_h8", num_heads=8, lse_layout="TH"),
+    *(dataclasses.replace(cases.by_name(name), name=f"{name}_h8", num_heads=8) for name in (
+        "n3_fp16_th_specials", "n4_fp16_d80_th", "n2_bf16_fp8_d512_th_base2", "n4_fp16_nvfp4_th_base2")))
     for op in impls.ops_of(case) if op.startswith("merge")]
 
 
@@ -290,7 +293,7 @@ TH_BOX_OPS = [pytest.param(case, op, id=f"{case.name}-{op}") for case in (
 @pytest.mark.parametrize("return_lse", [True, False])
 @pytest.mark.parametrize("case, op", TH_BOX_OPS)
 def test_th_lses_read_in_boxes_of_heads_match_reference(case, op, return_lse, monkeypatch):
-    """The 2-way merge reading a `[T, H]` LSE as it is and writing its merged LSE so (`th_boxes`, `mc.lse_boxes`):
+    """The merges reading `[T, H]` LSEs as they are and writing their merged LSE so (`th_boxes`, `mc.lse_boxes`):
     each CTA one token tile of `TH_HEADS` heads, their boxes copied once, each head's column picked in registers;
     the same bits as with XLA's transposes (the same arithmetic), and the reference's values."""
     from pallas_impl.mosaic import _common as mc
@@ -307,9 +310,39 @@ def test_th_lses_read_in_boxes_of_heads_match_reference(case, op, return_lse, mo
     want = merged()
     got = _with_choices(dict(th_boxes=True), monkeypatch, merged)
     assert taken == [False, True]
-    for key in ("out", "lse") if return_lse else ("out",):
-        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]))
-    assert_merge_matches_reference(case, op, inputs, got["out"], got["lse"] if return_lse else None, mode="mosaic")
+    assert set(got) == set(want)
+    for key, w in want.items():
+        if w is not None:
+            compare.assert_bitwise_equal(got[key], w, name=f"{op}.{key}", case=case, mode="boxes vs transposes")
+    assert_merge_matches_reference(case, op, inputs, got["out"], got["lse"] if return_lse else None, mode="mosaic",
+                                   scales=got.get("scales"))
+
+
+@needs_mosaic
+@pytest.mark.parametrize("partials", [0, 4])
+@pytest.mark.parametrize("fused", [False, True])
+def test_th_lses_in_boxes_of_heads_lower_for_the_gpu_with_no_transpose(partials, fused, monkeypatch):
+    """The `th_boxes` merges at T = 1001, H = 16 (the flag rows of T' not a multiple of 4 padded to whole 16-byte
+    rows for their TMA copy) lowered for the GPU: no XLA transpose left around them."""
+    T, H, D = 1001, 16, 128
+    kw = dict(lse_layout="TH", return_lse=True, backend="mosaic_gpu", interpret=False)
+    o = jax.ShapeDtypeStruct((max(partials, 2), T, H, D), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((max(partials, 2), T, H), jnp.float32)
+    qsl = jax.ShapeDtypeStruct((4,), jnp.int32)
+    cu = jax.ShapeDtypeStruct((partials, 4) if partials else (4,), jnp.int32)
+
+    def merge(o, lse, qsl, cu):
+        fuse = dict(query_start_loc=qsl, **{"cu_seq_lens" if partials else "prefix_cu_seq_lens": cu}) if fused else {}
+        if partials:
+            return pallas_impl.merge_attn_states_n(o, lse, **fuse, **kw)
+        return pallas_impl.merge_attn_states(o[0], lse[0], o[1], lse[1], **fuse, **kw)
+
+    def lowered():
+        return jax.export.export(jax.jit(merge), platforms=["cuda"])(o, lse, qsl, cu).mlir_module()
+
+    text = _with_choices(dict(th_boxes=True), monkeypatch, lowered)
+    assert "mosaic_gpu" in text and "stablehlo.transpose" not in text
+    assert "stablehlo.transpose" in lowered()  # the default: XLA transposes
 
 
 @needs_mosaic

@@ -51,7 +51,7 @@ CANDIDATES = {
     # (Candidates well behind in the committed sweeps are left out: docs/results.md.)
     # ctas_per_sm > 0: persistent CTAs (`mc.Tiles`); 32 KiB 2-way tiles hold one CTA per SM, 16 KiB ones two (for
     # the issue-bound quantized merges, more warps per scheduler).
-    # th_boxes: `[T, H]` LSEs read in boxes of heads, one token tile of 8 heads per CTA (`mc.lse_boxes`);
+    # th_boxes: `[T, H]` LSEs read in boxes of heads, one token tile of 8 heads per CTA (`mc.lse_boxes`; a grid);
     # compute_wgs=2: warp-specialised (`mc.compute_warpgroups`); lse_tma=False: the LSE rows by per-thread loads;
     # grouped={}: per-group FP8 and NVFP4 outputs with the plain merges' choices (`mc.merge_tuning`); split="rows":
     # two compute warpgroups of 64 rows each (`mc.warpgroup_tile`); nvfp4=...: the N-way NVFP4 merge on two compute
@@ -72,6 +72,7 @@ CANDIDATES = {
               dict(mc.TUNING["merge"], ctas_per_sm=1, concurrent=3, long_tile_bytes=16 * 1024),
               dict(steps=16, concurrent=2, tile_bytes=32 * 1024, stores=2)],
     "merge_n": [dict(mc.TUNING["merge_n"]),
+                dict(mc.TUNING["merge_n"], th_boxes=True),
                 dict(mc.TUNING["merge_n"], nvfp4=dict(compute_wgs=2, split="rows")),
                 dict(mc.TUNING["merge_n"], ctas_per_sm=0),
                 dict(mc.TUNING["merge_n"], compute_wgs=2),

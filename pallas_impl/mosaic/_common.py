@@ -221,9 +221,9 @@ class Tiles:
     taking tiles c, c + P, c + 2P, ... of the token-major order (the column chunks of one token tile, then the next
     tile), clamped to the last tile: a CTA with fewer tiles repeats that one, writing the same values. Persistent CTAs
     fill and drain their pipeline once instead of once per `steps` tiles, and no wave of CTAs is left part-full.
-    `chunks_per_cta` > 0 (a `[T, H]` LSE read in boxes of heads, `lse_boxes`): a grid of (H * D / dc /
-    chunks_per_cta, token tiles) CTAs, each the `chunks_per_cta` consecutive column chunks of one token tile, so a
-    CTA's heads share one box. Which tile a CTA takes never changes an element's arithmetic."""
+    `chunks_per_cta` > 0 (a `[T, H]` LSE read in boxes of heads, `lse_boxes`; whatever `ctas_per_sm` says): a grid
+    of (H * D / dc / chunks_per_cta, token tiles) CTAs, each the `chunks_per_cta` consecutive column chunks of one
+    token tile, so a CTA's heads share one box. Which tile a CTA takes never changes an element's arithmetic."""
 
     def __init__(self, num_tokens: int, num_chunks: int, tune: dict, interpret: bool, chunks_per_cta: int = 0):
         self.num_tokens, self.num_chunks = num_tokens, num_chunks
@@ -232,7 +232,7 @@ class Tiles:
         self.chunks_per_cta = chunks_per_cta
         per_sm = tune.get("ctas_per_sm", 0)
         if chunks_per_cta:
-            assert not per_sm and num_chunks % chunks_per_cta == 0
+            assert num_chunks % chunks_per_cta == 0
             self.ctas, self.steps = 0, chunks_per_cta
             self.grid, self.names = (num_chunks // chunks_per_cta, self.token_tiles), ("g", "t")
         elif per_sm:
@@ -382,16 +382,16 @@ TH_HEADS = 8
 
 
 def lse_boxes(tune: dict, lse_layout: str, num_heads: int) -> bool:
-    """Whether the 2-way merge reads a `[T, H]` LSE as it is (`tune["th_boxes"]`): each CTA takes the column chunks
-    of `TH_HEADS` heads of one token tile (`Tiles(chunks_per_cta=...)`), copies that tile's `[BLOCK_T, TH_HEADS]`
-    box of both LSEs into shared memory once by TMA, picks each head's column in registers (`lse_column`) and
-    writes its merged LSE the same way, a `[BLOCK_T, TH_HEADS]` box by TMA, so no XLA transpose runs before or
-    after the kernel and each box is read once. With the weights in the tile's row layout (`row_weights`) and the
-    rows by TMA (`lse_tma`; a `[T', H]` box's rows are whole 16-byte units at any T), on one warpgroup in a grid
-    of CTAs, H a multiple of TH_HEADS. Elsewhere XLA transposes a `[T, H]` LSE first (`lse_rows`)."""
+    """Whether a merge reads a `[T, H]` LSE as it is (`tune["th_boxes"]`): each CTA takes the column chunks of
+    `TH_HEADS` heads of one token tile (`Tiles(chunks_per_cta=...)`: a grid, whatever `ctas_per_sm` says), copies
+    that tile's `[BLOCK_T, TH_HEADS]` box of each LSE into shared memory once by TMA, picks each head's column in
+    registers (`lse_column`) and writes its merged LSE the same way, a `[BLOCK_T, TH_HEADS]` box by TMA, so no XLA
+    transpose runs before or after the kernel and each box is read once. With the rows by TMA (`lse_tma`; a
+    `[T', H]` box's rows are whole 16-byte units at any T), on one compute warpgroup, H a multiple of TH_HEADS; the
+    2-way merge with its weights in the tile's row layout (`row_weights`), the N-way merge up to
+    `PREFETCH_PARTIALS` partials. Elsewhere XLA transposes a `[T, H]` LSE first (`lse_rows`)."""
     return (bool(tune.get("th_boxes")) and lse_layout == "TH" and num_heads % TH_HEADS == 0
-            and bool(tune.get("row_weights")) and bool(tune.get("lse_tma")) and tune.get("compute_wgs", 1) == 1
-            and not tune.get("ctas_per_sm"))
+            and bool(tune.get("lse_tma")) and tune.get("compute_wgs", 1) == 1)
 
 
 def lse_column(box, head, layout):
@@ -449,16 +449,20 @@ def fused_empties(query_start_loc, cu_seq_lens, num_tokens: int):
     return empty(cu_seq_lens)
 
 
-def flag_rows(flags, flat: bool = True):
+def flag_rows(flags, flat: bool = True, whole_rows: bool = False):
     """bool[..., T] as the f32[... * T'] rows a kernel reads per tile (1 where set; T' >= BLOCK_T padded with 0), or
-    (not `flat`) f32[..., T']."""
+    (not `flat`) f32[..., T'], with `whole_rows` T' padded to whole 16-byte units (a TMA copy's row stride)."""
     x = padded_rows(flags.astype(jnp.float32), flags.shape[-1], 0.0, axis=-1)
+    if whole_rows and x.shape[-1] % 4:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -x.shape[-1] % 4)])
     return x.reshape(-1) if flat else x
 
 
-def last_lse_ht(lses, lse_layout: str, empties):
-    """The pass-through LSE of an N-way merge as `[H, T]` (docs/spec.md 8.4): the last partial's raw bits, -inf on
-    the fused mask's empty tokens of that partial."""
+def last_lse_ht(lses, lse_layout: str, empties, boxes: bool = False):
+    """The pass-through LSE of an N-way merge as `[H, T]` (or, `boxes`: `lse_boxes`, as the caller's `[T, H]`;
+    docs/spec.md 8.4): the last partial's raw bits, -inf on the fused mask's empty tokens of that partial."""
+    if boxes:
+        return lses[-1] if empties is None else jnp.where(empties[-1][:, None], -jnp.inf, lses[-1])
     x = lses[-1] if lse_layout == "HT" else lses[-1].T
     return x if empties is None else jnp.where(empties[-1][None, :], -jnp.inf, x)
 

@@ -221,7 +221,7 @@ def merge_mosaic(prefix_output, prefix_lse, suffix_output, suffix_lse, output_sc
                                     num_tokens, 0)
     copy_rows = prefill_tokens_with_context is not None and not mc.stores_f32_rows(group, quant)
     lse_tma = mc.rows_by_tma(tune, tp)
-    boxes = mc.lse_boxes(tune, lse_layout, num_heads)
+    boxes = mc.lse_boxes(tune, lse_layout, num_heads) and bool(tune.get("row_weights"))
     lse_tma = lse_tma or boxes  # the flag rows by TMA too: `[T']` rows need no stride
     args = [rows(prefix_output), rows(suffix_output),
             *(mc.lse_rows(x, lse_layout, flat=not lse_tma, boxes=boxes) for x in (prefix_lse, suffix_lse))]

@@ -11,7 +11,9 @@ the arrays and overlapping tiles write identical values. At partial 0 a tile's w
 N LSE rows into shared memory (up to N = `WEIGHT_ROWS`; beyond, m and z at partial 0 by runtime loops, and the
 weights of `WEIGHT_ROWS` partials at a time at the first of them). Up to `mc.PREFETCH_PARTIALS` partials and T' a
 multiple of 4 (`mc.prefetches_rows`), the next tile's rows (and flag rows) are copied into shared memory by TMA
-when a tile starts, so they are there when it ends; else each thread loads its rows' elements from GMEM. At
+when a tile starts, so they are there when it ends; else each thread loads its rows' elements from GMEM. With the
+launch choice `th_boxes` (a candidate, `mc.lse_boxes`) a `[T, H]` LSE is read as it is: each CTA takes 8 heads of
+one token tile, their `[N, 128, 8]` LSE boxes copied once, and writes its merged LSE the same way. At
 partial N - 1 the tile is stored by hand (`emit_pipeline` writes an output block at the first step of its
 index, not the last).
 
@@ -38,15 +40,17 @@ F32 = jnp.float32
 
 def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *,
             output_lse: bool, empty_rows: bool, copy_rows: bool, lse_base2: bool, quant, prefetch: bool,
-            interpret: bool):
+            boxes: bool, interpret: bool):
     """The merge kernel over stacked partials `[N, T', H * D]`, T' >= 128 (padded); quantized outputs
     quantized in registers (`quant`: `mc.output_plan`). `prefetch` (`mc.prefetches_rows`): the raw LSE rows come
-    as `[N, H, T']` and each tile's rows (and flag rows) by TMA a tile ahead; else `[N * H * T']`, loaded per
-    thread."""
+    as `[N, H, T']` and each tile's rows (and flag rows) by TMA a tile ahead; `boxes` (`mc.lse_boxes`): the raw
+    `[N, T', H]` LSEs in boxes of heads, each CTA's box (and flag rows) by TMA once, the weights computed in the
+    tile's row layout and the merged LSE written `[T', H]` in boxes; else `[N * H * T']`, loaded per thread."""
     plgpu = mc.plgpu()
     tune = mc.merge_n_tuning(quant)
     nc = head_dim // dc
-    tiles = mc.Tiles(num_tokens, num_heads * nc, tune, interpret)
+    tiles = mc.Tiles(num_tokens, num_heads * nc, tune, interpret, chunks_per_cta=mc.TH_HEADS * nc if boxes else 0)
+    box_lse = boxes and output_lse  # the merged LSE in boxes of heads, carried over the CTA's tiles
     bt, steps = mc.BLOCK_T, tiles.steps
     L = plgpu.Layout.WGMMA
     R = L.reduce(1)  # a tile's rows, each where the tile's row layout holds it
@@ -57,7 +61,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     blocks = num_partials > rows
     grouped = mc.grouped(quant)
     scaled = mc.has_scale_row(quant)  # a scale row in: the static fp8 scale, NVFP4's global scale
-    scale_at = rows + (3 if blocks else 1)  # the row of w_smem holding that scale
+    scale_at = rows + (3 if blocks else 1)  # the row of w_smem holding that scale (then, `box_lse`, the merged LSE)
     # Each compute warpgroup merges `[rw, width]` of a tile: all of it, or half its columns or its rows.
     wgs, rw, width = mc.warpgroup_tile(tune, quant, dc, out_type[0].dtype)
     by_rows = rw < bt
@@ -73,6 +77,17 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
         w_smem, row_smem, o_scr, *q_scr = rest
         if prefetch:  # the row buffers (two slots each: this tile's, the next one's) and their barriers
             bufs, row_bar, q_scr = q_scr[:prefetch_refs], q_scr[prefetch_refs], q_scr[prefetch_refs + 1:]
+        if boxes:  # this CTA's token tile of every LSE's box of its heads (and flag rows), once, before its tiles
+            q_scr, box_refs, box_bar = q_scr[:-box_count - 1], q_scr[-box_count - 1:-1], q_scr[-1]
+            l_box, e_box, c_box = mc.optional_refs(box_refs, True, empty_rows, copy_rows)
+            hc0, t00 = tiles.at(0)
+            head0 = hc0 // nc
+            plgpu.copy_gmem_to_smem(l_g.at[:, pl.ds(t00, bt), pl.ds(head0, mc.TH_HEADS)], l_box, box_bar)
+            if empty_rows:
+                plgpu.copy_gmem_to_smem(e_g.at[:, pl.ds(t00, bt)], e_box, box_bar)
+            if copy_rows:
+                plgpu.copy_gmem_to_smem(c_g.at[pl.ds(t00, bt)], c_box, box_bar)
+            plgpu.barrier_wait(box_bar)
         # With two compute warpgroups (and a third issuing the TMA copies), warpgroup wg merges columns
         # [wg * width, (wg + 1) * width) of each tile, or rows [wg * rw, (wg + 1) * rw) (`by_rows`), with its own
         # weight rows (all 128 computed by each), output slots and quantization scratch.
@@ -96,10 +111,11 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
             mc.when_computing(wg, wgs, lambda: fetch(0, 0))
         q_scr = mc.warpgroup_quant_scratch(q_scr, wg, wgs)
 
-        def step(idx, x_s, acc):
+        def step(idx, x_s, carry):
             i, n = idx
             hc, t0 = tiles.at(i)
             h = hc // nc
+            acc, lse_box = carry if box_lse else (carry, None)
 
             def lse_of(k):  # partial k's raw LSE row of the tile (k may be traced), one element per thread
                 if prefetch:
@@ -122,7 +138,20 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                     @pl.when(i + 1 < steps)
                     def _():
                         fetch(i + 1, 1 - i % 2)
-                if blocks:  # the loops over the partials run at runtime (`_math.fold_partials`)
+                if boxes:  # each partial's column of its box, in the tile's row layout (no relayout)
+                    def box_lse_of(k):
+                        x = mc.lse_column(l_box.at[k], h, R)
+                        if empty_rows:
+                            x = jnp.where(mc.load(e_box.at[k], R) > 0, -jnp.inf, x)
+                        return _math.clean_lse(x)
+
+                    m, all_empty, e, z = _math.n_way_max_and_sum([box_lse_of(k) for k in range(num_partials)]
+                                                                 .__getitem__, num_partials, lse_base2, unroll=True)
+                    for k in range(num_partials):
+                        w_smem[k] = e[k] / z
+                    if box_lse:
+                        w_smem[scale_at + 1] = _math.merged_lse(z, m, all_empty, lse_base2)
+                elif blocks:  # the loops over the partials run at runtime (`_math.fold_partials`)
                     m, all_empty, _, z = _math.n_way_max_and_sum(lse_of, num_partials, lse_base2,
                                                                   exp_step=tune["lse_step"])
                     w_smem[rows + 1] = m
@@ -136,7 +165,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                 w_smem[rows] = jnp.where(all_empty, 1.0, 0.0)
                 if scaled:
                     w_smem[scale_at] = mc.strided_row(q_g, 0)
-                if output_lse:
+                if output_lse and not boxes:
                     @pl.when((hc % nc == 0) & (wg == 0))
                     def _():
                         # per-thread stores: any alignment
@@ -165,7 +194,9 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                 out = jnp.where(row(mc.load(mine(w_smem.at[rows]), R)) > 0, 0.0, acc)
                 copy = None
                 if copy_rows:  # 8.4: the last partial's own bits (x is its tile at this step)
-                    if prefetch:
+                    if boxes:
+                        flags = mc.load(c_box, R)
+                    elif prefetch:
                         flags = mc.load(mine(c_buf.at[i % 2]), R)
                     else:
                         row_smem[...] = mc.strided_row(c_g, t0)
@@ -177,15 +208,27 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                 chunk, row0 = (hc, wg * rw) if by_rows else (hc * wgs + wg, 0)
                 mc.store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, chunk, i, row0=row0)
 
+            if box_lse:  # head h's column of the merged box (every column chunk of h writes the same values)
+                column = lax.broadcasted_iota(jnp.int32, lse_box.shape, 1) == h % mc.TH_HEADS
+                return acc, jnp.where(column, mc.load(w_smem.at[scale_at + 1], R)[:, None], lse_box)
             return acc
 
         spec = plgpu.BlockSpec((None, pl.Element(bt), dc),
                                lambda i, n: (n, *tiles.at(i)[::-1]))
-        mc.pipeline(step, (x_g,), grid=(steps, num_partials), in_specs=[spec], tune=tune, wgs=wgs,
-                    init_carry=lambda: plgpu.layout_cast(jnp.zeros((rw, width), F32), L))
+
+        def init_carry():
+            acc = plgpu.layout_cast(jnp.zeros((rw, width), F32), L)
+            return (acc, jnp.zeros((bt, mc.TH_HEADS), F32)) if box_lse else acc
+
+        carry = mc.pipeline(step, (x_g,), grid=(steps, num_partials), in_specs=[spec], tune=tune, wgs=wgs,
+                            init_carry=init_carry)
+        if box_lse:  # the CTA's box of merged LSEs, by TMA (the first LSE box's shared memory is free again)
+            l_box[0] = carry[1]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(l_box.at[0], lo_g.at[pl.ds(t00, bt), pl.ds(head0, mc.TH_HEADS)])
         plgpu.wait_smem_to_gmem(0)
 
-    own = mc.per_warpgroup([plgpu.SMEM((scale_at + 1, bt), F32), plgpu.SMEM((bt,), F32),
+    own = mc.per_warpgroup([plgpu.SMEM((scale_at + 1 + box_lse, bt), F32), plgpu.SMEM((bt,), F32),
                             mc.output_slots(tune["stores"], width, out_type[0].dtype, rw)], wgs)
     row_bufs = []
     if prefetch:
@@ -194,8 +237,15 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                                     wgs)
         row_bufs.append(plgpu.Barrier(num_arrivals=len(row_bufs), num_barriers=2 * wgs))
     prefetch_refs = len(row_bufs) - 1
+    box_bufs = [plgpu.SMEM(shape, F32) for shape, present in (
+        ((num_partials, bt, mc.TH_HEADS), boxes), ((num_partials, bt), boxes and empty_rows),
+        ((bt,), boxes and copy_rows)) if present]
+    box_count = len(box_bufs)
+    if boxes:
+        box_bufs.append(plgpu.Barrier(num_arrivals=box_count))
     return mc.kernel(body, out_type=tuple(out_type), grid=tiles.grid, grid_names=tiles.names,
-                     scratch_types=[*own, *row_bufs, *mc.quant_scratch(quant, tune["stores"], width, wgs, rw)],
+                     scratch_types=[*own, *row_bufs, *mc.quant_scratch(quant, tune["stores"], width, wgs, rw),
+                                    *box_bufs],
                      interpret=interpret, **mc.warpgroups(wgs))
 
 
@@ -209,8 +259,10 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
     tune = mc.merge_n_tuning((mc.NVFP4,) if group is not None and _math.is_nvfp4(group) else None)
     rows = min(num_partials, mc.WEIGHT_ROWS)
     tp = max(num_tokens, mc.BLOCK_T)
-    prefetch = mc.prefetches_rows(tune, tp, num_partials)
-    row_bytes = (rows + 5 + (2 * (2 * num_partials + 1) if prefetch else 0)) * mc.BLOCK_T * 4
+    boxes = mc.lse_boxes(tune, lse_layout, num_heads) and num_partials <= mc.PREFETCH_PARTIALS
+    prefetch = mc.prefetches_rows(tune, tp, num_partials) and not boxes
+    row_bytes = (rows + 5 + (2 * (2 * num_partials + 1) if prefetch else 0)
+                 + ((mc.TH_HEADS + 1) * num_partials + 2 if boxes else 0)) * mc.BLOCK_T * 4
     plan = functools.partial(mc.head_plan, head_dim, outputs.dtype, tune["tile_bytes"],  # cols >= D: TMA rows
                              input_tiles=tune["concurrent"], out_slots=tune["stores"],
                              other_bytes=row_bytes * tune.get("compute_wgs", 1))
@@ -220,20 +272,22 @@ def merge_n_mosaic(outputs, lses, output_scale, query_start_loc, cu_seq_lens, pr
     copy_t = jnp.arange(num_tokens, dtype=jnp.int32) >= prefill[0]
     # XLA before the kernel: the fused mask's token flags (docs/spec.md 8.1), the layout, T < 128.
     empties = mc.fused_empties(query_start_loc, cu_seq_lens, num_tokens)
-    lf = mc.stacked_lse_rows(lses, lse_layout, flat=not prefetch)
+    lf = (mc.padded_rows(lses, num_tokens, -jnp.inf) if boxes  # [N, T', H]
+          else mc.stacked_lse_rows(lses, lse_layout, flat=not prefetch))
     x = mc.padded_rows(mc.padded_heads(outputs, cols).reshape(num_partials, num_tokens, num_heads * cols),
                        num_tokens, 0)
     copy_rows = prefill_tokens_with_context is not None and not mc.stores_f32_rows(group, quant)
     args = [x, lf]
     if empties is not None:
-        args.append(mc.flag_rows(empties, flat=not prefetch))
+        args.append(mc.flag_rows(empties, flat=not (prefetch or boxes), whole_rows=boxes))
     if copy_rows:
         args.append(mc.flag_rows(copy_t))
-    out_type = mc.kernel_io(args, quant, output_scale, tp, num_heads, cols, stored_dtype, return_lse)
+    out_type = mc.kernel_io(args, quant, output_scale, tp, num_heads, cols, stored_dtype, return_lse, boxes)
     results = _kernel(num_partials, tp, num_heads, cols, dc, out_type, output_lse=return_lse,
                       empty_rows=empties is not None, copy_rows=copy_rows, lse_base2=lse_base2, quant=quant,
-                      prefetch=prefetch, interpret=interpret)(*args)
+                      prefetch=prefetch, boxes=boxes, interpret=interpret)(*args)
     # XLA after the kernel: NVFP4 (4.8), per-group scales' layout, the pass-through LSE (8.4), the layout.
-    return mc.finish(results, outputs.shape[1:], copy_t, outputs[-1], mc.last_lse_ht(lses, lse_layout, empties),
-                     output_scale, out_dtype=out_dtype, return_lse=return_lse, lse_layout=lse_layout,
-                     pass_through=prefill_tokens_with_context is not None, group=group)
+    return mc.finish(results, outputs.shape[1:], copy_t, outputs[-1],
+                     mc.last_lse_ht(lses, lse_layout, empties, boxes), output_scale, out_dtype=out_dtype,
+                     return_lse=return_lse, lse_layout=lse_layout,
+                     pass_through=prefill_tokens_with_context is not None, group=group, lse_boxes=boxes)
