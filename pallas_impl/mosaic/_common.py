@@ -50,8 +50,8 @@ PREFETCH_PARTIALS = 16
 # N-way merge's a tile ahead, `prefetches_rows`); row_weights: the 2-way merge's weights from those rows in the
 # tile's row layout (no relayout through shared memory); lse_step: beyond WEIGHT_ROWS partials, the LSE loads of
 # each iteration of the N-way merge's runtime loops over them (its maximum and sum, `_math.n_way_max_and_sum`'s
-# `exp_step`; the same operations in the same order at any step); th_boxes (off unless set: a candidate): the 2-way
-# merge reads and writes `[T, H]` LSEs in boxes of heads, one token tile of 8 heads per CTA (`lse_boxes`).
+# `exp_step`; the same operations in the same order at any step); th_boxes (off unless set: a candidate): the merges
+# read and write `[T, H]` LSEs in boxes of heads, one token tile of 8 heads per CTA (`lse_boxes`).
 # The 2-way merge keeps 2 inputs x `concurrent` tiles in shared memory, the N-way and the rescale 1 x `concurrent`:
 # smaller 2-way tiles keep two CTAs per SM (228 KiB of shared memory on an H100/H200).
 # `python -m tools mosaic-speed` sweeps these on the GPU (it sets them here and clears jax's caches). The 2-way merge
