@@ -930,7 +930,7 @@ def _assert_same_bits(got: list, want: list) -> None:
 # before one becomes a default, the GPU gives its bits here (the interpreter tests above check it on a CPU).
 CANDIDATES = {
     "nvfp4_n_way_rows": (dict(nvfp4=dict(compute_wgs=2, split="rows")), ["nvfp4_row", "nvfp4_swizzled"]),
-    "th_boxes": (dict(th_boxes=True), ["bf16_th"]),  # `[T, H]` LSEs in boxes of heads (T' a multiple of 4)
+    "th_boxes": (dict(th_boxes=True), ["bf16_th", "bf16_th_lse"]),  # `[T, H]` LSEs in boxes of heads
 }
 
 
