@@ -572,8 +572,11 @@ def _abstract_hopper():
     an abstract mesh's device kind gives where there is no GPU."""
     from jax._src.mesh import AbstractDevice
 
-    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
-    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
+    try:
+        device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
+        return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
+    except TypeError:  # jax 0.10.0: no abstract GPU device
+        pytest.skip(f"jax {jax.__version__} cannot lower for a GPU it does not see (no abstract GPU device)")
 
 
 TRITON_CALLS = dict(CALLS, cp_merge=lambda o, lse, qsl, cu, **kw: jax.vmap(
@@ -581,19 +584,21 @@ TRITON_CALLS = dict(CALLS, cp_merge=lambda o, lse, qsl, cu, **kw: jax.vmap(
     axis_name="cp")(o[:2], lse[:2]))
 
 
-@needs_mosaic  # jax >= 0.11: the jax that deprecates the Pallas Triton backend
 @pytest.mark.parametrize("fn", TRITON_CALLS)
 def test_triton_backend_kernels_lower_without_the_deprecation_and_leave_the_warning_filters_alone(fn):
-    """Our Triton-backend kernels lower without jax's deprecation warning (the filter lives in their own lowering
-    only, `_backend._compiler_params_type`), the process's warning filters are left as they were, and the caller's
-    own Triton-backend kernel still warns."""
+    """Our Triton-backend kernels lower for the GPU through their own compiler parameters' rule, on any machine,
+    without jax's deprecation warning (the filter lives in their own lowering only,
+    `_backend._compiler_params_type`); the process's warning filters are left as they were, and the caller's own
+    Triton-backend kernel still warns where jax deprecates that backend (jax >= 0.11)."""
     from jax.experimental import pallas as pl
+
 
     def own_kernel(x_ref, o_ref):
         o_ref[...] = x_ref[...] + 1
 
     def theirs(x):
-        return pl.pallas_call(own_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=False)(x)
+        return pl.pallas_call(own_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=False,
+                              compiler_params=pallas_backend.pltriton.CompilerParams(num_warps=4))(x)
 
     def ours(*xs):
         return TRITON_CALLS[fn](*xs, implementation="pallas", backend="triton", interpret=False)
@@ -604,15 +609,16 @@ def test_triton_backend_kernels_lower_without_the_deprecation_and_leave_the_warn
                 *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]).mlir_module()
 
     deprecation = re.compile(pallas_backend.TRITON_DEPRECATION)
-    args, x = _small(), jnp.zeros((16,), jnp.float32)
-    with warnings.catch_warnings(record=True) as seen, _abstract_hopper():
+    args, x, hopper = _small(), jnp.zeros((16,), jnp.float32), _abstract_hopper()
+    with warnings.catch_warnings(record=True) as seen, hopper:
         warnings.simplefilter("always")
         filters = list(warnings.filters)
         assert "xla.gpu.triton" in lower(ours, *args)
         assert not [w for w in seen if deprecation.match(str(w.message))]
         assert warnings.filters == filters
         lower(theirs, x)
-        assert [w.category for w in seen if deprecation.match(str(w.message))] == [DeprecationWarning]
+        deprecates = HAS_MOSAIC  # jax >= 0.11
+        assert [w.category for w in seen if deprecation.match(str(w.message))] == [DeprecationWarning] * deprecates
 
 
 # ---------------------------------------------------------------------------------------------------------
