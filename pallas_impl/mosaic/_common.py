@@ -405,6 +405,23 @@ def lse_column(box, head, layout):
     return jnp.max(jnp.where(col == head % TH_HEADS, x, -jnp.inf), axis=1)
 
 
+def with_lse_column(box, head, row):
+    """The `[rows, TH_HEADS]` register box of merged LSEs `box` with head `head`'s column (`head % TH_HEADS`) set to
+    `row` (in the row layout of a tile's rows): the inverse of `lse_column`, carried over a CTA's tiles."""
+    column = lax.broadcasted_iota(jnp.int32, box.shape, 1) == head % TH_HEADS
+    return jnp.where(column, row[:, None], box)
+
+
+def store_lse_box(box, smem, lo_g, t0, head0) -> None:
+    """A CTA's finished register box of merged LSEs to rows `t0` .. `t0 + BLOCK_T - 1` and heads `head0` ..
+    `head0 + TH_HEADS - 1` of the `[T', H]` output `lo_g`, by TMA from `smem` (a free `[BLOCK_T, TH_HEADS]`
+    buffer: the CTA's input box, read by then)."""
+    m = plgpu()
+    smem[...] = box
+    m.commit_smem()
+    m.copy_smem_to_gmem(smem, lo_g.at[pl.ds(t0, BLOCK_T), pl.ds(head0, TH_HEADS)])
+
+
 def lse_rows(lse, lse_layout: str, flat: bool = True, boxes: bool = False):
     """A raw LSE as a kernel reads it: f32[H * T'] (`flat`: rows h, for per-thread loads), f32[H, T'] (TMA
     copies, `rows_by_tma`) or, `boxes` (`lse_boxes`), a `[T, H]` LSE as f32[T', H]; T' >= BLOCK_T padded with

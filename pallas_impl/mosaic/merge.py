@@ -69,10 +69,10 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
         w_smem, o_scr, *q_scr = rest
         if lse_boxes:  # this CTA's token tile of both LSEs' boxes of its heads, once, before its tiles
             *q_scr, boxes, box_bar = q_scr
-            head0 = tiles.at(0)[0] // nc
+            hc0, t00 = tiles.at(0)
+            head0 = hc0 // nc
             for k, x_g in enumerate((p_g, s_g)):
-                plgpu.copy_gmem_to_smem(x_g.at[pl.ds(tiles.at(0)[1], bt), pl.ds(head0, mc.TH_HEADS)], boxes.at[k],
-                                        box_bar)
+                plgpu.copy_gmem_to_smem(x_g.at[pl.ds(t00, bt), pl.ds(head0, mc.TH_HEADS)], boxes.at[k], box_bar)
             plgpu.barrier_wait(box_bar)
         # With two compute warpgroups (and a third issuing the TMA copies), warpgroup wg merges columns
         # [wg * width, (wg + 1) * width) of each tile, or rows [wg * rw, (wg + 1) * rw) (`by_rows`), with its own
@@ -132,8 +132,7 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
                 m, both_empty, z, wp, ws = _math.two_way_weights(p, s, lse_base2)
                 empty, copy = jnp.where(both_empty, 1.0, 0.0), (copy[0] if copy_rows else None)
                 if box_lse:  # head h's column of the merged box (every column chunk of h writes the same values)
-                    column = lax.broadcasted_iota(jnp.int32, carry.shape, 1) == h % mc.TH_HEADS
-                    following = jnp.where(column, _math.merged_lse(z, m, both_empty, lse_base2)[:, None], carry)
+                    following = mc.with_lse_column(carry, h, _math.merged_lse(z, m, both_empty, lse_base2))
             else:
                 # The weights of the tile's 128 rows, one row per thread, as the N-way kernel computes them; relaid
                 # out through shared memory into the tile's row layout.
@@ -185,10 +184,8 @@ def _kernel(num_tokens: int, num_heads: int, head_dim: int, dc: int, out_type, *
         merged = mc.pipeline(step, inputs, grid=(steps,), in_specs=specs, tune=tune, wgs=wgs,
                              init_carry=lambda: (jnp.zeros((bt, mc.TH_HEADS), F32) if box_lse
                                                  else () if lse_tma else rows(0)))
-        if box_lse:  # the CTA's box of merged LSEs, by TMA (the input box's shared memory is free again)
-            boxes[0] = merged
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(boxes.at[0], lo_g.at[pl.ds(tiles.at(0)[1], bt), pl.ds(head0, mc.TH_HEADS)])
+        if box_lse:
+            mc.store_lse_box(merged, boxes.at[0], lo_g, t00, head0)
         plgpu.wait_smem_to_gmem(0)
 
     own = mc.per_warpgroup([plgpu.SMEM((5, bt), F32),

@@ -61,7 +61,8 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
     blocks = num_partials > rows
     grouped = mc.grouped(quant)
     scaled = mc.has_scale_row(quant)  # a scale row in: the static fp8 scale, NVFP4's global scale
-    scale_at = rows + (3 if blocks else 1)  # the row of w_smem holding that scale (then, `box_lse`, the merged LSE)
+    scale_at = rows + (3 if blocks else 1)  # the row of w_smem holding that scale
+    lse_at = scale_at + 1  # with `box_lse`, the row of w_smem holding the tile's merged LSE
     # Each compute warpgroup merges `[rw, width]` of a tile: all of it, or half its columns or its rows.
     wgs, rw, width = mc.warpgroup_tile(tune, quant, dc, out_type[0].dtype)
     by_rows = rw < bt
@@ -150,7 +151,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                     for k in range(num_partials):
                         w_smem[k] = e[k] / z
                     if box_lse:
-                        w_smem[scale_at + 1] = _math.merged_lse(z, m, all_empty, lse_base2)
+                        w_smem[lse_at] = _math.merged_lse(z, m, all_empty, lse_base2)
                 elif blocks:  # the loops over the partials run at runtime (`_math.fold_partials`)
                     m, all_empty, _, z = _math.n_way_max_and_sum(lse_of, num_partials, lse_base2,
                                                                   exp_step=tune["lse_step"])
@@ -209,8 +210,7 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
                 mc.store_merged(result, quant, scale, q_scr, o_scr, o_g, g_g, t0, chunk, i, row0=row0)
 
             if box_lse:  # head h's column of the merged box (every column chunk of h writes the same values)
-                column = lax.broadcasted_iota(jnp.int32, lse_box.shape, 1) == h % mc.TH_HEADS
-                return acc, jnp.where(column, mc.load(w_smem.at[scale_at + 1], R)[:, None], lse_box)
+                return acc, mc.with_lse_column(lse_box, h, mc.load(w_smem.at[lse_at], R))
             return acc
 
         spec = plgpu.BlockSpec((None, pl.Element(bt), dc),
@@ -222,13 +222,11 @@ def _kernel(num_partials: int, num_tokens: int, num_heads: int, head_dim: int, d
 
         carry = mc.pipeline(step, (x_g,), grid=(steps, num_partials), in_specs=[spec], tune=tune, wgs=wgs,
                             init_carry=init_carry)
-        if box_lse:  # the CTA's box of merged LSEs, by TMA (the first LSE box's shared memory is free again)
-            l_box[0] = carry[1]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(l_box.at[0], lo_g.at[pl.ds(t00, bt), pl.ds(head0, mc.TH_HEADS)])
+        if box_lse:
+            mc.store_lse_box(carry[1], l_box.at[0], lo_g, t00, head0)
         plgpu.wait_smem_to_gmem(0)
 
-    own = mc.per_warpgroup([plgpu.SMEM((scale_at + 1 + box_lse, bt), F32), plgpu.SMEM((bt,), F32),
+    own = mc.per_warpgroup([plgpu.SMEM((lse_at + box_lse, bt), F32), plgpu.SMEM((bt,), F32),
                             mc.output_slots(tune["stores"], width, out_type[0].dtype, rw)], wgs)
     row_bufs = []
     if prefetch:
